@@ -1,0 +1,283 @@
+"""Model presets, the 40-layer attention schedule, and the card topology.
+
+The schedule is derived from three tuples (compress ratios, KV sources, index sources) by the rules
+of the released checkpoint; nothing per layer is typed in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+SWA, FULL, REINDEX, REUSE = "SWA", "FULL", "REINDEX", "REUSE"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    layer: int
+    ratio: int
+    mode: str
+    kv_source: int | None
+    index_source: int | None
+    candidate_source: int | None  # set on REINDEX layers: they select inside its candidate mask
+
+    @property
+    def kind(self) -> str:
+        """Attention leaf name, e.g. ``swa``, ``c2a_full``, ``c1a_reindex``."""
+        if self.mode == SWA:
+            return "swa"
+        return f"c{self.ratio}a_{self.mode.lower()}"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    sliding_window: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    candidate_source_layer_id: int
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    compress_rope_theta: float
+    rope_factor: float
+    beta_fast: int
+    beta_slow: int
+    original_max_position_embeddings: int
+    compress_ratios: tuple[int, ...]
+    kv_source_layer_ids: tuple[int, ...]
+    index_source_layer_ids: tuple[int, ...]
+    engram_layer_ids: tuple[int, ...]
+    engram_vocab_size: int
+    engram_max_ngram_size: int
+    engram_n_heads: int
+    engram_head_dim: int
+    engram_pad_token_id: int
+    engram_compressed_vocab_size: int
+    # engine constants (serving ABI, not model math)
+    block_size: int = 128            # paged-cache rows per block
+    state_capacity: int = 4          # ratio-2 compressor ring slots per request
+    max_batch_per_dp: int = 32
+    decode_rows_per_request: int = 6  # 1 target + 5 DSpark draft rows
+    prefill_max_tokens: int = 4096   # scheduled prefill rows per DP group
+    index_score_budget_bytes: int = 512 * 1024 * 1024
+    index_score_leaf: int = 8192       # score rows are padded to a multiple of this width
+    mx_group: int = 32
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def hc_dim(self) -> int:
+        return self.hc_mult * self.hidden_size
+
+    @property
+    def mix_hc(self) -> int:
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def o_group_in(self) -> int:
+        return self.num_attention_heads * self.head_dim // self.o_groups
+
+    @property
+    def decode_max_tokens(self) -> int:
+        return self.max_batch_per_dp * self.decode_rows_per_request
+
+    @property
+    def engram_ids_per_token(self) -> int:
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @property
+    def engram_lookup_dim(self) -> int:
+        return self.engram_ids_per_token * self.engram_head_dim
+
+    # ---- schedule ------------------------------------------------------------------------
+    @cached_property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        return tuple(self._layer_spec(i) for i in range(self.num_hidden_layers))
+
+    def _source(self, layer: int, sources: tuple[int, ...]) -> int | None:
+        """The largest source id <= layer whose ratio equals the layer's ratio."""
+        ratio = self.compress_ratios[layer]
+        if ratio == 0:
+            return None
+        found = [s for s in sources if s <= layer and self.compress_ratios[s] == ratio]
+        return max(found) if found else None
+
+    def _layer_spec(self, i: int) -> LayerSpec:
+        ratio = self.compress_ratios[i]
+        if ratio == 0:
+            mode = SWA
+        elif i in self.kv_source_layer_ids:
+            mode = FULL
+        elif i in self.index_source_layer_ids:
+            mode = REINDEX
+        else:
+            mode = REUSE
+        cand = self.candidate_source_layer_id
+        candidate = cand if (mode == REINDEX and ratio == self.compress_ratios[cand] and i > cand) else None
+        return LayerSpec(i, ratio, mode, self._source(i, self.kv_source_layer_ids),
+                         self._source(i, self.index_source_layer_ids), candidate)
+
+    def validate(self) -> "ModelConfig":
+        def need(ok: bool, name: str, rule: str):
+            if not ok:
+                raise ValueError(f"{self.name}.{name}: {rule}")
+
+        positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                    "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window", "n_routed_experts",
+                    "num_experts_per_tok", "moe_intermediate_size", "index_n_heads", "index_head_dim",
+                    "index_topk", "candidate_topk_blocks", "candidate_block_size", "hc_mult",
+                    "hc_sinkhorn_iters", "block_size", "state_capacity", "max_batch_per_dp",
+                    "max_position_embeddings"]
+        for name in positive:
+            need(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        g = self.mx_group
+        for name in ["hidden_size", "q_lora_rank", "o_lora_rank", "head_dim", "moe_intermediate_size",
+                     "index_head_dim", "engram_head_dim"]:
+            need(getattr(self, name) % g == 0, name, f"must be a multiple of the MX group {g}")
+        need(self.num_attention_heads % self.o_groups == 0, "o_groups",
+             f"must divide num_attention_heads={self.num_attention_heads}")
+        need(self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim > 0, "qk_rope_head_dim",
+             "must be even and > 0")
+        need(self.head_dim > self.qk_rope_head_dim, "head_dim", "must exceed qk_rope_head_dim")
+        need(self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim", "must be >= qk_rope_head_dim")
+        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+             f"must be in [1, n_routed_experts={self.n_routed_experts}]")
+        need(self.state_capacity >= 2, "state_capacity", "must be >= 2 (a ratio-2 pair needs its predecessor)")
+        need(len(self.compress_ratios) == self.num_hidden_layers, "compress_ratios",
+             f"needs one ratio per layer ({self.num_hidden_layers})")
+        need(set(self.compress_ratios) <= {0, 1, 2}, "compress_ratios", "ratios must be in {0, 1, 2}")
+        for name in ["kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"]:
+            ids = getattr(self, name)
+            need(all(0 <= s < self.num_hidden_layers for s in ids), name,
+                 f"layer ids must be in [0, {self.num_hidden_layers - 1}]")
+        for name in ["kv_source_layer_ids", "index_source_layer_ids"]:
+            need(all(self.compress_ratios[s] > 0 for s in getattr(self, name)), name,
+                 "every source layer must have ratio > 0")
+        for spec in self.layers:
+            if spec.ratio > 0:
+                need(spec.kv_source is not None and spec.index_source is not None, "compress_ratios",
+                     f"compressed layer {spec.layer} needs a KV and an index source of its ratio")
+        c = self.candidate_source_layer_id
+        need(c in self.kv_source_layer_ids and c in self.index_source_layer_ids, "candidate_source_layer_id",
+             "must be both a KV and an index source")
+        need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
+        return self
+
+
+def _schedule(n_swa: int, n_r2: int, n_r1: int) -> tuple[int, ...]:
+    return (0,) * n_swa + (2,) * n_r2 + (1,) * n_r1
+
+
+_SCHEDULE = dict(
+    num_hidden_layers=40,
+    compress_ratios=_schedule(2, 18, 20),
+    kv_source_layer_ids=(2, 8, 14, 20),
+    index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36),
+    candidate_source_layer_id=20,
+    engram_layer_ids=(1, 14),
+)
+
+FLASH = ModelConfig(
+    name="flash", vocab_size=129280, hidden_size=5120, num_attention_heads=64, head_dim=512,
+    qk_rope_head_dim=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8, sliding_window=128,
+    n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=6, moe_intermediate_size=2304,
+    routed_scaling_factor=1.5, swiglu_limit=10.0, index_n_heads=32, index_head_dim=128, index_topk=512,
+    candidate_topk_blocks=2048, candidate_block_size=8, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    rms_norm_eps=1e-20, max_position_embeddings=1048576, rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_factor=16.0, beta_fast=32, beta_slow=1, original_max_position_embeddings=65536,
+    engram_vocab_size=16000000, engram_max_ngram_size=4, engram_n_heads=8, engram_head_dim=256,
+    engram_pad_token_id=2, engram_compressed_vocab_size=99092, **_SCHEDULE,
+).validate()
+
+# Same 40-layer schedule and sources, small dims. Window 16, Top-K 8 and 3 candidate blocks of 4 are
+# all truncated by a 64-token prompt (64 window rows, 32 ratio-2 rows, 16 ratio-1 blocks).
+TINY = replace(
+    FLASH, name="tiny", vocab_size=512, hidden_size=64, num_attention_heads=8, head_dim=64,
+    qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=4, sliding_window=16,
+    n_routed_experts=16, num_experts_per_tok=6, moe_intermediate_size=64, index_n_heads=4,
+    index_head_dim=32, index_topk=8, candidate_topk_blocks=3, candidate_block_size=4,
+    max_position_embeddings=4096, original_max_position_embeddings=256, engram_vocab_size=1000,
+    engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=512, block_size=16,
+    max_batch_per_dp=8, prefill_max_tokens=512, index_score_budget_bytes=4096, index_score_leaf=64,
+).validate()
+
+SMALL = replace(
+    FLASH, name="small", vocab_size=8192, hidden_size=512, num_attention_heads=16, head_dim=128,
+    qk_rope_head_dim=32, q_lora_rank=256, o_lora_rank=128, o_groups=8, sliding_window=64,
+    n_routed_experts=64, moe_intermediate_size=256, index_n_heads=8, index_head_dim=64, index_topk=64,
+    candidate_topk_blocks=32, candidate_block_size=8, max_position_embeddings=16384,
+    original_max_position_embeddings=4096, engram_vocab_size=50000, engram_n_heads=4, engram_head_dim=64,
+    engram_compressed_vocab_size=8192, block_size=64, max_batch_per_dp=16, prefill_max_tokens=2048,
+    index_score_budget_bytes=1 << 20, index_score_leaf=512,
+).validate()
+
+PRESETS = {"tiny": TINY, "small": SMALL, "flash": FLASH}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Cards 0..ep-1; attention runs in dp groups of tp cards, experts are split ep ways."""
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "dp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Topology.{name}: must be an integer >= 1, got {v!r}")
+        if self.tp not in (1, 2, 4, 8):
+            raise ValueError(f"Topology.tp: must be one of 1, 2, 4, 8, got {self.tp}")
+        if self.ep != self.tp * self.dp:
+            raise ValueError(f"Topology.ep: must equal tp*dp={self.tp * self.dp} (EP = TP·DP), got {self.ep}")
+
+    @property
+    def cards(self) -> range:
+        return range(self.ep)
+
+    def tp_rank(self, card: int) -> int:
+        return card % self.tp
+
+    def dp_group(self, card: int) -> int:
+        return card // self.tp
+
+    def group_cards(self, dp_group: int) -> list[int]:
+        return [dp_group * self.tp + r for r in range(self.tp)]
+
+    def check(self, cfg: ModelConfig) -> "Topology":
+        """Raise ValueError naming the rule when cfg cannot be sharded this way."""
+        rules = [
+            (cfg.num_attention_heads % self.tp == 0, "tp", f"must divide num_attention_heads={cfg.num_attention_heads}"),
+            (cfg.o_groups % self.tp == 0, "tp", f"must divide o_groups={cfg.o_groups}"),
+            (cfg.n_routed_experts % self.ep == 0, "ep", f"must divide n_routed_experts={cfg.n_routed_experts}"),
+        ]
+        for ok, name, rule in rules:
+            if not ok:
+                value = getattr(self, name)
+                raise ValueError(f"Topology.{name}={value}: {rule}")
+        return self

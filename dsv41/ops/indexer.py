@@ -1,0 +1,98 @@
+"""Hierarchical sparse indexer: index query, scores, Top-K, layer-20 candidate blocks.
+
+Scores use the official recipe for every index source: bf16 dot per head, ReLU, bf16 product with
+the head weight, FP32 sum over heads, bf16 total. Positions at or beyond a token's causal
+compressed length (and outside the candidate mask on REINDEX layers) score -inf and are never
+selected.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv41.ops.projections import dense_linear, mx_linear
+from dsv41.ops.quant import mxfp4_qdq, round_bf16
+from dsv41.ops.rope import apply_rope
+
+NEG_INF = float("-inf")
+
+
+def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int, fp4_query: bool = True):
+    """qI [T, nh, ihd] (RoPE'd, FP4 fake-quantized when fp4_query) and head weights wI [T, nh].
+
+    fp4_query=True follows the official code; False is the pypto C2A kernel's variant.
+    wI = bf16(x weights_proj) * ihd^-1/2 * nh^-1/2 with no further rounding (exactly 2^-6 on FLASH).
+    """
+    t = qr.shape[0]
+    q = round_bf16(mx_linear(qr, wq_b)).reshape(t, n_heads, head_dim)
+    q = apply_rope(q, cos, sin)
+    if fp4_query:
+        q = round_bf16(mxfp4_qdq(q.reshape(t, -1))).reshape(t, n_heads, head_dim)
+    w = round_bf16(dense_linear(x, weights_proj)) * (head_dim ** -0.5 * n_heads ** -0.5)
+    return q, w
+
+
+def index_scores(q, w, keys, visible) -> torch.Tensor:
+    """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)); -inf where not visible.
+
+    q [T, nh, d], w [T, nh], keys [T, P, d] (each row's decoded keys), visible bool [T, P].
+    """
+    dot = round_bf16(torch.einsum("thd,tpd->thp", q, keys))
+    term = round_bf16(torch.relu(dot) * w.unsqueeze(-1))
+    s = round_bf16(term.sum(1))
+    return s.masked_fill(~visible, NEG_INF)
+
+
+def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k finite positions per row, ascending, -1 padded -> i64 [T, k].
+
+    Ties at the cutoff go to the lowest positions (stable descending sort).
+    """
+    t, p = scores.shape
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    picked = torch.gather(scores, 1, order)
+    order = torch.where(torch.isfinite(picked), order, torch.full_like(order, p))
+    order = torch.sort(order, dim=1).values
+    out = torch.where(order < p, order, torch.full_like(order, -1))
+    if out.shape[1] < k:
+        out = torch.cat([out, torch.full((t, k - out.shape[1]), -1, dtype=out.dtype)], 1)
+    return out
+
+
+def candidate_mask(scores: torch.Tensor, lens: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+    """Layer-20 level one: keep the best n_blocks blocks of `block` positions (bool [T, P]).
+
+    Block score = max over its positions; the block holding position len-1 is pinned (+inf);
+    only blocks with a finite (or pinned) score are kept.
+    """
+    t, p = scores.shape
+    nb = math.ceil(p / block)
+    padded = torch.full((t, nb * block), NEG_INF)
+    padded[:, :p] = scores
+    bscore = padded.reshape(t, nb, block).amax(-1)
+    newest = ((lens.long() - 1) // block).clamp_min(0)
+    pin = (lens > 0).unsqueeze(1) & (torch.arange(nb).unsqueeze(0) == newest.unsqueeze(1))
+    bscore = torch.where(pin, torch.full_like(bscore, float("inf")), bscore)
+    kb = min(n_blocks, nb)
+    top = torch.sort(bscore, dim=1, descending=True, stable=True).indices[:, :kb]
+    keep = torch.zeros(t, nb, dtype=torch.bool)
+    keep.scatter_(1, top, torch.gather(bscore, 1, top) > NEG_INF)
+    return keep.repeat_interleave(block, 1)[:, :p]
+
+
+def score_chunks(rows: int, width: int, budget_bytes: int, leaf: int) -> list[tuple[int, int]]:
+    """Query-row chunks [start, end) whose FP32 score buffer (width padded to the leaf) fits the budget."""
+    padded = max(1, math.ceil(width / leaf)) * leaf
+    step = max(1, budget_bytes // (4 * padded))
+    return [(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
+def physical_rows(positions: torch.Tensor, req: torch.Tensor, table: torch.Tensor, block_size: int):
+    """Request-local compressed positions -> physical cache rows (-1 stays -1)."""
+    pos = positions.long()
+    ok = pos >= 0
+    p = pos.clamp_min(0)
+    r = req.long().reshape(-1, *([1] * (pos.dim() - 1))).expand_as(pos)
+    phys = table.long()[r, p // block_size] * block_size + p % block_size
+    return torch.where(ok, phys, torch.full_like(phys, -1))

@@ -1,0 +1,29 @@
+"""LM head: selected rows of the final-normed hidden state times head.weight, greedy argmax."""
+from __future__ import annotations
+
+import torch
+
+
+def select_rows(hidden: torch.Tensor, logit_row_indices: torch.Tensor) -> torch.Tensor:
+    """Rows by index; -1 gives an all-zero row; other indices are clamped into [0, T-1]."""
+    idx = logit_row_indices.long()
+    rows = hidden[idx.clamp(0, max(hidden.shape[0] - 1, 0))] if hidden.shape[0] else \
+        torch.zeros(idx.shape[0], hidden.shape[1])
+    return rows * (idx >= 0).unsqueeze(-1)
+
+
+def logits_shard(rows: torch.Tensor, head_shard: torch.Tensor) -> torch.Tensor:
+    """FP32 logits for one vocab shard (rows of head.weight)."""
+    return rows.float() @ head_shard.float().t()
+
+
+def vocab_shard(vocab: int, tp: int, rank: int) -> slice:
+    if vocab % tp:
+        raise ValueError(f"vocab_size {vocab} is not divisible by tp={tp}")
+    n = vocab // tp
+    return slice(rank * n, (rank + 1) * n)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """First index of the maximum logit (lowest id on ties)."""
+    return torch.argmax(logits, dim=-1)

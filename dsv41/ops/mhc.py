@@ -1,0 +1,57 @@
+"""Manifold-constrained hyper-connections: mixes (with Sinkhorn), collapse (pre), expand (post).
+
+The residual stream x_hc is [T, hc, D] FP32 holding BF16-representable values. V4.1 delays the pre
+mix: a sub-layer collapses with the pre mix produced by the previous mHC site and hands its own
+forward (``delayed`` below); the final collapse uses the last pre mix and has no parameters.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv41.ops.quant import round_bf16
+
+
+def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax (+eps), one column normalisation, then iters-1 (row, column) normalisations."""
+    c = torch.softmax(comb0, dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def hc_mixes(x_hc: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+             norm_eps: float, hc_eps: float, iters: int):
+    """(pre [T,hc], post [T,hc], comb [T,hc,hc]) FP32; comb[t, j, k]: from lane j to lane k."""
+    t, hc, _ = x_hc.shape
+    f = x_hc.reshape(t, -1).float()
+    inv = torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps)
+    m = (f @ fn.float().t()) * inv
+    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb0 = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(t, hc, hc)
+    return pre, post, sinkhorn(comb0, iters, hc_eps)
+
+
+def hc_pre(x_hc: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse the lanes with the pre mix: FP32 weighted sum, rounded to BF16 -> [T, D]."""
+    return round_bf16((x_hc * pre.unsqueeze(-1)).sum(1))
+
+
+def hc_post(sub: torch.Tensor, x_hc: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out[t,k] = post[t,k]*sub[t] + sum_j comb[t,j,k]*x_hc[t,j], rounded to BF16 (stored FP32)."""
+    mixed = torch.einsum("tjk,tjd->tkd", comb, x_hc)
+    return round_bf16(post.unsqueeze(-1) * sub.unsqueeze(1) + mixed)
+
+
+def initial_pre(t: int, hc: int) -> torch.Tensor:
+    """The one-hot lane-0 pre mix the first sub-layer collapses with."""
+    p = torch.zeros(t, hc)
+    p[:, 0] = 1.0
+    return p
+
+
+def hc_head(x_hc: torch.Tensor, last_pre: torch.Tensor) -> torch.Tensor:
+    """Final collapse: no learned parameters in V4.1, just the last delayed pre mix."""
+    return hc_pre(x_hc, last_pre)

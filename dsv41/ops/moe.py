@@ -1,0 +1,59 @@
+"""Mixture of experts: sqrt-softplus router, SwiGLU experts with the clamp, combine.
+
+Official arithmetic: expert linears take MXFP8-quantized BF16 inputs and give BF16 outputs; h is
+rounded to BF16 before w2; the routing weight multiplies h before w2. The combine sums the routed
+outputs in ascending expert id in FP32, adds the shared expert, and rounds once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.ops.projections import mx_linear
+from dsv41.ops.quant import round_bf16
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """(indices [T, k] i64 in descending biased score, weights [T, k] FP32 summing to `scaling`).
+
+    Scores s = sqrt(softplus(x W^T)) in FP32; the bias only selects; weights come from s.
+    Ties in the biased score go to the smaller expert id (stable sort).
+    """
+    s = torch.sqrt(F.softplus(x.float() @ gate_w.float().t()))
+    biased = s + bias.float()
+    idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    picked = torch.gather(s, 1, idx)
+    weights = scaling * picked / (picked.sum(-1, keepdim=True) + 1e-20)
+    return idx, weights
+
+
+def expert(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU expert on BF16 rows -> BF16 output [T, D]; weight [T] (routed) scales h before w2."""
+    g = round_bf16(mx_linear(x, w1)).clamp(max=limit)
+    u = round_bf16(mx_linear(x, w3)).clamp(-limit, limit)
+    h = F.silu(g) * u
+    if weight is not None:
+        h = h * weight.unsqueeze(-1)
+    return round_bf16(mx_linear(round_bf16(h), w2))
+
+
+def dispatch_rows(indices: torch.Tensor, expert_ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """For each expert id with work: (token rows, slot k) in (t, k) order."""
+    out = {}
+    for e in expert_ids:
+        t, k = torch.nonzero(indices == e, as_tuple=True)
+        if t.numel():
+            out[int(e)] = (t, k)
+    return out
+
+
+def combine(routed: dict[int, tuple[torch.Tensor, torch.Tensor]], shared: torch.Tensor) -> torch.Tensor:
+    """bf16(sum over experts in ascending id of their BF16 rows, in FP32, + shared) -> [T, D].
+
+    routed maps expert id -> (token rows, output rows [n, D]).
+    """
+    acc = torch.zeros_like(shared)
+    for e in sorted(routed):
+        rows, y = routed[e]
+        acc.index_add_(0, rows, y)
+    return round_bf16(acc + shared)

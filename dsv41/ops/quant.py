@@ -1,0 +1,160 @@
+"""MX formats: BF16 rounding, E8M0/E4M3 scales, MXFP8 and packed MXFP4 encode/decode.
+
+Used for the paged caches (encode on publish, decode on read) and for the checkpoint weights.
+All scale exponents are exact ceil(log2(.)) computed from the float's exponent bits, never an FP32
+``log2`` (which mis-rounds just above a power of two).
+"""
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+FP4_MAX = 6.0
+FP4_LEVELS = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_FP4_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+FP4_E8M0_FLOOR = 6.0 * 2.0 ** -126   # official floor for E8M0-scaled FP4 (index keys, index query)
+FP4_E4M3_FLOOR = 6.0 * 2.0 ** -9     # E4M3-scaled FP4 (compressed KV): scale >= 2^-9
+MXFP8_AMAX_FLOOR = 1e-4
+_INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round to BF16 (RNE) and return FP32: the model's rounding points, computed in FP32."""
+    return x.to(torch.bfloat16).float()
+
+
+def ceil_log2(v: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(v)) for positive finite v, as int32."""
+    mant, exp = torch.frexp(v.double())  # v = mant * 2**exp, mant in [0.5, 1)
+    return torch.where(mant == 0.5, exp - 1, exp).to(torch.int32)
+
+
+def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones_like(code, dtype=torch.float32), code.to(torch.int32) - 127)
+
+
+def e8m0_from_exp(exp: torch.Tensor) -> torch.Tensor:
+    if exp.numel() and (int(exp.min()) < -127 or int(exp.max()) > 127):
+        raise ValueError(f"E8M0 exponent out of range [-127, 127]: [{int(exp.min())}, {int(exp.max())}]")
+    return (exp + 127).to(torch.uint8)
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """RNE cast to float8_e4m3fn with saturation at +-448 (torch's cast alone would give NaN)."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    n = x.shape[-1]
+    if n % group:
+        raise ValueError(f"last dim {n} is not a multiple of the group size {group}")
+    return x.float().reshape(*x.shape[:-1], n // group, group)
+
+
+# ---- MXFP8 (E4M3 payload, E8M0 scale per group of 32) ----------------------------------------
+
+def mxfp8_encode(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Official act_quant ceil rule: scale = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448)))."""
+    g = _groups(x, group)
+    amax = g.abs().amax(-1).clamp_min(MXFP8_AMAX_FLOOR)
+    exp = ceil_log2(amax * _INV_E4M3_MAX)
+    payload = e4m3(g / torch.ldexp(torch.ones_like(amax), exp).unsqueeze(-1))
+    return payload.reshape(x.shape), e8m0_from_exp(exp)
+
+
+def mxfp8_decode(payload: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
+    p = _groups(payload.float(), group)
+    return (p * e8m0_decode(scale).unsqueeze(-1)).reshape(payload.shape)
+
+
+def mxfp8_qdq(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Dynamic MXFP8 activation fake-quantization (per row, groups of 32 along the last dim)."""
+    return mxfp8_decode(*mxfp8_encode(x, group), group)
+
+
+# ---- FP4 E2M1 --------------------------------------------------------------------------------
+
+def fp4_codes(n: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 code of n (already scaled into [-6, 6]); midpoint ties go to the even code."""
+    a = n.abs()
+    mids = _FP4_MIDPOINTS.to(a.device)
+    code = torch.searchsorted(mids, a.contiguous(), right=False)  # ties land on the lower code
+    tie = (code < 7) & (mids[code.clamp(max=6)] == a) & (code % 2 == 1)
+    code = code + tie.to(code.dtype)
+    sign = torch.signbit(n).to(code.dtype) << 3
+    return (code | sign).to(torch.uint8)
+
+
+def fp4_values(codes: torch.Tensor) -> torch.Tensor:
+    mag = FP4_LEVELS.to(codes.device)[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Element 2j in the low nibble, 2j+1 in the high nibble."""
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack([lo, hi], -1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def mxfp4_encode(x: torch.Tensor, group: int, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed E2M1 payload [..., n/2] and one scale per group.
+
+    scale_fmt 'e8m0': s = 2^ceil(log2(max(amax, 6*2^-126)/6)), stored as an E8M0 code (uint8).
+    scale_fmt 'e4m3': s = e4m3(max(amax/6, 2^-9)), stored as float8_e4m3fn (RNE may give s < amax/6;
+    the clamp to +-6 absorbs it).
+    """
+    g = _groups(x, group)
+    amax = g.abs().amax(-1)
+    if scale_fmt == "e8m0":
+        exp = ceil_log2(amax.clamp_min(FP4_E8M0_FLOOR) / FP4_MAX)
+        s, scale = torch.ldexp(torch.ones_like(amax), exp), e8m0_from_exp(exp)
+    elif scale_fmt == "e4m3":
+        scale = e4m3((amax / FP4_MAX).clamp_min(FP4_E4M3_FLOOR / FP4_MAX))
+        s = scale.float()
+    else:
+        raise ValueError(f"scale_fmt must be 'e8m0' or 'e4m3', got {scale_fmt!r}")
+    n = (g / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+    return pack_nibbles(fp4_codes(n).reshape(x.shape)), scale
+
+
+def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    v = fp4_values(unpack_nibbles(packed))
+    s = e8m0_decode(scale) if scale.dtype == torch.uint8 else scale.float()
+    return (_groups(v, group) * s.unsqueeze(-1)).reshape(v.shape)
+
+
+def mxfp4_qdq(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """FP4 fake-quantization with E8M0 scales (the index query's official rounding)."""
+    return mxfp4_decode(*mxfp4_encode(x, group, "e8m0"), group)
+
+
+# ---- weights (checkpoint layouts, output-major [N, K]) ----------------------------------------
+
+def block_mxfp8_encode(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 payload [N, K] with one E8M0 scale per 32x32 block ([N/32, K/32])."""
+    n, k = w.shape
+    b = w.float().reshape(n // block, block, k // block, block)
+    amax = b.abs().amax(dim=(1, 3)).clamp_min(MXFP8_AMAX_FLOOR)
+    exp = ceil_log2(amax * _INV_E4M3_MAX)
+    s = torch.ldexp(torch.ones_like(amax), exp)[:, None, :, None]
+    return e4m3(b / s).reshape(n, k), e8m0_from_exp(exp)
+
+
+def block_mxfp8_decode(payload: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    n, k = payload.shape
+    s = e8m0_decode(scale)[:, None, :, None]
+    return (payload.float().reshape(n // block, block, k // block, block) * s).reshape(n, k)
+
+
+def expert_mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed-expert layout: packed E2M1 [N, K/2] (low nibble = even k), E8M0 scale [N, K/32]."""
+    return mxfp4_encode(w, 32, "e8m0")
+
+
+def expert_mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return mxfp4_decode(packed, scale, 32)

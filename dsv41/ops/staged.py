@@ -1,0 +1,37 @@
+"""Copy-on-write tensor store: a step's cache writes are staged and applied all at once.
+
+Readers see the staged copy once a step has written a tensor, so rows published earlier in the
+step are visible; ``discard`` drops every staged write, leaving the committed bytes untouched.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class StagedTensors:
+    def __init__(self, tensors: dict[str, tuple[torch.Tensor, ...]]):
+        self.committed = tensors
+        self.staged: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._lock = threading.Lock()
+
+    def read(self, name: str) -> tuple[torch.Tensor, ...]:
+        return self.staged.get(name) or self.committed[name]
+
+    def write(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The staged tensors of name, cloned from the committed ones on first write in the step."""
+        with self._lock:
+            if name not in self.staged:
+                self.staged[name] = tuple(t.clone() for t in self.committed[name])
+            return self.staged[name]
+
+    def commit(self):
+        self.committed.update(self.staged)
+        self.staged = {}
+
+    def discard(self):
+        self.staged = {}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.committed.values() for t in ts)
