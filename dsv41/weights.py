@@ -134,7 +134,9 @@ def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str
     for spec in cfg.layers:
         key = f"layers.{spec.layer}.attn.wo_a"
         out[key] = out[key].reshape(cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in)
-    return out
+    # matrices are held in FP64 so matmul_t accumulates without a per-call cast (values unchanged)
+    return {k: (v.double() if v.dim() >= 2 and not k.endswith("engram.embed") and k != "embed.weight" else v)
+            for k, v in out.items()}
 
 
 def save_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor], path: str | os.PathLike, shard_bytes: int = 1 << 28):

@@ -80,7 +80,7 @@ def engram(x_hc, ids, table, wkv, q_weight, k_weight, eps: float) -> torch.Tenso
     gate = sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot)), dot the per-lane normalised product.
     """
     t, hc, d = x_hc.shape
-    lookup = round_bf16(table[ids.long()].reshape(t, -1))
+    lookup = round_bf16(table[ids.long()].reshape(t, ids.shape[1] * table.shape[1]))
     kv = round_bf16(mx_linear(lookup, wkv))
     key, value = kv[:, : hc * d].reshape(t, hc, d), kv[:, hc * d:]
     w = q_weight.float() * k_weight.float()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.ops.projections import matmul_t
+
 
 def select_rows(hidden: torch.Tensor, logit_row_indices: torch.Tensor) -> torch.Tensor:
     """Rows by index; -1 gives an all-zero row; other indices are clamped into [0, T-1]."""
@@ -14,7 +16,7 @@ def select_rows(hidden: torch.Tensor, logit_row_indices: torch.Tensor) -> torch.
 
 def logits_shard(rows: torch.Tensor, head_shard: torch.Tensor) -> torch.Tensor:
     """FP32 logits for one vocab shard (rows of head.weight)."""
-    return rows.float() @ head_shard.float().t()
+    return matmul_t(rows, head_shard)
 
 
 def vocab_shard(vocab: int, tp: int, rank: int) -> slice:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.ops.projections import matmul_t
 from dsv41.ops.quant import round_bf16
 
 
@@ -24,10 +25,10 @@ def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def hc_mixes(x_hc: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_eps: float, hc_eps: float, iters: int):
     """(pre [T,hc], post [T,hc], comb [T,hc,hc]) FP32; comb[t, j, k]: from lane j to lane k."""
-    t, hc, _ = x_hc.shape
-    f = x_hc.reshape(t, -1).float()
+    t, hc, d = x_hc.shape
+    f = x_hc.reshape(t, hc * d).float()
     inv = torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps)
-    m = (f @ fn.float().t()) * inv
+    m = matmul_t(f, fn) * inv
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb0 = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(t, hc, hc)

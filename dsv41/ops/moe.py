@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv41.ops.projections import mx_linear
+from dsv41.ops.projections import matmul_t, mx_linear
 from dsv41.ops.quant import round_bf16
 
 
@@ -19,7 +19,7 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int,
     Scores s = sqrt(softplus(x W^T)) in FP32; the bias only selects; weights come from s.
     Ties in the biased score go to the smaller expert id (stable sort).
     """
-    s = torch.sqrt(F.softplus(x.float() @ gate_w.float().t()))
+    s = torch.sqrt(F.softplus(matmul_t(x, gate_w)))
     biased = s + bias.float()
     idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
     picked = torch.gather(s, 1, idx)

@@ -18,7 +18,7 @@ def o_proj_partial(attended, cos, sin, wo_a, wo_b) -> torch.Tensor:
     a = apply_rope(attended, cos, sin, inverse=True)
     groups = wo_a.shape[0]
     a = a.reshape(t, groups, -1)
-    z = round_bf16(torch.einsum("tgi,gri->tgr", a, wo_a.float())).reshape(t, -1)
+    z = round_bf16(torch.einsum("tgi,gri->tgr", a.double(), wo_a.double()).float()).reshape(t, -1)
     return mx_linear(z, wo_b)
 
 

@@ -8,19 +8,30 @@ from dsv41.ops.quant import mxfp8_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
 
+def matmul_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a @ w^T with products accumulated in FP64 and rounded to FP32 once.
+
+    FP32 BLAS results depend on how many rows are multiplied together, so a row computed on a
+    slab (sequence-parallel) or a subset (one source card's MoE rows) would differ in the last
+    ulp from the same row in a full batch, and Top-K/router choices amplify such ulps. With FP64
+    accumulation every row's FP32 result is independent of batching and partitioning.
+    """
+    return (a.double() @ w.double().t()).float()
+
+
 def mx_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """MXFP8-weight linear with dynamic MXFP8 activations, FP32 result (not rounded).
 
     x is rounded to BF16 then quantized per row in groups of 32 (ceil rule); w is the dequantized
-    [N, K] weight. One FP32 matmul replaces the per-group partial sums: the same exact products,
-    summed in a different FP32 order (an ulp-level choice; the graph uses this same function).
+    [N, K] weight. One accumulation replaces the device's sequential per-group FP32 partial sums:
+    the same exact products, summed more accurately (an ulp-level choice).
     """
-    return mxfp8_qdq(round_bf16(x)) @ w.t()
+    return matmul_t(mxfp8_qdq(round_bf16(x)), w)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """BF16/FP32-weight linear, FP32 accumulation, FP32 result."""
-    return x.float() @ w.float().t()
+    return matmul_t(x, w)
 
 
 def q_proj(x, wq_a, q_norm, wq_b, cos, sin, eps: float, n_heads: int, head_dim: int):

@@ -86,19 +86,23 @@ def rope_rows(tables: dict, md: ForwardMetadata, cfg: ModelConfig) -> dict[tuple
 
 # ---- attention stages -------------------------------------------------------------------------------
 
-def compress_and_publish(cfg, w, spec: LayerSpec, caches: StagedTensors, md, x, cmp_rope):
-    """FULL layers: compressor (+ ring writes), then compressed KV and index-key publication."""
+def compress(cfg, w, spec: LayerSpec, caches: StagedTensors, md, x):
+    """FULL layers: the compressor of the layer's ratio (ratio 2 reads the committed/staged ring)."""
     p, s, eps = f"layers.{spec.layer}.attn.", spec.layer, cfg.rms_norm_eps
     if spec.ratio == 2:
         (ring,) = caches.read(f"ring.{s}")
-        comp = compress_ratio2(x, w[p + "compressor.wkv.weight"], w[p + "compressor.wgate.weight"],
+        return compress_ratio2(x, w[p + "compressor.wkv.weight"], w[p + "compressor.wgate.weight"],
                                w[p + "compressor.norm.weight"], eps, md, ring, md.state_block_tables[s],
                                cfg.state_capacity)
-        if comp.ring_slots.numel():
-            (ring_w,) = caches.write(f"ring.{s}")
-            ring_w[comp.ring_slots] = comp.ring_rows
-    else:
-        comp = compress_ratio1(x, w[p + "compressor.wkv.weight"], w[p + "compressor.norm.weight"], eps, md)
+    return compress_ratio1(x, w[p + "compressor.wkv.weight"], w[p + "compressor.norm.weight"], eps, md)
+
+
+def publish_compressed(cfg, w, spec: LayerSpec, caches: StagedTensors, md, comp, cmp_rope):
+    """Stage the ring writes, then publish compressed KV (RoPE'd latent) and index keys."""
+    p, s, eps = f"layers.{spec.layer}.attn.", spec.layer, cfg.rms_norm_eps
+    if comp.ring_slots.numel():
+        (ring_w,) = caches.write(f"ring.{s}")
+        ring_w[comp.ring_slots] = comp.ring_rows
     cos, sin = cmp_rope
     key = apply_rope(index_key(comp.latent, w[p + "indexer.wk.weight"], w[p + "indexer.k_norm.weight"], eps), cos, sin)
     slots = torch.where(comp.closes, md.compressed_slots[s], torch.full_like(md.compressed_slots[s], -1))
@@ -144,14 +148,14 @@ def index_select(cfg, w, spec, caches, md, qr, x, rope, cand=None, opts: Options
     return top, mask
 
 
-def attend(cfg, w, spec, caches, md, q, topk_rows, head_slice: slice = slice(None)):
+def attend(cfg, w, spec, caches, md, q, topk_rows):
     """Sparse attention over this layer's window rows and the selected compressed rows."""
     keys = read(caches, f"window.{spec.layer}", md.window_indices)
     valid = md.window_indices >= 0
     if spec.mode != SWA:
         keys = torch.cat([keys, read(caches, f"compressed.{spec.kv_source}", topk_rows)], 1)
         valid = torch.cat([valid, topk_rows >= 0], 1)
-    sink = w[f"layers.{spec.layer}.attn.attn_sink"][head_slice]
+    sink = w[f"layers.{spec.layer}.attn.attn_sink"]  # this card's heads when w is a TP shard
     return sparse_attention(q, keys, valid, sink, cfg.head_dim ** -0.5)
 
 
@@ -165,7 +169,8 @@ def attention(cfg, w, spec: LayerSpec, caches, md, x, rope, selections: dict,
     kv = kv_proj(x, w[p + "wkv"], w[p + "kv_norm.weight"], cos, sin, eps)
     publish(caches, f"window.{spec.layer}", md.window_slots, kv)
     if spec.mode == FULL:
-        compress_and_publish(cfg, w, spec, caches, md, x, rope[(COMPRESSED, spec.layer)])
+        comp = compress(cfg, w, spec, caches, md, x)
+        publish_compressed(cfg, w, spec, caches, md, comp, rope[(COMPRESSED, spec.layer)])
     if spec.mode in (FULL, REINDEX):
         cand = selections.get("candidates") if spec.mode == REINDEX else None
         top, mask = index_select(cfg, w, spec, caches, md, qr, x, (cos, sin), cand, opts)

@@ -26,8 +26,18 @@ class StagedTensors:
                 self.staged[name] = tuple(t.clone() for t in self.committed[name])
             return self.staged[name]
 
-    def commit(self):
+    def commit(self, step: int | None = None):
+        """Apply the staged writes; remember what they replaced so ``abort(step)`` can undo them."""
+        self._undo = (step, {name: self.committed[name] for name in self.staged})
         self.committed.update(self.staged)
+        self.staged = {}
+
+    def abort(self, step: int | None = None):
+        """Drop staged writes, and undo this step's commit if it already happened on this store."""
+        undo_step, previous = getattr(self, "_undo", (None, {}))
+        if step is not None and undo_step == step:
+            self.committed.update(previous)
+            self._undo = (None, {})
         self.staged = {}
 
     def discard(self):

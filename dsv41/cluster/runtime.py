@@ -1,0 +1,52 @@
+"""What a dask task runs: a submission's nodes, in order, against its card's State.
+
+Failures are re-raised as NodeError naming the node, so a failed step says where it broke.
+"""
+from __future__ import annotations
+
+from dsv41.cluster import state as card_state
+from dsv41.kernels.torch_backend import KERNELS
+
+
+class NodeError(RuntimeError):
+    pass
+
+
+class Hooks:
+    """Process-wide run hooks: fault injection for tests, span recording for traces."""
+    fail_at: str | None = None
+    tracer = None
+
+
+def run_node(node, values: dict):
+    st = card_state.STATES[node.card]
+    args = [values[i] for i in node.inputs]
+    try:
+        if Hooks.fail_at == node.key:
+            raise RuntimeError("injected failure")
+        if Hooks.tracer is not None:
+            return Hooks.tracer.run(st, node, KERNELS[node.kernel], args)
+        return KERNELS[node.kernel](st, node, *args)
+    except NodeError:
+        raise
+    except Exception as e:
+        raise NodeError(f"node {node.key} (kernel {node.kernel}, card {node.card}) failed: {e}") from e
+
+
+def run_submission(sub, *dep_values):
+    """dep_values align with sub.deps: dicts of exported values (submissions) or literal values."""
+    values = {}
+    for dep, v in zip(sub.deps, dep_values):
+        if dep in sub.literals:
+            values[dep] = v
+        else:
+            values.update(v)
+    if Hooks.tracer is not None:
+        Hooks.tracer.begin_submission(sub)
+    try:
+        for node in sub.nodes:
+            values[node.key] = run_node(node, values)
+    finally:
+        if Hooks.tracer is not None:
+            Hooks.tracer.end_submission(sub)
+    return {k: values[k] for k in sub.exports}

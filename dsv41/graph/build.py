@@ -1,0 +1,222 @@
+"""Builders of the decode and prefill graphs from (config, topology, per-group metadata, wiring).
+
+Placement is decided here by the seed's rules: attention and mHC nodes by DP group and TP rank,
+experts by EP rank, collectives on every card of their TP group.
+
+Wirings (both as the seed describes):
+- ``replicated``: every TP rank holds all rows of the residual stream; head-parallel attention
+  partials meet in an all-reduce; MoE rows are owned round-robin (t mod TP) and re-assembled by a
+  second (exact) all-reduce.
+- ``sharded``: rank r holds the contiguous slab [r*W, r*W + count) with W = ceil(T/TP); the
+  normalised attention input is all-gathered, the FP32 partials reduce-scattered; MoE consumes the
+  slab rows directly and the residual never crosses the group.
+"""
+from __future__ import annotations
+
+import math
+
+from dsv41.config import FULL, REINDEX, SWA, ModelConfig, Topology
+from dsv41.graph.graph import Graph
+from dsv41.ops.indexer import score_chunks
+from dsv41.ops.rope import COMPRESSED, PLAIN, profile_for
+
+REPLICATED, SHARDED = "replicated", "sharded"
+
+
+def slab(t: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first, count) of rank's contiguous rows; the physical width is ceil(t/tp) for every rank."""
+    width = math.ceil(t / tp) if t else 0
+    first = min(rank * width, t)
+    return first, max(0, min(width, t - first))
+
+
+def local_rows(t: int, tp: int, rank: int, wiring: str) -> list[int]:
+    """Rows of the residual stream a card holds."""
+    if wiring == REPLICATED:
+        return list(range(t))
+    first, count = slab(t, tp, rank)
+    return list(range(first, first + count))
+
+
+def moe_rows(t: int, tp: int, rank: int, wiring: str) -> list[int]:
+    """Rows (global) whose MoE a card runs: each token exactly once per TP group."""
+    if wiring == REPLICATED:
+        return list(range(rank, t, tp))
+    return local_rows(t, tp, rank, wiring)
+
+
+class _Builder:
+    def __init__(self, cfg: ModelConfig, topo: Topology, steps: dict, wiring: str, phase: str):
+        if wiring not in (REPLICATED, SHARDED):
+            raise ValueError(f"wiring: must be {REPLICATED!r} or {SHARDED!r}, got {wiring!r}")
+        self.cfg, self.topo, self.steps, self.wiring = cfg, topo, steps, wiring
+        self.g = Graph(phase)
+
+    def collective(self, key_fn, kernel: str, group: list[int], inputs_fn, instance: str, layer=None,
+                   **attrs) -> dict:
+        """One node per participant card; each takes its input from every card of the group."""
+        return {c: self.g.add(key_fn(c), kernel, inputs_fn(c), c, layer, group=tuple(group), instance=instance,
+                              **attrs) for c in group}
+
+    def build(self) -> Graph:
+        cfg, topo, g = self.cfg, self.topo, self.g
+        x, pre_src, mixes_prev = {}, {}, {}
+        step_key, rope, t_of = {}, {}, {}
+        for grp, step in self.steps.items():
+            t = step.md.num_tokens
+            for c in topo.group_cards(grp):
+                t_of[c] = t
+                step_key[c] = g.literal(f"step@c{c}", step, c)
+                for prof, vec in [(PLAIN, "token"), (COMPRESSED, "token")] + \
+                        [(COMPRESSED, s) for s in cfg.kv_source_layer_ids]:
+                    rope[(c, prof, vec)] = g.add(f"rope/{prof}/{vec}@c{c}", "rope.rows", [step_key[c]], c,
+                                                 profile=prof, vector=vec)
+                rows = local_rows(t, topo.tp, topo.tp_rank(c), self.wiring)
+                e = g.add(f"embed@c{c}", "embed", [step_key[c]], c, rows=rows)
+                x[c] = g.add(f"hc.pack@c{c}", "hc.pack", [e], c)
+                pre_src[c] = None
+        selections = {}   # (card, index source layer) -> topk node
+        for spec in cfg.layers:
+            L = spec.layer
+            for grp, step in self.steps.items():
+                group = topo.group_cards(grp)
+                t = t_of[group[0]]
+                attn_out = self._attention(spec, grp, group, t, x, pre_src, mixes_prev, step_key, rope, selections)
+                for c in group:
+                    x[c] = attn_out[c]
+            self._moe(L, x, pre_src, mixes_prev, step_key)
+        self._head(x, mixes_prev, step_key)
+        sinks = g.sinks()  # commit waits for the whole step, on every card, before anything persists
+        for c in topo.cards:
+            g.add(f"cache.commit@c{c}", "cache.commit", sinks, c)
+        return g
+
+    # ---- attention sub-layer of one DP group ----------------------------------------------------
+    def _attention(self, spec, grp, group, t, x, pre_src, mixes_prev, step_key, rope, selections) -> dict:
+        cfg, g, L, tp = self.cfg, self.g, spec.layer, self.topo.tp
+        p = f"L{L}/attn"
+        norm = {}
+        for c in group:
+            if L in cfg.engram_layer_ids:
+                x[c] = g.add(f"L{L}/engram@c{c}", "engram", [x[c], step_key[c]], c, L,
+                             rows=local_rows(t, tp, self.topo.tp_rank(c), self.wiring))
+            mixes = g.add(f"{p}/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="attn")
+            pre_in = [pre_src[c]] if pre_src[c] else []
+            collapsed = g.add(f"{p}/pre@c{c}", "hc.pre", [x[c]] + pre_in, c, L, initial=not pre_in)
+            norm[c] = g.add(f"{p}/norm@c{c}", "norm.rms", [collapsed], c, L, weight=f"layers.{L}.attn_norm.weight")
+            pre_src[c] = mixes  # the FFN collapses with this site's pre
+            mixes_prev[c] = mixes
+        if self.wiring == SHARDED:
+            full = self.collective(lambda c: f"{p}/all_gather@c{c}", "tp.all_gather", group,
+                                   lambda c: [norm[r] for r in group], f"{p}/all_gather@g{grp}", layer=L,
+                                   counts=[slab(t, tp, self.topo.tp_rank(r))[1] for r in group])
+        else:
+            full = norm
+        out = {}
+        partial = {}
+        for c in group:
+            rank = self.topo.tp_rank(c)
+            cos_key = rope[(c, profile_for(spec.ratio), "token")]
+            q = g.add(f"{p}/q_proj@c{c}", "attn.q_proj", [full[c], cos_key], c, L, tp_rank=rank)
+            kv = g.add(f"{p}/kv_proj@c{c}", "attn.kv_proj", [full[c], cos_key], c, L)
+            win = g.add(f"{p}/publish.window@c{c}", "attn.publish", [kv, step_key[c]], c, L,
+                        cache="window", publishes=(f"window.{L}",))
+            if spec.mode == FULL:
+                comp = g.add(f"{p}/compress@c{c}", "attn.compress", [full[c], step_key[c]], c, L,
+                             reads_previous=(f"ring.{L}",) if spec.ratio == 2 else ())
+                published = (f"compressed.{L}", f"index.{L}") + ((f"ring.{L}",) if spec.ratio == 2 else ())
+                selections[(c, "pub", L)] = g.add(
+                    f"{p}/publish.compressed@c{c}", "attn.publish", [comp, rope[(c, COMPRESSED, L)], step_key[c]],
+                    c, L, cache="compressed", publishes=published)
+            if spec.mode in (FULL, REINDEX):
+                step = self.steps[grp]
+                width = int(step.md.compressed_lens[spec.kv_source].max()) if t else 0
+                chunks = score_chunks(t, width, cfg.index_score_budget_bytes, cfg.index_score_leaf)
+                pub = selections[(c, "pub", spec.kv_source)]
+                extra = [selections[(c, "topk", spec.candidate_source)]] if spec.mode == REINDEX else []
+                parts = [g.add(f"{p}/index#{i}@c{c}", "attn.index", [q, full[c], cos_key, step_key[c], pub] + extra,
+                               c, L, rows=(a, b), reads=(f"index.{spec.kv_source}",))
+                         for i, (a, b) in enumerate(chunks)]
+                selections[(c, "topk", L)] = g.add(f"{p}/topk@c{c}", "attn.topk", parts, c, L)
+            leaf_in = [q, step_key[c], win]
+            reads = [f"window.{L}"]
+            if spec.mode != SWA:
+                leaf_in += [selections[(c, "pub", spec.kv_source)], selections[(c, "topk", spec.index_source)]]
+                reads.append(f"compressed.{spec.kv_source}")
+            leaf = g.add(f"{p}/leaf.{spec.kind}@c{c}", f"attn.leaf.{spec.kind}", leaf_in, c, L, tp_rank=rank,
+                         reads=tuple(reads))
+            partial[c] = g.add(f"{p}/o_proj@c{c}", "attn.o_proj", [leaf, cos_key], c, L, tp_rank=rank)
+        if self.wiring == SHARDED:
+            reduced = self.collective(lambda c: f"{p}/reduce_scatter@c{c}", "tp.reduce_scatter", group,
+                                      lambda c: [partial[r] for r in group], f"{p}/reduce_scatter@g{grp}", layer=L)
+        else:
+            reduced = self.collective(lambda c: f"{p}/all_reduce@c{c}", "tp.all_reduce", group,
+                                      lambda c: [partial[r] for r in group], f"{p}/all_reduce@g{grp}", layer=L)
+        for c in group:
+            out[c] = g.add(f"{p}/post@c{c}", "hc.post", [reduced[c], x[c], mixes_prev[c]], c, L,
+                           rows=local_rows(t, tp, self.topo.tp_rank(c), self.wiring))
+        return out
+
+    # ---- MoE sub-layer across the EP world -------------------------------------------------------
+    def _moe(self, L, x, pre_src, mixes_prev, step_key):
+        g, topo, p = self.g, self.topo, f"L{L}/moe"
+        active = [c for c in topo.cards if c in x]
+        gate, dispatch, shared, ffn_mixes = {}, {}, {}, {}
+        for c in active:
+            ffn_mixes[c] = g.add(f"L{L}/ffn/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="ffn")
+            collapsed = g.add(f"L{L}/ffn/pre@c{c}", "hc.pre", [x[c], pre_src[c]], c, L, initial=False)
+            normed = g.add(f"L{L}/ffn/norm@c{c}", "norm.rms", [collapsed], c, L, weight=f"layers.{L}.ffn_norm.weight")
+            t = self.steps[topo.dp_group(c)].md.num_tokens
+            gate[c] = g.add(f"{p}/gate@c{c}", "moe.gate", [normed], c, L,
+                            rows=self._moe_local(t, topo.tp_rank(c)))
+            dispatch[c] = g.add(f"{p}/dispatch@c{c}", "moe.dispatch", [gate[c]], c, L)
+            shared[c] = g.add(f"{p}/shared@c{c}", "moe.shared", [gate[c]], c, L)
+        experts = {e: g.add(f"{p}/experts@c{e}", "moe.experts", [dispatch[c] for c in active], e, L,
+                            sources=tuple(active)) for e in topo.cards}
+        combined = {c: g.add(f"{p}/combine@c{c}", "moe.combine", [gate[c], shared[c]] + list(experts.values()), c, L)
+                    for c in active}
+        for grp in self.steps:
+            group = topo.group_cards(grp)
+            if self.wiring == REPLICATED:
+                t = self.steps[grp].md.num_tokens
+                merged = self.collective(lambda c: f"{p}/all_reduce@c{c}", "tp.all_reduce", group,
+                                         lambda c: [combined[r] for r in group], f"{p}/all_reduce@g{grp}", layer=L,
+                                         owners=[moe_rows(t, topo.tp, topo.tp_rank(r), REPLICATED) for r in group],
+                                         rows=t)
+            else:
+                merged = {c: combined[c] for c in group}
+            for c in group:
+                x[c] = g.add(f"L{L}/ffn/post@c{c}", "hc.post", [merged[c], x[c], ffn_mixes[c]], c, L)
+                pre_src[c] = ffn_mixes[c]
+                mixes_prev[c] = ffn_mixes[c]
+
+    def _moe_local(self, t: int, rank: int) -> list[int]:
+        """MoE rows as indices into the card's local rows."""
+        held = local_rows(t, self.topo.tp, rank, self.wiring)
+        pos = {r: i for i, r in enumerate(held)}
+        return [pos[r] for r in moe_rows(t, self.topo.tp, rank, self.wiring)]
+
+    # ---- final collapse, norm, LM head -------------------------------------------------------------
+    def _head(self, x, mixes_prev, step_key):
+        g, topo = self.g, self.topo
+        for grp, step in self.steps.items():
+            group = topo.group_cards(grp)
+            t = step.md.num_tokens
+            normed = {}
+            for c in group:
+                h = g.add(f"final/hc.head@c{c}", "hc.head", [x[c], mixes_prev[c]], c)
+                normed[c] = g.add(f"final/norm@c{c}", "norm.final", [h], c, weight="norm.weight")
+            if self.wiring == SHARDED:
+                normed = self.collective(lambda c: f"final/all_gather@c{c}", "tp.all_gather", group,
+                                         lambda c: [normed[r] for r in group], f"final/all_gather@g{grp}",
+                                         counts=[slab(t, topo.tp, topo.tp_rank(r))[1] for r in group])
+            shards = [g.add(f"final/lm_head.shard@c{c}", "lm_head.shard", [normed[c], step_key[c]], c,
+                            tp_rank=topo.tp_rank(c)) for c in group]
+            g.add(f"final/argmax@g{grp}", "lm_head.argmax", shards, group[0], dp_group=grp)
+
+
+def build(cfg: ModelConfig, topo: Topology, steps: dict, wiring: str = SHARDED, phase: str = "decode") -> Graph:
+    """steps: DP group -> StepInputs for groups with work this step."""
+    if phase not in ("decode", "prefill"):
+        raise ValueError(f"phase: must be 'decode' or 'prefill', got {phase!r}")
+    return _Builder(cfg, topo, steps, wiring, phase).build()

@@ -1,0 +1,58 @@
+"""PyPTO backend: kernel registry, simulated device time, functional verification, NPU check.
+
+Values always come from the Torch backend; pypto only contributes time (``sim_time_us``: SIM cost
+model on CPU, measured on an NPU with ``mode="npu"``). Module map:
+  pypto_specs   - per-kernel argument layouts, goldens (dsv41.ops), the registry PYPTO_KERNELS
+  pypto_kernels - the @pypto.frontend.jit factories (imported only in a worker)
+  pypto_worker  - the spawned process that runs pypto, its console sent to a log file
+  pypto_sim     - the memory + disk cache and the worker client
+  pypto_verify  - pypto values vs Torch goldens
+  pypto_env     - run folder, python3 shim, calculator build, check_npu
+"""
+from __future__ import annotations
+
+from dsv41.kernels.pypto_env import check_npu
+from dsv41.kernels.pypto_sim import SimCache, close_workers, default_cache, sim_time_us
+from dsv41.kernels.pypto_specs import MATMUL_ALIASES, PYPTO_KERNELS, KernelSpec, cache_key
+from dsv41.kernels.pypto_verify import verify_kernel
+
+__all__ = ["PYPTO_KERNELS", "MATMUL_ALIASES", "KernelSpec", "SimCache", "cache_key", "check_npu",
+           "close_workers", "default_cache", "node_parts", "node_time_us", "sim_time_us", "verify_kernel"]
+
+
+def node_parts(cfg, rows: int, tp: int = 1) -> dict[str, list[tuple[str, dict]]]:
+    """The pypto kernel calls that stand for one graph node on one card, for ``rows`` tokens.
+
+    Keyed by the graph's node kernel; a node's pypto time is the sum over its parts (``node_time_us``).
+    MX (FP8) linears are simulated as BF16 matmuls: pypto 0.2.0 rejects FP8/FP4 matmul on its only
+    platform (Ascend 910B). ``attn.softmax_tile`` is one 64-key tile of every local head; a leaf
+    runs ceil(valid keys / 64) of them.
+    """
+    h, hd, half = cfg.num_attention_heads // tp, cfg.head_dim, cfg.qk_rope_head_dim // 2
+    d, r, groups = cfg.hidden_size, cfg.q_lora_rank, cfg.o_groups // tp
+    rope = dict(T=rows, H=h, dim=hd, half=half)
+    return {
+        "norm.rms": [("norm.rms", dict(T=rows, D=d))],
+        "rope.rows": [("rope.rows", dict(T=rows, C=cfg.max_position_embeddings, half=half))],
+        "hc.pre": [("hc.pre", dict(T=rows, hc=cfg.hc_mult, D=d))],
+        "hc.post": [("hc.post", dict(T=rows, hc=cfg.hc_mult, D=d))],
+        "attn.q_proj": [("attn.q_proj", dict(M=rows, K=d, N=r)), ("norm.rms", dict(T=rows, D=r)),
+                        ("attn.q_proj", dict(M=rows, K=r, N=h * hd)), ("rope.apply", rope)],
+        "attn.kv_proj": [("attn.kv_proj", dict(M=rows, K=d, N=hd)), ("norm.rms", dict(T=rows, D=hd)),
+                         ("rope.apply", dict(rope, H=1))],
+        "attn.softmax_tile": [("attn.softmax_tile", dict(R=rows * h, K=64))],
+        "attn.o_proj": [("rope.apply", dict(rope, inverse=1))]
+                       + [("attn.o_proj", dict(M=rows, K=cfg.o_group_in, N=cfg.o_lora_rank))] * groups
+                       + [("attn.o_proj", dict(M=rows, K=groups * cfg.o_lora_rank, N=d))],
+        "moe.gate": [("moe.gate", dict(T=rows, D=d, E=cfg.n_routed_experts))],
+        "lm_head.shard": [("lm_head.shard", dict(M=rows, K=d, N=cfg.vocab_size // tp))],
+    }
+
+
+def node_time_us(node_kernel: str, cfg, rows: int, tp: int = 1, **kw) -> float | None:
+    """Summed pypto µs of a graph node's parts; None if it has no pypto form or any part failed."""
+    parts = node_parts(cfg, rows, tp).get(node_kernel)
+    if not parts:
+        return None
+    times = [sim_time_us(k, s, **kw) for k, s in parts]
+    return None if any(t is None for t in times) else sum(times)

@@ -1,0 +1,199 @@
+"""``pypto.frontend.jit`` kernel factories, one per kernel spec; imported only inside pypto workers.
+
+Each factory takes normalized (shapes, dtypes, run_mode) and returns a jit function whose positional
+arguments follow ``pypto_specs`` layouts (outputs last, written with ``y[:] =`` or ``assemble``).
+Shapes are closure constants that pypto resolves when it parses the body. No `from __future__ import
+annotations` here: the jit reads the annotations as objects to tell tensor from scalar parameters.
+Tile choices follow the measurements in shared/notes/pypto-on-cpu.md.
+"""
+
+import pypto
+
+DT = {"bf16": pypto.DT_BF16, "fp16": pypto.DT_FP16, "fp32": pypto.DT_FP32, "int32": pypto.DT_INT32}
+
+# FP32 elements in one vector tile: [2, 5120] was the largest RMSNorm tile that fit the 192 KB UB
+# (x, its square and the output are live together), and bigger tiles beat more tasks up to there.
+VEC_TILE_ELEMS = 2 * 5120
+
+
+def _opts(run_mode: str) -> dict:
+    return {"run_mode": pypto.RunMode.NPU if run_mode == "npu" else pypto.RunMode.SIM}
+
+
+def vec_rows(rows: int, cols: int, elems: int = VEC_TILE_ELEMS) -> int:
+    """Rows per vector tile: the largest power of two whose [r, cols] FP32 tile fits, at most ``rows``."""
+    r = max(1, elems // cols)
+    return min(1 << (r.bit_length() - 1), rows)
+
+
+def _ceil16(x: int) -> int:
+    return -(-x // 16) * 16
+
+
+def cube_tiles(m: int, k: int, n: int) -> tuple[list[int], list[int], list[int]]:
+    """[L0, L1] per dim. [64,64],[256,512],[64,64] was the best of those tried for [64,5120]x[5120,1280]."""
+    tm = min(64, _ceil16(m))
+    k0 = min(256, _ceil16(k))
+    k1 = min(2 * k0, -(-k // k0) * k0)
+    tn = min(64, _ceil16(n))
+    return [tm, tm], [k0, k1], [tn, tn]
+
+
+def rms_norm(s, d, run_mode):
+    T, D, EPS = s["T"], s["D"], float(s["eps"])
+    ACT, W = DT[d["act"]], DT[d["w"]]
+    RT, INV_D = vec_rows(T, D), 1.0 / D
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def norm_rms(x: pypto.Tensor((T, D), ACT), w: pypto.Tensor((1, D), W), y: pypto.Tensor((T, D), ACT)):
+        pypto.set_vec_tile_shapes(RT, D)
+        xf = pypto.cast(x, pypto.DT_FP32)
+        ms = pypto.mul(pypto.sum(pypto.mul(xf, xf), -1, keepdim=True), INV_D)
+        inv = pypto.rsqrt(pypto.add(ms, EPS))
+        y[:] = pypto.cast(pypto.mul(pypto.mul(xf, inv), pypto.cast(w, pypto.DT_FP32)), ACT)
+    return norm_rms
+
+
+def rope_rows(s, d, run_mode):
+    """cos/sin rows for positions; a negative position gives the identity row (cos 1, sin 0).
+
+    The mask is computed in FP32 (integer compare/max did not compile): ok = clamp(pos + 1, 0, 1).
+    cos = g*ok + (1 - ok) keeps g bit-exact where ok = 1.
+    """
+    T, C, HALF = s["T"], s["C"], s["half"]
+    RT = vec_rows(T, HALF)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def rope_rows_k(ct: pypto.Tensor((C, HALF), pypto.DT_FP32), st: pypto.Tensor((C, HALF), pypto.DT_FP32),
+                    pos: pypto.Tensor((T, 1), pypto.DT_INT32),
+                    co: pypto.Tensor((T, HALF), pypto.DT_FP32), so: pypto.Tensor((T, HALF), pypto.DT_FP32)):
+        pypto.set_vec_tile_shapes(RT, HALF)
+        posf = pypto.cast(pos, pypto.DT_FP32)
+        ok = pypto.minimum(pypto.maximum(pypto.add(posf, 1.0), 0.0), 1.0)
+        not_ok = pypto.add(pypto.mul(ok, -1.0), 1.0)
+        m = pypto.cast(pypto.maximum(posf, 0.0), pypto.DT_INT32)
+        pypto.set_vec_tile_shapes(T)
+        idx = pypto.reshape(m, [T])
+        pypto.set_vec_tile_shapes(RT, HALF)
+        co[:] = pypto.add(pypto.mul(pypto.index_select(ct, 0, idx), ok), not_ok)
+        so[:] = pypto.mul(pypto.index_select(st, 0, idx), ok)
+    return rope_rows_k
+
+
+def rope_apply(s, d, run_mode):
+    """Adjacent-pair rotation of the last 2*half channels of each [T*H, dim] row: y = x*C + swap(x)*S.
+
+    C and S are gathered per row from cos/sin [T, half] with the index tables of pypto_specs._rope_consts.
+    """
+    T, H, DIM, HALF = s["T"], s["H"], s["dim"], s["half"]
+    NR, W, NOPE, ACT = T * H, 2 * HALF, DIM - 2 * HALF, DT[d["act"]]
+    RT = vec_rows(NR, W)
+    RN = vec_rows(NR, max(NOPE, 1))
+
+    # The parser evaluates calls to plain Python helpers without its variables in scope, so the
+    # rotation is spelled out in both variants (with and without pass-through channels).
+    if NOPE:
+        @pypto.frontend.jit(runtime_options=_opts(run_mode))
+        def rope_apply_k(x: pypto.Tensor((NR, DIM), ACT), cos: pypto.Tensor((T, HALF), pypto.DT_FP32),
+                         sin: pypto.Tensor((T, HALF), pypto.DT_FP32), row: pypto.Tensor((NR,), pypto.DT_INT32),
+                         rep: pypto.Tensor((W,), pypto.DT_INT32), swap: pypto.Tensor((W,), pypto.DT_INT32),
+                         sign: pypto.Tensor((1, W), pypto.DT_FP32), y: pypto.Tensor((NR, DIM), ACT)):
+            pypto.set_vec_tile_shapes(RN, NOPE)
+            pypto.assemble(pypto.view(x, [NR, NOPE], [0, 0]), [0, 0], y)
+            pypto.set_vec_tile_shapes(RT, W)
+            c = pypto.index_select(pypto.index_select(cos, 0, row), 1, rep)
+            sn = pypto.mul(pypto.index_select(pypto.index_select(sin, 0, row), 1, rep), sign)
+            xr = pypto.cast(pypto.view(x, [NR, W], [0, NOPE]), pypto.DT_FP32)
+            rot = pypto.add(pypto.mul(xr, c), pypto.mul(pypto.index_select(xr, 1, swap), sn))
+            pypto.assemble(pypto.cast(rot, ACT), [0, NOPE], y)
+        return rope_apply_k
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def rope_apply_full(x: pypto.Tensor((NR, DIM), ACT), cos: pypto.Tensor((T, HALF), pypto.DT_FP32),
+                        sin: pypto.Tensor((T, HALF), pypto.DT_FP32), row: pypto.Tensor((NR,), pypto.DT_INT32),
+                        rep: pypto.Tensor((W,), pypto.DT_INT32), swap: pypto.Tensor((W,), pypto.DT_INT32),
+                        sign: pypto.Tensor((1, W), pypto.DT_FP32), y: pypto.Tensor((NR, DIM), ACT)):
+        pypto.set_vec_tile_shapes(RT, W)
+        c = pypto.index_select(pypto.index_select(cos, 0, row), 1, rep)
+        sn = pypto.mul(pypto.index_select(pypto.index_select(sin, 0, row), 1, rep), sign)
+        xr = pypto.cast(x, pypto.DT_FP32)
+        y[:] = pypto.cast(pypto.add(pypto.mul(xr, c), pypto.mul(pypto.index_select(xr, 1, swap), sn)), ACT)
+    return rope_apply_full
+
+
+def hc_pre(s, d, run_mode):
+    T, HC, D, ACT = s["T"], s["hc"], s["D"], DT[d["act"]]
+    RT = vec_rows(T, D)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def hc_pre_k(x: pypto.Tensor((T, HC * D), pypto.DT_FP32), pre: pypto.Tensor((T, HC), pypto.DT_FP32),
+                 y: pypto.Tensor((T, D), ACT)):
+        pypto.set_vec_tile_shapes(RT, D)
+        acc = pypto.mul(pypto.view(x, [T, D], [0, 0]), pypto.view(pre, [T, 1], [0, 0]))
+        for j in range(1, HC):
+            acc = pypto.add(acc, pypto.mul(pypto.view(x, [T, D], [0, j * D]), pypto.view(pre, [T, 1], [0, j])))
+        y[:] = pypto.cast(acc, ACT)
+    return hc_pre_k
+
+
+def hc_post(s, d, run_mode):
+    """out[:, k] = bf16(post_k * sub + sum_j comb[j, k] * x_j), stored FP32 like the residual stream."""
+    T, HC, D, ACT = s["T"], s["hc"], s["D"], DT[d["act"]]
+    RT = vec_rows(T, D)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def hc_post_k(sub: pypto.Tensor((T, D), ACT), x: pypto.Tensor((T, HC * D), pypto.DT_FP32),
+                  post: pypto.Tensor((T, HC), pypto.DT_FP32), comb: pypto.Tensor((T, HC * HC), pypto.DT_FP32),
+                  out: pypto.Tensor((T, HC * D), pypto.DT_FP32)):
+        pypto.set_vec_tile_shapes(RT, D)
+        sf = pypto.cast(sub, pypto.DT_FP32)
+        for k in range(HC):
+            acc = pypto.mul(pypto.view(x, [T, D], [0, 0]), pypto.view(comb, [T, 1], [0, k]))
+            for j in range(1, HC):
+                acc = pypto.add(acc, pypto.mul(pypto.view(x, [T, D], [0, j * D]),
+                                               pypto.view(comb, [T, 1], [0, j * HC + k])))
+            acc = pypto.add(pypto.mul(sf, pypto.view(post, [T, 1], [0, k])), acc)
+            pypto.assemble(pypto.cast(pypto.cast(acc, pypto.DT_BF16), pypto.DT_FP32), [0, k * D], out)
+    return hc_post_k
+
+
+def matmul(s, d, run_mode):
+    """y = x @ w^T with w in the checkpoint's [N, K] layout (b_trans), FP32 accumulation."""
+    M, K, N = s["M"], s["K"], s["N"]
+    ACT, W, OUT = DT[d["act"]], DT[d["w"]], DT[d["out"]]
+    TM, TK, TN = cube_tiles(M, K, N)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def matmul_k(x: pypto.Tensor((M, K), ACT), w: pypto.Tensor((N, K), W), y: pypto.Tensor((M, N), OUT)):
+        pypto.set_cube_tile_shapes(TM, TK, TN)
+        y[:] = pypto.matmul(x, w, OUT, b_trans=True)
+    return matmul_k
+
+
+def router_scores(s, d, run_mode):
+    """sqrt(softplus(x W^T)) in FP32; softplus as max(z, 0) + log1p(exp(-|z|)) (no overflow)."""
+    T, D, E = s["T"], s["D"], s["E"]
+    ACT, W = DT[d["act"]], DT[d["w"]]
+    TM, TK, TN = cube_tiles(T, D, E)
+    RT = vec_rows(T, E)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def moe_gate_k(x: pypto.Tensor((T, D), ACT), w: pypto.Tensor((E, D), W),
+                   scores: pypto.Tensor((T, E), pypto.DT_FP32)):
+        pypto.set_cube_tile_shapes(TM, TK, TN)
+        z = pypto.matmul(x, w, pypto.DT_FP32, b_trans=True)
+        pypto.set_vec_tile_shapes(RT, E)
+        sp = pypto.add(pypto.maximum(z, 0.0), pypto.log1p(pypto.exp(pypto.mul(pypto.abs(z), -1.0))))
+        scores[:] = pypto.sqrt(sp)
+    return moe_gate_k
+
+
+def softmax_tile(s, d, run_mode):
+    R, K, OUT = s["R"], s["K"], DT[d["out"]]
+    RT = vec_rows(R, K)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def softmax_k(scores: pypto.Tensor((R, K), pypto.DT_FP32), probs: pypto.Tensor((R, K), OUT)):
+        pypto.set_vec_tile_shapes(RT, K)
+        probs[:] = pypto.cast(pypto.softmax(scores, -1), OUT)
+    return softmax_k

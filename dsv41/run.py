@@ -1,0 +1,137 @@
+"""Command line: ``python -m dsv41.run --graph decode|prefill``.
+
+Runs a prefill of ``--batch`` random prompts of ``--prompt-len`` tokens, then (decode) greedy
+steps, on the chosen executor, and prints a readable summary or one JSON object (``--json``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+import torch
+
+from dsv41.config import PRESETS, Topology
+
+EXECUTORS = ("threads", "sync", "distributed", "reference")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dsv41.run", description=__doc__.splitlines()[0])
+    p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--config", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--executor", choices=EXECUTORS, default="threads")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--ep", type=int, default=None, help="default tp*dp")
+    p.add_argument("--granularity", choices=("submission", "node"), default="submission")
+    p.add_argument("--wiring", choices=("sharded", "replicated"), default="sharded")
+    p.add_argument("--address", default=None, help="distributed: connect to this scheduler")
+    p.add_argument("--dashboard", action="store_true", help="distributed: print the dashboard link and wait")
+    p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
+    p.add_argument("--show-graph", default=None, metavar="PATH", help="write the decode graph as DOT (SVG if .svg)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.ep is None:
+        a.ep = a.tp * a.dp
+    for name in ("batch", "prompt_len"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.new_tokens < 0:
+        p.error("--new-tokens must be >= 0")
+    return a
+
+
+def prompts_for(cfg, batch: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, cfg.vocab_size, (batch, length), generator=g).tolist()
+
+
+def logits_sha256(logits: torch.Tensor) -> str:
+    return hashlib.sha256(logits.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def make_engine(args, cfg, topo):
+    if args.executor == "reference":
+        from dsv41.ops.reference import ReferenceModel
+        return ReferenceModel(cfg, seed=args.seed, max_batch=args.batch,
+                              max_context=args.prompt_len + args.new_tokens + 1)
+    from dsv41.cluster.engine import GraphEngine
+    return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
+                       wiring=args.wiring, max_batch=args.batch, address=args.address,
+                       max_context=args.prompt_len + args.new_tokens + 1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = PRESETS[args.config]
+    topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep).check(cfg)
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} ep={topo.ep} "
+        f"batch={args.batch} prompt_len={args.prompt_len}")
+    t0 = time.perf_counter()
+    engine = make_engine(args, cfg, topo)
+    say(f"  built in {time.perf_counter() - t0:.2f} s")
+    prompts = prompts_for(cfg, args.batch, args.prompt_len, args.seed)
+    stats = []
+
+    t0 = time.perf_counter()
+    logits = engine.prefill(prompts)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    stats.append(getattr(engine, "last_stats", {}))
+    say(f"  prefill   {prefill_ms:9.1f} ms  {_describe(stats[-1])}")
+    rids = list(engine.last_request_ids)
+    tokens = [[] for _ in prompts]
+    step_ms = []
+    steps = args.new_tokens if args.graph == "decode" else 0
+    for i in range(steps):
+        nxt = torch.argmax(logits, -1).tolist()
+        for out, t in zip(tokens, nxt):
+            out.append(t)
+        if i + 1 == steps:
+            break
+        t0 = time.perf_counter()
+        logits = engine.decode(nxt, rids)
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        stats.append(getattr(engine, "last_stats", {}))
+        say(f"  decode {i + 1:3d} {step_ms[-1]:9.1f} ms  {_describe(stats[-1])}")
+    if args.graph == "prefill":
+        tokens = [[t] for t in torch.argmax(logits, -1).tolist()]
+    result = {
+        "graph": args.graph, "config": cfg.name, "executor": args.executor,
+        "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep},
+        "tokens": tokens, "step_ms": step_ms, "prefill_ms": prefill_ms,
+        "last_logits_sha256": logits_sha256(logits),
+    }
+    if args.executor != "reference":
+        last = stats[-1]
+        result.update(nodes=last.get("nodes"), submissions=last.get("submissions"),
+                      dask_tasks=last.get("dask_tasks"), granularity=args.granularity, wiring=args.wiring)
+        if args.show_graph:
+            engine.write_graph(args.show_graph)
+            say(f"  graph written to {args.show_graph}")
+        if args.dashboard:
+            engine.hold_dashboard(args.hold, say)
+        engine.close()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        say(f"  tokens: {tokens}")
+        say(f"  last_logits_sha256: {result['last_logits_sha256']}")
+    return 0
+
+
+def _describe(stats: dict) -> str:
+    if not stats:
+        return ""
+    return f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
