@@ -59,7 +59,8 @@ class GraphEngine:
             card_state.STATES.update(card_state.build_states(cfg, topo, seed, topo.cards, per_group, max_context,
                                                              options))
         else:
-            plugin = card_state.CardStatePlugin(cfg.name, topo, seed, per_group, max_context)
+            from dsv41.cluster.worker_plugin import CardStatePlugin
+            plugin = CardStatePlugin(cfg.name, topo, seed, per_group, max_context)
             self.runner = DistributedRunner(topo.ep, plugin, address, dashboard)
 
     @property

@@ -77,21 +77,3 @@ def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: 
     tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
     return {c: CardState(cfg, topo, c, shard_weights(cfg, topo, c, full), StagedTensors(empty_caches(cfg, table)),
                          tables, options) for c in cards}
-
-
-class CardStatePlugin:
-    """dask.distributed worker plugin: builds the State of the card named like the worker."""
-    name = "dsv41-card-state"
-
-    def __init__(self, cfg_name: str, topo: Topology, seed: int, max_batch: int, max_context: int):
-        self.args = (cfg_name, topo, seed, max_batch, max_context)
-
-    def setup(self, worker):
-        from dsv41.config import PRESETS
-        cfg_name, topo, seed, max_batch, max_context = self.args
-        card = int(worker.name)
-        STATES.clear()
-        STATES.update(build_states(PRESETS[cfg_name], topo, seed, [card], max_batch, max_context))
-
-    def teardown(self, worker):
-        STATES.clear()

@@ -11,9 +11,11 @@ import pypto
 
 DT = {"bf16": pypto.DT_BF16, "fp16": pypto.DT_FP16, "fp32": pypto.DT_FP32, "int32": pypto.DT_INT32}
 
-# FP32 elements in one vector tile: [2, 5120] was the largest RMSNorm tile that fit the 192 KB UB
-# (x, its square and the output are live together), and bigger tiles beat more tasks up to there.
-VEC_TILE_ELEMS = 2 * 5120
+# FP32 elements per vector tile. Fewer, bigger tiles simulate faster up to what fits the 192 KB UB, and
+# that limit depends on how many tile buffers a kernel keeps live (swept at the FLASH shapes):
+VEC_TILE_ELEMS = 2 * 5120   # RMSNorm [2,5120] 17.6 us vs [4,5120] 20.2, [8,5120] fails; softmax alike
+LANE_TILE_ELEMS = 4 * 5120  # hc.pre/hc.post: [4,5120] 24.3/144 us vs [2,5120] 29.0/215, [8,5120] fails
+COPY_TILE_ELEMS = 128 * 448 # plain BF16 copies (rope pass-through): [128,448] 10.5 us vs [16,448] 45
 
 
 def _opts(run_mode: str) -> dict:
@@ -30,12 +32,20 @@ def _ceil16(x: int) -> int:
     return -(-x // 16) * 16
 
 
-def cube_tiles(m: int, k: int, n: int) -> tuple[list[int], list[int], list[int]]:
-    """[L0, L1] per dim. [64,64],[256,512],[64,64] was the best of those tried for [64,5120]x[5120,1280]."""
-    tm = min(64, _ceil16(m))
-    k0 = min(256, _ceil16(k))
-    k1 = min(2 * k0, -(-k // k0) * k0)
-    tn = min(64, _ceil16(n))
+L1_BYTES = 512 * 1024
+
+
+def cube_tiles(m: int, k: int, n: int, elem_bytes: int = 2) -> tuple[list[int], list[int], list[int]]:
+    """[L0, L1] tiles per dim for the 910B cube (L0A/L0B 64 KB each, L1 512 KB).
+
+    Swept at [192,5120]x[5120,1280]: m,n 128 with k [256,1024] 27.1 us; k [256,512] 34.3; m,n 64 79.7.
+    k1 must keep both L1 panels within L1: K=1280 with k1=1280 took 116 us against 44 with 1024.
+    m or n 192 and k0 512 fail to compile.
+    """
+    tm, tn = min(128, _ceil16(m)), min(128, _ceil16(n))
+    k0 = min(256 * 2 // elem_bytes, _ceil16(k))
+    fit = L1_BYTES // (elem_bytes * (tm + tn)) // k0 * k0
+    k1 = max(k0, min(fit, -(-k // k0) * k0))
     return [tm, tm], [k0, k1], [tn, tn]
 
 
@@ -88,7 +98,7 @@ def rope_apply(s, d, run_mode):
     T, H, DIM, HALF = s["T"], s["H"], s["dim"], s["half"]
     NR, W, NOPE, ACT = T * H, 2 * HALF, DIM - 2 * HALF, DT[d["act"]]
     RT = vec_rows(NR, W)
-    RN = vec_rows(NR, max(NOPE, 1))
+    RN = vec_rows(NR, max(NOPE, 1), COPY_TILE_ELEMS)
 
     # The parser evaluates calls to plain Python helpers without its variables in scope, so the
     # rotation is spelled out in both variants (with and without pass-through channels).
@@ -122,16 +132,22 @@ def rope_apply(s, d, run_mode):
 
 
 def hc_pre(s, d, run_mode):
+    """Lane sum in the device order (x0 p0 + x1 p1) + (x2 p2 + x3 p3) (spec 01 §4.2), then BF16."""
     T, HC, D, ACT = s["T"], s["hc"], s["D"], DT[d["act"]]
-    RT = vec_rows(T, D)
+    if HC % 2:
+        raise ValueError(f"hc.pre: hc must be even for the pairwise lane sum, got {HC}")
+    RT = vec_rows(T, D, LANE_TILE_ELEMS)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
     def hc_pre_k(x: pypto.Tensor((T, HC * D), pypto.DT_FP32), pre: pypto.Tensor((T, HC), pypto.DT_FP32),
                  y: pypto.Tensor((T, D), ACT)):
         pypto.set_vec_tile_shapes(RT, D)
-        acc = pypto.mul(pypto.view(x, [T, D], [0, 0]), pypto.view(pre, [T, 1], [0, 0]))
-        for j in range(1, HC):
-            acc = pypto.add(acc, pypto.mul(pypto.view(x, [T, D], [0, j * D]), pypto.view(pre, [T, 1], [0, j])))
+        acc = pypto.add(pypto.mul(pypto.view(x, [T, D], [0, 0]), pypto.view(pre, [T, 1], [0, 0])),
+                        pypto.mul(pypto.view(x, [T, D], [0, D]), pypto.view(pre, [T, 1], [0, 1])))
+        for j in range(2, HC, 2):
+            pair = pypto.add(pypto.mul(pypto.view(x, [T, D], [0, j * D]), pypto.view(pre, [T, 1], [0, j])),
+                             pypto.mul(pypto.view(x, [T, D], [0, (j + 1) * D]), pypto.view(pre, [T, 1], [0, j + 1])))
+            acc = pypto.add(acc, pair)
         y[:] = pypto.cast(acc, ACT)
     return hc_pre_k
 
@@ -139,7 +155,7 @@ def hc_pre(s, d, run_mode):
 def hc_post(s, d, run_mode):
     """out[:, k] = bf16(post_k * sub + sum_j comb[j, k] * x_j), stored FP32 like the residual stream."""
     T, HC, D, ACT = s["T"], s["hc"], s["D"], DT[d["act"]]
-    RT = vec_rows(T, D)
+    RT = vec_rows(T, D, LANE_TILE_ELEMS)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
     def hc_post_k(sub: pypto.Tensor((T, D), ACT), x: pypto.Tensor((T, HC * D), pypto.DT_FP32),

@@ -1,0 +1,490 @@
+"""Attention ops (spec 02): projections, compressor, index query/scores, Top-K, candidate blocks,
+score chunking, paged caches, sparse attention and the grouped output projection."""
+import math
+
+import pytest
+import torch
+
+from dsv41.config import FLASH, TINY
+from dsv41.ops import kv_cache
+from dsv41.ops.attention import sparse_attention
+from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
+from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
+                               topk_positions)
+from dsv41.ops.metadata import lower
+from dsv41.ops.o_proj import o_proj_partial, reduce_partials
+from dsv41.ops.projections import dense_linear, kv_proj, mx_linear, q_proj
+from dsv41.ops.rope import COMPRESSED, apply_rope, gather_rope_rows, precompute_rope_tables
+from _spec_ref import (FP4_LEVELS, assert_rows_close, bf16_64, bf16_ulp_close, ceil_log2_exact, fp4_code_ref,
+                       is_bf16, mx_linear_64, rms_norm_64)
+
+I32 = torch.int32
+INF = float("inf")
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _bf(*shape, seed, std=1.0, mean=0.0):
+    return bf16_64(torch.randn(*shape, generator=_g(seed)) * std + mean).float()
+
+
+def _rope_ref(x, cos, sin, inverse=False):
+    """float64 adjacent-pair rotation of the last 2*half dims, result rounded to BF16."""
+    x = x.double()
+    half = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.double().reshape(shape), sin.double().reshape(shape)
+    s = -s if inverse else s
+    start = x.shape[-1] - 2 * half
+    a, b = x[..., start::2], x[..., start + 1::2]
+    out = x.clone()
+    out[..., start::2] = a * c - b * s
+    out[..., start + 1::2] = b * c + a * s
+    return bf16_64(out)
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return precompute_rope_tables(TINY, 256, COMPRESSED)
+
+
+# ---- MX linear and projections ----------------------------------------------------------------
+
+def test_mx_linear_vs_exact_mxfp8_contraction():
+    x = torch.randn(7, 128, generator=_g(0)) * torch.logspace(-2, 1, 128)
+    w = torch.randn(48, 128, generator=_g(1)) * 0.1
+    got = mx_linear(x, w)
+    want = mx_linear_64(x, w)
+    # FP32 accumulation of K exact products: |err| <= K * 2^-24 * sum|a_k w_k|
+    from _spec_ref import mxfp8_qdq_64
+    mag = mxfp8_qdq_64(bf16_64(x)).abs() @ w.double().abs().t()
+    assert ((got.double() - want).abs() <= 128 * 2 ** -24 * mag).all()
+    assert got.dtype == torch.float32
+
+
+def test_dense_linear_fp32():
+    x = _bf(4, 64, seed=2)
+    w = _bf(16, 64, seed=3)
+    got = dense_linear(x, w)
+    want = x.double() @ w.double().t()
+    assert ((got.double() - want).abs() <= 64 * 2 ** -24 * (x.double().abs() @ w.double().abs().t())).all()
+
+
+def test_q_and_kv_projection(tables):
+    t, d, ql, h, hd = 5, TINY.hidden_size, TINY.q_lora_rank, TINY.num_attention_heads, TINY.head_dim
+    x = _bf(t, d, seed=4)
+    wq_a = torch.randn(ql, d, generator=_g(5)) * d ** -0.5
+    wq_b = torch.randn(h * hd, ql, generator=_g(6)) * ql ** -0.5
+    wkv = torch.randn(hd, d, generator=_g(7)) * d ** -0.5
+    q_norm, kv_norm = _bf(ql, seed=8, std=0.05, mean=1), _bf(hd, seed=9, std=0.05, mean=1)
+    cos, sin = gather_rope_rows(*tables, torch.tensor([0, 3, 17, 100, 255]))
+    qr, q = q_proj(x, wq_a, q_norm, wq_b, cos, sin, 1e-20, h, hd)
+    kv = kv_proj(x, wkv, kv_norm, cos, sin, 1e-20)
+    assert qr.shape == (t, ql) and q.shape == (t, h, hd) and kv.shape == (t, hd)
+    assert is_bf16(qr) and is_bf16(q) and is_bf16(kv)
+    qr_ref = rms_norm_64(bf16_64(mx_linear_64(x, wq_a)), q_norm)
+    bf16_ulp_close(qr, qr_ref, ulps=2)
+    # q from the impl's qr (isolates this stage): RoPE(bf16(qr wq_b)), no per-head normalisation
+    q_ref = _rope_ref(bf16_64(mx_linear_64(qr, wq_b)).reshape(t, h, hd), cos, sin)
+    assert_rows_close(q, q_ref, "q")
+    nope = hd - TINY.qk_rope_head_dim
+    bf16_ulp_close(q[..., :nope], bf16_64(mx_linear_64(qr, wq_b)).reshape(t, h, hd)[..., :nope], ulps=1)
+    kv_ref = _rope_ref(rms_norm_64(bf16_64(mx_linear_64(x, wkv)), kv_norm), cos, sin)
+    assert_rows_close(kv, kv_ref, "kv")
+
+
+# ---- compressor ------------------------------------------------------------------------------
+
+def _md_three_requests(state_rows):
+    """req0: prefill positions 0..6; req1: continues at 5 (odd: partner in the ring), 4 tokens;
+    req2: continues at 2 with 2 tokens (a chunk shorter than the ring)."""
+    return lower(TINY, torch.tensor([0, 7, 11, 13], dtype=I32), torch.tensor([0, 5, 2], dtype=I32),
+                 torch.tensor([[0], [1], [2]], dtype=I32),
+                 {**{s: torch.tensor([[0], [1], [2]], dtype=I32) for s in (2, 8, 14)},
+                  20: torch.tensor([[3], [4], [5]], dtype=I32)},
+                 {s: torch.tensor(state_rows, dtype=I32) for s in (2, 8, 14)})
+
+
+@pytest.fixture(scope="module")
+def comp_inputs():
+    d, hd = TINY.hidden_size, TINY.head_dim
+    x = _bf(13, d, seed=10)
+    wkv = torch.randn(hd, d, generator=_g(11)) * d ** -0.5
+    wgate = torch.randn(hd, d, generator=_g(12)) * d ** -0.5
+    norm_w = _bf(hd, seed=13, std=0.05, mean=1)
+    ring = torch.randn(3 * 4, 2 * hd, generator=_g(14))
+    return x, wkv, wgate, norm_w, ring
+
+
+def test_compressor_ratio2_pooling_partner_and_ring(comp_inputs):
+    x, wkv, wgate, norm_w, ring = comp_inputs
+    hd = wkv.shape[0]
+    md = _md_three_requests([[2], [0], [1]])
+    ring_before = ring.clone()
+    out = compress_ratio2(x, wkv, wgate, norm_w, 1e-20, md, ring, md.state_block_tables[2], 4)
+    assert torch.equal(ring, ring_before)                        # pure: writes are returned, not applied
+    pos = md.position_ids.tolist()
+    kv = x.double() @ wkv.double().t()
+    sc = x.double() @ wgate.double().t()
+    blk = {0: 2, 1: 0, 2: 1}
+    first_row = {0: 0, 1: 7, 2: 11}
+    req = md.token_to_req_indices.tolist()
+    closes = [p % 2 == 1 for p in pos]
+    assert out.closes.tolist() == closes
+    for t in range(13):
+        if not closes[t]:
+            assert (out.latent[t] == 0).all()                    # even positions publish nothing
+            continue
+        if t == first_row[req[t]]:                               # chunk start: partner from the ring
+            prow = ring_before[blk[req[t]] * 4 + (pos[t] - 1) % 4].double()
+            kv_p, sc_p = prow[:hd], prow[hd:]
+        else:
+            kv_p, sc_p = kv[t - 1], sc[t - 1]
+        m = torch.maximum(sc_p, sc[t])
+        e0, e1 = torch.exp(sc_p - m), torch.exp(sc[t] - m)
+        pooled = bf16_64((e0 * kv_p + e1 * kv[t]) / (e0 + e1))
+        bf16_ulp_close(out.latent[t], rms_norm_64(pooled, norm_w), ulps=2)
+    # ring writes: last min(4, chunk) rows of each request at slot blk*4 + p % 4, value [kv | sc]
+    want = {}
+    for r, (lo, hi) in enumerate([(0, 7), (7, 11), (11, 13)]):
+        for t in range(max(lo, hi - 4), hi):
+            want[blk[r] * 4 + pos[t] % 4] = t
+    assert sorted(out.ring_slots.tolist()) == sorted(want)
+    assert len(set(out.ring_slots.tolist())) == out.ring_slots.numel()
+    for slot, row in zip(out.ring_slots.tolist(), out.ring_rows):
+        t = want[slot]
+        ref = torch.cat([kv[t], sc[t]])
+        mag = torch.cat([x.double().abs() @ wkv.double().abs().t(), x.double().abs() @ wgate.double().abs().t()], 1)[t]
+        assert ((row.double() - ref).abs() <= 64 * 2 ** -24 * mag).all()   # FP32 kept, never narrowed
+    assert sorted(out.ring_slots.tolist()) == [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]
+
+
+def test_compressor_ratio2_inactive_state_block(comp_inputs):
+    x, wkv, wgate, norm_w, ring = comp_inputs
+    md = _md_three_requests([[2], [-1], [1]])
+    out = compress_ratio2(x, wkv, wgate, norm_w, 1e-20, md, ring, md.state_block_tables[2], 4)
+    assert not out.closes[7:11].any() and (out.latent[7:11] == 0).all()
+    assert sorted(out.ring_slots.tolist()) == [6, 7, 8, 9, 10, 11]       # req1 writes nothing
+
+
+def test_compressor_ratio1_and_index_key(comp_inputs):
+    x, wkv, _, norm_w, _ = comp_inputs
+    md = _md_three_requests([[2], [0], [1]])
+    out = compress_ratio1(x, wkv, norm_w, 1e-20, md)
+    assert out.closes.all() and out.ring_slots.numel() == 0
+    bf16_ulp_close(out.latent, rms_norm_64(bf16_64(x.double() @ wkv.double().t()), norm_w), ulps=2)
+    ihd = TINY.index_head_dim
+    wk = _bf(ihd, wkv.shape[0], seed=15, std=0.1)
+    k_norm = _bf(ihd, seed=16, std=0.05, mean=1)
+    key = index_key(out.latent, wk, k_norm, 1e-20)
+    bf16_ulp_close(key, rms_norm_64(bf16_64(out.latent.double() @ wk.double().t()), k_norm), ulps=2)
+
+
+# ---- index query and scores ------------------------------------------------------------------
+
+def _fp4_e8m0_qdq_ref(v: torch.Tensor, group=32) -> torch.Tensor:
+    g = v.double().reshape(-1, group)
+    out = torch.empty_like(g)
+    for i, row in enumerate(g):
+        s = 2.0 ** ceil_log2_exact(max(float(row.abs().max()), 6 * 2.0 ** -126) / 6.0)
+        for j, a in enumerate(row.tolist()):
+            c = fp4_code_ref(min(max(a / s, -6.0), 6.0))
+            out[i, j] = (-1 if c & 8 else 1) * FP4_LEVELS[c & 7] * s
+    return out.reshape(v.shape)
+
+
+def test_index_query_recipe(tables):
+    t, d, ql, nh, ihd = 4, TINY.hidden_size, TINY.q_lora_rank, TINY.index_n_heads, TINY.index_head_dim
+    qr, x = _bf(t, ql, seed=17), _bf(t, d, seed=18)
+    wq_b = torch.randn(nh * ihd, ql, generator=_g(19)) * ql ** -0.5
+    wp = _bf(nh, d, seed=20, std=d ** -0.5)
+    cos, sin = gather_rope_rows(*tables, torch.tensor([1, 2, 40, 200]))
+    q_plain, w = index_query(qr, x, wq_b, wp, cos, sin, nh, ihd, fp4_query=False)
+    q_fp4, w2 = index_query(qr, x, wq_b, wp, cos, sin, nh, ihd, fp4_query=True)
+    assert q_plain.shape == (t, nh, ihd) and w.shape == (t, nh)
+    assert torch.equal(w, w2)
+    q_ref = _rope_ref(bf16_64(mx_linear_64(qr, wq_b)).reshape(t, nh, ihd), cos, sin)
+    assert_rows_close(q_plain, q_ref, "index q")
+    # official rule: the RoPE'd query is FP4 fake-quantized (group 32 over the flattened heads, E8M0)
+    assert torch.equal(q_fp4.double().reshape(t, -1), _fp4_e8m0_qdq_ref(q_plain.reshape(t, -1)))
+    # head weights: bf16(x wp) * ihd^-1/2 * nh^-1/2, no further rounding
+    w_ref = bf16_64(x.double() @ wp.double().t()) * (ihd ** -0.5 * nh ** -0.5)
+    assert torch.allclose(w.double(), w_ref, rtol=2 ** -22, atol=0)
+    # FLASH dims (32 heads x 128): the scaling is exactly 2^-6, so wI = bf16(x wp) / 64 bit-exactly
+    wp32 = _bf(32, d, seed=37, std=d ** -0.5)
+    wq32 = torch.randn(32 * 128, ql, generator=_g(38)) * ql ** -0.5
+    c32, s32 = gather_rope_rows(*precompute_rope_tables(FLASH, 4, COMPRESSED), torch.tensor([0, 1, 2, 3]))
+    _, w32 = index_query(qr, x, wq32, wp32, c32, s32, 32, 128)
+    assert torch.equal(w32.double(), bf16_64(x.double() @ wp32.double().t()) * 2.0 ** -6)
+
+
+def _dyadic(shape, seed, lo, hi, denom):
+    g = _g(seed)
+    return torch.randint(lo, hi + 1, shape, generator=g).float() / denom
+
+
+def test_index_scores_rounding_recipe():
+    # dyadic inputs make every FP32 step exact, so the only roundings are the recipe's BF16 ones
+    t, nh, d, p = 3, 4, 32, 20
+    q = _dyadic((t, nh, d), 21, -16, 16, 8)
+    keys = _dyadic((t, p, d), 22, -16, 16, 8)
+    w = _dyadic((t, nh), 23, 0, 32, 16)
+    visible = torch.rand(t, p, generator=_g(24)) < 0.8
+    s = index_scores(q, w, keys, visible)
+    want = torch.full((t, p), -INF, dtype=torch.float64)
+    for i in range(t):
+        for j in range(p):
+            if not visible[i, j]:
+                continue
+            total = 0.0
+            for h in range(nh):
+                dot = float(bf16_64(torch.tensor(sum(float(q[i, h, k]) * float(keys[i, j, k]) for k in range(d)),
+                                                 dtype=torch.float64)))
+                term = float(bf16_64(torch.tensor(max(dot, 0.0) * float(w[i, h]), dtype=torch.float64)))
+                total += term
+            want[i, j] = float(bf16_64(torch.tensor(total, dtype=torch.float64)))
+    assert torch.equal(s.double(), want)
+    # the recipe differs from an unrounded FP32 score on these inputs (the test can see roundings)
+    raw = (torch.relu(torch.einsum("thd,tpd->thp", q.double(), keys.double())) * w.double().unsqueeze(-1)).sum(1)
+    assert not torch.equal(raw.masked_fill(~visible, -INF), want)
+
+
+def _topk_ref(scores, k):
+    out = []
+    for row in scores.tolist():
+        elig = [(v, j) for j, v in enumerate(row) if math.isfinite(v)]
+        pick = sorted(elig, key=lambda e: (-e[0], e[1]))[:k]
+        ids = sorted(j for _, j in pick)
+        out.append(ids + [-1] * (k - len(ids)))
+    return out
+
+
+def test_topk_positions_contract():
+    g = _g(25)
+    t, p, k = 12, 40, 8
+    scores = torch.randint(0, 6, (t, p), generator=g).float()       # many ties
+    scores[torch.rand(t, p, generator=g) < 0.3] = -INF
+    scores[0] = -INF                                                # nothing eligible
+    scores[1, :3] = torch.tensor([1.0, 2.0, 3.0])                   # fewer finite than k
+    scores[1, 3:] = -INF
+    scores[2] = 5.0                                                 # all tied -> lowest positions
+    got = topk_positions(scores, k)
+    assert got.shape == (t, k)
+    assert got.tolist() == _topk_ref(scores, k)
+    assert got[0].tolist() == [-1] * k
+    assert got[1].tolist() == [0, 1, 2] + [-1] * 5
+    assert got[2].tolist() == list(range(8))
+    for i in range(t):
+        ids = [j for j in got[i].tolist() if j >= 0]
+        n_fin = int(torch.isfinite(scores[i]).sum())
+        assert len(ids) == min(k, n_fin)
+        assert ids == sorted(set(ids))                              # unique, ascending
+        assert all(math.isfinite(scores[i, j].item()) for j in ids)
+        assert got[i].tolist()[len(ids):] == [-1] * (k - len(ids))  # -1 padded at the end
+
+
+def test_topk_k_larger_than_width():
+    s = torch.tensor([[3.0, -INF, 1.0]])
+    assert topk_positions(s, 5).tolist() == [[0, 2, -1, -1, -1]]
+
+
+def _candidate_ref(scores, lens, n_blocks, block):
+    t, p = scores.shape
+    nb = math.ceil(p / block)
+    out = torch.zeros(t, p, dtype=torch.bool)
+    for i in range(t):
+        bs = []
+        for b in range(nb):
+            vals = scores[i, b * block:(b + 1) * block].tolist()
+            bs.append(max(vals + [-INF] * (block - len(vals))))
+        L = int(lens[i])
+        if L > 0:
+            bs[(L - 1) // block] = INF
+        order = sorted(range(nb), key=lambda b: (-bs[b], b))[:min(n_blocks, nb)]
+        for b in order:
+            if bs[b] > -INF:
+                out[i, b * block:min((b + 1) * block, p)] = True
+    return out
+
+
+def test_candidate_mask_blocks_pin_and_top():
+    g = _g(26)
+    t, p, block, nbk = 6, 30, 4, 3
+    lens = torch.tensor([30, 13, 1, 0, 9, 22])
+    scores = torch.randn(t, p, generator=g)
+    scores[torch.arange(p).unsqueeze(0) >= lens.unsqueeze(1)] = -INF
+    scores[5, 20:22] = -100.0                                       # newest block scores lowest: pinned anyway
+    got = candidate_mask(scores, lens, nbk, block)
+    assert got.dtype == torch.bool and got.shape == (t, p)
+    assert torch.equal(got, _candidate_ref(scores, lens, nbk, block))
+    assert got[5, 20:22].all()                                       # pinned newest block kept
+    assert got[2, :4].all() and not got[2, 4:].any()                 # only one finite block
+    assert not got[3].any()                                          # L = 0 -> nothing
+    assert got[4].sum() <= nbk * block
+    # the kept set of a full row is the pinned block + the best other blocks by block max
+    bmax = [scores[0, b * 4:(b + 1) * 4].max().item() for b in range(7)]
+    best = sorted(range(7), key=lambda b: -bmax[b])
+    want_blocks = {7} | set([b for b in best if b != 7][:2])
+    assert {j // 4 for j in torch.nonzero(got[0]).flatten().tolist()} == want_blocks
+
+
+def test_candidate_mask_all_visible_when_few_blocks():
+    s = torch.randn(2, 10, generator=_g(27))
+    assert candidate_mask(s, torch.tensor([10, 10]), 3, 4).all()
+
+
+@pytest.mark.parametrize("rows,width,budget,leaf", [(100, 70, 4096, 64), (5, 10, 1 << 20, 64), (7, 1000, 100, 64),
+                                                    (0, 10, 4096, 64), (33, 0, 4096, 64)])
+def test_score_chunks_cover_rows_and_fit_budget(rows, width, budget, leaf):
+    chunks = score_chunks(rows, width, budget, leaf)
+    covered = [r for a, b in chunks for r in range(a, b)]
+    assert covered == list(range(rows))                              # every row exactly once, in order
+    padded = max(1, math.ceil(width / leaf)) * leaf
+    for a, b in chunks:
+        assert b > a
+        assert (b - a) * 4 * padded <= budget or b - a == 1          # fits (a single row always runs)
+
+
+def test_physical_rows_mapping():
+    table = torch.tensor([[3, 1], [0, 2]], dtype=I32)
+    pos = torch.tensor([[0, 17, -1], [15, 16, 31]])
+    got = physical_rows(pos, torch.tensor([0, 1]), table, 16)
+    assert got.tolist() == [[48, 17, -1], [15, 32, 47]]
+
+
+# ---- paged caches ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,width", [("window", 64), ("compressed", 64), ("index", 32)])
+def test_cache_publish_only_addressed_rows(kind, width):
+    fmt = kv_cache.FORMATS[kind]
+    payload, scale = fmt.empty(10, width)
+    payload = torch.randint(0, 255, payload.shape, generator=_g(28), dtype=torch.uint8).view(payload.dtype) \
+        if payload.dtype == torch.uint8 else payload
+    before = (payload.clone(), scale.clone())
+    vals = _bf(3, width, seed=29)
+    kv_cache.publish(payload, scale, fmt, torch.tensor([4, -1, 7]), vals)
+    untouched = [r for r in range(10) if r not in (4, 7)]
+    assert torch.equal(payload[untouched].view(torch.uint8), before[0][untouched].view(torch.uint8))
+    assert torch.equal(scale[untouched].view(torch.uint8), before[1][untouched].view(torch.uint8))
+    got = kv_cache.read(payload, scale, fmt, torch.tensor([[4, 7, -1]]))
+    assert got.shape == (1, 3, width)
+    assert (got[0, 2] == 0).all()                                    # -1 reads as zeros
+    want = fmt.decode(*fmt.encode(vals[[0, 2]]))
+    assert torch.equal(got[0, :2], want)
+    with pytest.raises(ValueError, match="slots"):
+        kv_cache.publish(payload, scale, fmt, torch.tensor([10]), vals[:1])
+
+
+def test_cache_layouts():
+    assert kv_cache.FORMATS["window"].empty(2, 512)[1].shape == (2, 16)
+    p, s = kv_cache.FORMATS["compressed"].empty(2, 512)
+    assert p.shape == (2, 256) and s.shape == (2, 32) and s.dtype == torch.float8_e4m3fn
+    p, s = kv_cache.FORMATS["index"].empty(2, 128)
+    assert p.shape == (2, 64) and s.shape == (2, 4) and s.dtype == torch.uint8
+    assert kv_cache.FORMATS["window"].row_bytes(512) == 528
+    assert kv_cache.FORMATS["compressed"].row_bytes(512) == 288
+    assert kv_cache.FORMATS["index"].row_bytes(128) == 68
+
+
+# ---- sparse attention -----------------------------------------------------------------------------
+
+def _dense_attention_ref(q, keys, valid, sink, scale):
+    """Plain softmax over [valid logits, sink] with the sink column dropped (float64)."""
+    t, h, d = q.shape
+    out = torch.zeros(t, h, d, dtype=torch.float64)
+    for i in range(t):
+        kk = keys[i][valid[i]].double()
+        if kk.shape[0] == 0:
+            continue
+        logits = (q[i].double() @ kk.t()) * scale                  # [h, n]
+        full = torch.cat([logits, sink.double().unsqueeze(1)], 1)
+        p = torch.softmax(full, 1)[:, :-1]
+        out[i] = p @ kk
+    return out
+
+
+@pytest.fixture(scope="module")
+def attn_inputs():
+    t, h, d, k = 6, 8, 64, 150
+    q = _bf(t, h, d, seed=30, std=2.0)
+    keys = _bf(t, k, d, seed=31)
+    valid = torch.rand(t, k, generator=_g(32)) < 0.7
+    sink = torch.randn(h, generator=_g(33))
+    return q, keys, valid, sink, d ** -0.5
+
+
+def test_sparse_attention_all_valid_equals_dense(attn_inputs):
+    q, keys, _, sink, scale = attn_inputs
+    valid = torch.ones(keys.shape[:2], dtype=torch.bool)
+    out = sparse_attention(q, keys, valid, sink, scale)
+    assert out.shape == q.shape and is_bf16(out)
+    assert_rows_close(out, _dense_attention_ref(q, keys, valid, sink, scale), "attention")
+
+
+def test_sparse_attention_masked_keys_equal_dense_over_valid(attn_inputs):
+    q, keys, valid, sink, scale = attn_inputs
+    valid = valid.clone()
+    valid[3] = False                                                 # a row with no valid key
+    valid[4] = False
+    valid[4, 149] = True                                             # a single key at the very end
+    out = sparse_attention(q, keys, valid, sink, scale)
+    assert (out[3] == 0).all()                                       # exactly 0
+    ref = _dense_attention_ref(q, keys, valid, sink, scale)
+    rows = [0, 1, 2, 4, 5]
+    assert_rows_close(out[rows], ref[rows], "attention")
+
+
+def test_sparse_attention_huge_sink_gives_zero(attn_inputs):
+    q, keys, valid, _, scale = attn_inputs
+    h = q.shape[1]
+    for big in (1000.0, 10000.0):
+        out = sparse_attention(q, keys, valid, torch.full((h,), big), scale)
+        assert torch.isfinite(out).all()
+        assert out.abs().max().item() <= 1e-30
+
+
+def test_sparse_attention_per_head_sink_only_in_denominator(attn_inputs):
+    q, keys, _, _, scale = attn_inputs
+    valid = torch.zeros(keys.shape[:2], dtype=torch.bool)
+    valid[:, 0] = True                                               # one key: out = K * e^l / (e^l + e^sink)
+    sink = torch.linspace(-3, 3, q.shape[1])
+    out = sparse_attention(q, keys, valid, sink, scale)
+    ref = _dense_attention_ref(q, keys, valid, sink, scale)
+    assert_rows_close(out, ref, "attention")
+    lg = (q.double() * keys[:, :1].double()).sum(-1) * scale        # [t, h]
+    frac = torch.sigmoid(lg - sink.double())
+    assert torch.allclose(ref, frac.unsqueeze(-1) * keys[:, :1].double(), atol=1e-12)
+
+
+# ---- output projection -------------------------------------------------------------------------------
+
+def test_o_proj_partial_and_tp_reduction(tables):
+    t, h, hd, g, r, d = 4, TINY.num_attention_heads, TINY.head_dim, TINY.o_groups, TINY.o_lora_rank, TINY.hidden_size
+    attended = _bf(t, h, hd, seed=34)
+    cos, sin = gather_rope_rows(*tables, torch.tensor([0, 5, 9, 77]))
+    wo_a = _bf(g, r, h * hd // g, seed=35, std=(h * hd // g) ** -0.5)
+    wo_b = torch.randn(d, g * r, generator=_g(36)) * (g * r) ** -0.5
+    full = reduce_partials([o_proj_partial(attended, cos, sin, wo_a, wo_b)])
+    a = _rope_ref(attended, cos, sin, inverse=True).reshape(t, g, -1)
+    z = bf16_64(torch.einsum("tgi,gri->tgr", a, wo_a.double())).reshape(t, -1)
+    ref = bf16_64(mx_linear_64(z, wo_b))
+    assert is_bf16(full)
+    assert_rows_close(full, ref, "o_proj")
+    # TP=2: each rank owns half the heads / groups / wo_b input columns; the FP32 sum gives the same
+    hl, gl = h // 2, g // 2
+    parts = [o_proj_partial(attended[:, i * hl:(i + 1) * hl], cos, sin, wo_a[i * gl:(i + 1) * gl],
+                            wo_b[:, i * gl * r:(i + 1) * gl * r]) for i in range(2)]
+    assert_rows_close(reduce_partials(parts), ref, "o_proj tp2")
+
+
+def test_reduce_partials_rank_order_one_rounding():
+    a = torch.tensor([[2.0 ** 24]])
+    b = torch.tensor([[1.0]])
+    c = torch.tensor([[-(2.0 ** 24)]])
+    # (a + b) + c in FP32 = 0 (2^24 + 1 rounds to 2^24); other orders would give 1
+    assert reduce_partials([a, b, c]).item() == 0.0
+    assert reduce_partials([a, c, b]).item() == 1.0
+    x = torch.tensor([[1.0 + 2 ** -9]])
+    assert reduce_partials([x, torch.zeros(1, 1)]).item() == 1.0    # one BF16 rounding of the sum

@@ -1,0 +1,133 @@
+"""Graph-level golden checks: the graph on every executor and layout equals the monolithic reference."""
+import random
+
+import pytest
+import torch
+
+from dsv41.cluster import state as card_state
+from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.runtime import Hooks, NodeError
+from dsv41.config import TINY, Topology
+from dsv41.ops.reference import ReferenceModel
+
+STEPS = 4
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in (21, 9)]
+
+
+def _run(engine, prompts, steps=STEPS):
+    logits = [engine.prefill(prompts)]
+    rids = list(engine.last_request_ids)
+    tokens = [torch.argmax(logits[-1], -1).tolist()]
+    for _ in range(steps):
+        logits.append(engine.decode(tokens[-1], rids))
+        tokens.append(torch.argmax(logits[-1], -1).tolist())
+    return tokens, logits
+
+
+def within_seed_bounds(actual, ref):
+    """Per row: RMS(err) <= 1e-6 + 0.01 RMS(ref) and max|err| <= 1e-5 + 0.05 RMS(ref); non-finite fails."""
+    err = actual - ref
+    rms_ref = ref.pow(2).mean(-1).sqrt()
+    ok = (err.pow(2).mean(-1).sqrt() <= 1e-6 + 0.01 * rms_ref) & (err.abs().amax(-1) <= 1e-5 + 0.05 * rms_ref)
+    return bool(torch.isfinite(actual).all() and ok.all())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run(ReferenceModel(TINY, seed=0, max_batch=2, max_context=64), _prompts())
+
+
+LAYOUTS = [(1, 1), (2, 2), (4, 1)]
+
+
+@pytest.mark.parametrize("executor", ["sync", "threads"])
+@pytest.mark.parametrize("wiring", ["replicated", "sharded"])
+@pytest.mark.parametrize("tp,dp", LAYOUTS)
+def test_graph_matches_reference(reference, tp, dp, wiring, executor):
+    engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), seed=0, executor=executor, wiring=wiring,
+                         max_batch=2, max_context=64)
+    tokens, logits = _run(engine, _prompts())
+    ref_tokens, ref_logits = reference
+    assert tokens == ref_tokens
+    for a, r in zip(logits, ref_logits):
+        assert within_seed_bounds(a, r)
+
+
+def test_node_and_submission_granularity_bit_identical():
+    runs = {}
+    for gran in ("submission", "node"):
+        engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="threads", granularity=gran,
+                             wiring="sharded", max_batch=2, max_context=64)
+        tokens, logits = _run(engine, _prompts(), steps=2)
+        runs[gran] = (tokens, logits, engine.last_stats)
+    (t1, l1, s1), (t2, l2, s2) = runs["submission"], runs["node"]
+    assert t1 == t2 and all(torch.equal(a, b) for a, b in zip(l1, l2))
+    assert s1["nodes"] == s2["nodes"] and s1["submissions"] < s2["submissions"] == s2["nodes"]
+
+
+def test_distributed_matches_reference(reference):
+    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="distributed", wiring="sharded",
+                         max_batch=2, max_context=64)
+    try:
+        tokens, logits = _run(engine, _prompts(), steps=2)
+    finally:
+        engine.close()
+    assert tokens == reference[0][:3]
+    assert all(within_seed_bounds(a, r) for a, r in zip(logits, reference[1]))
+
+
+def _snapshot():
+    def raw(t):
+        return t.view(torch.uint8).clone() if t.element_size() == 1 else t.clone()
+    return {c: {name: tuple(raw(t) for t in ts) for name, ts in st.caches.committed.items()}
+            for c, st in card_state.STATES.items()}
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for c in a for name in a[c] for x, y in zip(a[c][name], b[c][name]))
+
+
+@pytest.mark.parametrize("where", ["random", "cache.commit@c1"])
+def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
+    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="threads", wiring="sharded",
+                         max_batch=2, max_context=64)
+    prompts = _prompts()
+    logits = engine.prefill(prompts)
+    rids = list(engine.last_request_ids)
+    toks = torch.argmax(logits, -1).tolist()
+    before = _snapshot()
+    tables = [(dict(t.requests), list(t.pools.window)) for t in engine.tables]
+    # decode graphs have the prefill graph's keys except for the number of index chunks
+    keys = sorted(k for k in engine.last_graph.nodes if "/index#" not in k)
+    target = random.Random(3).choice(keys) if where == "random" else where
+    engine.inject_failure(target)
+    try:
+        with pytest.raises(NodeError, match=f"node {target}"):
+            engine.decode(toks, rids)
+    finally:
+        engine.inject_failure(None)
+    assert _same(before, _snapshot())
+    assert [(dict(t.requests), list(t.pools.window)) for t in engine.tables] == tables
+    again = engine.decode(toks, rids)
+    assert torch.argmax(again, -1).tolist() == reference[0][1]
+    assert Hooks.fail_at is None
+
+
+def test_inputs_validated_before_any_node_runs():
+    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="sync", max_batch=2, max_context=64)
+    before = _snapshot()
+    with pytest.raises(ValueError, match="token_ids"):
+        engine.prefill([[TINY.vocab_size]])
+    with pytest.raises(ValueError, match="batch"):
+        engine.prefill([[1, 2]] * 3)
+    with pytest.raises(ValueError, match="token_ids"):
+        engine.prefill([[1] * 80])
+    assert _same(before, _snapshot()) and engine.active == []
+    with pytest.raises(ValueError, match="Topology.tp=8: must divide o_groups=4"):
+        GraphEngine(TINY, Topology(8, 1, 8))
+    with pytest.raises(ValueError, match="Topology.ep: must equal tp\\*dp"):
+        Topology(2, 2, 2)

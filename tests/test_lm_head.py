@@ -1,0 +1,69 @@
+"""LM head (spec 01 §5): row selection, FP32 logits, vocab shards, greedy argmax."""
+import pytest
+import torch
+
+from dsv41.config import FLASH
+from dsv41.ops.lm_head import greedy, logits_shard, select_rows, vocab_shard
+from _spec_ref import bf16_64
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_select_rows_minus_one_is_zero_and_clamps():
+    hidden = bf16_64(torch.randn(6, 16, generator=_g(0))).float()
+    rows = select_rows(hidden, torch.tensor([-1, 0, 5, 100], dtype=torch.int32))
+    assert (rows[0] == 0).all()
+    assert torch.equal(rows[1], hidden[0]) and torch.equal(rows[2], hidden[5])
+    assert torch.equal(rows[3], hidden[5])                          # clamped into [0, T-1]
+    empty = select_rows(torch.zeros(0, 16), torch.tensor([-1, -1]))
+    assert empty.shape == (2, 16) and (empty == 0).all()
+
+
+def test_zero_row_gives_zero_logits_and_argmax_zero():
+    hidden = bf16_64(torch.randn(3, 16, generator=_g(1))).float()
+    head = bf16_64(torch.randn(40, 16, generator=_g(2))).float()
+    logits = logits_shard(select_rows(hidden, torch.tensor([2, -1])), head)
+    assert logits.dtype == torch.float32 and logits.shape == (2, 40)
+    assert (logits[1] == 0).all()
+    assert greedy(logits)[1].item() == 0
+
+
+def test_logits_fp32_vs_exact():
+    rows = bf16_64(torch.randn(4, 128, generator=_g(3))).float()
+    head = bf16_64(torch.randn(64, 128, generator=_g(4)) * 128 ** -0.5).float()
+    got = logits_shard(rows, head).double()
+    want = rows.double() @ head.double().t()
+    bound = 128 * 2 ** -24 * (rows.double().abs() @ head.double().abs().t())
+    assert ((got - want).abs() <= bound).all()
+
+
+def test_greedy_lowest_id_on_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, 0.0, 0.0, 0.0], [-1.0, -5.0, -1.0, -2.0]])
+    assert greedy(logits).tolist() == [1, 0, 0]
+    big = torch.zeros(1, FLASH.vocab_size)
+    big[0, [70000, 129279, 300]] = 7.0
+    assert greedy(big).tolist() == [300]
+
+
+def test_vocab_shards_concatenate_to_full():
+    vocab, d = 96, 32
+    rows = bf16_64(torch.randn(3, d, generator=_g(5))).float()
+    head = bf16_64(torch.randn(vocab, d, generator=_g(6))).float()
+    want = rows.double() @ head.double().t()
+    bound = d * 2 ** -24 * (rows.double().abs() @ head.double().abs().t())
+    for tp in (1, 2, 4, 8):
+        slices = [vocab_shard(vocab, tp, r) for r in range(tp)]
+        assert [s.start for s in slices] == [r * vocab // tp for r in range(tp)]
+        assert slices[-1].stop == vocab
+        full = torch.cat([logits_shard(rows, head[s]) for s in slices], 1)
+        assert full.shape == (3, vocab)
+        assert ((full.double() - want).abs() <= bound).all()
+        assert torch.equal(greedy(full), torch.argmax(want, -1))
+    assert vocab_shard(FLASH.vocab_size, 8, 1) == slice(16160, 32320)
+
+
+def test_vocab_shard_rejects_uneven_split():
+    with pytest.raises(ValueError, match="tp"):
+        vocab_shard(100, 8, 0)

@@ -1,0 +1,146 @@
+"""MoE (spec 03 §2-3, 04 §1 6a-6d): router, SwiGLU expert with the clamp, dispatch and combine."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.config import FLASH, TINY
+from dsv41.ops.moe import combine, dispatch_rows, expert, route
+from _spec_ref import assert_rows_close, bf16_64, is_bf16, mx_linear_64, mxfp8_qdq_64
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _route_ref(x, w, b, k, scaling):
+    z = x.double() @ w.double().t()
+    sp = torch.clamp_min(z, 0) + torch.log1p(torch.exp(-z.abs()))
+    s = torch.sqrt(sp)
+    c = s + b.double()
+    idx, wts = [], []
+    for i in range(x.shape[0]):
+        pick = sorted(range(w.shape[0]), key=lambda e: (-float(c[i, e]), e))[:k]
+        tot = sum(float(s[i, e]) for e in pick)
+        idx.append(pick)
+        wts.append([scaling * float(s[i, e]) / (tot + 1e-20) for e in pick])
+    return torch.tensor(idx), torch.tensor(wts, dtype=torch.float64)
+
+
+def test_route_vs_independent():
+    t, d, e = 32, TINY.hidden_size, TINY.n_routed_experts
+    x = bf16_64(torch.randn(t, d, generator=_g(0))).float()
+    w = bf16_64(torch.randn(e, d, generator=_g(1)) * d ** -0.5).float()
+    b = torch.randn(e, generator=_g(2)) * 0.1
+    idx, wts = route(x, w, b, TINY.num_experts_per_tok, TINY.routed_scaling_factor)
+    ridx, rw = _route_ref(x, w, b, 6, 1.5)
+    assert idx.shape == (t, 6) and wts.dtype == torch.float32
+    assert torch.equal(idx.long(), ridx)                         # descending biased score
+    assert torch.allclose(wts.double(), rw, rtol=1e-6, atol=0)
+    assert torch.allclose(wts.double().sum(-1), torch.full((t,), 1.5, dtype=torch.float64), rtol=1e-6)
+    assert FLASH.routed_scaling_factor == 1.5 and FLASH.num_experts_per_tok == 6
+
+
+def test_route_bias_only_selects():
+    d, e = 8, 16
+    x = torch.ones(1, d)
+    w = torch.zeros(e, d)
+    w[:6] = 1.0                                                   # experts 0..5 have the big score
+    b = torch.zeros(e)
+    b[13] = 100.0                                                 # expert 13 selected through its bias only
+    idx, wts = route(x, w, b, 6, 1.5)
+    assert idx[0, 0].item() == 13
+    s_big = math.sqrt(F.softplus(torch.tensor(8.0, dtype=torch.float64)).item())
+    s_zero = math.sqrt(math.log(2.0))
+    # weights from the unbiased scores: 13 has s(0), the five others s(8)
+    tot = s_zero + 5 * s_big
+    assert math.isclose(wts[0, 0].item(), 1.5 * s_zero / tot, rel_tol=1e-6)
+    assert all(math.isclose(v, 1.5 * s_big / tot, rel_tol=1e-6) for v in wts[0, 1:].tolist())
+    assert sorted(idx[0, 1:].tolist()) == [0, 1, 2, 3, 4]         # expert 5 pushed out by the bias
+
+
+def test_route_ties_go_to_smaller_id():
+    d, e = 4, 16
+    x = torch.ones(2, d)
+    w = torch.zeros(e, d)
+    b = torch.full((e,), -10.0)
+    b[[0, 1, 2, 4, 5]] = 10.0
+    b[[3, 7, 11]] = 5.0                                           # a three-way tie for the last slot
+    idx, _ = route(x, w, b, 6, 1.5)
+    assert idx[0].tolist() == [0, 1, 2, 4, 5, 3]
+    b2 = torch.zeros(e)                                           # everything tied: lowest six ids
+    idx, wts = route(x, w, b2, 6, 1.5)
+    assert idx[1].tolist() == [0, 1, 2, 3, 4, 5]
+    assert torch.allclose(wts, torch.full((2, 6), 0.25))
+
+
+def test_expert_clamps_gate_above_only_and_up_both_sides():
+    # x = e_0 makes g_i = w1[i, 0] and u_i = w3[i, 0] exactly; w2 = I exposes h per 32-group
+    d, inter = 64, 96
+    x = torch.zeros(1, d)
+    x[0, 0] = 1.0
+    w1, w3 = torch.zeros(inter, d), torch.zeros(inter, d)
+    w1[0, 0], w3[0, 0] = 20.0, 15.0          # group 0: gate clamped to 10, up clamped to 10
+    w1[32, 0], w3[32, 0] = -20.0, 10.0       # group 1: gate NOT clamped below: silu(-20) * 10
+    w1[64, 0], w3[64, 0] = 1.0, -15.0        # group 2: up clamped at -10
+    w2 = torch.eye(inter)
+    y = expert(x, w1, w2, w3, 10.0)
+    assert is_bf16(y)
+
+    def h(g, u):
+        g, u = min(g, 10.0), max(min(u, 10.0), -10.0)
+        return g / (1 + math.exp(-g)) * u
+
+    hv = torch.zeros(1, inter, dtype=torch.float64)
+    hv[0, 0], hv[0, 32], hv[0, 64] = h(20, 15), h(-20, 10), h(1, -15)
+    want = bf16_64(mxfp8_qdq_64(bf16_64(hv)))
+    assert torch.allclose(y.double(), want, rtol=2 ** -4, atol=0)
+    assert abs(y[0, 32].item()) < 1e-6                           # a lower clamp would give -4.5e-3
+    assert 90 < y[0, 0].item() < 110 and -8 < y[0, 64].item() < -6.5
+    # the routing weight scales h before w2 (a power of two commutes with the MXFP8 steps)
+    y_half = expert(x, w1, w2, w3, 10.0, weight=torch.tensor([0.5]))
+    assert torch.equal(y_half, y * 0.5)
+
+
+def test_expert_vs_independent():
+    t, d, inter = 6, 64, 64
+    x = bf16_64(torch.randn(t, d, generator=_g(3))).float()
+    w1 = torch.randn(inter, d, generator=_g(4)) * 3 * d ** -0.5
+    w3 = torch.randn(inter, d, generator=_g(5)) * 3 * d ** -0.5
+    w2 = torch.randn(d, inter, generator=_g(6)) * inter ** -0.5
+    wt = torch.rand(t, generator=_g(7))
+    y = expert(x, w1, w2, w3, 10.0, weight=wt)
+    g = bf16_64(mx_linear_64(x, w1)).clamp(max=10.0)
+    u = bf16_64(mx_linear_64(x, w3)).clamp(-10.0, 10.0)
+    hv = g * torch.sigmoid(g) * u * wt.double().unsqueeze(1)
+    ref = bf16_64(mx_linear_64(bf16_64(hv), w2))
+    assert_rows_close(y, ref, "expert")
+
+
+def test_dispatch_rows_in_token_slot_order():
+    idx = torch.tensor([[3, 1], [1, 5], [5, 3]])
+    rows = dispatch_rows(idx, range(8))
+    assert set(rows) == {1, 3, 5}
+    assert rows[1][0].tolist() == [0, 1] and rows[1][1].tolist() == [1, 0]
+    assert rows[3][0].tolist() == [0, 2] and rows[3][1].tolist() == [0, 1]
+    assert rows[5][0].tolist() == [1, 2] and rows[5][1].tolist() == [1, 0]
+
+
+def test_combine_ascending_expert_id_then_shared_one_rounding():
+    big = 2.0 ** 24
+    # insertion order 5, 9, 2 would give (big - big) + 1 = 1; ascending id 2, 5, 9: (1 + big) - big = 0
+    routed = {5: (torch.tensor([0]), torch.tensor([[big]])),
+              9: (torch.tensor([0]), torch.tensor([[-big]])),
+              2: (torch.tensor([0]), torch.tensor([[1.0]]))}
+    assert combine(routed, torch.zeros(1, 1)).item() == 0.0
+    # the shared expert is added after all routed rows
+    routed = {0: (torch.tensor([0]), torch.tensor([[big]])), 1: (torch.tensor([0]), torch.tensor([[-big]]))}
+    assert combine(routed, torch.ones(1, 1)).item() == 1.0
+    # one BF16 rounding of the FP32 sum: row 1 = 3 + 3*2^-8 -> 3 + 2^-6 (rounding after every add
+    # would stay at 3); row 0 = 1 + 2^-8 is a midpoint -> ties to even -> 1
+    routed = {0: (torch.tensor([0, 1]), torch.tensor([[1.0], [3.0]])),
+              4: (torch.tensor([1]), torch.tensor([[2.0 ** -8]])),
+              6: (torch.tensor([1]), torch.tensor([[2.0 ** -8]]))}
+    out = combine(routed, torch.tensor([[2.0 ** -8], [2.0 ** -8]]))
+    assert out.tolist() == [[1.0], [3.0 + 2.0 ** -6]]
+    assert is_bf16(out)
