@@ -1,8 +1,8 @@
 """Simulated device time (pypto SIM cost model, Ascend 910B) per kernel at TINY and FLASH per-card shapes.
 
 python bench/pypto_sim_table.py [--no-cold]
-TINY: one decode step of one DP group at TP1 (48 rows). FLASH: one decode step per card at TP4
-(192 rows per DP group, 16 local heads). Times land in the default cache (traces/pypto-cache/), so
+TINY: one decode step of one DP group at TP1 (48 rows). FLASH: one decode step per card at TP4,
+EP8 (192 rows per DP group, 16 local heads, 48 local experts). Times land in the default cache (traces/pypto-cache/), so
 a rerun prints the table without simulating. The cold/warm part uses a throwaway cache file.
 """
 from __future__ import annotations
@@ -19,16 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv41.config import FLASH, TINY  # noqa: E402
 from dsv41.kernels.pypto_backend import SimCache, node_parts, sim_time_us  # noqa: E402
 
-SETS = {"TINY": (TINY, TINY.decode_max_tokens, 1), "FLASH": (FLASH, FLASH.decode_max_tokens, 4)}
+SETS = {"TINY": (TINY, TINY.decode_max_tokens, 1, 1), "FLASH": (FLASH, FLASH.decode_max_tokens, 4, 8)}
 
 
 def fmt(shapes: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in shapes.items())
 
 
-def unique_parts(cfg, rows, tp) -> list[tuple[str, dict]]:
+def unique_parts(cfg, rows, tp, ep) -> list[tuple[str, dict]]:
     seen, out = set(), []
-    for parts in node_parts(cfg, rows, tp).values():
+    for parts in node_parts(cfg, rows, tp, ep).values():
         for k, s in parts:
             key = (k, tuple(sorted(s.items())))
             if key not in seen:
@@ -38,16 +38,16 @@ def unique_parts(cfg, rows, tp) -> list[tuple[str, dict]]:
 
 
 def table() -> None:
-    for name, (cfg, rows, tp) in SETS.items():
-        print(f"\n## {name}: {rows} rows, TP{tp}\n")
+    for name, (cfg, rows, tp, ep) in SETS.items():
+        print(f"\n## {name}: {rows} rows per DP group, TP{tp} EP{ep}\n")
         print(f"| kernel | shapes | sim µs | wall s |\n|---|---|---|---|")
-        for k, s in unique_parts(cfg, rows, tp):
+        for k, s in unique_parts(cfg, rows, tp, ep):
             t0 = time.perf_counter()
             us = sim_time_us(k, s)
             wall = time.perf_counter() - t0
             print(f"| {k} | {fmt(s)} | {'FAILED' if us is None else f'{us:.2f}'} | {wall:.2f} |", flush=True)
         print(f"\n| graph node | parts | sum µs |\n|---|---|---|")
-        for node, parts in node_parts(cfg, rows, tp).items():
+        for node, parts in node_parts(cfg, rows, tp, ep).items():
             times = [sim_time_us(k, s) for k, s in parts]
             total = "n/a" if None in times else f"{sum(times):.2f}"
             print(f"| {node} | {len(parts)} | {total} |")

@@ -227,16 +227,24 @@ TINY = replace(
 ).validate()
 
 SMALL = replace(
-    FLASH, name="small", vocab_size=8192, hidden_size=512, num_attention_heads=16, head_dim=128,
-    qk_rope_head_dim=32, q_lora_rank=256, o_lora_rank=128, o_groups=8, sliding_window=64,
-    n_routed_experts=64, moe_intermediate_size=256, index_n_heads=8, index_head_dim=64, index_topk=64,
-    candidate_topk_blocks=32, candidate_block_size=8, max_position_embeddings=16384,
-    original_max_position_embeddings=4096, engram_vocab_size=50000, engram_n_heads=4, engram_head_dim=64,
-    engram_compressed_vocab_size=8192, block_size=64, max_batch_per_dp=16, prefill_max_tokens=2048,
+    FLASH, name="small", vocab_size=4096, hidden_size=256, num_attention_heads=8, head_dim=128,
+    qk_rope_head_dim=32, q_lora_rank=128, o_lora_rank=64, o_groups=4, sliding_window=64,
+    n_routed_experts=16, moe_intermediate_size=128, index_n_heads=8, index_head_dim=64, index_topk=64,
+    candidate_topk_blocks=16, candidate_block_size=8, max_position_embeddings=16384,
+    original_max_position_embeddings=4096, engram_vocab_size=5000, engram_n_heads=2, engram_head_dim=32,
+    engram_compressed_vocab_size=4096, block_size=64, max_batch_per_dp=16, prefill_max_tokens=2048,
     index_score_budget_bytes=1 << 20, index_score_leaf=512,
 ).validate()
 
 PRESETS = {"tiny": TINY, "small": SMALL, "flash": FLASH}
+
+
+def slab(t: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first, count) of a TP rank's contiguous token rows; the physical width ceil(t/tp) is the same
+    for every rank, so ranks past the active rows own none."""
+    width = -(-t // tp) if t else 0
+    first = min(rank * width, t)
+    return first, max(0, min(width, t - first))
 
 
 @dataclass(frozen=True)

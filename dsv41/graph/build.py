@@ -13,21 +13,12 @@ Wirings (both as the seed describes):
 """
 from __future__ import annotations
 
-import math
-
-from dsv41.config import FULL, REINDEX, SWA, ModelConfig, Topology
+from dsv41.config import FULL, REINDEX, SWA, ModelConfig, Topology, slab
 from dsv41.graph.graph import Graph
 from dsv41.ops.indexer import score_chunks
 from dsv41.ops.rope import COMPRESSED, PLAIN, profile_for
 
 REPLICATED, SHARDED = "replicated", "sharded"
-
-
-def slab(t: int, tp: int, rank: int) -> tuple[int, int]:
-    """(first, count) of rank's contiguous rows; the physical width is ceil(t/tp) for every rank."""
-    width = math.ceil(t / tp) if t else 0
-    first = min(rank * width, t)
-    return first, max(0, min(width, t - first))
 
 
 def local_rows(t: int, tp: int, rank: int, wiring: str) -> list[int]:

@@ -20,17 +20,22 @@ __all__ = ["PYPTO_KERNELS", "MATMUL_ALIASES", "KernelSpec", "SimCache", "cache_k
            "close_workers", "default_cache", "node_parts", "node_time_us", "sim_time_us", "verify_kernel"]
 
 
-def node_parts(cfg, rows: int, tp: int = 1) -> dict[str, list[tuple[str, dict]]]:
-    """The pypto kernel calls that stand for one graph node on one card, for ``rows`` tokens.
+def node_parts(cfg, rows: int, tp: int = 1, ep: int | None = None) -> dict[str, list[tuple[str, dict]]]:
+    """The pypto kernel calls that stand for one graph node on one card, for ``rows`` tokens per DP group.
 
     Keyed by the graph's node kernel; a node's pypto time is the sum over its parts (``node_time_us``).
     MX (FP8) linears are simulated as BF16 matmuls: pypto 0.2.0 rejects FP8/FP4 matmul on its only
-    platform (Ascend 910B). ``attn.softmax_tile`` is one 64-key tile of every local head; a leaf
-    runs ceil(valid keys / 64) of them.
+    platform (Ascend 910B). ``attn.tile`` is one 64-key tile (scores, softmax, PV) of every local
+    head; an ``attn.leaf.*`` node runs ceil(valid keys / 64) of them. ``moe.experts`` is a grouped
+    GEMM over the rank's experts with the mean routed rows per expert (ep = tp * dp cards), padded to 16.
     """
     h, hd, half = cfg.num_attention_heads // tp, cfg.head_dim, cfg.qk_rope_head_dim // 2
     d, r, groups = cfg.hidden_size, cfg.q_lora_rank, cfg.o_groups // tp
+    ep = ep or tp
+    routed = rows * (ep // tp) * cfg.num_experts_per_tok
+    per_expert = -(-max(1, -(-routed // cfg.n_routed_experts)) // 16) * 16
     rope = dict(T=rows, H=h, dim=hd, half=half)
+    tile = dict(T=rows, H=h, K=64, d=hd)
     return {
         "norm.rms": [("norm.rms", dict(T=rows, D=d))],
         "rope.rows": [("rope.rows", dict(T=rows, C=cfg.max_position_embeddings, half=half))],
@@ -41,17 +46,25 @@ def node_parts(cfg, rows: int, tp: int = 1) -> dict[str, list[tuple[str, dict]]]
         "attn.kv_proj": [("attn.kv_proj", dict(M=rows, K=d, N=hd)), ("norm.rms", dict(T=rows, D=hd)),
                          ("rope.apply", dict(rope, H=1))],
         "attn.softmax_tile": [("attn.softmax_tile", dict(R=rows * h, K=64))],
+        "attn.tile": [("attn.qk_tile", tile), ("attn.softmax_tile", dict(R=rows * h, K=64)),
+                      ("attn.pv_tile", tile)],
         "attn.o_proj": [("rope.apply", dict(rope, inverse=1))]
                        + [("attn.o_proj", dict(M=rows, K=cfg.o_group_in, N=cfg.o_lora_rank))] * groups
                        + [("attn.o_proj", dict(M=rows, K=groups * cfg.o_lora_rank, N=d))],
         "moe.gate": [("moe.gate", dict(T=rows, D=d, E=cfg.n_routed_experts))],
+        "moe.experts": [("moe.experts", dict(G=cfg.n_routed_experts // ep, T=per_expert, D=d,
+                                             I=cfg.moe_intermediate_size))],
+        "moe.shared": [("moe.shared", dict(G=1, T=rows, D=d, I=cfg.moe_intermediate_size * cfg.n_shared_experts))],
         "lm_head.shard": [("lm_head.shard", dict(M=rows, K=d, N=cfg.vocab_size // tp))],
     }
 
 
-def node_time_us(node_kernel: str, cfg, rows: int, tp: int = 1, **kw) -> float | None:
-    """Summed pypto µs of a graph node's parts; None if it has no pypto form or any part failed."""
-    parts = node_parts(cfg, rows, tp).get(node_kernel)
+def node_time_us(node_kernel: str, cfg, rows: int, tp: int = 1, ep: int | None = None, **kw) -> float | None:
+    """Summed pypto µs of a graph node's parts; None if it has no pypto form or any part failed.
+
+    kw go to ``sim_time_us`` (mode, cache, simulate).
+    """
+    parts = node_parts(cfg, rows, tp, ep).get(node_kernel)
     if not parts:
         return None
     times = [sim_time_us(k, s, **kw) for k, s in parts]

@@ -213,3 +213,63 @@ def softmax_tile(s, d, run_mode):
         pypto.set_vec_tile_shapes(RT, K)
         probs[:] = pypto.cast(pypto.softmax(scores, -1), OUT)
     return softmax_k
+
+
+def attn_qk_tile(s, d, run_mode):
+    """logits [T, H, K] = scale * q [T, H, d] . keys [T, K, d]: one key tile, batched over tokens."""
+    T, H, K, DD, SCALE = s["T"], s["H"], s["K"], s["d"], float(s["scale"])
+    ACT = DT[d["act"]]
+    TM, TK, TN = cube_tiles(H, DD, K)
+    RT = vec_rows(H, K)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def qk_tile_k(q: pypto.Tensor((T, H, DD), ACT), keys: pypto.Tensor((T, K, DD), ACT),
+                  logits: pypto.Tensor((T, H, K), pypto.DT_FP32)):
+        pypto.set_cube_tile_shapes(TM, TK, TN)
+        z = pypto.matmul(q, keys, pypto.DT_FP32, b_trans=True)
+        pypto.set_vec_tile_shapes(1, RT, K)
+        logits[:] = pypto.mul(z, SCALE)
+    return qk_tile_k
+
+
+def attn_pv_tile(s, d, run_mode):
+    """out [T, H, d] = probs [T, H, K] @ values [T, K, d] (K = V, the shared head), FP32 accumulation."""
+    T, H, K, DD = s["T"], s["H"], s["K"], s["d"]
+    ACT = DT[d["act"]]
+    TM, TK, TN = cube_tiles(H, K, DD)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def pv_tile_k(probs: pypto.Tensor((T, H, K), ACT), values: pypto.Tensor((T, K, DD), ACT),
+                  out: pypto.Tensor((T, H, DD), pypto.DT_FP32)):
+        pypto.set_cube_tile_shapes(TM, TK, TN)
+        out[:] = pypto.matmul(probs, values, pypto.DT_FP32)
+    return pv_tile_k
+
+
+def moe_experts(s, d, run_mode):
+    """G SwiGLU experts as batched matmuls over padded rows [G, T, D] (a grouped GEMM).
+
+    g = min(bf16(x w1^T), limit), u = clip(bf16(x w3^T), +-limit), h = silu(g) u weight,
+    y = bf16(bf16(h) w2^T). BF16 weights stand in for MXFP8 (FP8 matmul is rejected on this platform).
+    """
+    G, T, D, I, LIM = s["G"], s["T"], s["D"], s["I"], float(s["limit"])
+    ACT, W = DT[d["act"]], DT[d["w"]]
+    T1, K1, N1 = cube_tiles(T, D, I)
+    T2, K2, N2 = cube_tiles(T, I, D)
+    RT = vec_rows(T, I)
+
+    @pypto.frontend.jit(runtime_options=_opts(run_mode))
+    def experts_k(x: pypto.Tensor((G, T, D), ACT), w1: pypto.Tensor((G, I, D), W), w3: pypto.Tensor((G, I, D), W),
+                  w2: pypto.Tensor((G, D, I), W), weight: pypto.Tensor((G, T, 1), pypto.DT_FP32),
+                  y: pypto.Tensor((G, T, D), ACT)):
+        pypto.set_cube_tile_shapes(T1, K1, N1)
+        g = pypto.matmul(x, w1, pypto.DT_BF16, b_trans=True)
+        u = pypto.matmul(x, w3, pypto.DT_BF16, b_trans=True)
+        pypto.set_vec_tile_shapes(1, RT, I)
+        gf = pypto.minimum(pypto.cast(g, pypto.DT_FP32), LIM)
+        uf = pypto.minimum(pypto.maximum(pypto.cast(u, pypto.DT_FP32), -LIM), LIM)
+        h = pypto.mul(pypto.mul(pypto.mul(gf, pypto.sigmoid(gf)), uf), weight)
+        hb = pypto.cast(h, pypto.DT_BF16)
+        pypto.set_cube_tile_shapes(T2, K2, N2)
+        y[:] = pypto.matmul(hb, w2, ACT, b_trans=True)
+    return experts_k

@@ -98,7 +98,7 @@ class KernelSpec:
                 n = min(2, p.numel())
                 p.view(-1)[:n] = torch.tensor([-1, s["C"] - 1], dtype=torch.int32)[:n]
                 out[a.name] = p
-            elif a.name in ("pre", "post", "comb"):
+            elif a.name in ("pre", "post", "comb", "weight", "probs"):
                 out[a.name] = torch.rand(a.shape, generator=g)
             else:
                 x = torch.randn(a.shape, generator=g)
@@ -206,6 +206,51 @@ def _softmax_golden(i, s, d):
     return {"probs": _out(torch.softmax(i["scores"].float(), -1), d["out"])}
 
 
+def _qk_layout(s, d):
+    t, h, k, dd = s["T"], s["H"], s["K"], s["d"]
+    return [Arg("q", (t, h, dd), d["act"], "in"), Arg("keys", (t, k, dd), d["act"], "in"),
+            Arg("logits", (t, h, k), "fp32", "out")]
+
+
+def _qk_golden(i, s, d):
+    return {"logits": torch.einsum("thd,tkd->thk", i["q"].float(), i["keys"].float()) * s["scale"]}
+
+
+def _pv_layout(s, d):
+    t, h, k, dd = s["T"], s["H"], s["K"], s["d"]
+    return [Arg("probs", (t, h, k), d["act"], "in"), Arg("values", (t, k, dd), d["act"], "in"),
+            Arg("out", (t, h, dd), "fp32", "out")]
+
+
+def _pv_golden(i, s, d):
+    # the PV product of dsv41.ops.attention.sparse_attention for one tile (probabilities already BF16)
+    return {"out": torch.einsum("thk,tkd->thd", i["probs"].float(), i["values"].float())}
+
+
+def _experts_layout(s, d):
+    g, t, dd, n = s["G"], s["T"], s["D"], s["I"]
+    return [Arg("x", (g, t, dd), d["act"], "in"), Arg("w1", (g, n, dd), d["w"], "in"),
+            Arg("w3", (g, n, dd), d["w"], "in"), Arg("w2", (g, dd, n), d["w"], "in"),
+            Arg("weight", (g, t, 1), "fp32", "in"), Arg("y", (g, t, dd), d["act"], "out")]
+
+
+def _experts_golden(i, s, d):
+    """dsv41.ops.moe.expert with dense BF16 linears in place of the MXFP8 ones."""
+    lim = s["limit"]
+    x = i["x"].float()
+    g = round_bf16(x @ i["w1"].float().transpose(1, 2)).clamp(max=lim)
+    u = round_bf16(x @ i["w3"].float().transpose(1, 2)).clamp(-lim, lim)
+    h = F.silu(g) * u * i["weight"]
+    return {"y": _out(round_bf16(h) @ i["w2"].float().transpose(1, 2), d["act"])}
+
+
+def _experts_spec(name: str) -> KernelSpec:
+    return KernelSpec(name, "moe_experts", ("G", "T", "D", "I"), _experts_layout, _experts_golden,
+                      dict(G=2, T=16, D=128, I=64),
+                      lambda i: dict(G=i["x"].shape[0], T=i["x"].shape[1], D=i["x"].shape[2], I=i["w1"].shape[1]),
+                      defaults={"limit": 10.0}, dtypes={"act": "bf16", "w": "bf16"})
+
+
 def _mm_spec(name: str, example: dict) -> KernelSpec:
     return KernelSpec(name, "matmul", ("M", "K", "N"), _mm_layout, _mm_golden, example,
                       lambda i: dict(M=i["x"].shape[0], K=i["x"].shape[1], N=i["w"].shape[0]),
@@ -238,6 +283,17 @@ def _specs() -> dict[str, KernelSpec]:
         KernelSpec("attn.softmax_tile", "softmax_tile", ("R", "K"), _softmax_layout, _softmax_golden,
                    dict(R=384, K=64), lambda i: dict(R=i["scores"].shape[0], K=i["scores"].shape[1]),
                    dtypes={"out": "bf16"}),
+        KernelSpec("attn.qk_tile", "attn_qk_tile", ("T", "H", "K", "d"), _qk_layout, _qk_golden,
+                   dict(T=8, H=8, K=64, d=64),
+                   lambda i: dict(T=i["q"].shape[0], H=i["q"].shape[1], K=i["keys"].shape[1], d=i["q"].shape[2]),
+                   defaults={"scale": 1.0}, dtypes={"act": "bf16"}),
+        KernelSpec("attn.pv_tile", "attn_pv_tile", ("T", "H", "K", "d"), _pv_layout, _pv_golden,
+                   dict(T=8, H=8, K=64, d=64),
+                   lambda i: dict(T=i["probs"].shape[0], H=i["probs"].shape[1], K=i["probs"].shape[2],
+                                  d=i["values"].shape[2]),
+                   dtypes={"act": "bf16"}),
+        _experts_spec("moe.experts"),
+        _experts_spec("moe.shared"),
     ]
     mm_example = dict(M=48, K=256, N=128)
     for name in ("matmul", "attn.q_proj", "attn.kv_proj", "attn.o_proj", "lm_head.shard"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.config import slab
 from dsv41.ops import mhc, reference as ref
 from dsv41.ops.embed import embed_rows, pack_lanes
 from dsv41.ops.lm_head import greedy, logits_shard, select_rows
@@ -96,7 +97,6 @@ def all_gather(st, node, *slabs):
 @kernel("tp.reduce_scatter")
 def reduce_scatter(st, node, *partials):
     """FP32 sum in rank order, one BF16 rounding, keep this rank's slab."""
-    from dsv41.graph.build import slab
     first, count = slab(partials[0].shape[0], st.topo.tp, st.tp_rank)
     return reduce_partials(list(partials))[first:first + count]
 
