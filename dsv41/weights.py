@@ -111,6 +111,65 @@ def init_checkpoint(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return ck
 
 
+def checkpoint_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor ``init_checkpoint`` draws, without drawing it: the FLASH
+    checkpoint (~300 GB) can be sized but never allocated here. Kept in step with init_checkpoint by
+    a test that compares the two on TINY."""
+    d, hd, hc, g = cfg.hidden_size, cfg.head_dim, cfg.hc_mult, cfg.mx_group
+    f32, bf16 = torch.float32, torch.bfloat16
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def fp8(name, n, k):
+        out[f"{name}.weight"], out[f"{name}.scale"] = ((n, k), torch.float8_e4m3fn), ((n // g, k // g), E8M0)
+
+    def fp4(name, n, k):
+        out[f"{name}.weight"], out[f"{name}.scale"] = ((n, k // 2), torch.int8), ((n, k // g), E8M0)
+
+    out["embed.weight"], out["norm.weight"] = ((cfg.vocab_size, d), bf16), ((d,), bf16)
+    out["head.weight"] = ((cfg.vocab_size, d), bf16)
+    for spec in cfg.layers:
+        p = f"layers.{spec.layer}."
+        for site in ("attn", "ffn"):
+            out[f"{p}hc_{site}_fn"] = ((cfg.mix_hc, cfg.hc_dim), f32)
+            out[f"{p}hc_{site}_scale"], out[f"{p}hc_{site}_base"] = ((3,), f32), ((cfg.mix_hc,), f32)
+        out[f"{p}attn_norm.weight"], out[f"{p}ffn_norm.weight"] = ((d,), bf16), ((d,), bf16)
+        a = f"{p}attn."
+        fp8(f"{a}wq_a", cfg.q_lora_rank, d)
+        fp8(f"{a}wq_b", cfg.num_attention_heads * hd, cfg.q_lora_rank)
+        fp8(f"{a}wkv", hd, d)
+        fp8(f"{a}wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.o_group_in)
+        fp8(f"{a}wo_b", d, cfg.o_groups * cfg.o_lora_rank)
+        out[f"{a}q_norm.weight"], out[f"{a}kv_norm.weight"] = ((cfg.q_lora_rank,), bf16), ((hd,), bf16)
+        out[f"{a}attn_sink"] = ((cfg.num_attention_heads,), f32)
+        if spec.mode == FULL:
+            out[f"{a}compressor.wkv.weight"] = ((hd, d), bf16)
+            if spec.ratio == 2:
+                out[f"{a}compressor.wgate.weight"] = ((hd, d), bf16)
+            out[f"{a}compressor.norm.weight"] = ((hd,), bf16)
+            out[f"{a}indexer.wk.weight"] = ((cfg.index_head_dim, hd), bf16)
+            out[f"{a}indexer.k_norm.weight"] = ((cfg.index_head_dim,), bf16)
+        if spec.layer in cfg.index_source_layer_ids:
+            fp8(f"{a}indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+            out[f"{a}indexer.weights_proj.weight"] = ((cfg.index_n_heads, d), bf16)
+        f = f"{p}ffn."
+        out[f"{f}gate.weight"], out[f"{f}gate.bias"] = ((cfg.n_routed_experts, d), bf16), ((cfg.n_routed_experts,), f32)
+        inter = cfg.moe_intermediate_size
+        for e in range(cfg.n_routed_experts):
+            fp4(f"{f}experts.{e}.w1", inter, d)
+            fp4(f"{f}experts.{e}.w2", d, inter)
+            fp4(f"{f}experts.{e}.w3", inter, d)
+        fp8(f"{f}shared_experts.w1", inter, d)
+        fp8(f"{f}shared_experts.w2", d, inter)
+        fp8(f"{f}shared_experts.w3", inter, d)
+        if spec.layer in cfg.engram_layer_ids:
+            e, rows = f"{p}engram.", engram_table_rows(cfg, spec.layer)
+            out[f"{e}embed.weight"] = ((rows, cfg.engram_head_dim), torch.float8_e4m3fn)
+            out[f"{e}embed.scale"] = ((rows, cfg.engram_head_dim // g), E8M0)
+            fp8(f"{e}wkv", (hc + 1) * d, cfg.engram_lookup_dim)
+            out[f"{e}q_weight"], out[f"{e}k_weight"] = ((hc, d), bf16), ((hc, d), bf16)
+    return out
+
+
 def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Runtime weights: FP32 tensors of the exact quantized values, keyed by tensor name (no '.weight'
     suffix for quantized linears). wo_a becomes [groups, o_lora, group_in]."""

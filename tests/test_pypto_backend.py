@@ -12,8 +12,9 @@ import torch
 
 from dsv41.config import FLASH, TINY
 from dsv41.kernels import pypto_env
-from dsv41.kernels.pypto_backend import (PYPTO_KERNELS, SimCache, cache_key, check_npu, node_parts,
-                                         node_time_us, sim_time_us, verify_kernel)
+from dsv41.kernels.pypto_backend import (PYPTO_KERNELS, SimCache, cache_key, check_npu, device_time_us,
+                                         node_parts, node_time_us, sim_time_us, verify_kernel)
+from dsv41.kernels.pypto_specs import kernel_digest
 from dsv41.kernels.pypto_verify import row_check
 from dsv41.kernels.pypto_worker import e2e_us
 from dsv41.ops.rope import apply_rope
@@ -123,6 +124,26 @@ def test_check_npu_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ImportError
     with pytest.raises(RuntimeError, match=r"pypto-npu needs an Ascend NPU and torch_npu: "):
         check_npu()
+    fake = FakeSim()
+    with pytest.raises(RuntimeError, match="pypto-npu needs"):
+        device_time_us("pypto-npu", "norm.rms", dict(T=8, D=64), simulate=fake)
+    assert fake.calls == []
+    with pytest.raises(ValueError, match="backend"):
+        device_time_us("torch", "norm.rms", dict(T=8, D=64), simulate=fake)
+
+
+def test_device_time_us_sim_backend(tmp_path):
+    fake = FakeSim()
+    assert device_time_us("pypto-sim", "norm.rms", dict(T=8, D=64), cache=SimCache(tmp_path / "c.json"),
+                          simulate=fake) == 4.5
+
+
+def test_cache_key_tracks_kernel_code_not_comments():
+    k = cache_key("norm.rms", dict(T=8, D=64))
+    assert k.startswith("norm.rms|D=64,T=8,eps=1e-20|act=bf16,w=bf16|sim|r1-")
+    assert kernel_digest("rms_norm") != kernel_digest("matmul")
+    assert cache_key("attn.q_proj", dict(M=1, K=2, N=3)).split("|")[-1] == \
+        cache_key("matmul", dict(M=1, K=2, N=3)).split("|")[-1]  # aliases share the factory
 
 
 @pytest.mark.parametrize("inverse", [0, 1])

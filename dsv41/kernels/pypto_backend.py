@@ -12,12 +12,13 @@ model on CPU, measured on an NPU with ``mode="npu"``). Module map:
 from __future__ import annotations
 
 from dsv41.kernels.pypto_env import check_npu
-from dsv41.kernels.pypto_sim import SimCache, close_workers, default_cache, sim_time_us
+from dsv41.kernels.pypto_sim import (BACKEND_MODES, SimCache, close_workers, default_cache, device_time_us,
+                                     sim_time_us)
 from dsv41.kernels.pypto_specs import MATMUL_ALIASES, PYPTO_KERNELS, KernelSpec, cache_key
 from dsv41.kernels.pypto_verify import verify_kernel
 
-__all__ = ["PYPTO_KERNELS", "MATMUL_ALIASES", "KernelSpec", "SimCache", "cache_key", "check_npu",
-           "close_workers", "default_cache", "node_parts", "node_time_us", "sim_time_us", "verify_kernel"]
+__all__ = ["BACKEND_MODES", "PYPTO_KERNELS", "MATMUL_ALIASES", "KernelSpec", "SimCache", "cache_key",
+           "check_npu", "close_workers", "default_cache", "device_time_us", "node_parts", "node_time_us", "sim_time_us", "verify_kernel"]
 
 
 def node_parts(cfg, rows: int, tp: int = 1, ep: int | None = None) -> dict[str, list[tuple[str, dict]]]:
@@ -38,6 +39,8 @@ def node_parts(cfg, rows: int, tp: int = 1, ep: int | None = None) -> dict[str, 
     tile = dict(T=rows, H=h, K=64, d=hd)
     return {
         "norm.rms": [("norm.rms", dict(T=rows, D=d))],
+        "norm.final": [("norm.rms", dict(T=rows, D=d))],
+        "hc.head": [("hc.pre", dict(T=rows, hc=cfg.hc_mult, D=d))],
         "rope.rows": [("rope.rows", dict(T=rows, C=cfg.max_position_embeddings, half=half))],
         "hc.pre": [("hc.pre", dict(T=rows, hc=cfg.hc_mult, D=d))],
         "hc.post": [("hc.post", dict(T=rows, hc=cfg.hc_mult, D=d))],

@@ -27,7 +27,9 @@ from dsv41.kernels.pypto_specs import PYPTO_KERNELS, cache_key
 log = logging.getLogger("dsv41.pypto")
 
 START_TIMEOUT_S = 600.0  # a verify worker may build the calculator first (30-120 s)
-CALL_TIMEOUT_S = 300.0
+# a hung worker is killed after this; FLASH moe.experts (48 experts) takes ~200 s to simulate on 2 cores
+CALL_TIMEOUT_S = float(os.environ.get("DSV41_PYPTO_TIMEOUT_S", 900))
+LOG_MAX_BYTES = 8 << 20
 
 
 class SimCache:
@@ -96,7 +98,10 @@ class PyptoWorker:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(pypto_env.REPO), os.environ.get("PYTHONPATH")) if p)}
-        with open(self.root / f"worker-{self.mode}.log", "ab") as console:
+        log_file = self.root / f"worker-{self.mode}.log"
+        if log_file.exists() and log_file.stat().st_size > LOG_MAX_BYTES:
+            log_file.replace(log_file.with_suffix(".log.old"))
+        with open(log_file, "ab") as console:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "dsv41.kernels.pypto_worker", str(theirs.fileno()), self.mode, str(self.root)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
@@ -197,6 +202,18 @@ def default_cache() -> SimCache:
     if _DEFAULT_CACHE is None:
         _DEFAULT_CACHE = SimCache()
     return _DEFAULT_CACHE
+
+
+BACKEND_MODES = {"pypto-sim": "sim", "pypto-npu": "npu"}
+
+
+def device_time_us(backend: str, kernel: str, shapes: dict, dtypes=None, **kw) -> float | None:
+    """``sim_time_us`` by CLI backend name; pypto-npu first checks for an NPU (RuntimeError if absent)."""
+    if backend not in BACKEND_MODES:
+        raise ValueError(f"backend: must be one of {sorted(BACKEND_MODES)}, got {backend!r}")
+    if backend == "pypto-npu":
+        pypto_env.check_npu()
+    return sim_time_us(kernel, shapes, dtypes, mode=BACKEND_MODES[backend], **kw)
 
 
 def sim_time_us(kernel: str, shapes: dict, dtypes=None, *, mode: str = "sim", cache: SimCache | None = None,

@@ -6,7 +6,12 @@ No pypto import here: the parent process builds keys, inputs and goldens without
 """
 from __future__ import annotations
 
+import ast
+import functools
+import hashlib
+import importlib.metadata
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -306,10 +311,39 @@ PYPTO_KERNELS: dict[str, KernelSpec] = _specs()
 MATMUL_ALIASES = ("attn.q_proj", "attn.kv_proj", "attn.o_proj", "lm_head.shard")
 
 
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:]
+    return tree
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_digest(factory: str) -> str:
+    """Hash of one factory's code plus pypto_kernels.py's shared code (helpers, tile constants) and
+    the pypto version; comments and docstrings ignored.
+
+    Read with ast, not imported (import pypto costs 3 s). A retiled kernel gets new cache keys; a
+    comment edit or a newly added kernel keeps the others' keys.
+    """
+    tree = _strip_docstrings(ast.parse(Path(__file__).with_name("pypto_kernels.py").read_text()))
+    factories = {sp.factory for sp in PYPTO_KERNELS.values()}
+    shared = [n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name in factories)]
+    own = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == factory]
+    try:
+        version = importlib.metadata.version("pypto")
+    except importlib.metadata.PackageNotFoundError:
+        version = "none"
+    text = "".join(ast.dump(n) for n in shared + own) + version
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
 def cache_key(kernel: str, shapes: dict, dtypes=None, mode: str = "sim") -> str:
-    """Stable text key; includes the spec revision so a retiled kernel is simulated afresh."""
+    """Stable text key: normalized shapes and dtypes, run mode, spec revision and kernel-code digest."""
     spec = PYPTO_KERNELS[kernel]
     s, d = spec.normalize(shapes, dtypes)
     sk = ",".join(f"{k}={s[k]!r}" for k in sorted(s))
     dk = ",".join(f"{k}={d[k]}" for k in sorted(d))
-    return f"{kernel}|{sk}|{dk}|r{spec.rev}|{mode}"
+    return f"{kernel}|{sk}|{dk}|{mode}|r{spec.rev}-{kernel_digest(spec.factory)}"

@@ -139,7 +139,7 @@ def main(conn, mode: str, root: str) -> None:
     root_p = Path(root)
     os.environ.update(pypto_env.worker_env(root_p))
     os.environ["PATH"] = f"{pypto_env.python3_shim(root_p)}{os.pathsep}{os.environ.get('PATH', '')}"
-    log = open(root_p / f"worker-{mode}-{os.getpid()}.log", "ab", buffering=0)
+    log = open(root_p / f"worker-{mode}.log", "ab", buffering=0)  # the parent rotates it
     sys.stdout.flush(), sys.stderr.flush()
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)

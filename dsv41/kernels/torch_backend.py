@@ -202,15 +202,17 @@ def moe_dispatch(st, node, gate):
 def moe_experts(st, node, *dispatches):
     """This EP rank's experts on the rows every source sent: source -> expert -> (rows, BF16 out)."""
     p, cfg = f"layers.{node.layer}.ffn.experts.", st.cfg
-    out = {}
-    for src, d in zip(node.attrs["sources"], dispatches):
-        rows, eids, x, w = d[st.card]
-        res = {}
-        for e in sorted(set(eids.tolist())):
-            sel = eids == e
-            res[e] = (rows[sel], expert(x[sel], st.weights[f"{p}{e}.w1"], st.weights[f"{p}{e}.w2"],
-                                        st.weights[f"{p}{e}.w3"], cfg.swiglu_limit, w[sel]))
-        out[src] = res
+    parts = [d[st.card] for d in dispatches]
+    src = torch.cat([torch.full_like(rows, s) for s, (rows, *_) in zip(node.attrs["sources"], parts)])
+    rows, eids, x, w = (torch.cat(col) for col in zip(*parts))
+    out = {s: {} for s in node.attrs["sources"]}
+    for e in sorted(set(eids.tolist())):  # one call per expert over every source's rows
+        sel = eids == e
+        y = expert(x[sel], st.weights[f"{p}{e}.w1"], st.weights[f"{p}{e}.w2"], st.weights[f"{p}{e}.w3"],
+                   cfg.swiglu_limit, w[sel])
+        for s in src[sel].unique().tolist():
+            mine = src[sel] == s
+            out[s][e] = (rows[sel][mine], y[mine])
     return out
 
 
