@@ -222,6 +222,24 @@ def test_real_failure_leaves_caller_alive(tmp_path):
 
 
 @pytest.mark.slow
+def test_worker_killed_mid_call_is_reported_and_replaced(tmp_path):
+    """A worker that dies (segfault, exit(1)) mid-call: the caller gets None and the next call works."""
+    import os
+    import signal
+    import threading
+    from dsv41.kernels.pypto_sim import worker
+    w = worker("sim")
+    cache = SimCache(tmp_path / "sim.json")
+    assert sim_time_us("norm.rms", dict(T=8, D=64), cache=cache) > 0  # worker is up
+    pid = w._proc.pid
+    threading.Timer(0.3, os.kill, (pid, signal.SIGSEGV)).start()
+    assert sim_time_us("hc.post", dict(T=64, hc=4, D=1024), cache=cache) is None
+    assert "pypto worker died (signal 11)" in next(iter(cache.errors().values()))
+    assert sim_time_us("norm.rms", dict(T=16, D=64), cache=cache) > 0
+    assert w._proc.pid != pid
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", sorted(PYPTO_KERNELS))
 def test_verify_against_torch_golden(kernel):
     r = verify_kernel(kernel)

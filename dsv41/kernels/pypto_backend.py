@@ -4,7 +4,7 @@ Values always come from the Torch backend; pypto only contributes time (``sim_ti
 model on CPU, measured on an NPU with ``mode="npu"``). Module map:
   pypto_specs   - per-kernel argument layouts, goldens (dsv41.ops), the registry PYPTO_KERNELS
   pypto_kernels - the @pypto.frontend.jit factories (imported only in a worker)
-  pypto_worker  - the spawned process that runs pypto, its console sent to a log file
+  pypto_worker  - the subprocess that runs pypto, its console sent to a log file
   pypto_sim     - the memory + disk cache and the worker client
   pypto_verify  - pypto values vs Torch goldens
   pypto_env     - run folder, python3 shim, calculator build, check_npu
@@ -18,7 +18,8 @@ from dsv41.kernels.pypto_specs import MATMUL_ALIASES, PYPTO_KERNELS, KernelSpec,
 from dsv41.kernels.pypto_verify import verify_kernel
 
 __all__ = ["BACKEND_MODES", "PYPTO_KERNELS", "MATMUL_ALIASES", "KernelSpec", "SimCache", "cache_key",
-           "check_npu", "close_workers", "default_cache", "device_time_us", "node_parts", "node_time_us", "sim_time_us", "verify_kernel"]
+           "check_npu", "close_workers", "default_cache", "device_time_us", "node_parts", "node_time_us",
+           "sim_time_us", "verify_kernel"]
 
 
 def node_parts(cfg, rows: int, tp: int = 1, ep: int | None = None) -> dict[str, list[tuple[str, dict]]]:
@@ -57,7 +58,8 @@ def node_parts(cfg, rows: int, tp: int = 1, ep: int | None = None) -> dict[str, 
         "moe.gate": [("moe.gate", dict(T=rows, D=d, E=cfg.n_routed_experts))],
         "moe.experts": [("moe.experts", dict(G=cfg.n_routed_experts // ep, T=per_expert, D=d,
                                              I=cfg.moe_intermediate_size))],
-        "moe.shared": [("moe.shared", dict(G=1, T=rows, D=d, I=cfg.moe_intermediate_size * cfg.n_shared_experts))],
+        "moe.shared": [("moe.shared", dict(G=1, T=rows, D=d,
+                                           I=cfg.moe_intermediate_size * cfg.n_shared_experts))],
         "lm_head.shard": [("lm_head.shard", dict(M=rows, K=d, N=cfg.vocab_size // tp))],
     }
 

@@ -25,6 +25,7 @@ from dsv41.kernels import pypto_env
 from dsv41.kernels.pypto_specs import PYPTO_KERNELS, cache_key
 
 log = logging.getLogger("dsv41.pypto")
+log.addHandler(logging.NullHandler())  # no stderr fallback over the CLI's output; the CLI may add one
 
 START_TIMEOUT_S = 600.0  # a verify worker may build the calculator first (30-120 s)
 # a hung worker is killed after this; FLASH moe.experts (48 experts) takes ~200 s to simulate on 2 cores
