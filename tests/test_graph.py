@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from dsv41.cluster.plan import make_plan
-from dsv41.cluster.runtime import run_submission  # noqa: F401  (the dask dict references it)
 from dsv41.config import TINY, Topology
 from dsv41.graph.build import build, slab
 from dsv41.graph.graph import Graph, GraphError, Node

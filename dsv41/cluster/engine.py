@@ -19,7 +19,7 @@ from dsv41.cluster.runtime import Hooks, NodeError
 from dsv41.config import ModelConfig, Topology
 from dsv41.graph.build import SHARDED, build
 from dsv41.ops.reference import Options
-from dsv41.serving import RequestTable
+from dsv41.serving import RequestTable, StepModel
 
 EXECUTORS = ("sync", "threads", "distributed")
 
@@ -29,7 +29,7 @@ def _abort_all(step_id: int):
         st.caches.abort(step_id)
 
 
-class GraphEngine:
+class GraphEngine(StepModel):
     def __init__(self, cfg: ModelConfig, topo: Topology, seed: int = 0, executor: str = "threads",
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
@@ -68,15 +68,6 @@ class GraphEngine:
         return list(self.where)
 
     # ---- steps -------------------------------------------------------------------------------------
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        return self.step([(None, list(p)) for p in prompts], "prefill")
-
-    def decode(self, token_ids: list[int], request_ids: list[int] | None = None) -> torch.Tensor:
-        rids = self.active if request_ids is None else list(request_ids)
-        if len(token_ids) != len(rids):
-            raise ValueError(f"token_ids: expected one token per request ({len(rids)}), got {len(token_ids)}")
-        return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode")
-
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> torch.Tensor:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         placed = []                          # (group, index within the group's batch) per request

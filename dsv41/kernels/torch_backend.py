@@ -15,7 +15,7 @@ from dsv41.ops.moe import combine, expert
 from dsv41.ops.norm import rms_norm
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.projections import kv_proj, q_proj
-from dsv41.ops.rope import gather_rope_rows, materialize_rope_rows
+from dsv41.ops.rope import materialize_rope_rows
 
 KERNELS = {}
 

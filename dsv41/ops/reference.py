@@ -19,7 +19,7 @@ from dsv41.ops.embed import pack_x_hc
 from dsv41.ops.engram import engram
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
                                topk_positions)
-from dsv41.ops.lm_head import greedy, logits_shard, select_rows
+from dsv41.ops.lm_head import logits_shard, select_rows
 from dsv41.ops.metadata import ForwardMetadata
 from dsv41.ops.moe import combine, dispatch_rows, expert, route
 from dsv41.ops.norm import rms_norm
@@ -27,7 +27,7 @@ from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.projections import kv_proj, q_proj
 from dsv41.ops.rope import COMPRESSED, PLAIN, apply_rope, gather_rope_rows, precompute_rope_tables, profile_for
 from dsv41.ops.staged import StagedTensors
-from dsv41.serving import RequestTable, StepInputs
+from dsv41.serving import RequestTable, StepInputs, StepModel
 from dsv41.weights import decode_checkpoint, init_checkpoint
 
 
@@ -246,7 +246,7 @@ def forward(cfg: ModelConfig, w: dict, caches: StagedTensors, tables: dict, step
 
 
 
-class ReferenceModel:
+class ReferenceModel(StepModel):
     """Deterministic random (or loaded) weights, paged caches, continuous batching, greedy decode."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, max_batch: int | None = None,
@@ -279,31 +279,5 @@ class ReferenceModel:
         self.last_request_ids = step.rids
         return logits
 
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Start one request per prompt (positions from 0); returns last-row logits [B, vocab]."""
-        return self.step([(None, list(p)) for p in prompts], "prefill")
-
-    def decode(self, token_ids: list[int], request_ids: list[int] | None = None) -> torch.Tensor:
-        """One token per request (default: every active request, in admission order)."""
-        rids = self.active if request_ids is None else list(request_ids)
-        if len(token_ids) != len(rids):
-            raise ValueError(f"token_ids: expected one token per request ({len(rids)}), got {len(token_ids)}")
-        return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode")
-
     def release(self, rid: int):
         self.table.release(rid)
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuation of each prompt; its requests are released at the end."""
-        logits = self.prefill(prompts)
-        rids = list(self.last_request_ids)
-        out = [[] for _ in prompts]
-        for i in range(max_new_tokens):
-            toks = greedy(logits).tolist()
-            for o, t in zip(out, toks):
-                o.append(t)
-            if i + 1 < max_new_tokens:
-                logits = self.decode(toks, rids)
-        for r in rids:
-            self.release(r)
-        return out
