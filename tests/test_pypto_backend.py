@@ -201,7 +201,8 @@ def test_run_dir_is_configurable(monkeypatch, tmp_path):
 # ---- real pypto (slow) ---------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_real_sim_rms_norm_and_disk_cache(tmp_path):
+def test_real_sim_rms_norm_and_disk_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV41_PYPTO_RUN_DIR", str(tmp_path / "run"))  # a worker of its own
     path = tmp_path / "sim.json"
     us = sim_time_us("norm.rms", dict(T=16, D=256), cache=SimCache(path))
     assert us is not None and math.isfinite(us) and us > 0
@@ -210,7 +211,8 @@ def test_real_sim_rms_norm_and_disk_cache(tmp_path):
     def never(*a):
         raise AssertionError("simulated again")
     assert sim_time_us("norm.rms", dict(T=16, D=256), cache=SimCache(path), simulate=never) == us
-    assert not list((pypto_env.run_dir() / "out").glob("output_*"))  # removed after reading
+    assert not list((tmp_path / "run" / "out").glob("output_*"))  # removed after reading
+    assert not list(tmp_path.glob("output*")) and (tmp_path / "run" / "log").is_dir()
 
 
 @pytest.mark.slow
@@ -237,6 +239,7 @@ def test_worker_killed_mid_call_is_reported_and_replaced(tmp_path):
     assert "pypto worker died (signal 11)" in next(iter(cache.errors().values()))
     assert sim_time_us("norm.rms", dict(T=16, D=64), cache=cache) > 0
     assert w._proc.pid != pid
+    assert not list((w.root / "out").glob(f"output_*_{pid}_*"))  # the dead worker's dir is gone
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -136,6 +137,9 @@ class PyptoWorker:
             proc.wait()
         with contextlib.suppress(Exception):
             self._conn.close()
+        # a worker killed mid-call leaves its output dir (1-9 MB) behind
+        for left in (self.root / "out").glob(f"output_*_{proc.pid}_*"):
+            shutil.rmtree(left, ignore_errors=True)
         return proc.returncode
 
     def run(self, kernel: str, shapes: dict, dtypes: dict, args=None, timeout: float = CALL_TIMEOUT_S) -> dict:

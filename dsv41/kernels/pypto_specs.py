@@ -1,7 +1,8 @@
 """The Torch side of each PyPTO kernel: argument layout, derived index tables, example inputs, golden.
 
-A kernel's arguments are flat 2-D (or 1-D) tensors in the order the jit function takes them; callers
-may pass the model's natural shapes ([T, hc, D], [T, H, dim], [D]) and ``to_layout`` reshapes them.
+A kernel's arguments are 1-D to 3-D tensors in the order the jit function takes them, lanes and heads
+flattened into 2-D where the kernel works on rows; callers may pass the model's natural shapes
+([T, hc, D], [T, H, dim], [D]) and ``to_layout`` reshapes them.
 No pypto import here: the parent process builds keys, inputs and goldens without paying for it.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ class KernelSpec:
     defaults: dict = field(default_factory=dict)  # optional shape keys (eps, ...)
     dtypes: dict = field(default_factory=dict)    # dtype knobs and their defaults
     consts: Callable[[dict], dict] = lambda s: {}
-    rev: int = 1                                  # bump when the kernel's tiling changes: new cache keys
+    rev: int = 1  # bump when a layout here changes; pypto_kernels code changes re-key by themselves
 
     def __call__(self, shapes: dict, dtypes: dict | None = None, run_mode: str = "sim"):
         from dsv41.kernels import pypto_kernels

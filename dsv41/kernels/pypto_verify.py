@@ -28,8 +28,10 @@ def row_check(actual: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def verify_kernel(kernel: str, inputs: dict | None = None, *, shapes: dict | None = None, dtypes=None,
-                  seed: int = 0) -> dict:
-    """Run ``kernel`` through pypto (SIM + pass-verify) and compare every output with the Torch golden.
+                  seed: int = 0, mode: str = "verify") -> dict:
+    """Run ``kernel`` through pypto and compare every output with the Torch golden.
+
+    mode "verify": SIM with the pass-verify calculator (CPU); "npu": the real device (needs torch_npu).
 
     inputs: tensors by argument name, natural or layout shapes (None: seeded random inputs at
     ``shapes`` or the spec's small example shapes). Returns {kernel, shapes, ok, outputs: {name:
@@ -47,7 +49,9 @@ def verify_kernel(kernel: str, inputs: dict | None = None, *, shapes: dict | Non
     named = {a.name: t for a, t in zip(layout, args) if a.kind != "out"}
     golden = spec.golden(named, s, d)
     t0 = time.perf_counter()
-    reply = worker("verify").run(kernel, s, d, args)
+    if mode not in ("verify", "npu"):
+        raise ValueError(f"mode: must be 'verify' or 'npu', got {mode!r}")
+    reply = worker(mode).run(kernel, s, d, args)
     result = {"kernel": kernel, "shapes": s, "dtypes": d, "ok": False, "outputs": {}, "error": None,
               "wall_s": round(time.perf_counter() - t0, 3)}
     if not reply.get("ok"):

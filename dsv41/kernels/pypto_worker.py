@@ -81,7 +81,8 @@ class _Runner:
                                  pass_verify_save_tensor_dir=str(self.dump))
 
     def _new_outputs(self, before: set) -> list[Path]:
-        return sorted(p for p in self.out.glob("output_*") if p not in before)
+        # only this process's dirs (pypto names them by pid): other workers may share the folder
+        return sorted(p for p in self.out.glob(f"output_*_{os.getpid()}_*") if p not in before)
 
     def call(self, kernel: str, shapes: dict, dtypes: dict, args: list | None):
         from dsv41.kernels.pypto_specs import PYPTO_KERNELS
@@ -89,18 +90,18 @@ class _Runner:
         if args is None:  # timing only: values are irrelevant, index tables must be in range
             args = spec.to_layout(_zeros(spec, shapes, dtypes), shapes, dtypes)
         fn = spec(shapes, dtypes, self.mode)
+        outs_at = [i for i, a in enumerate(spec.args(shapes, dtypes)) if a.kind == "out"]
+        names = [a.name for a in spec.args(shapes, dtypes)]
         if self.mode == "npu":
-            return self._call_npu(fn, args)
-        before = set(self.out.glob("output_*"))
+            return self._call_npu(fn, args, {names[i]: i for i in outs_at})
+        before = set(self.out.glob(f"output_*_{os.getpid()}_*"))
         t0 = time.perf_counter()
         try:
             fn(*args)
             wall = time.perf_counter() - t0
             outs = self._new_outputs(before)
             if self.mode == "verify":
-                names = [a.name for a in spec.args(shapes, dtypes)]
-                outputs = {a.name: args[names.index(a.name)] for a in spec.args(shapes, dtypes) if a.kind == "out"}
-                return {"ok": True, "outputs": outputs, "wall_s": wall}
+                return {"ok": True, "outputs": {names[i]: args[i] for i in outs_at}, "wall_s": wall}
             if not outs:
                 raise RuntimeError("pypto wrote no output_* dir")
             us, n = e2e_us(outs[-1])
@@ -111,17 +112,23 @@ class _Runner:
             if self.mode == "verify":
                 shutil.rmtree(self.dump, ignore_errors=True)
 
-    def _call_npu(self, fn, args):
+    def _call_npu(self, fn, args, outs: dict[str, int]):
+        """Device time of the second launch (the first compiles; NPU runs reuse the KernelModule),
+        and the first launch's outputs so verify_kernel(mode="npu") can check real device values."""
         import torch
         dev = [a.to("npu") for a in args]
-        fn(*dev)  # first call compiles; the KernelModule cache makes later calls launch only
+        t0 = time.perf_counter()
+        fn(*dev)
         torch.npu.synchronize()
+        wall = time.perf_counter() - t0
+        values = {name: dev[i].cpu() for name, i in outs.items()}
         start, end = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
         start.record()
         fn(*dev)
         end.record()
         torch.npu.synchronize()
-        return {"ok": True, "us": start.elapsed_time(end) * 1000.0, "tasks": None, "wall_s": None}
+        return {"ok": True, "us": start.elapsed_time(end) * 1000.0, "tasks": None, "wall_s": wall,
+                "outputs": values}
 
 
 def _zeros(spec, shapes, dtypes) -> dict:
