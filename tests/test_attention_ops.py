@@ -14,9 +14,9 @@ from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physic
 from dsv41.ops.metadata import lower
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.projections import dense_linear, kv_proj, mx_linear, q_proj
-from dsv41.ops.rope import COMPRESSED, apply_rope, gather_rope_rows, precompute_rope_tables
+from dsv41.ops.rope import COMPRESSED, gather_rope_rows, precompute_rope_tables
 from _spec_ref import (FP4_LEVELS, assert_rows_close, bf16_64, bf16_ulp_close, ceil_log2_exact, fp4_code_ref,
-                       is_bf16, mx_linear_64, rms_norm_64)
+                       is_bf16, mx_linear_64, mxfp8_qdq_64, rms_norm_64)
 
 I32 = torch.int32
 INF = float("inf")
@@ -58,7 +58,6 @@ def test_mx_linear_vs_exact_mxfp8_contraction():
     got = mx_linear(x, w)
     want = mx_linear_64(x, w)
     # FP32 accumulation of K exact products: |err| <= K * 2^-24 * sum|a_k w_k|
-    from _spec_ref import mxfp8_qdq_64
     mag = mxfp8_qdq_64(bf16_64(x)).abs() @ w.double().abs().t()
     assert ((got.double() - want).abs() <= 128 * 2 ** -24 * mag).all()
     assert got.dtype == torch.float32

@@ -139,15 +139,13 @@ def test_window_pages_behind_the_window_are_recycled(model):
 
 # ---- determinism -----------------------------------------------------------------------------------
 
-def test_generate_same_seed_same_tokens(model):
+def test_generate_again_on_the_same_model_gives_the_same_tokens(model):
     prompts = [_tokens(20, 50), _tokens(13, 51)]
     out = model.generate(prompts, 4)
     assert model.active == []
-    assert R.ReferenceModel(TINY, seed=0).generate(prompts, 4) == out
-    assert model.generate(prompts, 4) == out                    # and again on the same (released) model
+    assert model.generate(prompts, 4) == out                    # released blocks leave nothing behind
 
 
-@pytest.mark.slow
 def test_generate_4x48_is_deterministic_across_instances(model):
     prompts = [_tokens(48, 20 + i) for i in range(4)]
     out = model.generate(prompts, 16)
