@@ -1,0 +1,18 @@
+"""Chunking index scoring under the score budget is pure memory bounding: results equal one chunk."""
+from dataclasses import replace
+
+import torch
+
+from dsv41.config import TINY
+from dsv41.ops.indexer import score_chunks
+from dsv41.ops.reference import ReferenceModel
+
+
+def test_chunked_scoring_equals_unchunked():
+    prompt = torch.randint(0, TINY.vocab_size, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert len(score_chunks(64, 64, TINY.index_score_budget_bytes, TINY.index_score_leaf)) > 1
+    whole = replace(TINY, index_score_budget_bytes=1 << 30)
+    assert len(score_chunks(64, 64, whole.index_score_budget_bytes, whole.index_score_leaf)) == 1
+    a = ReferenceModel(TINY, seed=0, max_batch=1, max_context=80).prefill([prompt])
+    b = ReferenceModel(whole, seed=0, max_batch=1, max_context=80).prefill([prompt])
+    assert torch.equal(a, b)
