@@ -191,3 +191,44 @@ def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_bloc
         compressed_rope_position_ids=per_source["rope"],
         compressed_block_tables={s: ctabs[s].to(I32) for s in kv_sources}, state_block_tables=stabs,
     )
+
+
+def replay_rows(md: ForwardMetadata, window: int) -> tuple[ForwardMetadata, torch.Tensor]:
+    """SWA bounded replay (approximate, prefill of fresh prompts only): keep each request's last
+    min(len, window) rows and truncate their windows to those rows.
+
+    Returns the metadata of the kept rows (per-token fields sliced, windows cut to the newest
+    entries inside the replay span) and the kept packed-row indices.
+    """
+    qsl, lens = md.query_start_loc.long(), md.query_lens.long()
+    if md.kv_seq_lens.numel() and int(md.kv_seq_lens.max()) != 0:
+        raise ValueError("kv_seq_lens: bounded replay needs fresh prompts (all kv_seq_lens == 0)")
+    keep_n = lens.clamp(max=window)
+    rows = torch.cat([torch.arange(int(qsl[b + 1] - keep_n[b]), int(qsl[b + 1])) for b in range(lens.numel())]
+                     or [torch.zeros(0, dtype=I64)])
+    req = md.token_to_req_indices.long()[rows]
+    pos = md.position_ids.long()[rows]
+    start = (lens - keep_n)[req]                       # first replay position of the row's request
+    old_len = md.window_lens.long()[rows]
+    new_len = torch.minimum(old_len, pos - start + 1)
+    col = torch.arange(md.window_indices.shape[1])
+    src = (old_len - new_len).unsqueeze(1) + col       # newest new_len entries moved to the front
+    win = torch.gather(md.window_indices[rows].long(), 1, src.clamp(max=md.window_indices.shape[1] - 1))
+    win = torch.where(col < new_len.unsqueeze(1), win, torch.full_like(win, -1))
+    new_qsl = torch.cat([torch.zeros(1, dtype=I64), torch.cumsum(keep_n, 0)])
+    per_token = lambda d: {s: v[rows] for s, v in d.items()}  # noqa: E731
+    return ForwardMetadata(
+        query_start_loc=new_qsl.to(I32), query_lens=keep_n.to(I32),
+        logit_row_indices=torch.where(keep_n > 0, new_qsl[1:] - 1, torch.full_like(keep_n, -1)).to(I32),
+        token_to_req_indices=req.to(I32), moe_token_owners=md.moe_token_owners[rows], position_ids=pos.to(I32),
+        kv_seq_lens=md.kv_seq_lens, new_kv_seq_lens=md.new_kv_seq_lens, window_slots=md.window_slots[rows],
+        window_lens=new_len.to(I32), window_indices=win.to(I32),
+        compressed_slots={s: torch.full_like(v[rows], -1) for s, v in md.compressed_slots.items()},
+        index_slots={s: torch.full_like(v[rows], -1) for s, v in md.index_slots.items()},
+        compressed_seq_lens=md.compressed_seq_lens, compressed_seq_remainders=md.compressed_seq_remainders,
+        compressed_lens=per_token(md.compressed_lens), compressor_output_start_loc=md.compressor_output_start_loc,
+        compressor_source_token_indices=md.compressor_source_token_indices,
+        compressor_position_ids=md.compressor_position_ids,
+        compressed_rope_position_ids=per_token(md.compressed_rope_position_ids),
+        compressed_block_tables=md.compressed_block_tables, state_block_tables=md.state_block_tables,
+    ), rows

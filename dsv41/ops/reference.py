@@ -20,7 +20,7 @@ from dsv41.ops.engram import engram
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
                                topk_positions)
 from dsv41.ops.lm_head import logits_shard, select_rows
-from dsv41.ops.metadata import ForwardMetadata
+from dsv41.ops.metadata import ForwardMetadata, replay_rows
 from dsv41.ops.moe import combine, dispatch_rows, expert, route
 from dsv41.ops.norm import rms_norm
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
@@ -35,7 +35,17 @@ from dsv41.weights import decode_checkpoint, init_checkpoint
 class Options:
     """Named alternatives for points the sources leave open (defaults follow the official code)."""
     fp4_index_query: bool = True   # False: the pypto C2A kernel's unquantized index query
-    prefill_mode: str = "full"     # the official full forward; no approximate replay is offered
+    # "full": the official forward, every layer on every row with full causal windows.
+    # "bounded_replay": the tech report's approximate SWA bounded replay for fresh prompts: layers up
+    # to the candidate source (20) run on all rows (20 keeps full windows and publishes its
+    # compressed/index caches for every row, the vLLM rule); layers 21-39 run only on each
+    # request's last min(len, window) rows with windows cut to those rows. Exact for prompts no
+    # longer than the window; approximate beyond.
+    prefill_mode: str = "full"
+
+    def __post_init__(self):
+        if self.prefill_mode not in ("full", "bounded_replay"):
+            raise ValueError(f"prefill_mode: must be 'full' or 'bounded_replay', got {self.prefill_mode!r}")
 
 
 # ---- caches -------------------------------------------------------------------------------------
@@ -231,7 +241,13 @@ def forward(cfg: ModelConfig, w: dict, caches: StagedTensors, tables: dict, step
     x = pack_x_hc(step.input_ids, w["embed.weight"], cfg.hc_mult)
     pre = mhc.initial_pre(md.num_tokens, cfg.hc_mult)
     selections: dict = {}
+    replay = opts.prefill_mode == "bounded_replay" and step.phase == "prefill"
     for spec in cfg.layers:
+        if replay and spec.layer == cfg.candidate_source_layer_id + 1:
+            md, rows = replay_rows(md, cfg.sliding_window)
+            x, pre = x[rows], pre[rows]
+            rope = {k: (c[rows], s_[rows]) for k, (c, s_) in rope.items()}
+            selections = {k: v[rows] for k, v in selections.items()}
         if spec.layer in cfg.engram_layer_ids:
             x = engram_update(cfg, w, spec.layer, x, step.hash_ids[spec.layer])
         a_pre, a_post, a_comb = mixes(cfg, w, spec.layer, "attn", x)
