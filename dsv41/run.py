@@ -14,6 +14,7 @@ import time
 import torch
 
 from dsv41.config import PRESETS, Topology
+from dsv41.telemetry import cli as telemetry
 
 EXECUTORS = ("threads", "sync", "distributed", "reference")
 
@@ -37,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
     p.add_argument("--show-graph", default=None, metavar="PATH", help="write the decode graph as DOT (SVG if .svg)")
     p.add_argument("--json", action="store_true")
+    telemetry.add_arguments(p)
     a = p.parse_args(argv)
     if a.ep is None:
         a.ep = a.tp * a.dp
@@ -45,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.new_tokens < 0:
         p.error("--new-tokens must be >= 0")
+    telemetry.check_arguments(p, a)
     return a
 
 
@@ -64,7 +67,7 @@ def make_engine(args, cfg, topo):
                               max_context=args.prompt_len + args.new_tokens + 1)
     from dsv41.cluster.engine import GraphEngine
     return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
-                       wiring=args.wiring, max_batch=args.batch, address=args.address,
+                       wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
                        max_context=args.prompt_len + args.new_tokens + 1)
 
 
@@ -73,11 +76,14 @@ def main(argv=None) -> int:
     cfg = PRESETS[args.config]
     topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep).check(cfg)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    if args.plan:
+        return telemetry.plan_command(args, cfg, topo, say)
     say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} ep={topo.ep} "
         f"batch={args.batch} prompt_len={args.prompt_len}")
     t0 = time.perf_counter()
     engine = make_engine(args, cfg, topo)
     say(f"  built in {time.perf_counter() - t0:.2f} s")
+    tracing = telemetry.start(args, engine)
     prompts = prompts_for(cfg, args.batch, args.prompt_len, args.seed)
     stats = []
 
@@ -116,6 +122,8 @@ def main(argv=None) -> int:
         if args.show_graph:
             engine.write_graph(args.show_graph)
             say(f"  graph written to {args.show_graph}")
+        if tracing is not None:
+            tracing.finish(result, say)
         if args.dashboard:
             engine.hold_dashboard(args.hold, say)
         engine.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -54,6 +55,7 @@ class GraphEngine(StepModel):
         self.last_stats: dict = {}
         self.last_graph = None
         self.runner = None
+        self.trace = None            # a telemetry TraceSession while tracing
         if executor in LOCAL:
             card_state.STATES.clear()
             card_state.STATES.update(card_state.build_states(cfg, topo, seed, topo.cards, per_group, max_context,
@@ -87,14 +89,15 @@ class GraphEngine(StepModel):
 
         graph = build(self.cfg, self.topo, steps, self.wiring, phase)
         outputs = [f"final/argmax@g{g}" for g in steps] + [f"cache.commit@c{c}" for c in self.topo.cards]
-        plan = make_plan(graph, self.topo, self.granularity, outputs)
+        plan = make_plan(graph, self.topo, self.granularity, outputs, step=self.step_id + 1)
         self.step_id += 1
         for n in graph.nodes.values():
             if n.kernel == "cache.commit":
                 n.attrs["step"] = self.step_id
         t0 = time.perf_counter()
         try:
-            values = self._run(plan)
+            with self.trace.step(plan) if self.trace is not None else nullcontext():
+                values = self._run(plan)
         except BaseException:
             self._abort()
             raise

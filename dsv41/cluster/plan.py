@@ -4,6 +4,10 @@ A card's nodes are taken in topological order; a node whose inputs cross from an
 a new submission, so external inputs only ever enter at a submission's first node. Every edge
 between submissions then goes from an earlier-starting submission to a later-starting one, so the
 submission graph is acyclic. ``granularity="node"`` keeps one submission per node (debugging).
+
+A submission's key is ``<kernel>@L<layer>@c<card>-<step>-<n>`` after its first node, so dask's
+``key_split`` (the dashboard's task-stream and progress grouping) reads ``kernel@Llayer@ccard``; the
+step and running number keep keys unique across steps.
 """
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ class Submission:
     deps: list[str] = field(default_factory=list)      # producer submission keys and literal keys
     literals: set[str] = field(default_factory=set)    # the deps that are graph literals
     exports: set[str] = field(default_factory=set)     # node keys consumed outside this submission
+    step: int = 0
+    phase: str = ""
+    trace: object = None                               # telemetry's liveness and parent span, when tracing
 
 
 @dataclass
@@ -34,7 +41,12 @@ class Plan:
         return len(self.submissions)
 
 
-def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=()) -> Plan:
+def task_name(node: Node) -> str:
+    layer = f"@L{node.layer}" if node.layer is not None else ""
+    return f"{node.kernel}{layer}@c{node.card}"
+
+
+def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(), step: int = 0) -> Plan:
     if granularity not in ("submission", "node"):
         raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
     graph.validate(topology)
@@ -48,7 +60,7 @@ def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(
         crosses = any(card_of.get(i, node.card) != node.card for i in node.inputs if i in graph.nodes)
         sub = current.get(node.card)
         if sub is None or crosses or granularity == "node":
-            sub = Submission(f"c{node.card}/s{len(subs)}:{key}", node.card, [])
+            sub = Submission(f"{task_name(node)}-{step}-{len(subs)}", node.card, [], step=step, phase=graph.phase)
             subs[sub.key] = sub
             current[node.card] = sub
         sub.nodes.append(node)

@@ -1,0 +1,66 @@
+"""Cost of tracing a decode step, measured in one run.
+
+    python bench/trace_overhead.py                  # TINY, TP2/DP1/EP2, sync executor
+    python bench/trace_overhead.py --config small --steps 6
+
+Decode steps alternate tracing off and on over one engine (so both see the same context lengths
+and machine load) and the medians are compared. Tracing off leaves only two ``is None`` checks per
+node and per submission on the hot path; their cost is timed separately and reported as a share of
+an untraced step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import timeit
+
+import torch
+
+from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.runtime import Hooks
+from dsv41.config import PRESETS, Topology
+from dsv41.telemetry.session import TraceSession
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--executor", default="sync", choices=("sync", "threads"))
+    p.add_argument("--steps", type=int, default=8, help="decode steps per setting")
+    a = p.parse_args()
+    cfg, topo = PRESETS[a.config], Topology(a.tp, a.dp, a.tp * a.dp)
+    prompt = 8
+    engine = GraphEngine(cfg, topo, seed=0, executor=a.executor, max_batch=2 * a.dp,
+                         max_context=prompt + 2 * a.steps + 2)
+    logits = engine.prefill(torch.randint(0, cfg.vocab_size, (2 * a.dp, prompt)).tolist())
+    rids = list(engine.last_request_ids)
+    ms = {"off": [], "on": []}
+    for i in range(2 * a.steps):
+        mode = "on" if i % 2 else "off"
+        session = TraceSession(engine) if mode == "on" else None
+        t0 = time.perf_counter()
+        logits = engine.decode(torch.argmax(logits, -1).tolist(), rids)
+        ms[mode].append((time.perf_counter() - t0) * 1e3)
+        if session is not None:
+            session.collect()
+            session.close()
+    nodes, subs = engine.last_stats["nodes"], engine.last_stats["submissions"]
+    check_ns = timeit.timeit("Hooks.tracer is not None", globals={"Hooks": Hooks}, number=200_000) / 200_000 * 1e9
+    off_path_us = (2 * nodes + 2 * subs) * check_ns / 1e3
+    off, on = statistics.median(ms["off"]), statistics.median(ms["on"])
+    print(json.dumps({
+        "config": cfg.name, "topology": f"tp{topo.tp}-dp{topo.dp}-ep{topo.ep}", "executor": a.executor,
+        "nodes": nodes, "submissions": subs, "steps_each": a.steps,
+        "step_ms_tracing_off": round(off, 2), "step_ms_tracing_on": round(on, 2), "on_over_off": round(on / off, 3),
+        "tracing_us_per_node": round((on - off) * 1e3 / nodes, 1),
+        "off_path_checks_us_per_step": round(off_path_us, 2),
+        "off_path_share_of_step": f"{off_path_us / (off * 1e3):.2e}",
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Plan mode: build a full step's graph at any scale and walk it on ``meta`` tensors.
+
+Nothing of the model is allocated: every node's value is the meta spec its kernel signature
+returns, weights are sized from the checkpoint's formats and caches from the kv_cache formats' row
+bytes. Only the step metadata (block tables, positions) is real, and it is small even at 1M context.
+
+Each DP group serves ``requests`` requests at ``context`` tokens; a decode step gives each request
+``decode_rows_per_request`` rows (1 target + 5 draft: 32 requests -> 192 rows per group, the seed's
+capacity contract), a prefill step splits the group's ``prefill_max_tokens`` rows between them. The
+per-card HBM is replayed along the simulated timeline, so the Perfetto counter track and the
+reported transient peak follow the same order.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.cluster.plan import make_plan
+from dsv41.graph.build import SHARDED, build
+from dsv41.kernels.signatures import SIGNATURES, nbytes
+from dsv41.ops import metadata as md_ops
+from dsv41.serving import StepInputs
+from dsv41.telemetry.hbm import CardLedger, annotate
+from dsv41.telemetry.roofline import critical_path, node_us, profile, simulate
+from dsv41.telemetry.session import resource_attributes
+from dsv41.telemetry.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
+from dsv41.telemetry.spans import SpanRecorder
+from dsv41.telemetry.tracer import node_attributes
+
+
+@dataclass(frozen=True)
+class CardContext:
+    """What a kernel signature reads of a card (a CardState without tensors)."""
+    cfg: object
+    topo: object
+    card: int
+
+    @property
+    def tp_rank(self) -> int:
+        return self.topo.tp_rank(self.card)
+
+
+def rows_per_request(cfg, requests: int, phase: str) -> int:
+    return cfg.decode_rows_per_request if phase == "decode" else cfg.prefill_max_tokens // requests
+
+
+def step_inputs(cfg, tp: int, requests: int, rows: int, context: int, phase: str) -> StepInputs:
+    """One DP group's step: ``requests`` requests each adding ``rows`` tokens and ending at ``context``."""
+    bs, kv = cfg.block_size, context - rows
+    pages = -(-context // bs)
+    window = torch.arange(requests * pages, dtype=torch.int32).reshape(requests, pages)
+    tables = {}
+    for r in sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids}):
+        width = max(1, -(-(context // r) // bs))
+        tables[r] = torch.arange(requests * width, dtype=torch.int32).reshape(requests, width)
+    compressed = {s: tables[cfg.compress_ratios[s]] for s in cfg.kv_source_layer_ids}
+    states = {s: torch.arange(requests, dtype=torch.int32).reshape(requests, 1)
+              for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2}
+    qsl = torch.arange(requests + 1, dtype=torch.int32) * rows
+    md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states, tp)
+    t = requests * rows
+    hashes = {layer: torch.zeros(t, cfg.engram_ids_per_token, dtype=torch.int64) for layer in cfg.engram_layer_ids}
+    return StepInputs(list(range(requests)), torch.zeros(t, dtype=torch.int64), md, hashes, phase, {}, None)
+
+
+def check(cfg, requests: int, context: int, phase: str):
+    rows = rows_per_request(cfg, requests, phase)
+    limit = cfg.decode_max_tokens if phase == "decode" else cfg.prefill_max_tokens
+    rules = [(1 <= requests <= cfg.max_batch_per_dp, "batch",
+              f"must be in [1, {cfg.max_batch_per_dp}] requests per DP group, got {requests}"),
+             (rows >= 1 and requests * rows <= limit, "batch", f"{requests} requests do not fit {limit} {phase} rows"),
+             (rows <= context <= cfg.max_position_embeddings, "context",
+              f"must be in [{rows}, {cfg.max_position_embeddings}], got {context}")]
+    for ok, name, rule in rules:
+        if not ok:
+            raise ValueError(f"--{name}: {rule}")
+
+
+def walk(graph, contexts) -> dict:
+    """Node key -> NodeCost, evaluating every signature on the meta values of its inputs."""
+    held = {c: card_weights(ctx.cfg, ctx.topo, c) for c, ctx in contexts.items()}
+    values = {k: v for k, (v, _) in graph.literals.items()}
+    costs = {}
+    for key in graph.topo_order():
+        node = graph.nodes[key]
+        args = [values[i] for i in node.inputs]
+        sig = SIGNATURES[node.kernel](contexts[node.card], node, *args)
+        values[key] = sig.out
+        costs[key] = node_cost(held[node.card], sig, args, nbytes(sig.out))
+    return costs
+
+
+def replay_hbm(plan, costs, times, ledgers) -> dict[str, tuple[int, int]]:
+    """Apply the liveness rule along the simulated timeline: node key -> the card's (live, peak) bytes
+    when the node ends. Sends happen when a submission's last node ends."""
+    events = defaultdict(list)     # card -> (time, sends after nodes, key, submission)
+    for sub in plan.submissions.values():
+        for n in sub.nodes:
+            events[sub.card].append((times[n.key][1], 0, n.key, sub))
+        end = max(times[n.key][1] for n in sub.nodes)
+        events[sub.card] += [(end, 1, k, sub) for k in sub.trace.remote]
+    at_end = {}
+    for card, evs in events.items():
+        led = ledgers[card]
+        for _, is_send, key, sub in sorted(evs, key=lambda e: e[:2]):
+            if is_send:
+                led.sent(key)
+                continue
+            led.produce(key, costs[key].output_bytes, sub.trace.uses[key], key in sub.trace.remote)
+            for i in plan.graph.nodes[key].inputs:
+                led.consume(i)
+            at_end[key] = (led.live_bytes, led.peak_bytes)
+    return at_end
+
+
+def record_timeline(recorder, plan, costs, times, live_at, dev, critical: set) -> None:
+    """The simulated step as spans: times are µs after now, as if the step had just run. Nodes on the
+    critical path carry ``dsv41.critical_path`` (search for it in Perfetto)."""
+    base, phase = time.time_ns(), plan.graph.phase
+
+    def ns(us: float) -> int:
+        return base + int(us * 1e3)
+
+    step = recorder.start(f"{phase} step (simulated)", start_ns=base, attrs={
+        "dsv41.span": "step", "dsv41.phase": phase, "dsv41.step": 1, "dsv41.simulated": True,
+        "dsv41.nodes": len(plan.graph.nodes), "dsv41.submissions": len(plan.submissions)})
+    for sub in plan.submissions.values():
+        start, end = min(times[n.key][0] for n in sub.nodes), max(times[n.key][1] for n in sub.nodes)
+        span = recorder.start(sub.key, step, ns(start), {
+            "dsv41.span": "submission", "dsv41.submission": sub.key, "dsv41.node": sub.nodes[0].key,
+            "dsv41.kernel": sub.nodes[0].kernel, "dsv41.card": sub.card, "dsv41.phase": phase, "dsv41.step": 1,
+            "dsv41.nodes": len(sub.nodes), "dsv41.simulated": True})
+        for n in sub.nodes:
+            attrs = node_attributes(n, sub, costs[n.key], dev, *live_at[n.key])
+            attrs["dsv41.critical_path"] = n.key in critical
+            recorder.end(recorder.start(n.key, span, ns(times[n.key][0]), attrs), end_ns=ns(times[n.key][1]))
+        recorder.end(span, end_ns=ns(end))
+    recorder.end(step, end_ns=ns(max(end for _, end in times.values())))
+
+
+def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiring: str = SHARDED,
+             device: str = "a5") -> tuple[dict, list[dict], dict]:
+    """(report, simulated span records, resource attributes) of one step."""
+    check(cfg, requests, context, phase)
+    topo.check(cfg)
+    dev = profile(device)
+    rows = rows_per_request(cfg, requests, phase)
+    steps = {g: step_inputs(cfg, topo.tp, requests, rows, context, phase) for g in range(topo.dp)}
+    graph = build(cfg, topo, steps, wiring, phase)
+    outputs = [f"final/argmax@g{g}" for g in steps] + [f"cache.commit@c{c}" for c in topo.cards]
+    plan = make_plan(graph, topo, outputs=outputs, step=1)
+    annotate(plan)
+    costs = walk(graph, {c: CardContext(cfg, topo, c) for c in topo.cards})
+    durations = {k: node_us(c, dev) for k, c in costs.items()}
+    times = simulate(graph, durations)
+
+    per_request = request_cache_bytes(cfg, context)
+    weights = {c: weights_by_kind(cfg, topo, c) for c in topo.cards}
+    ledgers = {c: CardLedger(sum(weights[c].values()), requests * sum(per_request.values())) for c in topo.cards}
+    path = critical_path(graph, times)
+    recorder = SpanRecorder(resource_attributes(cfg, topo, "plan", device))
+    record_timeline(recorder, plan, costs, times, replay_hbm(plan, costs, times, ledgers), dev, set(path))
+
+    moved = defaultdict(int)
+    for key, c in costs.items():
+        moved[graph.nodes[key].card] += c.bytes_read + c.bytes_written
+    on_path = Counter()
+    for key in path:
+        on_path[graph.nodes[key].kernel] += durations[key]
+    cards = []
+    for c, led in ledgers.items():
+        by_kind = {f"weights.{k}": v for k, v in weights[c].items()}
+        by_kind.update({f"cache.{k}": requests * v for k, v in per_request.items()})
+        cards.append({"card": c, "weights_bytes": led.weights, "cache_bytes": led.caches,
+                      "transient_peak_bytes": led.peak_transient, "total_bytes": led.peak_bytes, "by_kind": by_kind})
+    report = {
+        "cards": cards, "nodes": len(graph.nodes), "submissions": len(plan.submissions),
+        "requests_per_dp_group": requests, "rows_per_dp_group": requests * rows, "context": context,
+        "wiring": wiring, "cache_per_request_bytes": sum(per_request.values()),
+        "cache_per_request_bf16_bytes": sum(request_cache_bytes(cfg, context, bf16=True).values()),
+        "device_profile": dev.name, "predicted_step_us": max(end for _, end in times.values()),
+        "floor_us": max(moved.values()) / dev.hbm_bytes_per_s * 1e6,
+        "critical_path_us_by_kernel": dict(on_path.most_common()),
+    }
+    return report, recorder.drain(), recorder.resource

@@ -1,0 +1,69 @@
+"""Roofline latency per node and a simulated per-card timeline of a step.
+
+A node takes max(HBM bytes / bandwidth, sum over FLOP kinds of FLOPs / rate) plus the bytes it
+receives over the interconnect / link bandwidth. Each card runs two streams: collectives (``tp.*``)
+on ``comm``, everything else on ``compute``; a node starts when its inputs are done and its stream is
+free. The makespan is the predicted step latency; the memory-bound floor is the busiest card's
+bytes / bandwidth, with no compute, links or dependencies.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from dsv41.graph.graph import COLLECTIVES
+from dsv41.telemetry.profiles import PROFILES, DeviceProfile
+from dsv41.telemetry.sizing import NodeCost
+
+STREAMS = ("compute", "comm")
+
+
+def profile(name: str) -> DeviceProfile:
+    if name not in PROFILES:
+        raise ValueError(f"--device-profile: must be one of {sorted(PROFILES)}, got {name!r}")
+    return PROFILES[name]
+
+
+def stream(kernel: str) -> str:
+    return "comm" if kernel in COLLECTIVES else "compute"
+
+
+def node_us(cost: NodeCost, dev: DeviceProfile) -> float:
+    memory = (cost.bytes_read + cost.bytes_written) / dev.hbm_bytes_per_s
+    compute = sum(f / dev.flops_per_s[kind] for kind, f in cost.flops.items())
+    return (max(memory, compute) + cost.link / dev.link_bytes_per_s) * 1e6
+
+
+def simulate(graph, durations: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """Node key -> (start µs, end µs), list-scheduled in topological order."""
+    free: dict[tuple, float] = defaultdict(float)
+    times: dict[str, tuple[float, float]] = {}
+    for key in graph.topo_order():
+        n = graph.nodes[key]
+        lane = (n.card, stream(n.kernel))
+        ready = max((times[i][1] for i in n.inputs if i in times), default=0.0)
+        start = max(ready, free[lane])
+        times[key] = (start, start + durations[key])
+        free[lane] = times[key][1]
+    return times
+
+
+def critical_path(graph, times: dict[str, tuple[float, float]]) -> list[str]:
+    """The chain of nodes that ends last: each one waited on its latest input or on its stream."""
+    by_lane = defaultdict(list)
+    for key in times:
+        n = graph.nodes[key]
+        by_lane[(n.card, stream(n.kernel))].append(key)
+    previous = {k: lane[i - 1] for lane in by_lane.values() for i, k in enumerate(lane) if i}
+    key = max(times, key=lambda k: times[k][1])
+    path = [key]
+    while True:
+        start = times[key][0]
+        inputs = [i for i in graph.nodes[key].inputs if i in times]
+        latest = max(inputs, key=lambda i: times[i][1], default=None)
+        if latest is not None and times[latest][1] == start:
+            key = latest
+        elif key in previous and times[previous[key]][1] == start:
+            key = previous[key]
+        else:
+            return path[::-1]
+        path.append(key)

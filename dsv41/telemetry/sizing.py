@@ -1,0 +1,148 @@
+"""Bytes of values, of a card's weight shards (checkpoint formats) and of its caches.
+
+Weights are sized as a device would hold them: the checkpoint's own formats (FP8 payload + E8M0
+block scales, packed FP4 experts + scales, BF16 dense, FP32 mHC/bias/sinks), never the FP64 runtime
+copies the CPU State keeps. Sharding policy per card:
+
+| tensors                                        | held by a card                                  |
+| routed experts                                 | the EP rank's n_routed/EP experts               |
+| Engram embedding tables (payload + scales)     | 1/EP of the rows (the seed's deployment)        |
+| wq_b rows, wo_a groups, wo_b columns, sinks    | 1/TP (head-parallel attention, as state.py)     |
+| head and embed (vocab rows)                    | 1/TP (vocab-parallel, like DeepSeek's inference |
+|                                                | ParallelEmbedding / ColumnParallelLinear head)  |
+| everything else                                | replicated                                      |
+
+The CPU State keeps Engram tables and embed replicated (views of one array); on a device the two
+sharded lookups need a gather the graph does not model.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from dsv41.kernels.signatures import nbytes
+from dsv41.ops import kv_cache
+from dsv41.weights import checkpoint_specs
+
+WEIGHT_KINDS = ("routed_experts", "engram_tables", "fp8_linears", "dense", "embed_head")
+CACHE_KINDS = ("window", "compressed", "index", "ring")
+_TP_SPLIT = (".attn.wq_b", ".attn.wo_a", ".attn.wo_b", ".attn.attn_sink")
+
+
+def state_key(name: str, specs: dict) -> str:
+    """The runtime weight key a checkpoint tensor feeds: quantized payload and scale fold into one."""
+    if name.endswith(".scale") and not name.endswith("_scale"):
+        return name[: -len(".scale")]
+    if name.endswith(".weight") and name[: -len(".weight")] + ".scale" in specs:
+        return name[: -len(".weight")]
+    return name
+
+
+def _kind(name: str, key: str) -> str:
+    if ".ffn.experts." in name:
+        return "routed_experts"
+    if ".engram.embed." in name:
+        return "engram_tables"
+    if name in ("embed.weight", "head.weight"):
+        return "embed_head"
+    return "fp8_linears" if key != name else "dense"
+
+
+def _held(name: str, nbytes_: int, cfg, topo, card: int) -> int:
+    """Bytes of one checkpoint tensor this card holds under the sharding policy."""
+    if ".ffn.experts." in name:
+        per = cfg.n_routed_experts // topo.ep
+        return nbytes_ if int(name.split(".ffn.experts.")[1].split(".")[0]) // per == card else 0
+    if ".engram.embed." in name:
+        return nbytes_ // topo.ep
+    if name.startswith(("embed.", "head.")) or any(s in name for s in _TP_SPLIT):
+        return nbytes_ // topo.tp
+    return nbytes_
+
+
+@lru_cache(maxsize=4)
+def _specs(cfg) -> dict:
+    return checkpoint_specs(cfg)
+
+
+@lru_cache(maxsize=64)
+def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int]]:
+    specs = _specs(cfg)
+    by_key: dict[str, int] = defaultdict(int)
+    by_kind = dict.fromkeys(WEIGHT_KINDS, 0)
+    for name, (shape, dtype) in specs.items():
+        held = _held(name, math.prod(shape) * dtype.itemsize, cfg, topo, card)
+        if held:
+            key = state_key(name, specs)
+            by_key[key] += held
+            by_kind[_kind(name, key)] += held
+    return dict(by_key), by_kind
+
+
+def card_weights(cfg, topo, card: int) -> dict[str, int]:
+    """Runtime weight key -> bytes this card holds (checkpoint formats, sharding policy above)."""
+    return _card_table(cfg, topo, card)[0]
+
+
+def weights_by_kind(cfg, topo, card: int) -> dict[str, int]:
+    return dict(_card_table(cfg, topo, card)[1])
+
+
+def cache_kind(name: str) -> str:
+    return name.split(".")[0]
+
+
+def caches_by_kind(tensors: dict[str, tuple[torch.Tensor, ...]]) -> dict[str, int]:
+    """Allocated cache bytes of a State's committed caches, by kind."""
+    kinds = dict.fromkeys(CACHE_KINDS, 0)
+    for name, ts in tensors.items():
+        kinds[cache_kind(name)] += nbytes(ts)
+    return kinds
+
+
+def request_cache_bytes(cfg, context: int, bf16: bool = False) -> dict[str, int]:
+    """Cache bytes one request holds at ``context`` tokens, by kind: the sliding window per layer,
+    ceil(context / ratio) compressed and index rows per KV source, and the ratio-2 compressor rings.
+    ``bf16`` sizes the same rows as BF16 (the seed's comparison figure)."""
+    hd, ih = cfg.head_dim, cfg.index_head_dim
+
+    def row(kind, width):
+        return 2 * width if bf16 else kv_cache.FORMATS[kind].row_bytes(width)
+
+    kinds = dict.fromkeys(CACHE_KINDS, 0)
+    kinds["window"] = cfg.num_hidden_layers * min(cfg.sliding_window, context) * row(kv_cache.WINDOW, hd)
+    for s in cfg.kv_source_layer_ids:
+        r = cfg.compress_ratios[s]
+        rows = -(-context // r)
+        kinds["compressed"] += rows * row(kv_cache.COMPRESSED, hd)
+        kinds["index"] += rows * row(kv_cache.INDEX, ih)
+        if r == 2:
+            kinds["ring"] += cfg.state_capacity * 2 * hd * 4
+    return kinds
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    bytes_read: int
+    bytes_written: int
+    flops: dict
+    link: int
+    output_bytes: int
+
+    @property
+    def total_flops(self) -> int:
+        return int(sum(self.flops.values()))
+
+
+def node_cost(weights_held: dict, cost, inputs, output_bytes: int) -> NodeCost:
+    """A signature's Cost in bytes on a card holding ``weights_held`` (``card_weights``): inputs (or the
+    signature's own count), weights read, looked-up table rows and cache rows; output and cache rows
+    written."""
+    weights = sum(weights_held[k] * frac for k, frac in cost.weights.items())
+    activations = nbytes(inputs) if cost.act_read is None else cost.act_read
+    return NodeCost(int(activations + weights + cost.gathered + cost.cache_read), output_bytes + cost.cache_written,
+                    cost.flops, cost.link, output_bytes)
