@@ -14,6 +14,7 @@ import time
 import torch
 
 from dsv41.config import PRESETS, Topology
+from dsv41.kernels.device_time import BACKENDS
 from dsv41.telemetry import cli as telemetry
 
 EXECUTORS = ("threads", "sync", "distributed", "reference")
@@ -32,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--ep", type=int, default=None, help="default tp*dp")
     p.add_argument("--granularity", choices=("submission", "node"), default="submission")
+    p.add_argument("--backend", choices=BACKENDS, default="torch",
+                   help="pypto-sim: values from Torch, simulated device time per pypto-backed node")
     p.add_argument("--wiring", choices=("sharded", "replicated"), default="sharded")
     p.add_argument("--address", default=None, help="distributed: connect to this scheduler")
     p.add_argument("--dashboard", action="store_true", help="distributed: print the dashboard link and wait")
@@ -68,7 +71,7 @@ def make_engine(args, cfg, topo):
     from dsv41.cluster.engine import GraphEngine
     return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
                        wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
-                       max_context=args.prompt_len + args.new_tokens + 1)
+                       max_context=args.prompt_len + args.new_tokens + 1, backend=args.backend)
 
 
 def main(argv=None) -> int:
@@ -118,7 +121,11 @@ def main(argv=None) -> int:
     if args.executor != "reference":
         last = stats[-1]
         result.update(nodes=last.get("nodes"), submissions=last.get("submissions"),
-                      dask_tasks=last.get("dask_tasks"), granularity=args.granularity, wiring=args.wiring)
+                      dask_tasks=last.get("dask_tasks"), granularity=args.granularity, wiring=args.wiring,
+                      backend=args.backend)
+        if args.backend != "torch":
+            result.update(device_sim_us=[s["device_sim_us"] for s in stats],
+                          pypto_kernels=sorted({k for s in stats for k in s["pypto_kernels"]}))
         if args.show_graph:
             engine.write_graph(args.show_graph)
             say(f"  graph written to {args.show_graph}")
@@ -138,6 +145,9 @@ def main(argv=None) -> int:
 def _describe(stats: dict) -> str:
     if not stats:
         return ""
+    if "device_sim_us" in stats:
+        return (f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']} "
+                f"device_sim={stats['device_sim_us']:.1f} us")
     return f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']}"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 
@@ -19,6 +20,7 @@ from dsv41.cluster.plan import make_plan
 from dsv41.cluster.runtime import Hooks, NodeError
 from dsv41.config import ModelConfig, Topology
 from dsv41.graph.build import SHARDED, build
+from dsv41.kernels.device_time import BACKENDS, node_sim_us
 from dsv41.ops.reference import Options
 from dsv41.serving import RequestTable, StepModel
 
@@ -34,13 +36,19 @@ class GraphEngine(StepModel):
     def __init__(self, cfg: ModelConfig, topo: Topology, seed: int = 0, executor: str = "threads",
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
-                 options: Options = Options()):
+                 options: Options = Options(), backend: str = "torch"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
+        if backend == "pypto-npu":
+            from dsv41.kernels.pypto_backend import check_npu
+            check_npu()
         if executor not in EXECUTORS:
             raise ValueError(f"executor: must be one of {EXECUTORS}, got {executor!r}")
         if granularity not in ("submission", "node"):
             raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
         topo.check(cfg)
         self.cfg, self.topo, self.executor, self.granularity, self.wiring = cfg, topo, executor, granularity, wiring
+        self.backend = backend
         max_batch = max_batch or cfg.max_batch_per_dp * topo.dp
         per_group = math.ceil(max_batch / topo.dp)
         if per_group > cfg.max_batch_per_dp:
@@ -64,6 +72,7 @@ class GraphEngine(StepModel):
             from dsv41.cluster.worker_plugin import CardStatePlugin
             plugin = CardStatePlugin(cfg.name, topo, seed, per_group, max_context)
             self.runner = DistributedRunner(topo.ep, plugin, address, dashboard)
+        self._on_every_process(_set_device_time, backend)
 
     @property
     def active(self) -> list[int]:
@@ -95,6 +104,7 @@ class GraphEngine(StepModel):
             if n.kernel == "cache.commit":
                 n.attrs["step"] = self.step_id
         t0 = time.perf_counter()
+        self._on_every_process(_clear_sim_log)
         try:
             with self.trace.step(plan) if self.trace is not None else nullcontext():
                 values = self._run(plan)
@@ -113,12 +123,31 @@ class GraphEngine(StepModel):
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
                            "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3}
+        if self.backend != "torch":
+            self.last_stats.update(self._device_summary())
         return torch.stack([values[f"final/argmax@g{grp}"][0][idx] for grp, idx in placed])
 
     def _run(self, plan):
         if self.runner is None:
             return run_local(plan, self.executor)
         return self.runner.run(plan)
+
+    def _on_every_process(self, fn, *args):
+        """Run fn here (sync/threads) or on every worker (distributed); results by process."""
+        if self.runner is None:
+            return {"local": fn(*args)}
+        return self.runner.run_on_workers(fn, *args)
+
+    def _device_summary(self) -> dict:
+        """Per step: the busiest card's summed simulated µs (cards run concurrently) and which node
+        kernels had a pypto form."""
+        per_card: dict[int, float] = {}
+        kernels = set()
+        for log in self._on_every_process(_sim_log).values():
+            for card, kernel, us in log.values():
+                per_card[card] = per_card.get(card, 0.0) + us
+                kernels.add(kernel)
+        return {"device_sim_us": max(per_card.values(), default=0.0), "pypto_kernels": sorted(kernels)}
 
     def _abort(self):
         if self.runner is None:
@@ -161,6 +190,19 @@ class GraphEngine(StepModel):
 
 def _set_fail_at(key):
     Hooks.fail_at = key
+
+
+def _set_device_time(backend: str):
+    Hooks.device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
+    Hooks.sim_log = {}
+
+
+def _clear_sim_log():
+    Hooks.sim_log = {}
+
+
+def _sim_log():
+    return dict(Hooks.sim_log)
 
 
 __all__ = ["GraphEngine", "NodeError", "EXECUTORS"]

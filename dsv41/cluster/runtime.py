@@ -13,9 +13,12 @@ class NodeError(RuntimeError):
 
 
 class Hooks:
-    """Process-wide run hooks: fault injection for tests, span recording for traces."""
+    """Process-wide run hooks: fault injection for tests, span recording for traces, simulated
+    device time per node (``--backend pypto-sim``), logged per node key for the step summary."""
     fail_at: str | None = None
     tracer = None
+    device_time = None                       # (state, node, args) -> µs or None
+    sim_log: dict[str, tuple[int, str, float]] = {}   # node key -> (card, kernel, µs)
 
 
 def run_node(node, values: dict):
@@ -24,8 +27,13 @@ def run_node(node, values: dict):
     try:
         if Hooks.fail_at == node.key:
             raise RuntimeError("injected failure")
+        sim_us = None
+        if Hooks.device_time is not None:  # asked before the kernel so its cost stays outside the span
+            sim_us = Hooks.device_time(st, node, args)
+            if sim_us is not None:
+                Hooks.sim_log[node.key] = (node.card, node.kernel, sim_us)
         if Hooks.tracer is not None:
-            return Hooks.tracer.run(st, node, KERNELS[node.kernel], args)
+            return Hooks.tracer.run(st, node, KERNELS[node.kernel], args, sim_us)
         return KERNELS[node.kernel](st, node, *args)
     except NodeError:
         raise

@@ -18,7 +18,8 @@ _UNTRACKED = SubmissionTrace({}, frozenset(), None)
 _SUMMED = ("dsv41.bytes_read", "dsv41.bytes_written", "dsv41.flops", "dsv41.device.sim_us")
 
 
-def node_attributes(node, sub, cost, device, live: int, peak: int) -> dict:
+def node_attributes(node, sub, cost, device, live: int, peak: int, sim_us: float | None = None) -> dict:
+    """sim_us: the pypto cost model's time when the backend gives one, else the roofline estimate."""
     return {
         "dsv41.span": "node", "dsv41.node": node.key, "dsv41.kernel": node.kernel,
         "dsv41.layer": -1 if node.layer is None else node.layer, "dsv41.card": node.card,
@@ -26,7 +27,9 @@ def node_attributes(node, sub, cost, device, live: int, peak: int) -> dict:
         "dsv41.bytes_read": cost.bytes_read, "dsv41.bytes_written": cost.bytes_written,
         "dsv41.output_bytes": cost.output_bytes, "dsv41.link_bytes": cost.link, "dsv41.flops": cost.total_flops,
         "dsv41.hbm.live_bytes": live, "dsv41.hbm.peak_bytes": peak,
-        "dsv41.device.sim_us": node_us(cost, device), "dsv41.device.profile": device.name,
+        "dsv41.device.sim_us": node_us(cost, device) if sim_us is None else sim_us,
+        "dsv41.device.source": "roofline" if sim_us is None else "pypto",
+        "dsv41.device.profile": device.name,
     }
 
 
@@ -65,7 +68,7 @@ class NodeTracer:
             led.begin(sub.step)
         self._current.open = _Open(sub, span)
 
-    def run(self, st, node, kernel_fn, args):
+    def run(self, st, node, kernel_fn, args, sim_us: float | None = None):
         cur = self._current.open
         t0 = time.time_ns()
         try:
@@ -84,7 +87,7 @@ class NodeTracer:
             for i in node.inputs:
                 led.consume(i)
             live, peak = led.live_bytes, led.peak_bytes
-        attrs = node_attributes(node, cur.sub, cost, self.device, live, peak)
+        attrs = node_attributes(node, cur.sub, cost, self.device, live, peak, sim_us)
         for k in cur.totals:
             cur.totals[k] += attrs[k]
         self.recorder.end(self.recorder.start(node.key, cur.span, t0, attrs), end_ns=t1)
