@@ -78,8 +78,8 @@ class Capturing(NodeTracer):
         super().__init__(tracer.recorder, tracer.device)
         self.values = {}
 
-    def run(self, st, node, kernel_fn, args):
-        value = super().run(st, node, kernel_fn, args)
+    def run(self, st, node, kernel_fn, args, sim_us=None):
+        value = super().run(st, node, kernel_fn, args, sim_us)
         self.values[(self.ledgers[node.card].step, node.key)] = (node.card, tensor_bytes(value))
         return value
 
@@ -118,7 +118,7 @@ def test_signatures_predict_every_value_from_meta_inputs(engine):
         def begin_submission(self, sub): pass
         def end_submission(self, sub): pass
 
-        def run(self, st, node, fn, args):
+        def run(self, st, node, fn, args, sim_us=None):
             value = fn(st, node, *args)
             real_routing = node.kernel == "moe.dispatch"   # how many rows go where is data, not shape
             spec = SIGNATURES[node.kernel](st, node, *(args if real_routing else to_meta(args))).out
