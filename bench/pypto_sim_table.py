@@ -40,13 +40,13 @@ def unique_parts(cfg, rows, tp, ep) -> list[tuple[str, dict]]:
 def table() -> None:
     for name, (cfg, rows, tp, ep) in SETS.items():
         print(f"\n## {name}: {rows} rows per DP group, TP{tp} EP{ep}\n")
-        print(f"| kernel | shapes | sim µs | wall s |\n|---|---|---|---|")
+        print("| kernel | shapes | sim µs | wall s |\n|---|---|---|---|")
         for k, s in unique_parts(cfg, rows, tp, ep):
             t0 = time.perf_counter()
             us = sim_time_us(k, s)
             wall = time.perf_counter() - t0
             print(f"| {k} | {fmt(s)} | {'FAILED' if us is None else f'{us:.2f}'} | {wall:.2f} |", flush=True)
-        print(f"\n| graph node | parts | sum µs |\n|---|---|---|")
+        print("\n| graph node | parts | sum µs |\n|---|---|---|")
         for node, parts in node_parts(cfg, rows, tp, ep).items():
             times = [sim_time_us(k, s) for k, s in parts]
             total = "n/a" if None in times else f"{sum(times):.2f}"
@@ -86,7 +86,7 @@ def cold_warm() -> None:
         assert cold == warm == disk == eval(out.stdout), (cold, warm, disk, out.stdout)
     n = len(parts)
     print(f"\n## cache: the TINY set ({n} kernel calls)\n")
-    print(f"| cache | wall s | per call |\n|---|---|---|")
+    print("| cache | wall s | per call |\n|---|---|---|")
     print(f"| cold (worker start + {n} simulations) | {t_cold:.2f} | {t_cold / n:.2f} s |")
     print(f"| warm, memory | {t_mem:.4f} | {t_mem / n * 1e6:.0f} µs |")
     print(f"| warm, disk (new SimCache) | {t_disk:.4f} | {t_disk / n * 1e6:.0f} µs |")

@@ -34,11 +34,6 @@ class CardState:
     def tp_rank(self) -> int:
         return self.topo.tp_rank(self.card)
 
-    @property
-    def local_experts(self) -> range:
-        n = self.cfg.n_routed_experts // self.topo.ep
-        return range(self.card * n, (self.card + 1) * n)
-
 
 def shard_weights(cfg: ModelConfig, topo: Topology, card: int, w: dict) -> dict[str, torch.Tensor]:
     """Head-parallel attention shards (wq_b rows, sinks, wo_a groups, wo_b columns), this EP rank's
