@@ -6,7 +6,8 @@
 Reports (median decode-step wall time over --steps steps after a prefill):
 - graph/reference for the same step (TP1/DP1/EP1, sync and threads);
 - nodes, submissions and dask tasks per decode step for a multi-card layout, with and without
-  submissions, and the scheduler overhead per extra dask task (node granularity vs submissions);
+  submissions, and each executor's overhead per extra dask task (node granularity vs submissions;
+  distributed node granularity is timed on one step);
 - distributed step time over threaded for the same layout.
 """
 from __future__ import annotations
@@ -60,27 +61,24 @@ def main():
         out[f"graph_{ex}_tp1_over_reference"] = ms / ref_ms
 
     topo = Topology(a.tp, a.dp, a.tp * a.dp)
-    layout = f"tp{topo.tp}dp{topo.dp}ep{topo.ep}"
-    per = {}
-    for gran in ("submission", "node"):
-        ms, stats = decode_ms(GraphEngine(cfg, topo, executor="threads", granularity=gran, max_batch=a.batch,
-                                          max_context=ctx), prompts, a.steps)
-        per[gran] = (ms, stats)
-    (sub_ms, sub), (node_ms, node) = per["submission"], per["node"]
-    out[layout] = {
-        "nodes": sub["nodes"], "dask_tasks_submission": sub["dask_tasks"], "dask_tasks_node": node["dask_tasks"],
-        "tasks_over_nodes": sub["dask_tasks"] / sub["nodes"],
-        "threads_submission_ms": sub_ms, "threads_node_ms": node_ms,
-        "overhead_us_per_task_threads": (node_ms - sub_ms) * 1e3 / (node["dask_tasks"] - sub["dask_tasks"]),
-    }
-    if not a.no_distributed:
-        eng = GraphEngine(cfg, topo, executor="distributed", max_batch=a.batch, max_context=ctx)
-        try:
-            dist_ms, _ = decode_ms(eng, prompts, a.steps)
-        finally:
-            eng.close()
-        out[layout]["distributed_ms"] = dist_ms
-        out[layout]["distributed_over_threads"] = dist_ms / sub_ms
+    layout = {}
+    executors = ("sync", "threads") + (() if a.no_distributed else ("distributed",))
+    for ex in executors:
+        per = {}
+        for gran in ("submission", "node"):
+            eng = GraphEngine(cfg, topo, executor=ex, granularity=gran, max_batch=a.batch, max_context=ctx)
+            try:
+                per[gran] = decode_ms(eng, prompts, a.steps if gran == "submission" or ex != "distributed" else 1)
+            finally:
+                eng.close()
+        (sub_ms, sub), (node_ms, node) = per["submission"], per["node"]
+        layout.update(nodes=sub["nodes"], dask_tasks_submission=sub["dask_tasks"], dask_tasks_node=node["dask_tasks"],
+                      tasks_over_nodes=sub["dask_tasks"] / sub["nodes"])
+        layout[ex] = {"submission_ms": sub_ms, "node_ms": node_ms,
+                      "overhead_us_per_task": (node_ms - sub_ms) * 1e3 / (node["dask_tasks"] - sub["dask_tasks"])}
+    if "distributed" in layout:
+        layout["distributed_over_threads"] = layout["distributed"]["submission_ms"] / layout["threads"]["submission_ms"]
+    out[f"tp{topo.tp}dp{topo.dp}ep{topo.ep}"] = layout
     print(json.dumps(out, indent=1))
 
 

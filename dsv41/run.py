@@ -126,6 +126,8 @@ def main(argv=None) -> int:
         if args.backend != "torch":
             result.update(device_sim_us=[s["device_sim_us"] for s in stats],
                           pypto_kernels=sorted({k for s in stats for k in s["pypto_kernels"]}))
+            say(f"  {args.backend} kernels: {', '.join(result['pypto_kernels'])}")
+            say(f"  torch only: {', '.join(sorted(engine.last_graph.kernels() - set(result['pypto_kernels'])))}")
         if args.show_graph:
             engine.write_graph(args.show_graph)
             say(f"  graph written to {args.show_graph}")
