@@ -131,3 +131,18 @@ def test_inputs_validated_before_any_node_runs():
         GraphEngine(TINY, Topology(8, 1, 8))
     with pytest.raises(ValueError, match="Topology.ep: must equal tp\\*dp"):
         Topology(2, 2, 2)
+
+
+def test_graph_to_dask_runs_node_by_node_under_dask_get():
+    import dask
+
+    from dsv41.cluster.runtime import run_one
+    from dsv41.graph.build import build
+
+    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=2, max_context=64)
+    prompts = _prompts()
+    step = engine.tables[0].plan([(None, p) for p in prompts], "prefill", 1)
+    graph = build(TINY, engine.topo, {0: step}, "sharded", "prefill")
+    logits, _ = dask.get(graph.to_dask(run_one), "final/argmax@g0")
+    ref = ReferenceModel(TINY, seed=0, max_batch=2, max_context=64).prefill(prompts)
+    assert torch.equal(logits, ref)

@@ -41,6 +41,11 @@ def run_node(node, values: dict):
         raise NodeError(f"node {node.key} (kernel {node.kernel}, card {node.card}) failed: {e}") from e
 
 
+def run_one(node, *input_values):
+    """One node as a plain dask task (``Graph.to_dask(run_one)``)."""
+    return run_node(node, dict(zip(node.inputs, input_values)))
+
+
 def run_submission(sub, *dep_values):
     """dep_values align with sub.deps: dicts of exported values (submissions) or literal values."""
     values = {}
