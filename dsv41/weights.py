@@ -9,7 +9,6 @@ activations O(1) through all 40 layers.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -248,7 +247,3 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None) -> 
     for fname in sorted(set(index["weight_map"].values())):
         ck.update(load_file(str(path / fname)))
     return ck
-
-
-def param_count(ck: dict[str, torch.Tensor]) -> int:
-    return sum(math.prod(t.shape) for t in ck.values())

@@ -42,6 +42,3 @@ class StagedTensors:
 
     def discard(self):
         self.staged = {}
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self.committed.values() for t in ts)
