@@ -51,7 +51,8 @@ class _Builder:
 
     def build(self) -> Graph:
         cfg, topo, g = self.cfg, self.topo, self.g
-        x, pre_src, mixes_prev = {}, {}, {}
+        # x: each card's residual-stream node; mixes: its latest mHC site (the delayed pre mix source)
+        x, mixes = {}, {}
         step_key, rope, t_of = {}, {}, {}
         for grp, step in self.steps.items():
             t = step.md.num_tokens
@@ -65,25 +66,25 @@ class _Builder:
                 rows = local_rows(t, topo.tp, topo.tp_rank(c), self.wiring)
                 e = g.add(f"embed@c{c}", "embed", [step_key[c]], c, rows=rows)
                 x[c] = g.add(f"hc.pack@c{c}", "hc.pack", [e], c)
-                pre_src[c] = None
-        selections = {}   # (card, index source layer) -> topk node
+                mixes[c] = None
+        selections = {}   # (card, "pub" | "topk", layer) -> publication / Top-K node
         for spec in cfg.layers:
             L = spec.layer
             for grp, step in self.steps.items():
                 group = topo.group_cards(grp)
                 t = t_of[group[0]]
-                attn_out = self._attention(spec, grp, group, t, x, pre_src, mixes_prev, step_key, rope, selections)
+                attn_out = self._attention(spec, grp, group, t, x, mixes, step_key, rope, selections)
                 for c in group:
                     x[c] = attn_out[c]
-            self._moe(L, x, pre_src, mixes_prev, step_key)
-        self._head(x, mixes_prev, step_key)
+            self._moe(L, x, mixes, step_key)
+        self._head(x, mixes, step_key)
         sinks = g.sinks()  # commit waits for the whole step, on every card, before anything persists
         for c in topo.cards:
             g.add(f"cache.commit@c{c}", "cache.commit", sinks, c)
         return g
 
     # ---- attention sub-layer of one DP group ----------------------------------------------------
-    def _attention(self, spec, grp, group, t, x, pre_src, mixes_prev, step_key, rope, selections) -> dict:
+    def _attention(self, spec, grp, group, t, x, mixes, step_key, rope, selections) -> dict:
         cfg, g, L, tp = self.cfg, self.g, spec.layer, self.topo.tp
         p = f"L{L}/attn"
         norm = {}
@@ -91,12 +92,11 @@ class _Builder:
             if L in cfg.engram_layer_ids:
                 x[c] = g.add(f"L{L}/engram@c{c}", "engram", [x[c], step_key[c]], c, L,
                              rows=local_rows(t, tp, self.topo.tp_rank(c), self.wiring))
-            mixes = g.add(f"{p}/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="attn")
-            pre_in = [pre_src[c]] if pre_src[c] else []
+            site = g.add(f"{p}/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="attn")
+            pre_in = [mixes[c]] if mixes[c] else []
             collapsed = g.add(f"{p}/pre@c{c}", "hc.pre", [x[c]] + pre_in, c, L, initial=not pre_in)
             norm[c] = g.add(f"{p}/norm@c{c}", "norm.rms", [collapsed], c, L, weight=f"layers.{L}.attn_norm.weight")
-            pre_src[c] = mixes  # the FFN collapses with this site's pre
-            mixes_prev[c] = mixes
+            mixes[c] = site  # post uses it now, the FFN collapses with its pre
         if self.wiring == SHARDED:
             full = self.collective(lambda c: f"{p}/all_gather@c{c}", "tp.all_gather", group,
                                    lambda c: [norm[r] for r in group], f"{p}/all_gather@g{grp}", layer=L,
@@ -144,18 +144,18 @@ class _Builder:
             reduced = self.collective(lambda c: f"{p}/all_reduce@c{c}", "tp.all_reduce", group,
                                       lambda c: [partial[r] for r in group], f"{p}/all_reduce@g{grp}", layer=L)
         for c in group:
-            out[c] = g.add(f"{p}/post@c{c}", "hc.post", [reduced[c], x[c], mixes_prev[c]], c, L,
+            out[c] = g.add(f"{p}/post@c{c}", "hc.post", [reduced[c], x[c], mixes[c]], c, L,
                            rows=local_rows(t, tp, self.topo.tp_rank(c), self.wiring))
         return out
 
     # ---- MoE sub-layer across the EP world -------------------------------------------------------
-    def _moe(self, L, x, pre_src, mixes_prev, step_key):
+    def _moe(self, L, x, mixes, step_key):
         g, topo, p = self.g, self.topo, f"L{L}/moe"
         active = [c for c in topo.cards if c in x]
         gate, dispatch, shared, ffn_mixes = {}, {}, {}, {}
         for c in active:
             ffn_mixes[c] = g.add(f"L{L}/ffn/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="ffn")
-            collapsed = g.add(f"L{L}/ffn/pre@c{c}", "hc.pre", [x[c], pre_src[c]], c, L, initial=False)
+            collapsed = g.add(f"L{L}/ffn/pre@c{c}", "hc.pre", [x[c], mixes[c]], c, L, initial=False)
             normed = g.add(f"L{L}/ffn/norm@c{c}", "norm.rms", [collapsed], c, L, weight=f"layers.{L}.ffn_norm.weight")
             t = self.steps[topo.dp_group(c)].md.num_tokens
             gate[c] = g.add(f"{p}/gate@c{c}", "moe.gate", [normed], c, L,
@@ -178,8 +178,7 @@ class _Builder:
                 merged = {c: combined[c] for c in group}
             for c in group:
                 x[c] = g.add(f"L{L}/ffn/post@c{c}", "hc.post", [merged[c], x[c], ffn_mixes[c]], c, L)
-                pre_src[c] = ffn_mixes[c]
-                mixes_prev[c] = ffn_mixes[c]
+                mixes[c] = ffn_mixes[c]
 
     def _moe_local(self, t: int, rank: int) -> list[int]:
         """MoE rows as indices into the card's local rows."""
@@ -188,14 +187,14 @@ class _Builder:
         return [pos[r] for r in moe_rows(t, self.topo.tp, rank, self.wiring)]
 
     # ---- final collapse, norm, LM head -------------------------------------------------------------
-    def _head(self, x, mixes_prev, step_key):
+    def _head(self, x, mixes, step_key):
         g, topo = self.g, self.topo
         for grp, step in self.steps.items():
             group = topo.group_cards(grp)
             t = step.md.num_tokens
             normed = {}
             for c in group:
-                h = g.add(f"final/hc.head@c{c}", "hc.head", [x[c], mixes_prev[c]], c)
+                h = g.add(f"final/hc.head@c{c}", "hc.head", [x[c], mixes[c]], c)
                 normed[c] = g.add(f"final/norm@c{c}", "norm.final", [h], c, weight="norm.weight")
             if self.wiring == SHARDED:
                 normed = self.collective(lambda c: f"final/all_gather@c{c}", "tp.all_gather", group,
