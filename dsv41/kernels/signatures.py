@@ -28,6 +28,7 @@ import torch
 
 from dsv41.config import slab
 from dsv41.ops import kv_cache
+from dsv41.kernels.registry import registrar
 from dsv41.ops.compressor import Compressed
 from dsv41.serving import StepInputs
 
@@ -65,12 +66,7 @@ def meta(*shape, dtype=F32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def signature(*names):
-    def deco(fn):
-        for n in names:
-            SIGNATURES[n] = fn
-        return fn
-    return deco
+signature = registrar(SIGNATURES)
 
 
 def _w(*keys) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.config import slab
+from dsv41.kernels.registry import registrar
 from dsv41.ops import mhc, reference as ref
 from dsv41.ops.embed import embed_rows, pack_lanes
 from dsv41.ops.lm_head import greedy, logits_shard, select_rows
@@ -18,14 +19,7 @@ from dsv41.ops.projections import kv_proj, q_proj
 from dsv41.ops.rope import materialize_rope_rows
 
 KERNELS = {}
-
-
-def kernel(*names):
-    def deco(fn):
-        for n in names:
-            KERNELS[n] = fn
-        return fn
-    return deco
+kernel = registrar(KERNELS)
 
 
 def _spec(st, node):
