@@ -30,142 +30,104 @@ def _codes(scale: torch.Tensor) -> torch.Tensor:
     return scale.view(torch.uint8) if scale.dtype == E8M0 else scale
 
 
-class _Draw:
-    def __init__(self, seed: int):
-        self.g = torch.Generator().manual_seed(seed)
+def _layout(cfg: ModelConfig):
+    """(name, logical shape, format, std, mean) of every checkpoint tensor, in drawing order.
 
-    def normal(self, *shape, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.g) * std + mean
-
-
-def _fp8(ck: dict, name: str, w: torch.Tensor):
-    payload, scale = block_mxfp8_encode(w)
-    ck[f"{name}.weight"], ck[f"{name}.scale"] = payload, _as_e8m0(scale)
-
-
-def _fp4(ck: dict, name: str, w: torch.Tensor):
-    packed, scale = expert_mxfp4_encode(w)
-    ck[f"{name}.weight"], ck[f"{name}.scale"] = packed.view(torch.int8), _as_e8m0(scale)
-
-
-def _bf16(ck: dict, name: str, w: torch.Tensor):
-    ck[name] = w.to(torch.bfloat16)
-
-
-def init_checkpoint(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    r = _Draw(seed)
+    Formats: ``bf16`` / ``f32`` dense tensors (name is the tensor's); ``fp8`` a 32x32-block MXFP8
+    linear and ``fp4`` a packed MXFP4 routed-expert linear (name is the base; ``.weight`` and
+    ``.scale`` are stored); ``rows8`` the Engram table (row-wise MXFP8, group 32). The one walk
+    serves drawing (``init_checkpoint``) and sizing (``checkpoint_specs``).
+    """
     d, hd, hc = cfg.hidden_size, cfg.head_dim, cfg.hc_mult
-    ck: dict[str, torch.Tensor] = {}
-    _bf16(ck, "embed.weight", r.normal(cfg.vocab_size, d))
-    _bf16(ck, "norm.weight", r.normal(d, std=0.05, mean=1.0))
-    _bf16(ck, "head.weight", r.normal(cfg.vocab_size, d, std=d ** -0.5))
+    yield "embed.weight", (cfg.vocab_size, d), "bf16", 1.0, 0.0
+    yield "norm.weight", (d,), "bf16", 0.05, 1.0
+    yield "head.weight", (cfg.vocab_size, d), "bf16", d ** -0.5, 0.0
     for spec in cfg.layers:
         p = f"layers.{spec.layer}."
         for site in ("attn", "ffn"):
-            ck[f"{p}hc_{site}_fn"] = r.normal(cfg.mix_hc, cfg.hc_dim, std=0.5 * cfg.hc_dim ** -0.5)
-            ck[f"{p}hc_{site}_scale"] = r.normal(3, std=0.1, mean=1.0)
-            ck[f"{p}hc_{site}_base"] = r.normal(cfg.mix_hc, std=0.5)
-        _bf16(ck, f"{p}attn_norm.weight", r.normal(d, std=0.05, mean=1.0))
-        _bf16(ck, f"{p}ffn_norm.weight", r.normal(d, std=0.05, mean=1.0))
+            yield f"{p}hc_{site}_fn", (cfg.mix_hc, cfg.hc_dim), "f32", 0.5 * cfg.hc_dim ** -0.5, 0.0
+            yield f"{p}hc_{site}_scale", (3,), "f32", 0.1, 1.0
+            yield f"{p}hc_{site}_base", (cfg.mix_hc,), "f32", 0.5, 0.0
+        yield f"{p}attn_norm.weight", (d,), "bf16", 0.05, 1.0
+        yield f"{p}ffn_norm.weight", (d,), "bf16", 0.05, 1.0
         a = f"{p}attn."
-        _fp8(ck, f"{a}wq_a", r.normal(cfg.q_lora_rank, d, std=d ** -0.5))
-        _fp8(ck, f"{a}wq_b", r.normal(cfg.num_attention_heads * hd, cfg.q_lora_rank, std=cfg.q_lora_rank ** -0.5))
-        _fp8(ck, f"{a}wkv", r.normal(hd, d, std=d ** -0.5))
-        _fp8(ck, f"{a}wo_a", r.normal(cfg.o_groups * cfg.o_lora_rank, cfg.o_group_in, std=cfg.o_group_in ** -0.5))
-        _fp8(ck, f"{a}wo_b", r.normal(d, cfg.o_groups * cfg.o_lora_rank,
-                                      std=(cfg.o_groups * cfg.o_lora_rank) ** -0.5))
-        _bf16(ck, f"{a}q_norm.weight", r.normal(cfg.q_lora_rank, std=0.05, mean=1.0))
-        _bf16(ck, f"{a}kv_norm.weight", r.normal(hd, std=0.05, mean=1.0))
-        ck[f"{a}attn_sink"] = r.normal(cfg.num_attention_heads)
+        o_in = cfg.o_groups * cfg.o_lora_rank
+        yield f"{a}wq_a", (cfg.q_lora_rank, d), "fp8", d ** -0.5, 0.0
+        yield f"{a}wq_b", (cfg.num_attention_heads * hd, cfg.q_lora_rank), "fp8", cfg.q_lora_rank ** -0.5, 0.0
+        yield f"{a}wkv", (hd, d), "fp8", d ** -0.5, 0.0
+        yield f"{a}wo_a", (o_in, cfg.o_group_in), "fp8", cfg.o_group_in ** -0.5, 0.0
+        yield f"{a}wo_b", (d, o_in), "fp8", o_in ** -0.5, 0.0
+        yield f"{a}q_norm.weight", (cfg.q_lora_rank,), "bf16", 0.05, 1.0
+        yield f"{a}kv_norm.weight", (hd,), "bf16", 0.05, 1.0
+        yield f"{a}attn_sink", (cfg.num_attention_heads,), "f32", 1.0, 0.0
         if spec.mode == FULL:
-            _bf16(ck, f"{a}compressor.wkv.weight", r.normal(hd, d, std=d ** -0.5))
+            yield f"{a}compressor.wkv.weight", (hd, d), "bf16", d ** -0.5, 0.0
             if spec.ratio == 2:
-                _bf16(ck, f"{a}compressor.wgate.weight", r.normal(hd, d, std=d ** -0.5))
-            _bf16(ck, f"{a}compressor.norm.weight", r.normal(hd, std=0.05, mean=1.0))
-            ih = cfg.index_head_dim
-            _bf16(ck, f"{a}indexer.wk.weight", r.normal(ih, hd, std=hd ** -0.5))
-            _bf16(ck, f"{a}indexer.k_norm.weight", r.normal(ih, std=0.05, mean=1.0))
+                yield f"{a}compressor.wgate.weight", (hd, d), "bf16", d ** -0.5, 0.0
+            yield f"{a}compressor.norm.weight", (hd,), "bf16", 0.05, 1.0
+            yield f"{a}indexer.wk.weight", (cfg.index_head_dim, hd), "bf16", hd ** -0.5, 0.0
+            yield f"{a}indexer.k_norm.weight", (cfg.index_head_dim,), "bf16", 0.05, 1.0
         if spec.layer in cfg.index_source_layer_ids:
-            _fp8(ck, f"{a}indexer.wq_b", r.normal(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank,
-                                                  std=cfg.q_lora_rank ** -0.5))
-            _bf16(ck, f"{a}indexer.weights_proj.weight", r.normal(cfg.index_n_heads, d, std=d ** -0.5))
+            yield (f"{a}indexer.wq_b", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "fp8",
+                   cfg.q_lora_rank ** -0.5, 0.0)
+            yield f"{a}indexer.weights_proj.weight", (cfg.index_n_heads, d), "bf16", d ** -0.5, 0.0
         f = f"{p}ffn."
-        _bf16(ck, f"{f}gate.weight", r.normal(cfg.n_routed_experts, d, std=d ** -0.5))
-        ck[f"{f}gate.bias"] = r.normal(cfg.n_routed_experts, std=0.1)
+        yield f"{f}gate.weight", (cfg.n_routed_experts, d), "bf16", d ** -0.5, 0.0
+        yield f"{f}gate.bias", (cfg.n_routed_experts,), "f32", 0.1, 0.0
         inter = cfg.moe_intermediate_size
         for e in range(cfg.n_routed_experts):
-            _fp4(ck, f"{f}experts.{e}.w1", r.normal(inter, d, std=d ** -0.5))
-            _fp4(ck, f"{f}experts.{e}.w2", r.normal(d, inter, std=inter ** -0.5))
-            _fp4(ck, f"{f}experts.{e}.w3", r.normal(inter, d, std=d ** -0.5))
-        _fp8(ck, f"{f}shared_experts.w1", r.normal(inter, d, std=d ** -0.5))
-        _fp8(ck, f"{f}shared_experts.w2", r.normal(d, inter, std=inter ** -0.5))
-        _fp8(ck, f"{f}shared_experts.w3", r.normal(inter, d, std=d ** -0.5))
+            yield f"{f}experts.{e}.w1", (inter, d), "fp4", d ** -0.5, 0.0
+            yield f"{f}experts.{e}.w2", (d, inter), "fp4", inter ** -0.5, 0.0
+            yield f"{f}experts.{e}.w3", (inter, d), "fp4", d ** -0.5, 0.0
+        yield f"{f}shared_experts.w1", (inter, d), "fp8", d ** -0.5, 0.0
+        yield f"{f}shared_experts.w2", (d, inter), "fp8", inter ** -0.5, 0.0
+        yield f"{f}shared_experts.w3", (inter, d), "fp8", d ** -0.5, 0.0
         if spec.layer in cfg.engram_layer_ids:
             e = f"{p}engram."
-            payload, scale = mxfp8_encode(r.normal(engram_table_rows(cfg, spec.layer), cfg.engram_head_dim))
-            ck[f"{e}embed.weight"], ck[f"{e}embed.scale"] = payload, _as_e8m0(scale)
-            _fp8(ck, f"{e}wkv", r.normal((hc + 1) * d, cfg.engram_lookup_dim, std=cfg.engram_lookup_dim ** -0.5))
-            ck[f"{e}q_weight"] = r.normal(hc, d, std=0.05, mean=1.0).to(torch.bfloat16)
-            ck[f"{e}k_weight"] = r.normal(hc, d, std=0.05, mean=1.0).to(torch.bfloat16)
+            yield f"{e}embed", (engram_table_rows(cfg, spec.layer), cfg.engram_head_dim), "rows8", 1.0, 0.0
+            yield f"{e}wkv", ((hc + 1) * d, cfg.engram_lookup_dim), "fp8", cfg.engram_lookup_dim ** -0.5, 0.0
+            yield f"{e}q_weight", (hc, d), "bf16", 0.05, 1.0
+            yield f"{e}k_weight", (hc, d), "bf16", 0.05, 1.0
+
+
+def _encode(name: str, fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    if fmt == "f32":
+        return {name: w}
+    if fmt == "bf16":
+        return {name: w.to(torch.bfloat16)}
+    if fmt == "fp8":
+        payload, scale = block_mxfp8_encode(w)
+    elif fmt == "fp4":
+        packed, scale = expert_mxfp4_encode(w)
+        payload = packed.view(torch.int8)
+    else:
+        payload, scale = mxfp8_encode(w)
+    return {f"{name}.weight": payload, f"{name}.scale": _as_e8m0(scale)}
+
+
+def _spec(name: str, fmt: str, shape: tuple[int, ...], g: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if fmt in ("f32", "bf16"):
+        return {name: (shape, torch.float32 if fmt == "f32" else torch.bfloat16)}
+    n, k = shape
+    payload = ((n, k // 2), torch.int8) if fmt == "fp4" else ((n, k), torch.float8_e4m3fn)
+    scale = (n // g, k // g) if fmt == "fp8" else (n, k // g)
+    return {f"{name}.weight": payload, f"{name}.scale": (scale, E8M0)}
+
+
+def init_checkpoint(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ck: dict[str, torch.Tensor] = {}
+    for name, shape, fmt, std, mean in _layout(cfg):
+        ck.update(_encode(name, fmt, torch.randn(*shape, generator=g) * std + mean))
     return ck
 
 
 def checkpoint_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every tensor ``init_checkpoint`` draws, without drawing it: the FLASH
-    checkpoint (~300 GB) can be sized but never allocated here. Kept in step with init_checkpoint by
-    a test that compares the two on TINY."""
-    d, hd, hc, g = cfg.hidden_size, cfg.head_dim, cfg.hc_mult, cfg.mx_group
-    f32, bf16 = torch.float32, torch.bfloat16
+    checkpoint (~300 GB) can be sized but never allocated here."""
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-
-    def fp8(name, n, k):
-        out[f"{name}.weight"], out[f"{name}.scale"] = ((n, k), torch.float8_e4m3fn), ((n // g, k // g), E8M0)
-
-    def fp4(name, n, k):
-        out[f"{name}.weight"], out[f"{name}.scale"] = ((n, k // 2), torch.int8), ((n, k // g), E8M0)
-
-    out["embed.weight"], out["norm.weight"] = ((cfg.vocab_size, d), bf16), ((d,), bf16)
-    out["head.weight"] = ((cfg.vocab_size, d), bf16)
-    for spec in cfg.layers:
-        p = f"layers.{spec.layer}."
-        for site in ("attn", "ffn"):
-            out[f"{p}hc_{site}_fn"] = ((cfg.mix_hc, cfg.hc_dim), f32)
-            out[f"{p}hc_{site}_scale"], out[f"{p}hc_{site}_base"] = ((3,), f32), ((cfg.mix_hc,), f32)
-        out[f"{p}attn_norm.weight"], out[f"{p}ffn_norm.weight"] = ((d,), bf16), ((d,), bf16)
-        a = f"{p}attn."
-        fp8(f"{a}wq_a", cfg.q_lora_rank, d)
-        fp8(f"{a}wq_b", cfg.num_attention_heads * hd, cfg.q_lora_rank)
-        fp8(f"{a}wkv", hd, d)
-        fp8(f"{a}wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.o_group_in)
-        fp8(f"{a}wo_b", d, cfg.o_groups * cfg.o_lora_rank)
-        out[f"{a}q_norm.weight"], out[f"{a}kv_norm.weight"] = ((cfg.q_lora_rank,), bf16), ((hd,), bf16)
-        out[f"{a}attn_sink"] = ((cfg.num_attention_heads,), f32)
-        if spec.mode == FULL:
-            out[f"{a}compressor.wkv.weight"] = ((hd, d), bf16)
-            if spec.ratio == 2:
-                out[f"{a}compressor.wgate.weight"] = ((hd, d), bf16)
-            out[f"{a}compressor.norm.weight"] = ((hd,), bf16)
-            out[f"{a}indexer.wk.weight"] = ((cfg.index_head_dim, hd), bf16)
-            out[f"{a}indexer.k_norm.weight"] = ((cfg.index_head_dim,), bf16)
-        if spec.layer in cfg.index_source_layer_ids:
-            fp8(f"{a}indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
-            out[f"{a}indexer.weights_proj.weight"] = ((cfg.index_n_heads, d), bf16)
-        f = f"{p}ffn."
-        out[f"{f}gate.weight"], out[f"{f}gate.bias"] = ((cfg.n_routed_experts, d), bf16), ((cfg.n_routed_experts,), f32)
-        inter = cfg.moe_intermediate_size
-        for e in range(cfg.n_routed_experts):
-            fp4(f"{f}experts.{e}.w1", inter, d)
-            fp4(f"{f}experts.{e}.w2", d, inter)
-            fp4(f"{f}experts.{e}.w3", inter, d)
-        fp8(f"{f}shared_experts.w1", inter, d)
-        fp8(f"{f}shared_experts.w2", d, inter)
-        fp8(f"{f}shared_experts.w3", inter, d)
-        if spec.layer in cfg.engram_layer_ids:
-            e, rows = f"{p}engram.", engram_table_rows(cfg, spec.layer)
-            out[f"{e}embed.weight"] = ((rows, cfg.engram_head_dim), torch.float8_e4m3fn)
-            out[f"{e}embed.scale"] = ((rows, cfg.engram_head_dim // g), E8M0)
-            fp8(f"{e}wkv", (hc + 1) * d, cfg.engram_lookup_dim)
-            out[f"{e}q_weight"], out[f"{e}k_weight"] = ((hc, d), bf16), ((hc, d), bf16)
+    for name, shape, fmt, _, _ in _layout(cfg):
+        out.update(_spec(name, fmt, shape, cfg.mx_group))
     return out
 
 
