@@ -288,7 +288,7 @@ class ReferenceModel(StepModel):
         try:
             logits = forward(self.cfg, self.weights, self.caches, self.rope_tables, step, self.options)
         except BaseException:
-            self.caches.discard()
+            self.caches.abort()
             raise
         self.caches.commit()
         self.table.commit(step)

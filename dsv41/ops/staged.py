@@ -1,7 +1,7 @@
 """Copy-on-write tensor store: a step's cache writes are staged and applied all at once.
 
 Readers see the staged copy once a step has written a tensor, so rows published earlier in the
-step are visible; ``discard`` drops every staged write, leaving the committed bytes untouched.
+step are visible; ``abort`` drops every staged write (and undoes a commit of the same step), leaving the committed bytes untouched.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ class StagedTensors:
         self.committed = tensors
         self.staged: dict[str, tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
+        self._undo: tuple[int | None, dict] = (None, {})   # (step, what its commit replaced)
 
     def read(self, name: str) -> tuple[torch.Tensor, ...]:
         return self.staged.get(name) or self.committed[name]
@@ -34,11 +35,8 @@ class StagedTensors:
 
     def abort(self, step: int | None = None):
         """Drop staged writes, and undo this step's commit if it already happened on this store."""
-        undo_step, previous = getattr(self, "_undo", (None, {}))
+        undo_step, previous = self._undo
         if step is not None and undo_step == step:
             self.committed.update(previous)
             self._undo = (None, {})
-        self.staged = {}
-
-    def discard(self):
         self.staged = {}
