@@ -1,7 +1,8 @@
 """Copy-on-write tensor store: a step's cache writes are staged and applied all at once.
 
 Readers see the staged copy once a step has written a tensor, so rows published earlier in the
-step are visible; ``abort`` drops every staged write (and undoes a commit of the same step), leaving the committed bytes untouched.
+step are visible; ``abort`` drops every staged write (and undoes a commit of the same step),
+leaving the committed bytes as they were.
 """
 from __future__ import annotations
 
