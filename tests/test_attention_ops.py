@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dsv41.config import FLASH, TINY
+from dsv41.config import FLASH, SMALL, TINY
 from dsv41.ops import kv_cache
 from dsv41.ops.attention import sparse_attention
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
@@ -208,15 +208,46 @@ def test_index_query_recipe(tables):
     assert_rows_close(q_plain, q_ref, "index q")
     # official rule: the RoPE'd query is FP4 fake-quantized (group 32 over the flattened heads, E8M0)
     assert torch.equal(q_fp4.double().reshape(t, -1), _fp4_e8m0_qdq_ref(q_plain.reshape(t, -1)))
-    # head weights: bf16(x wp) * ihd^-1/2 * nh^-1/2, no further rounding
-    w_ref = bf16_64(x.double() @ wp.double().t()) * (ihd ** -0.5 * nh ** -0.5)
-    assert torch.allclose(w.double(), w_ref, rtol=2 ** -22, atol=0)
+    assert torch.equal(w.double(), _head_weights_ref(x, wp, nh, ihd))
     # FLASH dims (32 heads x 128): the scaling is exactly 2^-6, so wI = bf16(x wp) / 64 bit-exactly
     wp32 = _bf(32, d, seed=37, std=d ** -0.5)
     wq32 = torch.randn(32 * 128, ql, generator=_g(38)) * ql ** -0.5
     c32, s32 = gather_rope_rows(*precompute_rope_tables(FLASH, 4, COMPRESSED), torch.tensor([0, 1, 2, 3]))
     _, w32 = index_query(qr, x, wq32, wp32, c32, s32, 32, 128)
     assert torch.equal(w32.double(), bf16_64(x.double() @ wp32.double().t()) * 2.0 ** -6)
+
+
+def _head_weights_ref(x, wp, nh, ihd):
+    """Official order: bf16(x wp), times the FP32 scalar ihd^-1/2 * nh^-1/2 (an exact FP64 product
+    of an 8-bit and a 24-bit significand), rounded to FP32, then to BF16."""
+    c = torch.tensor(ihd ** -0.5 * nh ** -0.5, dtype=torch.float32).double()
+    return bf16_64((bf16_64(x.double() @ wp.double().t()) * c).float())
+
+
+def _scores_ref(q, w, keys):
+    """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)), every sum in FP64."""
+    dot = bf16_64(torch.einsum("thd,tpd->thp", q.double(), keys.double()).float())
+    term = bf16_64((torch.relu(dot) * w.double().unsqueeze(-1)).float())
+    return bf16_64(term.sum(1).float())
+
+
+@pytest.mark.parametrize("cfg", [TINY, SMALL], ids=["tiny", "small"])
+def test_index_head_weights_and_scores_official_rounding(cfg, tables):
+    # TINY's factor is 2^-3.5 and SMALL's 2^-4.5: not powers of two, so the second BF16 rounding of
+    # the head weights is visible (unlike FLASH's exact 2^-6)
+    t, p, d, ql, nh, ihd = 16, 24, cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim
+    qr, x = _bf(t, ql, seed=60), _bf(t, d, seed=61)
+    wq_b = torch.randn(nh * ihd, ql, generator=_g(62)) * ql ** -0.5
+    wp = _bf(nh, d, seed=63, std=d ** -0.5)
+    cos, sin = gather_rope_rows(*precompute_rope_tables(cfg, 64, COMPRESSED), torch.arange(t))
+    q, w = index_query(qr, x, wq_b, wp, cos, sin, nh, ihd)
+    w_ref = _head_weights_ref(x, wp, nh, ihd)
+    assert torch.equal(w.double(), w_ref)
+    unrounded = bf16_64(x.double() @ wp.double().t()) * (ihd ** -0.5 * nh ** -0.5)
+    assert not torch.equal(w_ref, unrounded)                         # the rounding is not a no-op here
+    keys = _bf(t, p, ihd, seed=64)
+    visible = torch.ones(t, p, dtype=torch.bool)
+    assert torch.equal(index_scores(q, w, keys, visible).double(), _scores_ref(q, w_ref, keys))
 
 
 def _dyadic(shape, seed, lo, hi, denom):
