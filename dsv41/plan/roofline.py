@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from dsv41.graph.graph import COLLECTIVES
-from dsv41.telemetry.profiles import PROFILES, DeviceProfile
-from dsv41.telemetry.sizing import NodeCost
+from dsv41.plan.profiles import PROFILES, DeviceProfile
+from dsv41.plan.sizing import NodeCost
 
 STREAMS = ("compute", "comm")
 

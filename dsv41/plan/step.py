@@ -24,9 +24,9 @@ from dsv41.kernels.signatures import SIGNATURES, nbytes
 from dsv41.ops import metadata as md_ops
 from dsv41.serving import StepInputs
 from dsv41.telemetry.hbm import CardLedger, annotate
-from dsv41.telemetry.roofline import critical_path, node_us, profile, simulate
+from dsv41.plan.roofline import critical_path, node_us, profile, simulate
 from dsv41.telemetry.session import resource_attributes
-from dsv41.telemetry.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
+from dsv41.plan.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
 from dsv41.telemetry.spans import SpanRecorder
 from dsv41.telemetry.tracer import node_attributes
 

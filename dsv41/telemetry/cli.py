@@ -9,7 +9,7 @@ import json
 from contextlib import nullcontext
 
 from dsv41.telemetry.export import TRACES, write_traces
-from dsv41.telemetry.profiles import PROFILES
+from dsv41.plan.profiles import PROFILES
 from dsv41.telemetry.session import DEFAULT_PROFILE, TraceSession
 
 GB = 1e9
@@ -51,7 +51,7 @@ def plan_command(args, cfg, topo, say) -> int:
 
 
 def plan_report(args, cfg, topo, say) -> dict:
-    from dsv41.telemetry.plan import run_plan
+    from dsv41.plan.step import run_plan
     context = args.context or cfg.max_position_embeddings
     report, records, resource = run_plan(cfg, topo, args.batch, context, args.graph, args.wiring,
                                          args.device_profile)
