@@ -93,7 +93,7 @@ _CX7 = ("one ConnectX-7 400 Gb/s NIC per GPU (HGX reference design) = 50 GB/s; D
 _IB_HOP = "assumption: 5 us per step across InfiniBand (RDMA write + completion through one switch)"
 
 _HOPPER = {
-    "efficiency": _EFFICIENCY_SRC, "inter": f"{_CX7}; hop: {_IB_HOP}", "cards_per_node": "8 GPUs per HGX board",
+    "efficiency": _EFFICIENCY_SRC, "inter": f"{_CX7}; hop: {_IB_HOP}", "cards_per_node": "8 GPUs per HGX board (NVIDIA HGX H100/H200 reference design)",
     "launch_us": _CUDA_GRAPHS, "host_launch_us": _HOST_LAUNCH, "graph_launch_us": _GRAPH_LAUNCH,
     "host_step_us": _HOST_STEP, "intra": f"{_NVLINK4}; efficiency: {_NVLINK_EFF}; hop: {_NVLINK_HOP}"}
 _NVLINK = Link(450 * G, 0.77, 3.0)
@@ -180,7 +180,7 @@ PROFILES = {p.name: p for p in (
              {"mx": 296 * T, "dense": 148 * T, "vector": 44 * T}, _NVLINK, _IB, 8,
              {"hbm_bytes": "NVIDIA H20 product brief as reported by willitrunai.com/gpus/h20-96gb and "
                            "unanswered.io/guide/nvidia-h20-hbm-memory: 96 GB HBM3 at 4.0 TB/s",
-              "hbm_bytes_per_s": "as hbm_bytes",
+              "hbm_bytes_per_s": "NVIDIA H20 product brief as reported above: 4.0 TB/s",
               "flops_per_s": "NVIDIA H20 product brief (as reported above): FP8 296, BF16 148 TFLOPS dense; FP32 44",
               **_HOPPER, "inter": f"assumption: the HGX H20 board carries the same NIC per GPU as HGX H100; {_CX7}"}),
 )}
