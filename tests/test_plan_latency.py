@@ -160,4 +160,4 @@ def test_cli_plan_json_carries_prediction_and_breakdown(capsys, tmp_path, monkey
     with pytest.raises(SystemExit):
         run.main(["--config", "tiny", "--dispatch", "eager"])      # a --plan option
     with pytest.raises(SystemExit):
-        run.main(["--config", "tiny", "--plan", "--device-profile", "b200"])
+        run.main(["--config", "tiny", "--plan", "--device-profile", "tpu-v5"])

@@ -344,7 +344,8 @@ def test_plan_flash_reproduces_the_seed_figures(capsys, tmp_path, monkeypatch):
 
     for card in out["cards"]:
         kinds = card["by_kind"]
-        assert set(card) == {"card", "weights_bytes", "cache_bytes", "transient_peak_bytes", "total_bytes", "by_kind"}
+        assert set(card) == {"card", "weights_bytes", "cache_bytes", "transient_peak_bytes", "total_bytes", "by_kind",
+                             "breakdown_us"}
         assert near(kinds["weights.routed_experts"], 36.1) and near(kinds["weights.engram_tables"], 25.3)
         assert near(card["weights_bytes"], 66.0) and near(card["cache_bytes"], 30.2)
         other = card["weights_bytes"] - kinds["weights.routed_experts"] - kinds["weights.engram_tables"]

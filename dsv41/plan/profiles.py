@@ -176,6 +176,18 @@ PROFILES = {p.name: p for p in (
               "hbm_bytes_per_s": "NVIDIA H100 datasheet (above)",
               "flops_per_s": "NVIDIA H100 SXM datasheet: FP8 3,958 / BF16 1,979 TFLOPS with sparsity (half dense); "
                              "FP32 67", **_HOPPER}),
+    _profile("b200", "NVIDIA B200 (HGX, 8 per node)", 180 * G, 8.0 * T,
+             {"mx": 4500 * T, "dense": 2250 * T, "vector": 75 * T}, Link(900 * G, 0.77, 3.0), _IB, 8,
+             {"hbm_bytes": "NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 1,440 GB HBM3e and "
+                           "64 TB/s over 8 GPUs -> 180 GB at 8 TB/s per GPU",
+              "hbm_bytes_per_s": "NVIDIA DGX B200 datasheet (above)",
+              "flops_per_s": "NVIDIA DGX B200 datasheet: FP8 72 PFLOPS training over 8 GPUs -> 9 PFLOPS with "
+                             "sparsity, 4.5 dense per GPU; BF16 half that; assumption: FP32 vector 75 TFLOPS "
+                             "(not in the datasheet; the Hopper figure scaled by the SM count ratio)",
+              **_HOPPER, "efficiency": _EFFICIENCY_SRC + "; assumption: the Hopper fractions hold on Blackwell",
+              "intra": "NVLink 5: 1.8 TB/s per GPU both directions (DGX B200 datasheet) -> 900 GB/s one way; "
+                       "DeepEP V2 README: EP8 NVLink dispatch/combine 726/740 GB/s on SM100 -> 0.8, 0.77 kept as "
+                       f"Hopper; hop: {_NVLINK_HOP}"}),
     _profile("h20", "NVIDIA H20 (HGX, 8 per node)", 96 * G, 4.0 * T,
              {"mx": 296 * T, "dense": 148 * T, "vector": 44 * T}, _NVLINK, _IB, 8,
              {"hbm_bytes": "NVIDIA H20 product brief as reported by willitrunai.com/gpus/h20-96gb and "
