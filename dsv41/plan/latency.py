@@ -72,8 +72,8 @@ def link_us(node, link_bytes: int, others: list[int], dev) -> float:
     """Alpha-beta time of the bytes a node receives from ``others``."""
     if not link_bytes or not others:
         return 0.0
-    node_of = lambda c: c // dev.cards_per_node     # noqa: E731
-    remote = [c for c in others if node_of(c) != node_of(node.card)]
+    home = node.card // dev.cards_per_node
+    remote = [c for c in others if c // dev.cards_per_node != home]
     if node.kernel in COLLECTIVES:
         link = dev.inter if remote else dev.intra
         steps = len(others) if link.algorithm == "ring" else 1
