@@ -15,6 +15,7 @@ import torch
 
 from dsv41.config import PRESETS, Topology
 from dsv41.kernels.device_time import BACKENDS
+from dsv41.plan import cli as plan_cli
 from dsv41.telemetry import cli as telemetry
 
 EXECUTORS = ("threads", "sync", "distributed", "reference")
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep).check(cfg)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.plan:
-        return telemetry.plan_command(args, cfg, topo, say)
+        return plan_cli.plan_command(args, cfg, topo, say)
     say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} ep={topo.ep} "
         f"batch={args.batch} prompt_len={args.prompt_len}")
     t0 = time.perf_counter()

@@ -323,7 +323,7 @@ def test_a_failed_step_is_marked_in_its_spans(engine, tmp_path):
 def test_submission_keys_read_as_kernel_layer_card():
     from dsv41.cluster.plan import make_plan, task_name
     from dsv41.graph.build import build
-    from dsv41.telemetry.plan import step_inputs
+    from dsv41.plan.step import step_inputs
     steps = {0: step_inputs(TINY, 2, 2, 1, 20, "decode")}
     plan = make_plan(build(TINY, TOPO, steps), TOPO, step=7)
     assert len(set(plan.submissions)) == len(plan.submissions)
@@ -344,7 +344,8 @@ def test_plan_flash_reproduces_the_seed_figures(capsys, tmp_path, monkeypatch):
 
     for card in out["cards"]:
         kinds = card["by_kind"]
-        assert set(card) == {"card", "weights_bytes", "cache_bytes", "transient_peak_bytes", "total_bytes", "by_kind"}
+        assert set(card) == {"card", "weights_bytes", "cache_bytes", "transient_peak_bytes", "total_bytes", "by_kind",
+                             "breakdown_us"}
         assert near(kinds["weights.routed_experts"], 36.1) and near(kinds["weights.engram_tables"], 25.3)
         assert near(card["weights_bytes"], 66.0) and near(card["cache_bytes"], 30.2)
         other = card["weights_bytes"] - kinds["weights.routed_experts"] - kinds["weights.engram_tables"]
@@ -360,7 +361,7 @@ def test_plan_flash_reproduces_the_seed_figures(capsys, tmp_path, monkeypatch):
 
 def test_plan_weights_equal_the_live_ledger(traced):
     """Plan mode and a traced run size a card's weights with one policy."""
-    from dsv41.telemetry.sizing import weights_by_kind
+    from dsv41.plan.sizing import weights_by_kind
     _, _, _, hbm, _ = traced
     assert [h["weights_bytes"] for h in hbm] == [sum(weights_by_kind(TINY, TOPO, c).values()) for c in TOPO.cards]
     assert sum(weights_by_kind(FLASH, Topology(4, 2, 8), 0).values()) > 6e10

@@ -1,18 +1,13 @@
-"""The telemetry half of ``python -m dsv41.run``: --trace, --report, --plan, --context, --device-profile.
-
-``--plan --batch N`` means N requests per DP group (the seed's capacity contract: 32 requests x 6
-rows = 192 decode rows per group), unlike a run's --batch, which counts prompts over all groups.
-"""
+"""The telemetry half of ``python -m dsv41.run``: --trace, --report, and the plan's options (--plan,
+--context, --device-profile, --dispatch; plan mode itself is ``dsv41.plan.cli``)."""
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 
 from dsv41.telemetry.export import TRACES, write_traces
-from dsv41.telemetry.profiles import PROFILES
+from dsv41.plan.latency import DISPATCH
+from dsv41.plan.profiles import PROFILES
 from dsv41.telemetry.session import DEFAULT_PROFILE, TraceSession
-
-GB = 1e9
 
 
 def add_arguments(p):
@@ -22,10 +17,12 @@ def add_arguments(p):
     g.add_argument("--report", action="store_true",
                    help="distributed: write Dask's performance report to traces/NAME.dask-report.html")
     g.add_argument("--plan", action="store_true",
-                   help="build the step's graph at full scale on meta tensors and report HBM and roofline latency")
+                   help="build the step's graph at full scale on meta tensors and report HBM and predicted latency")
     g.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default: the config's max)")
     g.add_argument("--device-profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                   help="roofline device for simulated times")
+                   help="device whose cited constants time the plan and traced nodes (dsv41/plan/profiles.py)")
+    g.add_argument("--dispatch", choices=DISPATCH, default=None,
+                   help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
 
 
 def check_arguments(p, a):
@@ -35,42 +32,9 @@ def check_arguments(p, a):
         p.error("--report needs --executor distributed")
     if a.trace and a.executor == "reference":
         p.error("--trace needs a graph executor (sync, threads or distributed)")
-    if a.context is not None:
-        p.error("--context is a --plan option")
-
-
-# ---- plan mode -----------------------------------------------------------------------------------
-
-def plan_command(args, cfg, topo, say) -> int:
-    say(f"dsv41 plan {args.graph}: config={cfg.name} tp={topo.tp} dp={topo.dp} ep={topo.ep} wiring={args.wiring}")
-    report = plan_report(args, cfg, topo, say)
-    if args.json:
-        print(json.dumps({"graph": args.graph, "config": cfg.name,
-                          "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep}, "plan": report}))
-    return 0
-
-
-def plan_report(args, cfg, topo, say) -> dict:
-    from dsv41.telemetry.plan import run_plan
-    context = args.context or cfg.max_position_embeddings
-    report, records, resource = run_plan(cfg, topo, args.batch, context, args.graph, args.wiring,
-                                         args.device_profile)
-    report["traces"] = write_traces(args.trace or f"plan-{cfg.name}", records, resource)
-    requests = report["requests_per_dp_group"]
-    say(f"  {requests} requests x {report['rows_per_dp_group'] // requests} rows per DP group at context {context}: "
-        f"nodes={report['nodes']} submissions={report['submissions']}")
-    say(f"  {'card':>4} {'weights GB':>11} {'caches GB':>10} {'transient GB':>13} {'total GB':>9}")
-    for c in report["cards"]:
-        say(f"  {c['card']:>4} {c['weights_bytes'] / GB:>11.2f} {c['cache_bytes'] / GB:>10.2f} "
-            f"{c['transient_peak_bytes'] / GB:>13.3f} {c['total_bytes'] / GB:>9.2f}")
-    kinds = report["cards"][0]["by_kind"]
-    say("  card 0 by kind (GB): " + ", ".join(f"{k} {v / GB:.3f}" for k, v in kinds.items()))
-    say(f"  cache per request: {report['cache_per_request_bytes'] / GB:.3f} GB "
-        f"(BF16 rows: {report['cache_per_request_bf16_bytes'] / GB:.3f} GB)")
-    say(f"  {report['device_profile']}: predicted step {report['predicted_step_us'] / 1e3:.2f} ms, "
-        f"memory-bound floor {report['floor_us'] / 1e3:.2f} ms")
-    say(f"  simulated timeline: {report['traces']['perfetto']}")
-    return report
+    for name in ("context", "dispatch"):
+        if getattr(a, name) is not None:
+            p.error(f"--{name} is a --plan option")
 
 
 # ---- traced runs ---------------------------------------------------------------------------------

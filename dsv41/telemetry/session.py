@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from dsv41.cluster.runtime import Hooks
 from dsv41.telemetry.hbm import annotate
-from dsv41.telemetry.roofline import profile
+from dsv41.plan.roofline import profile
 from dsv41.telemetry.spans import SpanRecorder
 from dsv41.telemetry.tracer import NodeTracer
 

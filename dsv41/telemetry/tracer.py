@@ -11,8 +11,8 @@ import time
 from dsv41.cluster import state as card_state
 from dsv41.kernels.signatures import SIGNATURES, nbytes
 from dsv41.telemetry.hbm import CardLedger, SubmissionTrace
-from dsv41.telemetry.roofline import node_us
-from dsv41.telemetry.sizing import caches_by_kind, card_weights, node_cost, weights_by_kind
+from dsv41.plan.roofline import node_us
+from dsv41.plan.sizing import caches_by_kind, card_weights, node_cost, weights_by_kind
 
 _UNTRACKED = SubmissionTrace({}, frozenset(), None)
 _SUMMED = ("dsv41.bytes_read", "dsv41.bytes_written", "dsv41.flops", "dsv41.device.sim_us")
