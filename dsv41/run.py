@@ -15,6 +15,7 @@ import time
 import torch
 
 from dsv41.checkpoint.cli import open_for_text
+from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.text import TextStream
 from dsv41.config import PRESETS, Topology
 from dsv41.kernels.device_time import BACKENDS
@@ -93,9 +94,7 @@ def main(argv=None) -> int:
     try:
         ckpt, codec, texts = open_for_text(args.checkpoint, args.prompt, args.prompt_file)
     except ValueError as e:   # CheckpointError included: nothing is served from a bad checkpoint
-        print(f"python -m dsv41.run: error: {'' if str(e).startswith('--') else '--checkpoint: '}{e}",
-              file=sys.stderr)
-        return 2
+        return _refuse(e)
     cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
     topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep).check(cfg)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
@@ -106,7 +105,10 @@ def main(argv=None) -> int:
     say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} ep={topo.ep} "
         f"batch={len(prompts)} prompt_len={max(map(len, prompts))}")
     t0 = time.perf_counter()
-    engine = make_engine(args, cfg, topo, prompts, ckpt)
+    try:
+        engine = make_engine(args, cfg, topo, prompts, ckpt)
+    except CheckpointError as e:   # a value found bad as the weights were read, before any step
+        return _refuse(e)
     say(f"  built in {time.perf_counter() - t0:.2f} s")
     tracing = telemetry.start(args, engine)
     stats = []
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
         step_ms.append((time.perf_counter() - t0) * 1e3)
         stats.append(getattr(engine, "last_stats", {}))
         say(f"  decode {i + 1:3d} {step_ms[-1]:9.1f} ms  {_describe(stats[-1])}")
+    if stream is not None:
+        stream.finish(say)
     if args.graph == "prefill":
         tokens = [[t] for t in torch.argmax(logits, -1).tolist()]
     result = {
@@ -171,6 +175,12 @@ def main(argv=None) -> int:
             say(f"  text[{j}]: {text!r}")
         say(f"  last_logits_sha256: {result['last_logits_sha256']}")
     return 0
+
+
+def _refuse(e: ValueError) -> int:
+    flag = "" if str(e).startswith("--") else "--checkpoint: "
+    print(f"python -m dsv41.run: error: {flag}{e}", file=sys.stderr)
+    return 2
 
 
 def _describe(stats: dict) -> str:

@@ -109,6 +109,14 @@ class TextStream:
                 say(f"    [{request}] {delta!r}" + (" <eos>" if self.done[request] else ""))
         return [r for r in tokens if not self.done[r]]
 
+    def finish(self, say):
+        """Show what was held back (generation ended inside a partial UTF-8 sequence)."""
+        for request, ids in enumerate(self.ids):
+            rest = self.codec.decode(ids)[len(self.shown[request]):]
+            if rest:
+                self.shown[request] += rest
+                say(f"    [{request}] {rest!r}")
+
 
 def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str]:
     """--prompt values then --prompt-file lines (blank lines skipped)."""
