@@ -24,14 +24,14 @@ from dsv41.config import ModelConfig
 from dsv41.weights import checkpoint_specs
 
 
-def _bad_values(t: torch.Tensor) -> torch.Tensor | None:
-    """Bool mask of values that may not appear, or None when every code is a finite value."""
+def _bad_values(t: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """(bool mask of values that may not appear, what is allowed), or None when every code is finite."""
     if t.dtype in (torch.float32, torch.bfloat16):
-        return ~torch.isfinite(t)
+        return ~torch.isfinite(t), "finite values"
     if t.dtype == torch.float8_e4m3fn:
-        return (t.view(torch.uint8) & 0x7F) == 0x7F
+        return (t.view(torch.uint8) & 0x7F) == 0x7F, "E4M3 codes that are not NaN (0x7F, 0xFF)"
     if t.dtype == torch.float8_e8m0fnu:
-        return t.view(torch.uint8) == 0xFF
+        return t.view(torch.uint8) == 0xFF, "E8M0 scale codes below 0xFF (NaN)"
     return None
 
 
@@ -55,12 +55,12 @@ class Checkpoint:
         if file not in self._open:
             self._open[file] = safe_open(str(self.path / file), framework="pt")
         t = self._open[file].get_slice(name)[index]
-        bad = _bad_values(t)
-        if bad is not None and bool(bad.any()):
+        check = _bad_values(t)
+        if check is not None and bool(check[0].any()):
+            bad, allowed = check
             at = [int(i) for i in bad.nonzero()[0]]
             code = t.view(torch.uint8)[tuple(at)] if t.dtype.itemsize == 1 else t[tuple(at)]
-            fail(file, name, "finite values (E8M0 codes below 0xFF, E4M3 codes not NaN)",
-                 f"{int(bad.sum())} non-finite, first {code.item()!r} at {at} of the slice read")
+            fail(file, name, allowed, f"{int(bad.sum())} non-finite, first {code.item()!r} at {at} of the slice read")
         return t
 
 
