@@ -92,7 +92,7 @@ def make_engine(args, cfg, topo, prompts, checkpoint=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ckpt, codec, texts = open_for_text(args.checkpoint, args.prompt, args.prompt_file)
+        ckpt, codec, encoded = open_for_text(args.checkpoint, args.prompt, args.prompt_file, args.chat)
     except ValueError as e:   # CheckpointError included: nothing is served from a bad checkpoint
         return _refuse(e)
     cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
@@ -100,8 +100,7 @@ def main(argv=None) -> int:
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.plan:
         return telemetry.plan_command(args, cfg, topo, say)
-    prompts = ([codec.encode(t, args.chat) for t in texts] if texts else
-               prompts_for(cfg, args.batch, args.prompt_len, args.seed))
+    prompts = encoded or prompts_for(cfg, args.batch, args.prompt_len, args.seed)
     say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} ep={topo.ep} "
         f"batch={len(prompts)} prompt_len={max(map(len, prompts))}")
     t0 = time.perf_counter()
