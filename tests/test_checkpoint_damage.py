@@ -10,7 +10,7 @@ from dsv41.checkpoint import config_json
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.headers import INDEX, read_header
 from dsv41.checkpoint.reader import open_checkpoint
-from dsv41.config import TINY
+from dsv41.config import FLASH, SMALL, TINY
 from dsv41.run import main
 
 
@@ -158,10 +158,13 @@ def test_released_style_config_is_read(tiny_checkpoint):
     doc = config_json.to_json(config_json.from_json(_config_doc(tiny_checkpoint), "x"))
     del doc["dsv41"]
     doc["text_config"].update(num_nextn_predict_layers=3, compress_ratios=doc["text_config"]["compress_ratios"] + [0] * 3)
+    del doc["text_config"]["candidate_source_layer_id"]     # defaults to the last KV source
     cfg = config_json.from_json(doc, "folder")
     assert cfg.name == "folder" and cfg.compress_ratios == TINY.compress_ratios and cfg.block_size == 128
-    flash = config_json.to_json(config_json.from_json(config_json.to_json(TINY), "t"))
-    assert flash["text_config"]["hidden_size"] == TINY.hidden_size
+    assert cfg.candidate_source_layer_id == 20
+    for preset in (TINY, SMALL, FLASH):
+        assert config_json.from_json(json.loads(json.dumps(config_json.to_json(preset))), "x") == preset
+    assert config_json.to_json(FLASH)["text_config"]["engram_num_embeddings"] == [384006168, 384016682]
 
 
 def test_tokenizer_must_give_the_configs_compressed_vocabulary(tiny_checkpoint, tmp_path):

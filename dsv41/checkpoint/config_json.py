@@ -78,6 +78,9 @@ def from_json(doc, name: str) -> ModelConfig:
     if not isinstance(text, dict):
         _fail("text_config", "a JSON object", type(text).__name__)
     values = {}
+    if "candidate_source_layer_id" not in text and isinstance(text.get("kv_source_layer_ids"), list):
+        # the Hugging Face config's rule when it is left out: the last KV source
+        text = {**text, "candidate_source_layer_id": max(text["kv_source_layer_ids"], default=-1)}
     for field in _model_fields():
         key = RENAMED.get(field, field)
         if key not in text:
