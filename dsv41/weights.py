@@ -3,14 +3,10 @@
 ``init_checkpoint`` draws deterministic random weights already in checkpoint format (FP8 E4M3
 payloads with E8M0 32x32 block scales, packed MXFP4 experts with per-row group-32 E8M0 scales,
 BF16 dense tensors, FP32 mHC/sink/bias). ``decode_checkpoint`` turns any such dict (drawn here or
-read from safetensors) into FP32 runtime tensors holding exactly the quantized values. Scales keep
-activations O(1) through all 40 layers.
+read from a checkpoint folder, ``dsv41.checkpoint``) into FP32 runtime tensors holding exactly the
+quantized values. Scales keep activations O(1) through all 40 layers.
 """
 from __future__ import annotations
-
-import json
-import os
-from pathlib import Path
 
 import torch
 
@@ -157,55 +153,3 @@ def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str
     # matrices are held in FP64 so matmul_t accumulates without a per-call cast (values unchanged)
     return {k: (v.double() if v.dim() >= 2 and not k.endswith("engram.embed") and k != "embed.weight" else v)
             for k, v in out.items()}
-
-
-def save_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor], path: str | os.PathLike, shard_bytes: int = 1 << 28):
-    """Write sharded safetensors plus model.safetensors.index.json and a config.json."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    shards, cur, size = [], {}, 0
-    for name, t in ck.items():
-        nbytes = t.numel() * t.element_size()
-        if cur and size + nbytes > shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[name] = t.contiguous()
-        size += nbytes
-    shards.append(cur)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname))
-        weight_map.update({n: fname for n in shard})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=1))
-    (path / "config.json").write_text(json.dumps(config_json(cfg), indent=1))
-
-
-def config_json(cfg: ModelConfig) -> dict:
-    return {"text_config": {
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "head_dim": cfg.head_dim,
-        "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size,
-        "kv_source_layer_ids": list(cfg.kv_source_layer_ids),
-        "index_source_layer_ids": list(cfg.index_source_layer_ids)},
-        "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
-
-
-def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """Read a checkpoint folder in the released layout; checks config.json against cfg when given."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    if cfg is not None and (path / "config.json").exists():
-        text = json.loads((path / "config.json").read_text()).get("text_config", {})
-        for key, want in config_json(cfg)["text_config"].items():
-            if key in text and text[key] != want:
-                raise ValueError(f"config.json text_config.{key}: checkpoint has {text[key]}, config {cfg.name} "
-                                 f"expects {want}")
-    ck = {}
-    for fname in sorted(set(index["weight_map"].values())):
-        ck.update(load_file(str(path / fname)))
-    return ck

@@ -36,7 +36,9 @@ class GraphEngine(StepModel):
     def __init__(self, cfg: ModelConfig, topo: Topology, seed: int = 0, executor: str = "threads",
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
-                 options: Options = Options(), backend: str = "torch"):
+                 options: Options = Options(), backend: str = "torch", checkpoint=None):
+        """checkpoint: an opened checkpoint holding cfg (weights and Engram token map); None draws
+        random weights from seed."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
@@ -47,6 +49,8 @@ class GraphEngine(StepModel):
         if granularity not in ("submission", "node"):
             raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
         topo.check(cfg)
+        if checkpoint is not None and checkpoint.cfg != cfg:
+            raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
         self.cfg, self.topo, self.executor, self.granularity, self.wiring = cfg, topo, executor, granularity, wiring
         self.backend = backend
         max_batch = max_batch or cfg.max_batch_per_dp * topo.dp
@@ -55,7 +59,8 @@ class GraphEngine(StepModel):
             raise ValueError(f"max_batch: {max_batch} over dp={topo.dp} exceeds {cfg.max_batch_per_dp} requests "
                              f"per DP group (capacity contract)")
         max_context = max_context or min(cfg.max_position_embeddings, 1024)
-        self.tables = [RequestTable(cfg, per_group, max_context) for _ in range(topo.dp)]
+        token_map = None if checkpoint is None else checkpoint.token_map
+        self.tables = [RequestTable(cfg, per_group, max_context, token_map) for _ in range(topo.dp)]
         self.where: dict[int, tuple[int, int]] = {}   # global request id -> (DP group, local id)
         self.next_rid = 0
         self.step_id = 0
@@ -67,10 +72,10 @@ class GraphEngine(StepModel):
         if executor in LOCAL:
             card_state.STATES.clear()
             card_state.STATES.update(card_state.build_states(cfg, topo, seed, topo.cards, per_group, max_context,
-                                                             options))
+                                                             options, checkpoint))
         else:
             from dsv41.cluster.worker_plugin import CardStatePlugin
-            plugin = CardStatePlugin(cfg.name, topo, seed, per_group, max_context)
+            plugin = CardStatePlugin(cfg.name, topo, seed, per_group, max_context, checkpoint)
             self.runner = DistributedRunner(topo.ep, plugin, address, dashboard)
         self._on_every_process(_set_device_time, backend)
 

@@ -48,8 +48,12 @@ class DistributedRunner:
             self.client = Client(self.cluster)
         else:
             self.client = Client(address)
-        self.client.wait_for_workers(cards)
-        self.client.register_plugin(plugin)
+        try:
+            self.client.wait_for_workers(cards)
+            self.client.register_plugin(plugin)    # raises what a worker's setup raised
+        except BaseException:
+            self.close()
+            raise
         workers = self.client.scheduler_info()["workers"]
         self.address_of = {int(w["name"]): addr for addr, w in workers.items()}
         missing = sorted(set(range(cards)) - set(self.address_of))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.checkpoint.reader import read_all
 from dsv41.config import ModelConfig, Topology
 from dsv41.ops.reference import Options, empty_caches
 from dsv41.ops.rope import COMPRESSED, PLAIN, precompute_rope_tables
@@ -63,11 +64,12 @@ def shard_weights(cfg: ModelConfig, topo: Topology, card: int, w: dict) -> dict[
 
 
 def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: int, max_context: int,
-                 options: Options = Options()) -> dict[int, CardState]:
-    """States of the given cards from one deterministic draw of the weights."""
+                 options: Options = Options(), checkpoint=None) -> dict[int, CardState]:
+    """States of the given cards from one deterministic draw of the weights, or from an opened
+    checkpoint read whole."""
     if cfg.vocab_size % topo.tp:
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
-    full = decode_checkpoint(cfg, init_checkpoint(cfg, seed))
+    full = decode_checkpoint(cfg, init_checkpoint(cfg, seed) if checkpoint is None else read_all(checkpoint))
     table = RequestTable(cfg, max_batch, max_context)
     tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
     return {c: CardState(cfg, topo, c, shard_weights(cfg, topo, c, full), StagedTensors(empty_caches(cfg, table)),

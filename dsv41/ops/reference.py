@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.checkpoint.reader import read_all
 from dsv41.config import FULL, REINDEX, SWA, LayerSpec, ModelConfig
 from dsv41.ops import kv_cache, mhc
 from dsv41.ops.attention import slot_list, sparse_attention
@@ -266,14 +267,20 @@ class ReferenceModel(StepModel):
     """Deterministic random (or loaded) weights, paged caches, continuous batching, greedy decode."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, max_batch: int | None = None,
-                 max_context: int | None = None, checkpoint: dict | None = None, options: Options = Options()):
+                 max_context: int | None = None, checkpoint=None, options: Options = Options()):
+        """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; read whole here."""
         self.cfg = cfg
         self.options = options
         self.seed = seed
-        ck = checkpoint if checkpoint is not None else init_checkpoint(cfg, seed)
-        self.weights = decode_checkpoint(cfg, ck)
+        if checkpoint is None:
+            self.weights = decode_checkpoint(cfg, init_checkpoint(cfg, seed))
+        else:
+            if checkpoint.cfg != cfg:
+                raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
+            self.weights = decode_checkpoint(cfg, read_all(checkpoint))
         self.table = RequestTable(cfg, max_batch or cfg.max_batch_per_dp,
-                                  max_context or min(cfg.max_position_embeddings, 1024))
+                                  max_context or min(cfg.max_position_embeddings, 1024),
+                                  None if checkpoint is None else checkpoint.token_map)
         self.caches = StagedTensors(empty_caches(cfg, self.table))
         capacity = self.table.max_context
         self.rope_tables = {p: precompute_rope_tables(cfg, capacity, p) for p in (PLAIN, COMPRESSED)}
