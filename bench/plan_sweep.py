@@ -5,8 +5,8 @@
 Layouts: the seed's TP4/DP2/EP8 and TP8/EP8 (DP1). By default two lines through the space: batch
 1..64 requests per DP group at --context (128K), and context 4K..1M at --batch (32); ``--grid`` plans
 every (batch, context) pair instead. Each point is a full ``run_plan`` of the step's graph on meta
-tensors (nothing allocated), so a point costs what ``--plan`` costs (seconds); the sweep prints its
-runtime. Batch 64 exceeds the seed's 32-request capacity contract, so the sweep plans with
+tensors (nothing allocated), so a point costs what ``--plan`` costs (seconds); points are exact and
+independent, so they run in ``--jobs`` processes (default: one per CPU). The sweep prints its runtime. Batch 64 exceeds the seed's 32-request capacity contract, so the sweep plans with
 ``max_batch_per_dp`` raised to 64 (HBM then says whether it fits).
 
 Writes traces/plan_sweep.csv and traces/plan_sweep.png (step time and HBM per card against batch and
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +37,12 @@ def points(batch: int, context: int, grid: bool) -> list[tuple[int, int]]:
         return [(b, c) for b in BATCHES for c in CONTEXTS]
     line = [(b, context) for b in BATCHES] + [(batch, c) for c in CONTEXTS]
     return list(dict.fromkeys(line))
+
+
+def plan_point(layout: str, batch: int, context: int, device: str) -> dict:
+    topo, dev = LAYOUTS[layout], profile(device)
+    report, _ = run_plan(replace(FLASH, max_batch_per_dp=max(BATCHES)), topo, batch, context, device=device)
+    return row(layout, topo, batch, context, report, dev)
 
 
 def row(layout: str, topo, batch: int, context: int, report: dict, dev) -> dict:
@@ -85,19 +93,20 @@ def main():
     p.add_argument("--context", type=int, default=131072, help="tokens per request on the batch line")
     p.add_argument("--grid", action="store_true", help="every (batch, context) pair")
     p.add_argument("--out", default="traces/plan_sweep")
+    p.add_argument("--jobs", type=int, default=os.cpu_count(), help="processes planning points at once")
     a = p.parse_args()
+    if a.jobs < 1:
+        p.error("--jobs must be >= 1")
     dev = profile(a.device_profile)
-    cfg = replace(FLASH, max_batch_per_dp=max(BATCHES))
-    rows, t0 = [], time.perf_counter()
-    for layout, topo in LAYOUTS.items():
-        for batch, context in points(a.batch, a.context, a.grid):
-            report, _ = run_plan(cfg, topo, batch, context, device=dev.name)
-            rows.append(row(layout, topo, batch, context, report, dev))
-            r = rows[-1]
-            print(f"{layout:12} batch {batch:3} context {context:8}: step {r['predicted_step_ms']:8.2f} ms "
-                  f"(floor {r['floor_ms']:6.2f}) HBM {r['hbm_per_card_gb']:6.1f} GB" + ("" if r["fits"] else " (does not fit)"),
-                  flush=True)
+    todo = [(layout, b, c, dev.name) for layout in LAYOUTS for b, c in points(a.batch, a.context, a.grid)]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(a.jobs) as pool:
+        rows = list(pool.map(plan_point, *zip(*todo)))
     elapsed = time.perf_counter() - t0
+    for r in rows:
+        print(f"{r['layout']:12} batch {r['requests_per_dp_group']:3} context {r['context']:8}: step "
+              f"{r['predicted_step_ms']:8.2f} ms (floor {r['floor_ms']:6.2f}) HBM {r['hbm_per_card_gb']:6.1f} GB"
+              + ("" if r["fits"] else " (does not fit)"))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
@@ -105,7 +114,7 @@ def main():
         w.writeheader()
         w.writerows(rows)
     draw(rows, a.batch, a.context, dev, out.with_suffix(".png"))
-    print(f"{len(rows)} plans in {elapsed:.1f} s ({elapsed / len(rows):.2f} s each): "
+    print(f"{len(rows)} plans in {elapsed:.1f} s with {a.jobs} processes: "
           f"{out.with_suffix('.csv')}, {out.with_suffix('.png')}")
 
 
