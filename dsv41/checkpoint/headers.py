@@ -61,6 +61,8 @@ def read_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             fail(path.name, None, "a JSON safetensors header", f"unreadable header ({e})")
+    if not isinstance(header, dict):
+        fail(path.name, None, "a JSON object as the safetensors header", type(header).__name__)
     header.pop("__metadata__", None)
     return header, size - 8 - n
 
