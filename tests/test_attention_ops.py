@@ -88,11 +88,11 @@ def test_q_and_kv_projection(tables):
     bf16_ulp_close(qr, qr_ref, ulps=2)
     # q from the impl's qr (isolates this stage): RoPE(bf16(qr wq_b)), no per-head normalisation
     q_ref = _rope_ref(bf16_64(mx_linear_64(qr, wq_b)).reshape(t, h, hd), cos, sin)
-    assert_rows_close(q, q_ref, "q")
+    bf16_ulp_close(q, q_ref, ulps=1)      # FP32 vs FP64 rotation: one rounding flip at most
     nope = hd - TINY.qk_rope_head_dim
     bf16_ulp_close(q[..., :nope], bf16_64(mx_linear_64(qr, wq_b)).reshape(t, h, hd)[..., :nope], ulps=1)
     kv_ref = _rope_ref(rms_norm_64(bf16_64(mx_linear_64(x, wkv)), kv_norm), cos, sin)
-    assert_rows_close(kv, kv_ref, "kv")
+    bf16_ulp_close(kv, kv_ref, ulps=1)
 
 
 # ---- compressor ------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def test_index_query_recipe(tables):
     assert q_plain.shape == (t, nh, ihd) and w.shape == (t, nh)
     assert torch.equal(w, w2)
     q_ref = _rope_ref(bf16_64(mx_linear_64(qr, wq_b)).reshape(t, nh, ihd), cos, sin)
-    assert_rows_close(q_plain, q_ref, "index q")
+    bf16_ulp_close(q_plain, q_ref, ulps=1)
     # official rule: the RoPE'd query is FP4 fake-quantized (group 32 over the flattened heads, E8M0)
     assert torch.equal(q_fp4.double().reshape(t, -1), _fp4_e8m0_qdq_ref(q_plain.reshape(t, -1)))
     assert torch.equal(w.double(), _head_weights_ref(x, wp, nh, ihd))
@@ -421,15 +421,17 @@ def test_cache_layouts():
 
 # ---- sparse attention -----------------------------------------------------------------------------
 
-def _dense_attention_ref(q, keys, valid, sink, scale):
-    """Plain softmax over [valid logits, sink] with the sink column dropped (float64)."""
+def _dense_attention_ref(q, keys, valid, sink, scale, logit_keys=None):
+    """Plain softmax over [valid logits, sink] with the sink column dropped (float64); logit_keys
+    (default keys) give the logits, keys the values."""
     t, h, d = q.shape
+    logit_keys = keys if logit_keys is None else logit_keys
     out = torch.zeros(t, h, d, dtype=torch.float64)
     for i in range(t):
         kk = keys[i][valid[i]].double()
         if kk.shape[0] == 0:
             continue
-        logits = (q[i].double() @ kk.t()) * scale                  # [h, n]
+        logits = (q[i].double() @ logit_keys[i][valid[i]].double().t()) * scale    # [h, n]
         full = torch.cat([logits, sink.double().unsqueeze(1)], 1)
         p = torch.softmax(full, 1)[:, :-1]
         out[i] = p @ kk
@@ -446,12 +448,24 @@ def attn_inputs():
     return q, keys, valid, sink, d ** -0.5
 
 
+def _assert_bf16_p_bound(out, q, keys, valid, sink, scale):
+    """Against the FP64 dense softmax, the kernel's only coarse step is BF16 P (relative 2^-9 per
+    probability) before the BF16 output rounding: |out - ref| <= 2^-9 sum_k p_k |v_k| (+ FP32 slack)
+    + one BF16 ulp of the result."""
+    ref = _dense_attention_ref(q, keys, valid, sink, scale)
+    weighted = _dense_attention_ref(q, keys.abs(), valid, sink, scale, logit_keys=keys)
+    _, e = torch.frexp(ref.abs())
+    ulp = torch.ldexp(torch.ones_like(ref), e - 8)
+    excess = (out.double() - ref).abs() - (2.0 ** -9 * (1 + 2 ** -10) * weighted + ulp + 1e-30)
+    assert (excess <= 0).all(), f"max excess {excess.max().item()}"
+
+
 def test_sparse_attention_all_valid_equals_dense(attn_inputs):
     q, keys, _, sink, scale = attn_inputs
     valid = torch.ones(keys.shape[:2], dtype=torch.bool)
     out = sparse_attention(q, keys, valid, sink, scale)
     assert out.shape == q.shape and is_bf16(out)
-    assert_rows_close(out, _dense_attention_ref(q, keys, valid, sink, scale), "attention")
+    _assert_bf16_p_bound(out, q, keys, valid, sink, scale)
 
 
 def test_sparse_attention_masked_keys_equal_dense_over_valid(attn_inputs):
@@ -462,9 +476,7 @@ def test_sparse_attention_masked_keys_equal_dense_over_valid(attn_inputs):
     valid[4, 149] = True                                             # a single key at the very end
     out = sparse_attention(q, keys, valid, sink, scale)
     assert (out[3] == 0).all()                                       # exactly 0
-    ref = _dense_attention_ref(q, keys, valid, sink, scale)
-    rows = [0, 1, 2, 4, 5]
-    assert_rows_close(out[rows], ref[rows], "attention")
+    _assert_bf16_p_bound(out, q, keys, valid, sink, scale)
 
 
 def test_sparse_attention_huge_sink_gives_zero(attn_inputs):
@@ -482,8 +494,8 @@ def test_sparse_attention_per_head_sink_only_in_denominator(attn_inputs):
     valid[:, 0] = True                                               # one key: out = K * e^l / (e^l + e^sink)
     sink = torch.linspace(-3, 3, q.shape[1])
     out = sparse_attention(q, keys, valid, sink, scale)
+    _assert_bf16_p_bound(out, q, keys, valid, sink, scale)
     ref = _dense_attention_ref(q, keys, valid, sink, scale)
-    assert_rows_close(out, ref, "attention")
     lg = (q.double() * keys[:, :1].double()).sum(-1) * scale        # [t, h]
     frac = torch.sigmoid(lg - sink.double())
     assert torch.allclose(ref, frac.unsqueeze(-1) * keys[:, :1].double(), atol=1e-12)
