@@ -13,7 +13,7 @@ from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
                                topk_positions)
 from dsv41.ops.metadata import lower, window_list_width
-from dsv41.ops.o_proj import o_proj_partial, reduce_partials
+from dsv41.ops.o_proj import o_proj_partial, reduce_partials, tree_sum
 from dsv41.ops.projections import dense_linear, kv_proj, mx_linear, q_proj
 from dsv41.ops.rope import COMPRESSED, gather_rope_rows, precompute_rope_tables
 from _spec_ref import (FP4_LEVELS, assert_rows_close, bf16_64, bf16_ulp_close, ceil_log2_exact, fp4_code_ref,
@@ -515,8 +515,8 @@ def test_o_proj_partial_and_tp_reduction(tables):
     ref = bf16_64(mx_linear_64(z, wo_b))
     assert is_bf16(full)
     bf16_ulp_close(full, ref, 1.0)          # RoPE in FP32 vs FP64 may flip a BF16 rounding of z
-    # TP=2 and TP=4: each rank owns a share of the heads / groups / wo_b input columns; the FP64
-    # partials sum to the same bits as the single-rank product
+    # TP=2 and TP=4: each rank owns a share of the heads / groups / wo_b input columns; the tree of
+    # the ranks' partials gives the same bits as the single-rank partial
     for tp in (2, 4):
         hl, gl = h // tp, g // tp
         parts = [o_proj_partial(attended[:, i * hl:(i + 1) * hl], cos, sin, wo_a[i * gl:(i + 1) * gl],
@@ -524,13 +524,20 @@ def test_o_proj_partial_and_tp_reduction(tables):
         assert torch.equal(reduce_partials(parts), full)
 
 
-def test_reduce_partials_exact_sum_one_rounding():
-    a = torch.tensor([[2.0 ** 24]], dtype=torch.float64)
-    b = torch.tensor([[1.0]], dtype=torch.float64)
-    c = torch.tensor([[-(2.0 ** 24)]], dtype=torch.float64)
-    # an FP32 sum would give 0 for (a + b) + c and 1 for (a + c) + b; the FP64 sum is 1 in any order
-    assert reduce_partials([a, b, c]).item() == 1.0
-    assert reduce_partials([a, c, b]).item() == 1.0
+def test_reduce_partials_pairwise_tree_one_rounding():
+    a = torch.tensor([[2.0 ** 24]])
+    b = torch.tensor([[1.0]])
+    c = torch.tensor([[-(2.0 ** 24)]])
+    z = torch.zeros(1, 1)
+    # (a + b) + (c + 0) = 2^24 - 2^24 = 0 (2^24 + 1 rounds to 2^24); (a + c) + (b + 0) = 1
+    assert reduce_partials([a, b, c, z]).item() == 0.0
+    assert reduce_partials([a, c, b, z]).item() == 1.0
+    # the tree of per-rank trees is the tree of all parts: TP2 shares of four groups sum as TP1 does
+    parts = [torch.randn(3, 8, generator=_g(40 + i)) for i in range(8)]
+    assert torch.equal(tree_sum(parts), tree_sum([tree_sum(parts[:4]), tree_sum(parts[4:])]))
+    assert torch.equal(tree_sum(parts), tree_sum([tree_sum(parts[2 * i:2 * i + 2]) for i in range(4)]))
+    with pytest.raises(ValueError, match="power-of-two"):
+        tree_sum(parts[:3])
     x = torch.tensor([[1.0 + 2 ** -9]])
     assert reduce_partials([x, torch.zeros(1, 1)]).item() == 1.0    # one BF16 rounding of the sum
 
