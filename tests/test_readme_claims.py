@@ -56,3 +56,24 @@ def test_default_run_graph_and_reference_print_the_same_sha(capsys):
     assert graph["executor"] == "threads" and graph["topology"] == {"tp": 2, "dp": 2, "ep": 4}
     assert graph["tokens"] == ref["tokens"]
     assert graph["last_logits_sha256"] == ref["last_logits_sha256"]
+
+
+def test_otlp_file_parses_as_the_otlp_protobuf_json_mapping(capsys, tmp_path, monkeypatch):
+    """Traces: "Any OTLP JSON reader takes it unchanged": every line parses strictly (no unknown
+    field, every value of its field's type) into opentelemetry-proto's ExportTraceServiceRequest, the
+    message OTLP/JSON readers decode. OTLP/JSON differs from protobuf's JSON mapping only in trace
+    and span ids (hex, not base64), so those are checked on the raw text."""
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--executor", "sync", "--tp", "2", "--dp", "1", "--batch", "1", "--prompt-len", "4",
+                 "--new-tokens", "2", "--trace", "otlp", "--json"]) == 0
+    path = json.loads(capsys.readouterr().out)["traces"]["otlp"]
+    lines = open(tmp_path / path).read().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        spans = json_format.Parse(line, ExportTraceServiceRequest()).resource_spans[0].scope_spans[0].spans
+        assert len(spans) > 100 and all(s.end_time_unix_nano >= s.start_time_unix_nano > 1.6e18 for s in spans)
+        for s in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]:
+            assert len(bytes.fromhex(s["traceId"])) == 16 and len(bytes.fromhex(s["spanId"])) == 8
