@@ -1,17 +1,18 @@
 """Attention ops (spec 02): projections, compressor, index query/scores, Top-K, candidate blocks,
 score chunking, paged caches, sparse attention and the grouped output projection."""
 import math
+import types
 
 import pytest
 import torch
 
 from dsv41.config import FLASH, SMALL, TINY
 from dsv41.ops import kv_cache
-from dsv41.ops.attention import sparse_attention
+from dsv41.ops.attention import slot_list, sparse_attention
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
                                topk_positions)
-from dsv41.ops.metadata import lower
+from dsv41.ops.metadata import lower, window_list_width
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.projections import dense_linear, kv_proj, mx_linear, q_proj
 from dsv41.ops.rope import COMPRESSED, gather_rope_rows, precompute_rope_tables
@@ -501,20 +502,96 @@ def test_o_proj_partial_and_tp_reduction(tables):
     z = bf16_64(torch.einsum("tgi,gri->tgr", a, wo_a.double())).reshape(t, -1)
     ref = bf16_64(mx_linear_64(z, wo_b))
     assert is_bf16(full)
-    assert_rows_close(full, ref, "o_proj")
-    # TP=2: each rank owns half the heads / groups / wo_b input columns; the FP32 sum gives the same
-    hl, gl = h // 2, g // 2
-    parts = [o_proj_partial(attended[:, i * hl:(i + 1) * hl], cos, sin, wo_a[i * gl:(i + 1) * gl],
-                            wo_b[:, i * gl * r:(i + 1) * gl * r]) for i in range(2)]
-    assert_rows_close(reduce_partials(parts), ref, "o_proj tp2")
+    bf16_ulp_close(full, ref, 1.0)          # RoPE in FP32 vs FP64 may flip a BF16 rounding of z
+    # TP=2 and TP=4: each rank owns a share of the heads / groups / wo_b input columns; the FP64
+    # partials sum to the same bits as the single-rank product
+    for tp in (2, 4):
+        hl, gl = h // tp, g // tp
+        parts = [o_proj_partial(attended[:, i * hl:(i + 1) * hl], cos, sin, wo_a[i * gl:(i + 1) * gl],
+                                wo_b[:, i * gl * r:(i + 1) * gl * r]) for i in range(tp)]
+        assert torch.equal(reduce_partials(parts), full)
 
 
-def test_reduce_partials_rank_order_one_rounding():
-    a = torch.tensor([[2.0 ** 24]])
-    b = torch.tensor([[1.0]])
-    c = torch.tensor([[-(2.0 ** 24)]])
-    # (a + b) + c in FP32 = 0 (2^24 + 1 rounds to 2^24); other orders would give 1
-    assert reduce_partials([a, b, c]).item() == 0.0
+def test_reduce_partials_exact_sum_one_rounding():
+    a = torch.tensor([[2.0 ** 24]], dtype=torch.float64)
+    b = torch.tensor([[1.0]], dtype=torch.float64)
+    c = torch.tensor([[-(2.0 ** 24)]], dtype=torch.float64)
+    # an FP32 sum would give 0 for (a + b) + c and 1 for (a + c) + b; the FP64 sum is 1 in any order
+    assert reduce_partials([a, b, c]).item() == 1.0
     assert reduce_partials([a, c, b]).item() == 1.0
     x = torch.tensor([[1.0 + 2 ** -9]])
     assert reduce_partials([x, torch.zeros(1, 1)]).item() == 1.0    # one BF16 rounding of the sum
+
+
+def _tiled_attention_ref(q, keys, valid, sink, scale, tile=64):
+    """Spec 02 §7 / 04 §2.9 written per row and per head over the list as given: 64-entry tiles,
+    running max from -1e30, FP32 denominator of unrounded P, BF16 P in the PV product, sink added
+    at the end without a re-max; every dot and tile sum accumulated in FP64 and rounded to FP32."""
+    t, h, d = q.shape
+    out = torch.zeros(t, h, d)
+    for i in range(t):
+        if not valid[i].any():
+            continue
+        for hh in range(h):
+            m, den, num = torch.tensor(-1e30), torch.tensor(0.0), torch.zeros(d)
+            for s0 in range(0, keys.shape[1], tile):
+                k, ok = keys[i, s0:s0 + tile], valid[i, s0:s0 + tile]
+                logit = (k.double() @ q[i, hh].double()).float() * scale
+                logit = torch.where(ok, logit, torch.tensor(-1e30))
+                m_new = torch.maximum(m, logit.max())
+                c = torch.exp(m - m_new)
+                p = torch.exp(logit - m_new) * ok
+                den = den * c + p.double().sum().float()
+                pb = p.to(torch.bfloat16).float()
+                num = num * c + (pb.double() @ k.double()).float()
+                m = m_new
+            den = den + torch.exp(sink[hh].float() - m)
+            out[i, hh] = num / den
+    return out.to(torch.bfloat16).float()
+
+
+def test_sparse_attention_tiles_the_raw_slot_list():
+    # window 64 and Top-K 16: rows whose window is partly filled (prefill rows, a filling decode
+    # ring) put compressed slots into the first tile once the -1 entries are compacted away, so
+    # compact-then-tile and the official raw-list tiling round P differently
+    t, h, d, w, k = 10, 4, 64, 64, 16
+    q = _bf(t, h, d, seed=70, std=3.0)
+    keys = _bf(t, w + k, d, seed=71)
+    fill = torch.tensor([1, 5, 20, 33, 40, 50, 63, 64, 64, 12])
+    n_cmp = torch.tensor([16, 3, 16, 9, 16, 0, 16, 16, 5, 16])
+    col = torch.arange(w + k)
+    valid = torch.where(col < w, col < fill.unsqueeze(1), (col - w) < n_cmp.unsqueeze(1))
+    keys = keys * valid.unsqueeze(-1)                                 # -1 slots read as zero rows
+    sink = torch.randn(h, generator=_g(72))
+    out = sparse_attention(q, keys, valid, sink, d ** -0.5)
+    assert torch.equal(out, _tiled_attention_ref(q, keys, valid, sink, d ** -0.5))
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    compact = _tiled_attention_ref(q, torch.gather(keys, 1, order.unsqueeze(-1).expand_as(keys)),
+                                   torch.gather(valid, 1, order), sink, d ** -0.5)
+    assert not torch.equal(out, compact)                             # the tilings do differ here
+    assert_rows_close(out, compact, "compact tiling")                # ... by BF16 rounding only
+
+
+def test_slot_list_moves_compressed_slots_behind_a_short_window():
+    # official prefill lists min(prompt, window) window slots; decode lists the whole window
+    w, k, d = 6, 3, 2
+    win = torch.arange(2 * w * d, dtype=torch.float32).reshape(2, w, d) + 1
+    cmp = -torch.arange(2 * k * d, dtype=torch.float32).reshape(2, k, d) - 1
+    wv = torch.tensor([[True, True, False, False, False, False], [True] * 6])
+    cv = torch.tensor([[True, True, False], [True, False, False]])
+    keys, valid = slot_list(win * wv.unsqueeze(-1), wv, cmp, cv, torch.tensor([4, 6]))
+    assert valid.tolist() == [[True, True, False, False, True, True, False, False, False],
+                              [True] * 7 + [False, False]]
+    assert torch.equal(keys[0, 4:7], cmp[0])
+    assert torch.equal(keys[1], torch.cat([win[1], cmp[1]]))
+    with pytest.raises(ValueError, match="win_width"):
+        slot_list(win, torch.ones(2, w, dtype=torch.bool), cmp, cv, torch.tensor([4, 6]))
+
+
+def test_window_list_width_prefill_and_decode():
+    # request 0: fresh 5-token prompt (< window 16), request 1: fresh 20-token prompt, request 2: decode
+    lens, kv = torch.tensor([5, 20, 1]), torch.tensor([0, 0, 30])
+    t = torch.repeat_interleave(torch.arange(3), lens)
+    md = types.SimpleNamespace(token_to_req_indices=t, kv_seq_lens=kv, query_lens=lens,
+                               window_indices=torch.zeros(26, 16))
+    assert window_list_width(md).tolist() == [5] * 5 + [16] * 20 + [16]

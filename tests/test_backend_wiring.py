@@ -3,7 +3,7 @@ step summary and in the node spans."""
 import pytest
 import torch
 
-import dsv41.kernels.pypto_backend as pypto_backend
+import dsv41.kernels.pypto.backend as pypto_backend
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import Hooks
 from dsv41.config import TINY, Topology

@@ -28,12 +28,9 @@ def _run(engine, prompts, steps=STEPS):
     return tokens, logits
 
 
-def within_seed_bounds(actual, ref):
-    """Per row: RMS(err) <= 1e-6 + 0.01 RMS(ref) and max|err| <= 1e-5 + 0.05 RMS(ref); non-finite fails."""
-    err = actual - ref
-    rms_ref = ref.pow(2).mean(-1).sqrt()
-    ok = (err.pow(2).mean(-1).sqrt() <= 1e-6 + 0.01 * rms_ref) & (err.abs().amax(-1) <= 1e-5 + 0.05 * rms_ref)
-    return bool(torch.isfinite(actual).all() and ok.all())
+def same_bytes(actual, ref):
+    """Every layout reproduces the reference bit for bit (partition-invariant arithmetic)."""
+    return actual.numpy().tobytes() == ref.numpy().tobytes()
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +50,7 @@ def test_graph_matches_reference(reference, tp, dp, wiring, executor):
     tokens, logits = _run(engine, _prompts())
     ref_tokens, ref_logits = reference
     assert tokens == ref_tokens
-    for a, r in zip(logits, ref_logits):
-        assert within_seed_bounds(a, r)
+    assert all(same_bytes(a, r) for a, r in zip(logits, ref_logits))
 
 
 def test_node_and_submission_granularity_bit_identical():
@@ -69,6 +65,7 @@ def test_node_and_submission_granularity_bit_identical():
     assert s1["nodes"] == s2["nodes"] and s1["submissions"] < s2["submissions"] == s2["nodes"]
 
 
+@pytest.mark.timeout(300)
 def test_distributed_matches_reference(reference):
     engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="distributed", wiring="sharded",
                          max_batch=2, max_context=64)
@@ -77,7 +74,7 @@ def test_distributed_matches_reference(reference):
     finally:
         engine.close()
     assert tokens == reference[0][:3]
-    assert all(within_seed_bounds(a, r) for a, r in zip(logits, reference[1]))
+    assert all(same_bytes(a, r) for a, r in zip(logits, reference[1]))
 
 
 def _snapshot():

@@ -40,7 +40,7 @@ class GraphEngine(StepModel):
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
-            from dsv41.kernels.pypto_backend import check_npu
+            from dsv41.kernels.pypto.backend import check_npu
             check_npu()
         if executor not in EXECUTORS:
             raise ValueError(f"executor: must be one of {EXECUTORS}, got {executor!r}")

@@ -7,8 +7,8 @@ outputs in ascending expert id in FP32, adds the shared expert, and rounds once.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from dsv41.ops.pointwise import silu, softplus
 from dsv41.ops.projections import matmul_t, mx_linear
 from dsv41.ops.quant import round_bf16
 
@@ -19,7 +19,7 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int,
     Scores s = sqrt(softplus(x W^T)) in FP32; the bias only selects; weights come from s.
     Ties in the biased score go to the smaller expert id (stable sort).
     """
-    s = torch.sqrt(F.softplus(matmul_t(x, gate_w)))
+    s = torch.sqrt(softplus(matmul_t(x, gate_w)))
     biased = s + bias.float()
     idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
     picked = torch.gather(s, 1, idx)
@@ -31,7 +31,7 @@ def expert(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tensor | Non
     """SwiGLU expert on BF16 rows -> BF16 output [T, D]; weight [T] (routed) scales h before w2."""
     g = round_bf16(mx_linear(x, w1)).clamp(max=limit)
     u = round_bf16(mx_linear(x, w3)).clamp(-limit, limit)
-    h = F.silu(g) * u
+    h = silu(g) * u
     if weight is not None:
         h = h * weight.unsqueeze(-1)
     return round_bf16(mx_linear(round_bf16(h), w2))

@@ -13,14 +13,14 @@ import torch
 
 from dsv41.config import FULL, REINDEX, SWA, LayerSpec, ModelConfig
 from dsv41.ops import kv_cache, mhc
-from dsv41.ops.attention import sparse_attention
+from dsv41.ops.attention import slot_list, sparse_attention
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
 from dsv41.ops.embed import pack_x_hc
 from dsv41.ops.engram import engram
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
                                topk_positions)
 from dsv41.ops.lm_head import logits_shard, select_rows
-from dsv41.ops.metadata import ForwardMetadata, replay_rows
+from dsv41.ops.metadata import ForwardMetadata, replay_rows, window_list_width
 from dsv41.ops.moe import combine, dispatch_rows, expert, route
 from dsv41.ops.norm import rms_norm
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
@@ -163,8 +163,8 @@ def attend(cfg, w, spec, caches, md, q, topk_rows):
     keys = read(caches, f"window.{spec.layer}", md.window_indices)
     valid = md.window_indices >= 0
     if spec.mode != SWA:
-        keys = torch.cat([keys, read(caches, f"compressed.{spec.kv_source}", topk_rows)], 1)
-        valid = torch.cat([valid, topk_rows >= 0], 1)
+        keys, valid = slot_list(keys, valid, read(caches, f"compressed.{spec.kv_source}", topk_rows),
+                                topk_rows >= 0, window_list_width(md))
     sink = w[f"layers.{spec.layer}.attn.attn_sink"]  # this card's heads when w is a TP shard
     return sparse_attention(q, keys, valid, sink, cfg.head_dim ** -0.5)
 
