@@ -16,6 +16,7 @@ import torch
 
 import spec_forward as S
 from dsv41.config import FULL, REINDEX
+from dsv41.kernels.ties import block_selection, tie_mismatch_rows
 from dsv41.ops import mhc as ref_mhc
 from dsv41.ops import reference as R
 
@@ -97,10 +98,16 @@ class Diffs:
         st[4] += a.shape[0]
         st[5] += int((a != r).any(-1).sum())
 
-    def selection(self, stage: str, ok: bool, detail):
-        self.checked[stage] += 1
-        if not ok:
-            self.selections[stage].append(detail)
+    def selection(self, stage: str, mine: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, where):
+        """Rows of two selections ([T, k] ids, -1 = none) that differ beyond swaps among equal scores."""
+        self.checked[stage] += mine.shape[0]
+        for t in tie_mismatch_rows(mine, ref, scores):
+            self.selections[stage].append((*where, t, mine[t].tolist(), ref[t].tolist()))
+
+    def exact(self, stage: str, mine: torch.Tensor, ref: torch.Tensor, where):
+        self.checked[stage] += mine.shape[0]
+        for t in torch.nonzero((mine != ref).reshape(mine.shape[0], -1).any(-1)).flatten().tolist():
+            self.selections[stage].append((*where, t, mine[t].tolist(), ref[t].tolist()))
 
     def table(self) -> str:
         lines = [f"{'stage':16s} {'elements':>9s} {'differ':>7s} {'rows':>6s} {'differ':>6s} {'max ulp(rms)':>12s}"]
@@ -110,18 +117,6 @@ class Diffs:
             bad = self.selections.get(k, [])
             lines.append(f"{k}: {n} checked, {len(bad)} differ" + (f", first {bad[0]}" if bad else ""))
         return "\n".join(lines)
-
-
-def same_selection(mine: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor) -> bool:
-    """Tie-aware: the two id sets (-1 = empty) are equal, or differ only by swaps among equal scores
-    (the multisets of picked scores agree)."""
-    a, b = set(mine.tolist()) - {-1}, set(ref.tolist()) - {-1}
-    if a == b:
-        return True
-    if len(a) != len(b) or (len(mine) - mine.tolist().count(-1)) != len(a) or \
-            (len(ref) - ref.tolist().count(-1)) != len(b):
-        return False
-    return sorted(float(scores[i]) for i in a) == sorted(float(scores[i]) for i in b)
 
 
 def _logical(phys: torch.Tensor, req: int, table: torch.Tensor, bs: int) -> torch.Tensor:
@@ -147,13 +142,15 @@ def compare_run(cfg, W, steps: list[dict]) -> Diffs:
             new = slice(start, n)
             state = S.LayerState({}, {})
             pre_in = S.initial_pre(n - start, hc)
+            first = st["layers"][0]
+            d.tensor("embed", S.embed(W, torch.tensor(tokens[rid][new]), hc), first.get("eng_in", first["attn_x"])[rows])
             for spec in cfg.layers:
                 L, rec = spec.layer, st["layers"][spec.layer]
                 w = lambda k: W[f"layers.{L}.{k}"]                                   # noqa: E731
                 x = rec["attn_x"][rows]
                 if L in cfg.engram_layer_ids:
                     ids = S.engram_hash(cfg, L, tokens[rid])[new]
-                    d.selection("engram ids", torch.equal(ids, rec["eng_ids"][rows].long()), (L, rid))
+                    d.exact("engram ids", ids, rec["eng_ids"][rows].long(), (L, rid))
                     d.tensor("engram", S.engram(cfg, W, L, rec["eng_in"][rows], ids), rec["eng_out"][rows])
                 ap, apost, acomb = S.mixes(x, w("hc_attn_fn"), w("hc_attn_scale"), w("hc_attn_base"), cfg)
                 for name, mine, ref in zip(("mix pre", "mix post", "mix comb"), (ap, apost, acomb),
@@ -166,14 +163,15 @@ def compare_run(cfg, W, steps: list[dict]) -> Diffs:
                 d.tensor(f"attn {spec.kind}", out[new], rec["attn"][rows])
                 if top is not None:
                     table = md.compressed_block_tables[spec.kv_source]
-                    for t, (mine, got) in enumerate(zip(top[new], rec["topk"][rows])):
-                        ref_pos = _logical(got, i, table, cfg.block_size)
-                        d.selection(f"topk {spec.kind}", same_selection(mine, ref_pos, sc[start + t]),
-                                    (L, rid, start + t, mine.tolist(), ref_pos.tolist()))
+                    ref_pos = torch.stack([_logical(got, i, table, cfg.block_size) for got in rec["topk"][rows]])
+                    d.selection(f"topk {spec.kind}", top[new], ref_pos, sc[new], (L, rid))
                 if mask is not None:
                     # positions past the request's compressed rows are never visible: compare the rest
-                    w_ = mask.shape[1]
-                    d.selection("candidates", torch.equal(mask[new], rec["cand"][rows][:, :w_].bool()), (L, rid))
+                    mine, bscores = mask
+                    b = cfg.candidate_block_size
+                    got = rec["cand"][rows][:, :mine.shape[1]].bool()
+                    d.selection("candidates", block_selection(mine[new], b), block_selection(got, b), bscores[new],
+                                (L, rid))
                 h = rec["ffn_x"][rows]
                 d.tensor("attn hidden", S.expand(rec["attn"][rows], x, apost, acomb), h)
                 fp, fpost, fcomb = S.mixes(h, w("hc_ffn_fn"), w("hc_ffn_scale"), w("hc_ffn_base"), cfg)
@@ -185,8 +183,7 @@ def compare_run(cfg, W, steps: list[dict]) -> Diffs:
                 y, idx, wts, biased = S.moe(cfg, W, L, f)
                 d.tensor("ffn out", y, rec["moe"][rows])
                 ridx, rw = rec["route"]
-                for t, (mine, got) in enumerate(zip(idx, ridx[rows].long())):
-                    d.selection("router", same_selection(mine, got, biased[t]), (L, rid, mine.tolist(), got.tolist()))
+                d.selection("router", idx, ridx[rows].long(), biased, (L, rid))
                 if torch.equal(idx, ridx[rows].long()):
                     d.tensor("route weights", wts, rw[rows], bits=24)
                 nxt = st["layers"].get(L + 1, {})

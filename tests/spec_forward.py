@@ -305,23 +305,25 @@ def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def candidates(cfg, scores: torch.Tensor) -> torch.Tensor:
+def candidates(cfg, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer-20 block mask [T, P]: best `candidate_topk_blocks` blocks by max score, the block of
-    the newest visible row pinned, only blocks with a finite score."""
+    the newest visible row pinned (+inf), only blocks with a finite score; and the block scores."""
     t, p = scores.shape
     b = cfg.candidate_block_size
     nb = -(-p // b)
     mask = torch.zeros(t, p, dtype=torch.bool)
+    bscores = torch.full((t, nb), -math.inf)
     for i in range(t):
         n = int(torch.isfinite(scores[i]).sum())
         if n == 0:
             continue
-        blocks = [(math.inf if blk == (n - 1) // b else float(scores[i, blk * b:(blk + 1) * b].max()), blk)
-                  for blk in range(nb)]
-        keep = sorted([x for x in blocks if x[0] > -math.inf], key=lambda x: (-x[0], x[1]))
+        for blk in range(nb):
+            bscores[i, blk] = math.inf if blk == (n - 1) // b else float(scores[i, blk * b:(blk + 1) * b].max())
+        keep = sorted([(float(v), blk) for blk, v in enumerate(bscores[i]) if v > -math.inf],
+                      key=lambda x: (-x[0], x[1]))
         for _, blk in keep[:cfg.candidate_topk_blocks]:
             mask[i, blk * b:(blk + 1) * b] = True
-    return mask
+    return mask, bscores
 
 
 def sparse_attention(q, slots_kv, slot_ok, sink, scale):
@@ -355,7 +357,8 @@ class LayerState:
 
 def attention(cfg, W, spec, a, state: LayerState):
     """One attention sub-layer over all positions of one request -> (out [n, D] BF16, Top-K or None,
-    index scores or None, candidate mask or None). a: the sub-layer input of every position 0..n-1."""
+    index scores or None, (candidate mask, block scores) or None). a: the sub-layer input of every
+    position 0..n-1."""
     p, eps, n = f"layers.{spec.layer}.attn.", cfg.rms_norm_eps, a.shape[0]
     cos, sin = rope_table(cfg, n, spec.ratio > 0)
     H, hd = cfg.num_attention_heads, cfg.head_dim
@@ -380,7 +383,7 @@ def attention(cfg, W, spec, a, state: LayerState):
             sc = index_scores(cfg, W, spec.layer, a, qr, cos, sin, src)
             if spec.layer == cfg.candidate_source_layer_id:
                 mask = candidates(cfg, sc)
-                state.cand = mask
+                state.cand = mask[0]
             elif spec.candidate_source is not None:
                 sc = sc.masked_fill(~state.cand, float("-inf"))
             top = top_k(sc, cfg.index_topk)
@@ -450,23 +453,3 @@ def initial_pre(t, hc):
 def head(cfg, W, x_hc, pre):
     return mm(rms_norm(collapse(x_hc, pre), W["norm.weight"], cfg.rms_norm_eps), W["head.weight"])
 
-
-def forward(cfg, W, tokens: list[int]) -> torch.Tensor:
-    """Free-running whole forward of one request: logits [n, vocab] of every position."""
-    ids = torch.tensor(tokens)
-    n, hc = len(tokens), cfg.hc_mult
-    x, pre = embed(W, ids, hc), initial_pre(n, hc)
-    state = LayerState({}, {})
-    for spec in cfg.layers:
-        L = spec.layer
-        if L in cfg.engram_layer_ids:
-            x = engram(cfg, W, L, x, engram_hash(cfg, L, tokens))
-        ap, apost, acomb = mixes(x, W[f"layers.{L}.hc_attn_fn"], W[f"layers.{L}.hc_attn_scale"],
-                                 W[f"layers.{L}.hc_attn_base"], cfg)
-        a = rms_norm(collapse(x, pre), W[f"layers.{L}.attn_norm.weight"], cfg.rms_norm_eps)
-        h = expand(attention(cfg, W, spec, a, state)[0], x, apost, acomb)
-        fp, fpost, fcomb = mixes(h, W[f"layers.{L}.hc_ffn_fn"], W[f"layers.{L}.hc_ffn_scale"],
-                                 W[f"layers.{L}.hc_ffn_base"], cfg)
-        f = rms_norm(collapse(h, ap), W[f"layers.{L}.ffn_norm.weight"], cfg.rms_norm_eps)
-        x, pre = expand(moe(cfg, W, L, f)[0], h, fpost, fcomb), fp
-    return head(cfg, W, x, pre)
