@@ -130,6 +130,7 @@ def compare_run(cfg, W, steps: list[dict]) -> Diffs:
     d = Diffs()
     hc = cfg.hc_mult
     tokens: dict[int, list[int]] = {}
+    prompt: dict[int, int] = {}
     a_hist: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
     for st in steps:
         md = st["md"]
@@ -138,6 +139,7 @@ def compare_run(cfg, W, steps: list[dict]) -> Diffs:
             rows = slice(qsl[i], qsl[i + 1])
             start = len(tokens.get(rid, []))
             tokens.setdefault(rid, []).extend(st["batch"][i])
+            prompt.setdefault(rid, len(st["batch"][i]))
             n = len(tokens[rid])
             new = slice(start, n)
             state = S.LayerState({}, {})
@@ -159,7 +161,7 @@ def compare_run(cfg, W, steps: list[dict]) -> Diffs:
                 d.tensor("attn in", S.rms_norm(S.collapse(x, pre_in), w("attn_norm.weight"), cfg.rms_norm_eps),
                          rec["a"][rows])
                 a_hist[(rid, L)].append(rec["a"][rows])
-                out, top, sc, mask = S.attention(cfg, W, spec, torch.cat(a_hist[(rid, L)]), state)
+                out, top, sc, mask = S.attention(cfg, W, spec, torch.cat(a_hist[(rid, L)]), state, prompt[rid])
                 d.tensor(f"attn {spec.kind}", out[new], rec["attn"][rows])
                 if top is not None:
                     table = md.compressed_block_tables[spec.kv_source]

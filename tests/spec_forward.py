@@ -9,7 +9,9 @@ points of spec 01 §8 / 02 / 03 §3.2 (04-cross-check wins where it corrects the
 
 - index head weights: bf16(bf16(x Wp) * ihd^-1/2 * nh^-1/2) (the official code's BF16 product);
 - attention: one online softmax over the raw list [window slots | Top-K slots] (-1 entries kept in
-  place), tiled 64 at a time, P rounded to BF16 before PV, sink added to the denominator at the end.
+  place), tiled 64 at a time, P rounded to BF16 before PV, sink added to the denominator at the end;
+  the window part is min(prompt, window) slots wide for the prompt's rows (the official prefill
+  lists), the whole window for decoded rows.
 
 Each stage is a function of its inputs so a test can feed it the reference's inputs (teacher forcing).
 """
@@ -355,10 +357,10 @@ class LayerState:
     cand: torch.Tensor | None = None
 
 
-def attention(cfg, W, spec, a, state: LayerState):
+def attention(cfg, W, spec, a, state: LayerState, prompt_len: int):
     """One attention sub-layer over all positions of one request -> (out [n, D] BF16, Top-K or None,
     index scores or None, (candidate mask, block scores) or None). a: the sub-layer input of every
-    position 0..n-1."""
+    position 0..n-1, of which the first prompt_len were the prompt."""
     p, eps, n = f"layers.{spec.layer}.attn.", cfg.rms_norm_eps, a.shape[0]
     cos, sin = rope_table(cfg, n, spec.ratio > 0)
     H, hd = cfg.num_attention_heads, cfg.head_dim
@@ -389,8 +391,16 @@ def attention(cfg, W, spec, a, state: LayerState):
             top = top_k(sc, cfg.index_topk)
             state.topk[spec.layer] = top
         sel = state.topk[spec.index_source]
-        slots_kv = torch.cat([slots_kv, src.kv[sel.clamp_min(0)] * (sel >= 0).unsqueeze(-1)], 1)
-        slot_ok = torch.cat([slot_ok, sel >= 0], 1)
+        cmp_kv, cmp_ok = src.kv[sel.clamp_min(0)] * (sel >= 0).unsqueeze(-1), sel >= 0
+        # prompt rows list min(prompt, window) window slots, then the Top-K slots; the slots after
+        # them are empty (no key, no effect on the tiles before)
+        w1 = min(prompt_len, w)
+        short = (pos < prompt_len).view(n, 1)
+        long_kv, long_ok = torch.cat([slots_kv, cmp_kv], 1), torch.cat([slot_ok, cmp_ok], 1)
+        short_kv = torch.cat([slots_kv[:, :w1], cmp_kv, torch.zeros_like(slots_kv[:, w1:])], 1)
+        short_ok = torch.cat([slot_ok[:, :w1], cmp_ok, torch.zeros_like(slot_ok[:, w1:])], 1)
+        slots_kv = torch.where(short.unsqueeze(-1), short_kv, long_kv)
+        slot_ok = torch.where(short, short_ok, long_ok)
     att = sparse_attention(q, slots_kv, slot_ok, W[p + "attn_sink"], hd ** -0.5)
     att = rope(att, cos, sin, inverse=True)
     g = cfg.o_groups
