@@ -16,6 +16,8 @@ weights, logits) within MAX_FP32_ULPS FP32 ulps of the row RMS. A dropped roundi
 constant or a wrong source moves most rows. Selections (engram ids, Top-K, candidate blocks,
 router) must agree exactly, up to swaps among equal scores.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -32,18 +34,15 @@ LENGTHS = (37, 20)
 DECODE_STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def run():
-    ck = init_checkpoint(TINY, 0)
+def _run(cfg, lengths, decode_steps):
+    ck = init_checkpoint(cfg, 0)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
-    steps = B.capture_run(R.ReferenceModel(TINY, checkpoint=ck), prompts, DECODE_STEPS)
-    W = S.decode_weights(ck)
-    return steps, W, B.compare_run(TINY, W, steps)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    steps = B.capture_run(R.ReferenceModel(cfg, checkpoint=ck), prompts, decode_steps)
+    return B.compare_run(cfg, S.decode_weights(ck), steps)
 
 
-def test_every_block_matches_the_independent_forward(run):
-    _, _, d = run
+def _assert_within_bounds(d, cfg):
     table = d.table()
     bad = []
     for stage, (n, differ, worst, bits, rows, drows) in d.stats.items():
@@ -52,8 +51,20 @@ def test_every_block_matches_the_independent_forward(run):
         if bits == 24 and worst > MAX_FP32_ULPS:
             bad.append(stage)
     assert not bad and not d.selections, f"stages out of bounds: {bad}\n{table}"
-    kinds = {s.kind for s in TINY.layers}
+    kinds = {s.kind for s in cfg.layers}
     assert {f"attn {k}" for k in kinds} <= set(d.stats), "every attention mode is compared"
     assert {"topk c2a_full", "topk c1a_full", "topk c1a_reindex", "candidates", "router",
             "engram ids"} <= set(d.checked)
 
+
+def test_every_block_matches_the_independent_forward():
+    _assert_within_bounds(_run(TINY, LENGTHS, DECODE_STEPS), TINY)
+
+
+@pytest.mark.slow
+def test_every_block_matches_with_attention_lists_over_several_tiles():
+    """Window 64 + Top-K 16 = 80 slots: two 64-entry tiles, so the official tiling of the raw
+    [window | Top-K] list (P rounded per tile) is exercised; a 70-token prompt and a 30-token one
+    (its window part 30 wide) then one decode step."""
+    cfg = replace(TINY, sliding_window=64, index_topk=16)
+    _assert_within_bounds(_run(cfg, (70, 30), 1), cfg)
