@@ -145,7 +145,8 @@ def compare_run(cfg, W, steps: list[dict]) -> Diffs:
             state = S.LayerState({}, {})
             pre_in = S.initial_pre(n - start, hc)
             first = st["layers"][0]
-            d.tensor("embed", S.embed(W, torch.tensor(tokens[rid][new]), hc), first.get("eng_in", first["attn_x"])[rows])
+            x_first = first.get("eng_in", first["attn_x"])
+            d.tensor("embed", S.embed(W, torch.tensor(tokens[rid][new]), hc), x_first[rows])
             for spec in cfg.layers:
                 L, rec = spec.layer, st["layers"][spec.layer]
                 w = lambda k: W[f"layers.{L}.{k}"]                                   # noqa: E731
