@@ -24,6 +24,19 @@ class CardStatePlugin(WorkerPlugin):
         cfg = self.source.cfg if self.source is not None else PRESETS[cfg_name]
         card_state.STATES.update(card_state.build_states(cfg, topo, seed, [card], max_batch,
                                                          max_context, source=self.source))
+        _return_freed_memory()
 
     def teardown(self, worker):
         card_state.STATES.clear()
+
+
+def _return_freed_memory():
+    """Hand the freed weight draw back to the OS: glibc keeps freed heap pages, so the worker's RSS
+    would stay at the whole model's size although it holds one card's shard."""
+    import ctypes
+    import ctypes.util
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
