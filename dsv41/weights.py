@@ -16,7 +16,7 @@ import torch
 
 from dsv41.config import FULL, ModelConfig
 from dsv41.ops.engram import engram_table_rows
-from dsv41.ops.quant import (block_mxfp8_decode, block_mxfp8_encode, e8m0_decode, expert_mxfp4_decode,
+from dsv41.ops.quant import (block_mxfp8_decode, block_mxfp8_encode, e4m3_decode, e8m0_decode, expert_mxfp4_decode,
                              expert_mxfp4_encode, mxfp8_encode)
 
 E8M0 = torch.float8_e8m0fnu
@@ -155,7 +155,7 @@ def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tens
             v = expert_mxfp4_decode(t.view(torch.uint8), codes)
         elif key.endswith("engram.embed"):
             g = t.shape[1] // codes.shape[1]
-            v = (t.float().reshape(t.shape[0], -1, g) * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
+            v = (e4m3_decode(t).reshape(t.shape[0], -1, g) * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
         else:
             v = block_mxfp8_decode(t, codes)
     if key.endswith(".attn.wo_a"):

@@ -9,8 +9,9 @@ A weight source serves named checkpoint tensors, or slices of them, in their che
 ``DrawnCheckpoint`` is the random-weights source (one deterministic draw); the checkpoint reader
 serves folders. ``read_card`` asks a source for exactly the slices one card holds (scales sliced
 with their payloads) and keeps them as they came: FP8 E4M3 + E8M0, packed MXFP4 + E8M0, BF16, FP32.
-``CardWeights`` decodes a runtime weight on each use, so nothing larger than the checkpoint bytes
-stays resident; the decoded values are those of ``weights.decode_checkpoint`` bit for bit.
+``CardWeights`` decodes a runtime weight on each use (a lookup table only the rows looked up), so
+nothing larger than the checkpoint bytes stays resident; the decoded values are those of
+``weights.decode_checkpoint`` bit for bit.
 
 Sharding (head-parallel attention, expert-parallel MoE, vocab-parallel head):
 
@@ -99,6 +100,28 @@ def resident_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+class RowLookup:
+    """A lookup table (embed, Engram) in its checkpoint format: indexing decodes only the rows
+    asked for, the same values as those rows of the whole decoded table."""
+
+    def __init__(self, cfg: ModelConfig, key: str, payload: torch.Tensor, scale: torch.Tensor | None):
+        self.cfg, self.key, self.payload, self.scale = cfg, key, payload, scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.payload.shape
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        flat = torch.as_tensor(idx).reshape(-1)
+        rows = decode_tensor(self.cfg, self.key, self.payload[flat],
+                             None if self.scale is None else self.scale[flat])
+        return rows.reshape(*torch.as_tensor(idx).shape, self.payload.shape[1])
+
+
+def _is_lookup(key: str) -> bool:
+    return key == "embed.weight" or key.endswith(".engram.embed")
+
+
 class CardWeights(Mapping):
     """Runtime key -> decoded weight, decoded from the held checkpoint-format tensors on each use."""
 
@@ -109,7 +132,10 @@ class CardWeights(Mapping):
         self._known = set(self.keys_)
         self._scaled = {k for k in self.keys_ if k + ".scale" in held}
 
-    def __getitem__(self, key: str) -> torch.Tensor:
+    def __getitem__(self, key: str) -> torch.Tensor | RowLookup:
+        if _is_lookup(key):
+            scale = self.held[key + ".scale"] if key in self._scaled else None
+            return RowLookup(self.cfg, key, self.held[key + ".weight"] if scale is not None else self.held[key], scale)
         if key in self._scaled:
             return decode_tensor(self.cfg, key, self.held[key + ".weight"], self.held[key + ".scale"])
         return decode_tensor(self.cfg, key, self.held[key])
