@@ -16,8 +16,8 @@ import torch
 
 from dsv41.config import FULL, ModelConfig
 from dsv41.ops.engram import engram_table_rows
-from dsv41.ops.quant import (block_mxfp8_decode, block_mxfp8_encode, e4m3_decode, e8m0_decode, expert_mxfp4_decode,
-                             expert_mxfp4_encode, mxfp8_encode)
+from dsv41.ops.quant import (block_mxfp8_decode64, block_mxfp8_encode, e4m3_decode, e8m0_decode,
+                             expert_mxfp4_decode64, expert_mxfp4_encode, mxfp8_encode)
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -149,18 +149,17 @@ def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tens
     (values unchanged); wo_a as [groups, o_lora, group_in]."""
     if scale is None:
         v = t.float()
-    else:
+    elif key.endswith("engram.embed"):
         codes = _codes(scale)
-        if t.dtype == torch.int8:
-            v = expert_mxfp4_decode(t.view(torch.uint8), codes)
-        elif key.endswith("engram.embed"):
-            g = t.shape[1] // codes.shape[1]
-            v = (e4m3_decode(t).reshape(t.shape[0], -1, g) * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
-        else:
-            v = block_mxfp8_decode(t, codes)
+        g = t.shape[1] // codes.shape[1]
+        return (e4m3_decode(t).reshape(t.shape[0], -1, g) * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
+    elif t.dtype == torch.int8:
+        v = expert_mxfp4_decode64(t, _codes(scale))
+    else:
+        v = block_mxfp8_decode64(t, _codes(scale))
     if key.endswith(".attn.wo_a"):
         v = v.reshape(-1, cfg.o_lora_rank, cfg.o_group_in)
-    return v.double() if v.dim() >= 2 and not key.endswith("engram.embed") and key != "embed.weight" else v
+    return v.double() if v.dim() >= 2 and key != "embed.weight" else v
 
 
 def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -189,6 +189,33 @@ def block_mxfp8_decode(payload: torch.Tensor, scale: torch.Tensor, block: int = 
     return (e4m3_decode(payload).reshape(n // block, block, k // block, block) * s).reshape(n, k)
 
 
+def _scaled_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale code, payload byte) -> decoded FP64 value(s): every FP32 product the formulas form
+    (E4M3 value x 2^(s-127); the two E2M1 values of a packed byte x 2^(s-127)), widened to FP64."""
+    scale = _E8M0_VALUES[:, None]
+    return (_E4M3_VALUES[None, :] * scale).double().reshape(-1), (_FP4_PAIRS[None] * scale[..., None]).double().reshape(-1, 2)
+
+
+_FP8_BY_SCALE, _FP4_BY_SCALE = _scaled_tables()
+
+
+def block_mxfp8_decode64(payload: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``block_mxfp8_decode(payload, scale).double()`` in one table lookup per element (weights
+    decoded on each use are read in FP64 by the matmuls)."""
+    n, k = payload.shape
+    idx = payload.view(torch.uint8).to(torch.int32).view(n // block, block, k // block, block) \
+        + (scale.view(torch.uint8).to(torch.int32) << 8).view(n // block, 1, k // block, 1)
+    return _FP8_BY_SCALE.to(payload.device).index_select(0, idx.reshape(-1)).view(n, k)
+
+
+def expert_mxfp4_decode64(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``expert_mxfp4_decode(packed, scale).double()`` in one table lookup per packed byte."""
+    n, half = packed.shape
+    idx = packed.view(torch.uint8).to(torch.int32).view(n, scale.shape[1], -1) \
+        + (scale.view(torch.uint8).to(torch.int32) << 8).view(n, -1, 1)
+    return _FP4_BY_SCALE.to(packed.device).index_select(0, idx.reshape(-1)).view(n, 2 * half)
+
+
 def expert_mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert layout: packed E2M1 [N, K/2] (low nibble = even k), E8M0 scale [N, K/32]."""
     return mxfp4_encode(w, 32, "e8m0")
