@@ -151,8 +151,9 @@ def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tens
         v = t.float()
     elif key.endswith("engram.embed"):
         codes = _codes(scale)
-        g = t.shape[1] // codes.shape[1]
-        return (e4m3_decode(t).reshape(t.shape[0], -1, g) * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
+        groups = codes.shape[1]
+        v = e4m3_decode(t).reshape(t.shape[0], groups, t.shape[1] // groups)
+        return (v * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
     elif t.dtype == torch.int8:
         v = expert_mxfp4_decode64(t, _codes(scale))
     else:

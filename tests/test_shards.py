@@ -140,6 +140,7 @@ def test_decoded_per_use_equals_whole_decode_and_hand_decode(drawn, card):
         got = mine[k]
         if isinstance(got, RowLookup):   # lookup tables decode only the rows looked up
             assert got.shape == old[k].shape and torch.equal(got[ids], old[k][ids]), k
+            assert got[ids[:0]].shape == (0, 3, old[k].shape[1])   # an empty slab looks up nothing
             got = got[torch.arange(got.shape[0])]
         assert got.dtype == old[k].dtype and torch.equal(got, old[k]), k
     ck = {n: drawn.get(n, card_index(cfg, topo, card, n)) for n in drawn.names()
