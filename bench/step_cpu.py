@@ -69,7 +69,8 @@ def main():
                              max_context=context)
         ms, tokens = step_cpu_ms(engine, prompts, args.steps, prof)
         engine.close()
-        out[name] = {"step_ms": round(ms, 1), "over_reference": round(ms / ref_ms, 3), "tokens_match": tokens == ref_tokens}
+        out[name] = {"step_ms": round(ms, 1), "over_reference": round(ms / ref_ms, 3),
+                     "tokens_match": tokens == ref_tokens}
         if prof is not None:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)

@@ -193,7 +193,9 @@ def _scaled_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """(scale code, payload byte) -> decoded FP64 value(s): every FP32 product the formulas form
     (E4M3 value x 2^(s-127); the two E2M1 values of a packed byte x 2^(s-127)), widened to FP64."""
     scale = _E8M0_VALUES[:, None]
-    return (_E4M3_VALUES[None, :] * scale).double().reshape(-1), (_FP4_PAIRS[None] * scale[..., None]).double().reshape(-1, 2)
+    fp8 = (_E4M3_VALUES[None, :] * scale).double().reshape(-1)
+    fp4 = (_FP4_PAIRS[None] * scale[..., None]).double().reshape(-1, 2)
+    return fp8, fp4
 
 
 _FP8_BY_SCALE, _FP4_BY_SCALE = _scaled_tables()
