@@ -29,8 +29,9 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int,
 
 def expert(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU expert on BF16 rows -> BF16 output [T, D]; weight [T] (routed) scales h before w2."""
-    g = round_bf16(mx_linear(x, w1)).clamp(max=limit)
-    u = round_bf16(mx_linear(x, w3)).clamp(-limit, limit)
+    xq = mxfp8_qdq(round_bf16(x))   # mx_linear's input quantization, shared by w1 and w3
+    g = round_bf16(matmul_t(xq, w1)).clamp(max=limit)
+    u = round_bf16(matmul_t(xq, w3)).clamp(-limit, limit)
     h = F.silu(g) * u
     if weight is not None:
         h = h * weight.unsqueeze(-1)
