@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         last = stats[-1]
         result.update(nodes=last.get("nodes"), submissions=last.get("submissions"),
                       dask_tasks=last.get("dask_tasks"), granularity=args.granularity, wiring=args.wiring,
-                      backend=args.backend)
+                      backend=args.backend, cards=last.get("cards"))
         if args.backend != "torch":
             result.update(device_sim_us=[s["device_sim_us"] for s in stats],
                           pypto_kernels=sorted({k for s in stats for k in s["pypto_kernels"]}))

@@ -12,8 +12,8 @@ import torch
 
 from dsv41.config import FULL, ModelConfig
 from dsv41.ops.engram import engram_table_rows
-from dsv41.ops.quant import (block_mxfp8_decode, block_mxfp8_encode, e8m0_decode, expert_mxfp4_decode,
-                             expert_mxfp4_encode, mxfp8_encode)
+from dsv41.ops.quant import (block_mxfp8_decode64, block_mxfp8_encode, e4m3_decode, e8m0_decode,
+                             expert_mxfp4_decode64, expert_mxfp4_encode, mxfp8_encode)
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -127,29 +127,45 @@ def checkpoint_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
     return out
 
 
+def is_scaled(name: str, names) -> bool:
+    """Whether ``name`` is a quantized payload (``X.weight`` with an ``X.scale`` partner)."""
+    return name.endswith(".weight") and name[: -len(".weight")] + ".scale" in names
+
+
+def runtime_key(name: str, names) -> str | None:
+    """The runtime key a checkpoint tensor decodes to; None for a scale (it joins its payload)."""
+    if name.endswith(".scale") and not name.endswith("_scale"):
+        return None
+    return name[: -len(".weight")] if is_scaled(name, names) else name
+
+
+def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One runtime weight from its checkpoint tensor(s), which may be a card's slice: FP32 values of
+    the exact quantized numbers; matrices in FP64 so matmul_t accumulates without a per-call cast
+    (values unchanged); wo_a as [groups, o_lora, group_in]."""
+    if scale is None:
+        v = t.float()
+    elif key.endswith("engram.embed"):
+        codes = _codes(scale)
+        groups = codes.shape[1]
+        v = e4m3_decode(t).reshape(t.shape[0], groups, t.shape[1] // groups)
+        return (v * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
+    elif t.dtype == torch.int8:
+        v = expert_mxfp4_decode64(t, _codes(scale))
+    else:
+        v = block_mxfp8_decode64(t, _codes(scale))
+    if key.endswith(".attn.wo_a"):
+        v = v.reshape(-1, cfg.o_lora_rank, cfg.o_group_in)
+    return v.double() if v.dim() >= 2 and key != "embed.weight" else v
+
+
 def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Runtime weights: FP32 tensors of the exact quantized values, keyed by tensor name (no '.weight'
-    suffix for quantized linears). wo_a becomes [groups, o_lora, group_in]."""
+    """Runtime weights of a whole checkpoint, keyed by runtime key (no '.weight' suffix for
+    quantized linears); see ``decode_tensor``."""
     out: dict[str, torch.Tensor] = {}
     for name, t in ck.items():
-        if name.endswith(".scale") and not name.endswith("_scale"):
-            continue
-        scale = ck.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
-        if scale is None:
-            out[name] = t.float()
-            continue
-        base = name[: -len(".weight")]
-        codes = _codes(scale)
-        if t.dtype == torch.int8:
-            out[base] = expert_mxfp4_decode(t.view(torch.uint8), codes)
-        elif base.endswith("engram.embed"):
-            g = t.shape[1] // codes.shape[1]
-            out[base] = (t.float().reshape(t.shape[0], -1, g) * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
-        else:
-            out[base] = block_mxfp8_decode(t, codes)
-    for spec in cfg.layers:
-        key = f"layers.{spec.layer}.attn.wo_a"
-        out[key] = out[key].reshape(cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in)
-    # matrices are held in FP64 so matmul_t accumulates without a per-call cast (values unchanged)
-    return {k: (v.double() if v.dim() >= 2 and not k.endswith("engram.embed") and k != "embed.weight" else v)
-            for k, v in out.items()}
+        key = runtime_key(name, ck)
+        if key is not None:
+            out[key] = decode_tensor(cfg, key, t, ck.get(key + ".scale") if key != name else None)
+    return out
+

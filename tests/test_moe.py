@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.config import FLASH, TINY
-from dsv41.ops.moe import combine, dispatch_rows, expert, route
+from dsv41.ops.moe import combine, dispatch_rows, expert, experts_grouped, route
 from selection import assert_same_selection
-from _spec_ref import bf16_64, is_bf16, mx_linear_64, mxfp8_qdq_64
+from _spec_ref import assert_rows_close, bf16_64, is_bf16, mx_linear_64, mxfp8_qdq_64
 
 
 def _g(seed):
@@ -154,3 +154,19 @@ def test_combine_ascending_expert_id_then_shared_one_rounding():
     out = combine(routed, torch.tensor([[2.0 ** -8], [2.0 ** -8]]))
     assert out.tolist() == [[1.0], [3.0 + 2.0 ** -6]]
     assert is_bf16(out)
+
+
+def test_experts_grouped_gives_each_row_the_bits_of_its_expert_alone():
+    d, inter, counts, ids = 64, 64, [3, 1, 5], [7, 2, 11]
+    x = bf16_64(torch.randn(sum(counts), d, generator=_g(8)) * 4).float()
+    wt = torch.rand(sum(counts), generator=_g(9))
+    ws = {e: {"w1": torch.randn(inter, d, generator=_g(10 + e)) * 3 * d ** -0.5,
+              "w3": torch.randn(inter, d, generator=_g(30 + e)) * 3 * d ** -0.5,
+              "w2": torch.randn(d, inter, generator=_g(50 + e)) * inter ** -0.5} for e in ids}
+    y = experts_grouped(x, wt, ids, counts, lambda e, name: ws[e][name], 10.0)
+    first = 0
+    for e, n in zip(ids, counts):
+        rows = slice(first, first + n)
+        alone = expert(x[rows], ws[e]["w1"], ws[e]["w2"], ws[e]["w3"], 10.0, wt[rows])
+        assert torch.equal(y[rows].view(torch.int32), alone.view(torch.int32))
+        first += n

@@ -17,6 +17,7 @@ import torch
 from dsv41.cluster import state as card_state
 from dsv41.cluster.executors import LOCAL, DistributedRunner, run_local
 from dsv41.cluster.plan import make_plan
+from dsv41.cluster.shards import card_bytes
 from dsv41.cluster.runtime import Hooks, NodeError
 from dsv41.config import ModelConfig, Topology
 from dsv41.graph.build import SHARDED, build
@@ -37,8 +38,9 @@ class GraphEngine(StepModel):
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
                  options: Options = Options(), backend: str = "torch", checkpoint=None):
-        """checkpoint: an opened checkpoint holding cfg (weights and Engram token map); None draws
-        random weights from seed."""
+        """checkpoint: an opened checkpoint holding cfg (weights and Engram token map), the source each
+        card reads its own slices from; None draws random weights from seed. Under distributed it
+        travels to the workers, which open its files themselves."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
@@ -78,6 +80,8 @@ class GraphEngine(StepModel):
             plugin = CardStatePlugin(cfg.name, topo, seed, per_group, max_context, checkpoint)
             self.runner = DistributedRunner(topo.ep, plugin, address, dashboard)
         self._on_every_process(_set_device_time, backend)
+        self.cards = sorted((r for rs in self._on_every_process(_card_bytes).values() for r in rs),
+                            key=lambda r: r["card"])   # resident bytes per card, measured once
 
     @property
     def active(self) -> list[int]:
@@ -127,7 +131,8 @@ class GraphEngine(StepModel):
         self.last_request_ids = new_ids
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
-                           "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3}
+                           "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3,
+                           "cards": self.cards}
         if self.backend != "torch":
             self.last_stats.update(self._device_summary())
         return torch.stack([values[f"final/argmax@g{grp}"][0][idx] for grp, idx in placed])
@@ -200,6 +205,10 @@ def _set_fail_at(key):
 def _set_device_time(backend: str):
     Hooks.device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
     Hooks.sim_log = {}
+
+
+def _card_bytes():
+    return [card_bytes(st) for st in card_state.STATES.values()]
 
 
 def _clear_sim_log():
