@@ -54,7 +54,7 @@ def _assert_within_bounds(d, cfg):
     kinds = {s.kind for s in cfg.layers}
     assert {f"attn {k}" for k in kinds} <= set(d.stats), "every attention mode is compared"
     assert {"topk c2a_full", "topk c1a_full", "topk c1a_reindex", "candidates", "router",
-            "engram ids"} <= set(d.checked)
+            "engram ids", "index score mask"} <= set(d.checked) and "index scores" in d.stats
 
 
 def test_every_block_matches_the_independent_forward():
