@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
     p.add_argument("--show-graph", default=None, metavar="PATH", help="write the decode graph as DOT (SVG if .svg)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--check", action="store_true",
+                   help="check every node against the Torch golden on its inputs (sync/threads executors)")
     telemetry.add_arguments(p)
     a = p.parse_args(argv)
     if a.ep is None:
@@ -51,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.new_tokens < 0:
         p.error("--new-tokens must be >= 0")
     telemetry.check_arguments(p, a)
+    if a.check and a.executor not in ("sync", "threads"):
+        p.error(f"--check runs in this process: --executor must be sync or threads, got {a.executor}")
     return a
 
 
@@ -87,6 +91,7 @@ def main(argv=None) -> int:
     engine = make_engine(args, cfg, topo)
     say(f"  built in {time.perf_counter() - t0:.2f} s")
     tracing = telemetry.start(args, engine)
+    checker = _start_check(args)
     prompts = prompts_for(cfg, args.batch, args.prompt_len, args.seed)
     stats = []
 
@@ -128,6 +133,8 @@ def main(argv=None) -> int:
                           pypto_kernels=sorted({k for s in stats for k in s["pypto_kernels"]}))
             say(f"  {args.backend} kernels: {', '.join(result['pypto_kernels'])}")
             say(f"  torch only: {', '.join(sorted(engine.last_graph.kernels() - set(result['pypto_kernels'])))}")
+        if checker is not None:
+            _finish_check(checker, result, say)
         if args.show_graph:
             engine.write_graph(args.show_graph)
             say(f"  graph written to {args.show_graph}")
@@ -142,6 +149,22 @@ def main(argv=None) -> int:
         say(f"  tokens: {tokens}")
         say(f"  last_logits_sha256: {result['last_logits_sha256']}")
     return 0
+
+
+def _start_check(args):
+    if not args.check:
+        return None
+    from dsv41.cluster.runtime import Hooks
+    from dsv41.kernels.check import NodeCheck
+    Hooks.check = NodeCheck(args.backend)
+    return Hooks.check
+
+
+def _finish_check(checker, result, say):
+    from dsv41.cluster.runtime import Hooks
+    Hooks.check = None
+    say(checker.table())
+    result["check"] = checker.summary()
 
 
 def _describe(stats: dict) -> str:

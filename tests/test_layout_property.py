@@ -55,7 +55,7 @@ def _check(reference, case):
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=cases)
 def test_graph_logits_bytes_equal_reference(reference, case):
     _check(reference, case)

@@ -19,6 +19,7 @@ class Hooks:
     tracer = None
     device_time = None                       # (state, node, args) -> µs or None
     sim_log: dict[str, tuple[int, str, float]] = {}   # node key -> (card, kernel, µs)
+    check = None                             # (state, node, args, value) -> None, after each node (--check)
 
 
 def run_node(node, values: dict):
@@ -33,8 +34,12 @@ def run_node(node, values: dict):
             if sim_us is not None:
                 Hooks.sim_log[node.key] = (node.card, node.kernel, sim_us)
         if Hooks.tracer is not None:
-            return Hooks.tracer.run(st, node, KERNELS[node.kernel], args, sim_us)
-        return KERNELS[node.kernel](st, node, *args)
+            value = Hooks.tracer.run(st, node, KERNELS[node.kernel], args, sim_us)
+        else:
+            value = KERNELS[node.kernel](st, node, *args)
+        if Hooks.check is not None:
+            Hooks.check(st, node, args, value)
+        return value
     except NodeError:
         raise
     except Exception as e:
