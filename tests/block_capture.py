@@ -53,6 +53,10 @@ def recording(steps: list):
         wrap(R, "moe_layer", lambda a, o: layer(a[2]).update(f=a[3], moe=o))
         wrap(R, "gate", lambda a, o: layer(a[2]).update(route=o))
         wrap(ref_mhc, "hc_head", lambda a, o: steps[-1].update(final=(a[0], a[1])))
+        # index scores: index_scores records each chunk's rows, index_chunk files them under its layer
+        wrap(R, "index_scores", lambda a, o: steps[-1].setdefault("scores", []).append(o))
+        wrap(R, "index_chunk",
+             lambda a, o: layer(a[2].layer).setdefault("scores", []).append(steps[-1]["scores"].pop()))
         yield
 
 
@@ -165,6 +169,11 @@ def compare_run(cfg, W, steps: list[dict]) -> Diffs:
                 out, top, sc, mask = S.attention(cfg, W, spec, torch.cat(a_hist[(rid, L)]), state, prompt[rid])
                 d.tensor(f"attn {spec.kind}", out[new], rec["attn"][rows])
                 if top is not None:
+                    ref_sc = torch.cat(rec["scores"])[rows][:, :sc.shape[1]]
+                    mine_sc = sc[new]
+                    finite = torch.isfinite(mine_sc)
+                    d.exact("index score mask", finite, torch.isfinite(ref_sc), (L, rid))
+                    d.tensor("index scores", torch.where(finite, mine_sc, 0), torch.where(finite, ref_sc, 0))
                     table = md.compressed_block_tables[spec.kv_source]
                     ref_pos = torch.stack([_logical(got, i, table, cfg.block_size) for got in rec["topk"][rows]])
                     d.selection(f"topk {spec.kind}", top[new], ref_pos, sc[new], (L, rid))

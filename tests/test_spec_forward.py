@@ -14,7 +14,11 @@ points of the same block. So per BF16 stage: at most MAX_ROW_FRACTION of the row
 no element off by more than MAX_BF16_ULPS BF16 ulps of its row's RMS; FP32 stages (mixes, routing
 weights, logits) within MAX_FP32_ULPS FP32 ulps of the row RMS. A dropped rounding point, a wrong
 constant or a wrong source moves most rows. Selections (engram ids, Top-K, candidate blocks,
-router) must agree exactly, up to swaps among equal scores.
+router) must agree exactly, up to swaps among equal scores. Two stages are exact: the embedding
+(a copy) and the index scores, whose recipe on equal inputs is exact or one rounding at every step
+(FP4 x FP4 dot products summed exactly in FP64, then BF16; BF16 x BF16 products exact in FP32, then
+BF16; a head sum of a few BF16 terms) - so a dropped rounding there, which may leave the Top-K
+unchanged on TINY, still shows.
 """
 from dataclasses import replace
 
@@ -30,6 +34,7 @@ from dsv41.weights import init_checkpoint
 MAX_BF16_ULPS = 4.0
 MAX_ROW_FRACTION = 0.03
 MAX_FP32_ULPS = 16.0
+EXACT_STAGES = ("embed", "index scores")
 LENGTHS = (37, 20)
 DECODE_STEPS = 2
 
@@ -50,11 +55,13 @@ def _assert_within_bounds(d, cfg):
             bad.append(stage)
         if bits == 24 and worst > MAX_FP32_ULPS:
             bad.append(stage)
+        if stage in EXACT_STAGES and differ:
+            bad.append(stage)
     assert not bad and not d.selections, f"stages out of bounds: {bad}\n{table}"
     kinds = {s.kind for s in cfg.layers}
     assert {f"attn {k}" for k in kinds} <= set(d.stats), "every attention mode is compared"
     assert {"topk c2a_full", "topk c1a_full", "topk c1a_reindex", "candidates", "router",
-            "engram ids"} <= set(d.checked)
+            "engram ids", "index score mask"} <= set(d.checked) and "index scores" in d.stats
 
 
 def test_every_block_matches_the_independent_forward():
