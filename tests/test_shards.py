@@ -12,7 +12,7 @@ from dsv41.config import SMALL, TINY, Topology
 from dsv41.ops.moe import expert
 from dsv41.ops.o_proj import o_proj_partial
 from dsv41.ops.projections import q_proj
-from dsv41.telemetry.sizing import weights_by_kind
+from dsv41.plan.sizing import weights_by_kind
 from dsv41.weights import checkpoint_specs, decode_checkpoint, save_checkpoint
 
 TOPOS = [Topology(1, 1, 1), Topology(2, 2, 4)]
