@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from dsv41.checkpoint.reader import open_checkpoint
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.shards import DrawnCheckpoint, RowLookup, card_index, read_card
 from dsv41.config import SMALL, TINY, Topology
@@ -13,7 +14,7 @@ from dsv41.ops.moe import expert
 from dsv41.ops.o_proj import o_proj_partial
 from dsv41.ops.projections import q_proj
 from dsv41.plan.sizing import weights_by_kind
-from dsv41.weights import checkpoint_specs, decode_checkpoint, save_checkpoint
+from dsv41.weights import checkpoint_specs, decode_checkpoint
 
 TOPOS = [Topology(1, 1, 1), Topology(2, 2, 4)]
 
@@ -70,7 +71,7 @@ def test_resident_bytes_small(topo):
 
 def test_engine_reports_measured_card_bytes(drawn):
     topo = Topology(2, 2, 4)
-    engine = GraphEngine(TINY, topo, executor="sync", max_batch=2, max_context=24, source=drawn)
+    engine = GraphEngine(TINY, topo, executor="sync", max_batch=2, max_context=24, checkpoint=drawn)
     try:
         cards = engine.cards
         assert [c["card"] for c in cards] == list(topo.cards)
@@ -168,32 +169,14 @@ def test_decoded_per_use_equals_whole_decode_and_hand_decode(drawn, card):
 
 # ---- slices read from a checkpoint folder ---------------------------------------------------------------
 
-class _FolderSource:
-    """Minimal safetensors source for this test: reads one slice per get from the open shards."""
-
-    def __init__(self, cfg, path):
-        import json
-        from safetensors import safe_open
-        self.cfg = cfg
-        self.where = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-        self.files = {f: safe_open(str(path / f), "pt") for f in set(self.where.values())}
-
-    def names(self):
-        return list(self.where)
-
-    def get(self, name, index=()):
-        f = self.files[self.where[name]]
-        return f.get_slice(name)[index] if index else f.get_tensor(name)
-
-
-def test_slices_read_from_a_folder_equal_slices_of_the_whole(drawn, tmp_path):
-    save_checkpoint(TINY, drawn.tensors, tmp_path, shard_bytes=1 << 21)
-    folder = _FolderSource(TINY, tmp_path)
+def test_slices_read_from_a_folder_equal_slices_of_the_whole(tiny_checkpoint):
+    folder = open_checkpoint(tiny_checkpoint)
+    drawn = DrawnCheckpoint(folder.cfg, 0)      # the writer draws seed 0 of the folder's config
     topo = Topology(2, 2, 4)
     for card in (1, 2):
         got = read_card(folder, topo, card)
         for name, t in got.held.items():
-            want = drawn.tensors[name][card_index(TINY, topo, card, name)]
+            want = drawn.tensors[name][card_index(folder.cfg, topo, card, name)]
             assert t.dtype == want.dtype and t.shape == want.shape, name
             assert torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t,
                                want.view(torch.uint8) if want.element_size() == 1 else want), name

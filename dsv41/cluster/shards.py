@@ -36,6 +36,7 @@ from dsv41.weights import decode_tensor, init_checkpoint, runtime_key
 class DrawnCheckpoint:
     """Weight source of deterministic random weights (``weights.init_checkpoint``). The draw is the
     whole model; a card keeps only its slices (copies), so the draw is freed with this object."""
+    token_map = None          # random weights have no tokenizer: the identity Engram map
 
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         self.cfg = cfg
