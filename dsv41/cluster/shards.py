@@ -150,6 +150,10 @@ class CardWeights(Mapping):
     def __contains__(self, key) -> bool:
         return key in self._known
 
+    def copy(self) -> "CardWeights":
+        """A copy owning its own held tensors (what ``--check`` saves for a replay)."""
+        return CardWeights(self.cfg, {k: v.clone() for k, v in self.held.items()})
+
     def nbytes(self) -> int:
         """Resident bytes: the held tensors' storages."""
         return resident_bytes(self.held.values())
