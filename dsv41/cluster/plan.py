@@ -5,9 +5,10 @@ a new submission, so external inputs only ever enter at a submission's first nod
 between submissions then goes from an earlier-starting submission to a later-starting one, so the
 submission graph is acyclic. ``granularity="node"`` keeps one submission per node (debugging).
 
-A submission's key is ``<kernel>@L<layer>@c<card>-<step>-<n>`` after its first node, so dask's
+A submission's key is ``<kernel>@L<layer>@c<card>-<tag>-<n>`` after its first node, so dask's
 ``key_split`` (the dashboard's task-stream and progress grouping) reads ``kernel@Llayer@ccard``; the
-step and running number keep keys unique across steps.
+tag (engine id, step, attempt; the step alone by default) and running number keep keys unique across
+steps, retries and runs sharing one scheduler.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class Submission:
     exports: set[str] = field(default_factory=set)     # node keys consumed outside this submission
     step: int = 0
     phase: str = ""
+    engine: str = ""                                   # whose State it runs against
+    expect: tuple[str, int] = ("", 0)                  # that State's (build id, generation)
     trace: object = None                               # telemetry's liveness and parent span, when tracing
 
 
@@ -46,7 +49,8 @@ def task_name(node: Node) -> str:
     return f"{node.kernel}{layer}@c{node.card}"
 
 
-def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(), step: int = 0) -> Plan:
+def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(), step: int = 0,
+              tag: str | None = None) -> Plan:
     if granularity not in ("submission", "node"):
         raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
     graph.validate(topology)
@@ -55,12 +59,13 @@ def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(
     subs: dict[str, Submission] = {}
     current: dict[int, Submission] = {}
     card_of = {k: n.card for k, n in graph.nodes.items()}
+    tag = str(step) if tag is None else tag
     for key in order:
         node = graph.nodes[key]
         crosses = any(card_of.get(i, node.card) != node.card for i in node.inputs if i in graph.nodes)
         sub = current.get(node.card)
         if sub is None or crosses or granularity == "node":
-            sub = Submission(f"{task_name(node)}-{step}-{len(subs)}", node.card, [], step=step, phase=graph.phase)
+            sub = Submission(f"{task_name(node)}-{tag}-{len(subs)}", node.card, [], step=step, phase=graph.phase)
             subs[sub.key] = sub
             current[node.card] = sub
         sub.nodes.append(node)

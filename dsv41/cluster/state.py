@@ -1,8 +1,9 @@
 """Per-card State: weight shards, the DP group's paged caches (a replica per TP rank), RoPE tables.
 
-Weights and caches are never graph values; kernels find their card's State in ``STATES``. In one
-process every card's State lives here; under dask.distributed each worker process holds only its
-own card's (installed by ``CardStatePlugin``).
+Weights and caches are never graph values; kernels get their card's State from the runtime, which
+finds it in the registry under the submission's engine id (``cluster/registry.py``). A State names
+its owner (engine id), its build and how many steps it has committed (generation), so a submission
+can tell the State it expects from a stale or rebuilt one.
 """
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ from dsv41.ops.staged import StagedTensors
 from dsv41.serving import RequestTable
 from dsv41.weights import decode_checkpoint, init_checkpoint
 
-STATES: dict[int, "CardState"] = {}
-
-
 @dataclass
 class CardState:
     cfg: ModelConfig
@@ -29,6 +27,9 @@ class CardState:
     caches: StagedTensors
     rope_tables: dict
     options: Options
+    engine: str = ""
+    build: str = ""
+    generation: int = 0                      # steps committed into these caches
 
     @property
     def tp_rank(self) -> int:
@@ -63,12 +64,13 @@ def shard_weights(cfg: ModelConfig, topo: Topology, card: int, w: dict) -> dict[
 
 
 def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: int, max_context: int,
-                 options: Options = Options()) -> dict[int, CardState]:
-    """States of the given cards from one deterministic draw of the weights."""
+                 options: Options = Options(), engine: str = "", build: str = "",
+                 generation: int = 0) -> dict[int, CardState]:
+    """States of the given cards from one deterministic draw of the weights, owned by ``engine``."""
     if cfg.vocab_size % topo.tp:
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
     full = decode_checkpoint(cfg, init_checkpoint(cfg, seed))
     table = RequestTable(cfg, max_batch, max_context)
     tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
     return {c: CardState(cfg, topo, c, shard_weights(cfg, topo, c, full), StagedTensors(empty_caches(cfg, table)),
-                         tables, options) for c in cards}
+                         tables, options, engine, build, generation) for c in cards}
