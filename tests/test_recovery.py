@@ -157,14 +157,26 @@ def _kill_when_step_runs_on(engine, card):
     return t
 
 
-def _recovers_between_and_mid_step(address):
+def _served_again(engine, card):
+    """Wait until a new worker process (a new server id) serves the card; its address."""
+    old = engine.runner.members[card][1]
+    while True:
+        engine.runner.refresh()
+        if engine.runner.members.get(card, (None, old))[1] != old:
+            return engine.runner.address_of[card]
+        time.sleep(0.2)
+
+
+def _recovers_between_and_mid_step(address, same_address: bool):
     engine = engine_for(Topology(2, 1, 2), executor="distributed", address=address, recovery_timeout=60)
     try:
         logits, _ = next_tokens(engine)
-        os.kill(_pid(engine, 1), signal.SIGKILL)          # between steps
+        before = engine.runner.address_of[1]
+        os.kill(_pid(engine, 1), signal.SIGKILL)          # between steps; the nanny starts a new, empty worker
+        assert (_served_again(engine, 1) == before) == same_address
         t0 = time.perf_counter()
         logits, t1 = next_tokens(engine, logits)
-        between_s = time.perf_counter() - t0
+        between_s = time.perf_counter() - t0             # detection, rebuild, replay and the step
         assert t1 == reference_tokens(0, 2)[1]
         assert engine.last_stats["recovered"][0]["lost_cards"] == [1]
         watcher = _kill_when_step_runs_on(engine, 0)      # in the middle of the next step
@@ -202,7 +214,7 @@ def test_distributed_injected_failures_abort_completely(local_cluster):
 
 @pytest.mark.timeout(300)
 def test_worker_killed_on_local_cluster_is_recovered(local_cluster):
-    _recovers_between_and_mid_step(local_cluster.scheduler_address)
+    _recovers_between_and_mid_step(local_cluster.scheduler_address, same_address=False)
 
 
 def _free_port() -> int:
@@ -265,4 +277,4 @@ def test_two_concurrent_cli_runs_on_one_scheduler_give_local_results(external_cl
 
 @pytest.mark.timeout(300)
 def test_worker_killed_on_fixed_port_cluster_is_recovered(external_cluster):
-    _recovers_between_and_mid_step(external_cluster)
+    _recovers_between_and_mid_step(external_cluster, same_address=True)

@@ -112,8 +112,12 @@ class DistributedRunner:
             raise StateLost(sorted(used - set(members)), "no worker serves the card")
         futures = {}
         try:
-            for key, (value, card) in plan.graph.literals.items():
-                futures[key] = self.client.scatter(value, workers=[members[card][0]], broadcast=False)
+            try:
+                for key, (value, card) in plan.graph.literals.items():
+                    futures[key] = self.client.scatter(value, workers=[members[card][0]], broadcast=False)
+            except (OSError, KeyError) as e:      # a worker died since the last step (the scheduler's
+                # KeyError names a worker address it no longer has)
+                raise StateLost(self.vanished(members) or sorted(used), f"worker unreachable: {e}") from e
             for sub in plan.submissions.values():  # insertion order is topological
                 args = [futures[d] for d in sub.deps]
                 futures[sub.key] = self.client.submit(run_submission, sub, *args, key=sub.key,
