@@ -31,7 +31,7 @@ from dsv41.cluster.executors import LOCAL, CardUnavailable, DistributedRunner, r
 from dsv41.cluster.plan import make_plan
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import NodeError
-from dsv41.cluster.state import build_states
+from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
 from dsv41.graph.build import SHARDED, build
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
@@ -109,6 +109,17 @@ class GraphEngine(StepModel):
                 self.trace.attach(cards)
         self.builds.update(dict.fromkeys(cards, build_id))
 
+    def _renew(self, cards: list[int]):
+        """Empty caches as a new build on cards that kept their State (weights stay)."""
+        if not cards:
+            return
+        build_id = uuid.uuid4().hex[:8]
+        if self.runner is None:
+            _renew_here(self.id, cards, build_id, self.generation)
+        else:
+            self.runner.run_on_cards(_renew_here, self.id, cards, build_id, self.generation, cards=cards)
+        self.builds.update(dict.fromkeys(cards, build_id))
+
     def _lost_cards(self) -> list[int]:
         """Cards whose State is missing or not the one this engine expects (waits for workers)."""
         expect = {c: (self.builds[c], self.generation) for c in self.topo.cards}
@@ -119,16 +130,22 @@ class GraphEngine(StepModel):
         return [c for c, e in expect.items()
                 if not isinstance(got := found.get(self.runner.address_of[c]), dict) or got.get(c) != e]
 
-    def _recover(self, err: StateLost):
-        t0 = time.perf_counter()
+    def _recover(self, err: StateLost, failed_step_ms: float):
+        """failed_step_ms: how long the step ran before the loss was detected."""
+        t = [time.perf_counter()]
         lost = self._lost_cards() or list(err.cards)
+        t.append(time.perf_counter())
         groups = sorted({self.topo.dp_group(c) for c in lost})
         cards = [c for g in groups for c in self.topo.group_cards(g)]
-        self._install(cards)
+        self._install(lost)
+        self._renew([c for c in cards if c not in lost])
+        t.append(time.perf_counter())
         tokens, requests, steps = self._replay(groups)
+        t.append(time.perf_counter())
         record = {"lost_cards": lost, "rebuilt_cards": cards, "dp_groups": groups, "cause": err.reason,
                   "replayed_requests": requests, "replayed_tokens": tokens, "replay_steps": steps,
-                  "ms": (time.perf_counter() - t0) * 1e3}
+                  "failed_step_ms": failed_step_ms, "wait_ms": (t[1] - t[0]) * 1e3,
+                  "rebuild_ms": (t[2] - t[1]) * 1e3, "replay_ms": (t[3] - t[2]) * 1e3, "ms": (t[3] - t[0]) * 1e3}
         self.recoveries.append(record)
         self._recovered.append(record)
         log.warning("dsv41 engine %s: recovered card(s) %s (%s): rebuilt DP group(s) %s, replayed %d token(s) of "
@@ -136,8 +153,8 @@ class GraphEngine(StepModel):
                     requests, steps, record["ms"])
 
     def _replay(self, groups: list[int]) -> tuple[int, int, int]:
-        """Rebuild the caches of these DP groups from their requests' token histories, one request per
-        group per prefill step (chunks of at most prefill_max_tokens), into fresh host tables."""
+        """Rebuild the caches of these DP groups from their requests' token histories, as prefill steps of
+        at most prefill_max_tokens rows per group (a longer history in chunks), into fresh host tables."""
         limit = self.cfg.prefill_max_tokens
         fresh = {g: RequestTable(self.cfg, self.tables[g].max_batch, self.tables[g].max_context,
                                  self.tables[g].token_map) for g in groups}
@@ -146,14 +163,15 @@ class GraphEngine(StepModel):
         renamed = {g: {} for g in groups}                 # old local id -> new local id
         tokens = steps = 0
         while any(work.values()):
-            take = {g: work[g].pop(0) for g in groups if work[g]}
-            plans = {g: fresh[g].plan([(renamed[g].get(local), chunk)], "prefill", self.topo.tp)
-                     for g, (local, chunk) in take.items()}
+            take = {g: _pack(work[g], limit) for g in groups if work[g]}
+            plans = {g: fresh[g].plan([(renamed[g].get(local), chunk) for local, chunk in items], "prefill",
+                                      self.topo.tp) for g, items in take.items()}
             self._execute(plans, "prefill")
-            for g, (local, chunk) in take.items():
+            for g, items in take.items():
                 fresh[g].commit(plans[g])
-                renamed[g].setdefault(local, plans[g].rids[0])
-                tokens += len(chunk)
+                for (local, chunk), rid in zip(items, plans[g].rids):
+                    renamed[g].setdefault(local, rid)
+                    tokens += len(chunk)
             steps += 1
         for rid, (g, local) in self.where.items():
             if g in groups:
@@ -170,12 +188,13 @@ class GraphEngine(StepModel):
             raise RuntimeError(f"engine {self.id} is closed")
         self._recovered = []
         for attempt in range(MAX_RECOVERIES + 1):
+            t0 = time.perf_counter()
             try:
                 return self._step(batch, phase)
             except StateLost as e:
                 if attempt == MAX_RECOVERIES:
                     raise
-                self._recover(e)
+                self._recover(e, (time.perf_counter() - t0) * 1e3)
 
     def _step(self, batch, phase: str) -> torch.Tensor:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
@@ -305,6 +324,23 @@ class GraphEngine(StepModel):
         self.runner = None
 
 
+def _pack(work: list, limit: int) -> list:
+    """Take from the front of work the (request, chunk) items of one prefill step: at least one, up to
+    limit rows, at most one chunk per request and a request's chunks in order."""
+    items = [work.pop(0)]
+    rows, seen = len(items[0][1]), {items[0][0]}
+    i = 0
+    while i < len(work):
+        local, chunk = work[i]
+        if local not in seen and rows + len(chunk) <= limit:
+            items.append(work.pop(i))
+            rows += len(chunk)
+        else:
+            i += 1
+        seen.add(local)
+    return items
+
+
 def _free_everywhere(engine: str, runner):
     if runner is None:
         registry.free(engine)
@@ -319,6 +355,13 @@ def _install_here(cfg, topo, seed, per_group, max_context, options, engine, buil
     device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
     registry.install(engine, build_states(cfg, topo, seed, cards, per_group, max_context, options, engine, build_id,
                                           generation), device_time)
+
+
+def _renew_here(engine: str, cards, build_id: str, generation: int):
+    states = registry.owned(engine).states
+    for c in cards:
+        if c in states:
+            renew(states[c], build_id, generation)
 
 
 def _install_on_worker(*args, dask_worker=None):

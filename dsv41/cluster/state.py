@@ -30,6 +30,7 @@ class CardState:
     engine: str = ""
     build: str = ""
     generation: int = 0                      # steps committed into these caches
+    capacity: tuple[int, int] = (1, 1)       # (max_batch, max_context) the caches are sized for
 
     @property
     def tp_rank(self) -> int:
@@ -70,7 +71,16 @@ def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: 
     if cfg.vocab_size % topo.tp:
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
     full = decode_checkpoint(cfg, init_checkpoint(cfg, seed))
-    table = RequestTable(cfg, max_batch, max_context)
     tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
-    return {c: CardState(cfg, topo, c, shard_weights(cfg, topo, c, full), StagedTensors(empty_caches(cfg, table)),
-                         tables, options, engine, build, generation) for c in cards}
+    return {c: CardState(cfg, topo, c, shard_weights(cfg, topo, c, full), _empty(cfg, max_batch, max_context),
+                         tables, options, engine, build, generation, (max_batch, max_context)) for c in cards}
+
+
+def renew(st: CardState, build: str, generation: int):
+    """Keep the weights, start over with empty caches as a new build (a DP-group peer of a lost card)."""
+    st.caches = _empty(st.cfg, *st.capacity)
+    st.build, st.generation = build, generation
+
+
+def _empty(cfg: ModelConfig, max_batch: int, max_context: int) -> StagedTensors:
+    return StagedTensors(empty_caches(cfg, RequestTable(cfg, max_batch, max_context)))
