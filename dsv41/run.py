@@ -122,7 +122,8 @@ def main(argv=None) -> int:
         last = stats[-1]
         result.update(nodes=last.get("nodes"), submissions=last.get("submissions"),
                       dask_tasks=last.get("dask_tasks"), granularity=args.granularity, wiring=args.wiring,
-                      backend=args.backend)
+                      backend=args.backend, host_ms=[s.get("host_ms") for s in stats],
+                      recovered=[r for s in stats for r in s.get("recovered", [])])
         if args.backend != "torch":
             result.update(device_sim_us=[s["device_sim_us"] for s in stats],
                           pypto_kernels=sorted({k for s in stats for k in s["pypto_kernels"]}))

@@ -21,19 +21,21 @@ import math
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 
 import torch
 
 from dsv41.cluster import registry
 from dsv41.cluster.executors import LOCAL, CardUnavailable, DistributedRunner, run_local
-from dsv41.cluster.plan import make_plan
+from dsv41.cluster.plan import Plan, make_plan
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import NodeError
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
-from dsv41.graph.build import SHARDED, build
+from dsv41.graph.build import SHARDED, build, feed, shape
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
 from dsv41.ops.reference import Options
 from dsv41.serving import RequestTable, StepModel
@@ -41,6 +43,7 @@ from dsv41.serving import RequestTable, StepModel
 EXECUTORS = ("sync", "threads", "distributed")
 RECOVERY_TIMEOUT_S = 60.0    # how long a step waits for a worker to serve a lost card
 MAX_RECOVERIES = 2           # per step; a third loss in one step is raised
+GRAPH_CACHE = 16             # planned graphs kept, one per step shape (0: rebuild every step)
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +52,7 @@ class GraphEngine(StepModel):
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
                  options: Options = Options(), backend: str = "torch",
-                 recovery_timeout: float = RECOVERY_TIMEOUT_S):
+                 recovery_timeout: float = RECOVERY_TIMEOUT_S, graph_cache: int = GRAPH_CACHE):
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
@@ -63,6 +66,8 @@ class GraphEngine(StepModel):
         self.cfg, self.topo, self.executor, self.granularity, self.wiring = cfg, topo, executor, granularity, wiring
         self.backend = backend
         self.recovery_timeout = recovery_timeout
+        self.graph_cache = graph_cache
+        self._graphs: OrderedDict = OrderedDict()   # step shape -> planned graph, least recent first
         max_batch = max_batch or cfg.max_batch_per_dp * topo.dp
         per_group = math.ceil(max_batch / topo.dp)
         if per_group > cfg.max_batch_per_dp:
@@ -225,7 +230,8 @@ class GraphEngine(StepModel):
         self.last_request_ids = new_ids
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
-                           "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3}
+                           "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3,
+                           "host_ms": self._host_ms, "graph_reused": self._reused}
         if self._recovered:
             self.last_stats["recovered"] = list(self._recovered)
         if self.backend != "torch":
@@ -233,17 +239,11 @@ class GraphEngine(StepModel):
         return torch.stack([values[f"final/argmax@g{grp}"][0][idx] for grp, idx in placed])
 
     def _execute(self, steps: dict, phase: str):
-        """Build, plan and run one step over these DP groups' inputs; abort everywhere if it fails."""
-        graph = build(self.cfg, self.topo, steps, self.wiring, phase)
-        outputs = [f"final/argmax@g{g}" for g in steps] + [f"cache.commit@c{c}" for c in self.topo.cards]
+        """Plan and run one step over these DP groups' inputs; abort everywhere if it fails."""
         self.step_id += 1
-        plan = make_plan(graph, self.topo, self.granularity, outputs, step=self.step_id,
-                         tag=f"{self.id}-{self.step_id}")
-        for sub in plan.submissions.values():
-            sub.engine, sub.expect = self.id, (self.builds[sub.card], self.generation)
-        for n in graph.nodes.values():
-            if n.kernel == "cache.commit":
-                n.attrs["step"] = self.step_id
+        t0 = time.perf_counter()
+        plan, reused = self._plan(steps, phase)
+        self._host_ms, self._reused = (time.perf_counter() - t0) * 1e3, reused
         if self.backend != "torch":
             self._on_every_process(_clear_sim_log, self.id)
         try:
@@ -253,7 +253,30 @@ class GraphEngine(StepModel):
             self._abort()
             raise
         self.generation += 1
-        return values, graph, plan
+        return values, plan.graph, plan
+
+    def _plan(self, steps: dict, phase: str) -> tuple[Plan, bool]:
+        """This step's plan: the built, validated and planned graph of its shape (cached), fed this
+        step's inputs, with submissions stamped with this engine, step and expected States."""
+        key = (phase, self.wiring, self.granularity, shape(self.cfg, steps))
+        template = self._graphs.get(key)
+        reused = template is not None
+        if reused:
+            self._graphs.move_to_end(key)
+            feed(template.graph, self.topo, steps)
+        else:
+            graph = build(self.cfg, self.topo, steps, self.wiring, phase)
+            outputs = [f"final/argmax@g{g}" for g in steps] + [f"cache.commit@c{c}" for c in self.topo.cards]
+            template = make_plan(graph, self.topo, self.granularity, outputs)
+            if self.graph_cache:
+                self._graphs[key] = template
+                while len(self._graphs) > self.graph_cache:
+                    self._graphs.popitem(last=False)
+        for c in self.topo.cards:
+            template.graph.nodes[f"cache.commit@c{c}"].attrs["step"] = self.step_id
+        subs = {k: replace(sub, step=self.step_id, engine=self.id, expect=(self.builds[sub.card], self.generation))
+                for k, sub in template.submissions.items()}
+        return Plan(template.graph, subs, template.owner, template.outputs), reused
 
     def _run(self, plan):
         if self.runner is None:

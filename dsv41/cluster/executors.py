@@ -120,7 +120,7 @@ class DistributedRunner:
                 raise StateLost(self.vanished(members) or sorted(used), f"worker unreachable: {e}") from e
             for sub in plan.submissions.values():  # insertion order is topological
                 args = [futures[d] for d in sub.deps]
-                futures[sub.key] = self.client.submit(run_submission, sub, *args, key=sub.key,
+                futures[sub.key] = self.client.submit(run_submission, sub, *args, key=sub.task_key,
                                                       workers=[members[sub.card][0]], allow_other_workers=False,
                                                       pure=False)
             while True:     # every task ends (an error ends its dependents at once) or a worker goes

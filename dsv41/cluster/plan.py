@@ -5,10 +5,10 @@ a new submission, so external inputs only ever enter at a submission's first nod
 between submissions then goes from an earlier-starting submission to a later-starting one, so the
 submission graph is acyclic. ``granularity="node"`` keeps one submission per node (debugging).
 
-A submission's key is ``<kernel>@L<layer>@c<card>-<tag>-<n>`` after its first node, so dask's
-``key_split`` (the dashboard's task-stream and progress grouping) reads ``kernel@Llayer@ccard``; the
-tag (engine id, step, attempt; the step alone by default) and running number keep keys unique across
-steps, retries and runs sharing one scheduler.
+A submission's key is ``<kernel>@L<layer>@c<card>-<n>`` after its first node, so dask's
+``key_split`` (the dashboard's task-stream and progress grouping) reads ``kernel@Llayer@ccard``. A plan
+serves every step of its shape; its dask key (``task_key``) adds the engine id and the step, unique
+across steps, retries and runs sharing one scheduler.
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ class Submission:
     phase: str = ""
     engine: str = ""                                   # whose State it runs against
     expect: tuple[str, int] = ("", 0)                  # that State's (build id, generation)
+
+    @property
+    def task_key(self) -> str:
+        return f"{self.key}-{self.engine}-{self.step}" if self.engine else f"{self.key}-{self.step}"
     trace: object = None                               # telemetry's liveness and parent span, when tracing
 
 
@@ -49,8 +53,7 @@ def task_name(node: Node) -> str:
     return f"{node.kernel}{layer}@c{node.card}"
 
 
-def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(), step: int = 0,
-              tag: str | None = None) -> Plan:
+def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(), step: int = 0) -> Plan:
     if granularity not in ("submission", "node"):
         raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
     graph.validate(topology)
@@ -59,13 +62,12 @@ def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(
     subs: dict[str, Submission] = {}
     current: dict[int, Submission] = {}
     card_of = {k: n.card for k, n in graph.nodes.items()}
-    tag = str(step) if tag is None else tag
     for key in order:
         node = graph.nodes[key]
         crosses = any(card_of.get(i, node.card) != node.card for i in node.inputs if i in graph.nodes)
         sub = current.get(node.card)
         if sub is None or crosses or granularity == "node":
-            sub = Submission(f"{task_name(node)}-{tag}-{len(subs)}", node.card, [], step=step, phase=graph.phase)
+            sub = Submission(f"{task_name(node)}-{len(subs)}", node.card, [], step=step, phase=graph.phase)
             subs[sub.key] = sub
             current[node.card] = sub
         sub.nodes.append(node)
