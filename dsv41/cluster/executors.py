@@ -1,8 +1,9 @@
 """Executors: the Plan as an ordinary dask task dict, run by dask's sync, threaded or distributed
 scheduler.
 
-Under ``distributed`` there is one worker per card (named by card id); every submission is pinned
-to its card's worker, and step literals are scattered once to the workers that need them. While a
+Under ``distributed`` there is one worker per card (named by card id); a step is one graph update
+(its submissions in a layer per card, pinned to the card's worker, with the step literals embedded)
+and one gather of the outputs. While a
 step runs, the runner watches worker membership: a card's worker that leaves or is replaced (a new
 worker process, even at the same address) ends the step with ``StateLost`` within ``POLL_S``
 seconds instead of leaving its tasks waiting for a worker that will never come back.
@@ -103,6 +104,9 @@ class DistributedRunner:
         return [c for c, (addr, sid) in members.items() if now.get(addr, (None, None))[1] != sid]
 
     def run(self, plan: Plan) -> dict:
+        """The whole step as one graph update (a layer per card, pinned to its worker, step literals
+        embedded), then one gather of the outputs."""
+        from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
         from distributed import wait
         from distributed.scheduler import KilledWorker
 
@@ -110,27 +114,29 @@ class DistributedRunner:
         members = {c: self.members[c] for c in used if c in self.members}
         if len(members) < len(used):
             raise StateLost(sorted(used - set(members)), "no worker serves the card")
-        futures = {}
+        name = {sub.key: sub.task_key for sub in plan.submissions.values()}
+        suffix = next(iter(name.values()))[len(next(iter(name))):]
+        name.update({k: k + suffix for k in plan.graph.literals})
+        tasks: dict[int, dict] = {c: {} for c in used}
+        for k, (value, card) in plan.graph.literals.items():
+            tasks[card][name[k]] = value
+        for sub in plan.submissions.values():
+            tasks[sub.card][name[sub.key]] = (run_submission, sub, *[name[d] for d in sub.deps])
+        layers = {f"card{c}{suffix}": MaterializedLayer(t, annotations={"workers": [members[c][0]],
+                                                                          "allow_other_workers": False})
+                  for c, t in tasks.items()}
+        keys = sorted({plan.owner[k] for k in plan.outputs})
+        futures = self.client.get(HighLevelGraph(layers, dict.fromkeys(layers, set())), [name[k] for k in keys],
+                                  sync=False)
         try:
-            try:
-                for key, (value, card) in plan.graph.literals.items():
-                    futures[key] = self.client.scatter(value, workers=[members[card][0]], broadcast=False)
-            except (OSError, KeyError) as e:      # a worker died since the last step (the scheduler's
-                # KeyError names a worker address it no longer has)
-                raise StateLost(self.vanished(members) or sorted(used), f"worker unreachable: {e}") from e
-            for sub in plan.submissions.values():  # insertion order is topological
-                args = [futures[d] for d in sub.deps]
-                futures[sub.key] = self.client.submit(run_submission, sub, *args, key=sub.task_key,
-                                                      workers=[members[sub.card][0]], allow_other_workers=False,
-                                                      pure=False)
-            while True:     # every task ends (an error ends its dependents at once) or a worker goes
+            while True:     # the outputs end (an error ends them at once) or a card's worker goes
                 try:
-                    wait(list(futures.values()), timeout=POLL_S)
+                    wait(futures, timeout=POLL_S)
                     break
                 except TimeoutError:
                     if gone := self.vanished(members):
                         raise StateLost(gone, "worker left or was replaced mid-step") from None
-            for f in futures.values():
+            for f in futures:
                 if f.status == "error":
                     try:
                         f.result()
@@ -138,10 +144,9 @@ class DistributedRunner:
                         raise StateLost(sorted(used), f"a worker died running {f.key}") from e
                 elif f.status == "cancelled":
                     raise StateLost(sorted(used), f"the scheduler dropped {f.key}")
-            keys = sorted({plan.owner[k] for k in plan.outputs})
-            results = self.client.gather([futures[k] for k in keys])
+            results = self.client.gather(futures)
         except BaseException:
-            self.client.cancel(list(futures.values()))
+            self.client.cancel(futures)
             raise
         merged = {}
         for r in results:
