@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         return _refuse(e)
     say(f"  built in {time.perf_counter() - t0:.2f} s")
     tracing = telemetry.start(args, engine)
-    checker = _start_check(args)
+    checker = _start_check(args, engine)
     stats = []
 
     t0 = time.perf_counter()
@@ -158,7 +158,8 @@ def main(argv=None) -> int:
         last = stats[-1]
         result.update(nodes=last.get("nodes"), submissions=last.get("submissions"),
                       dask_tasks=last.get("dask_tasks"), granularity=args.granularity, wiring=args.wiring,
-                      backend=args.backend, cards=last.get("cards"))
+                      backend=args.backend, cards=last.get("cards"), host_ms=[s.get("host_ms") for s in stats],
+                      recovered=[r for s in stats for r in s.get("recovered", [])])
         if args.backend != "torch":
             result.update(device_sim_us=[s["device_sim_us"] for s in stats],
                           pypto_kernels=sorted({k for s in stats for k in s["pypto_kernels"]}))
@@ -184,18 +185,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def _start_check(args):
+def _start_check(args, engine):
     if not args.check:
         return None
-    from dsv41.cluster.runtime import Hooks
     from dsv41.kernels.check import NodeCheck
-    Hooks.check = NodeCheck(args.backend)
-    return Hooks.check
+    checker = NodeCheck(args.backend)
+    engine.check_nodes(checker)
+    return checker
 
 
 def _finish_check(checker, result, say):
-    from dsv41.cluster.runtime import Hooks
-    Hooks.check = None
     say(checker.table())
     result["check"] = checker.summary()
 

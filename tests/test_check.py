@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
-from dsv41.cluster.runtime import Hooks
 from dsv41.config import TINY, Topology
 from dsv41.kernels import check
 from dsv41.kernels.torch_backend import KERNELS
@@ -27,7 +26,6 @@ def test_check_torch_backend_every_node_exact(capsys, tmp_path, monkeypatch):
     for name, row in kernels.items():
         assert row["nodes"] > 0 and row["failures"] == 0 and row["exact"] == row["nodes"], name
     assert "attn.publish" not in kernels and "cache.commit" not in kernels   # effects are not run twice
-    assert Hooks.check is None
 
 
 def test_perturbed_kernel_is_the_first_failure_and_replays(tmp_path):
@@ -40,13 +38,13 @@ def test_perturbed_kernel_is_the_first_failure_and_replays(tmp_path):
         y = original(st, node, x)
         return y + 0.05 * y.pow(2).mean(-1, keepdim=True).sqrt() if node.key == target else y
 
-    Hooks.check = checker
+    engine.check_nodes(checker)
     KERNELS["norm.rms"] = perturbed
     try:
         engine.prefill([[1, 2, 3, 4, 5], [9, 8, 7]])
     finally:
         KERNELS["norm.rms"] = original
-        Hooks.check = None
+        engine.check_nodes(None)
     first = checker.first_failure
     assert first["node"] == target and first["kernel"] == "norm.rms"
     assert "RMS(err)/RMS(ref)" in first["why"]
@@ -65,12 +63,12 @@ def test_replay_command_exit_status(tmp_path):
     key = "L0/attn/norm@c0"
     original = KERNELS["norm.rms"]
     KERNELS["norm.rms"] = lambda st, node, x: original(st, node, x) * (1.5 if node.key == key else 1.0)
-    Hooks.check = checker
+    engine.check_nodes(checker)
     try:
         engine.prefill([[3, 1, 4]])
     finally:
         KERNELS["norm.rms"] = original
-        Hooks.check = None
+        engine.check_nodes(None)
     proc = subprocess.run([sys.executable, "-m", "dsv41.replay", checker.first_failure["trace"]],
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1 and f"{key} (norm.rms" in proc.stdout and "FAILS" in proc.stdout

@@ -76,9 +76,9 @@ def test_engine_reports_measured_card_bytes(drawn):
         cards = engine.cards
         assert [c["card"] for c in cards] == list(topo.cards)
         assert [c["weights_bytes"] for c in cards] == [read_card(drawn, topo, c).nbytes() for c in topo.cards]
-        from dsv41.cluster import state as card_state
+        states = engine.states()
         for c in cards:
-            committed = card_state.STATES[c["card"]].caches.committed
+            committed = states[c["card"]].caches.committed
             assert c["cache_bytes"] == sum(t.numel() * t.element_size() for ts in committed.values() for t in ts) > 0
     finally:
         engine.close()

@@ -173,3 +173,15 @@ def card_bytes(st) -> dict:
     """A card's resident bytes, measured from the tensors its State holds."""
     caches = [t for ts in st.caches.committed.values() for t in ts]
     return {"card": st.card, "weights_bytes": st.weights.nbytes(), "cache_bytes": resident_bytes(caches)}
+
+
+def return_freed_memory():
+    """Hand a freed weight draw back to the OS: glibc keeps freed heap pages, so a process's RSS
+    would stay at the whole model's size although it holds one card's shard."""
+    import ctypes
+    import ctypes.util
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)

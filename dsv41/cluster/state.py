@@ -1,9 +1,10 @@
 """Per-card State: weight shards (checkpoint formats, see ``shards``), the DP group's paged caches
 (a replica per TP rank), RoPE tables.
 
-Weights and caches are never graph values; kernels find their card's State in ``STATES``. In one
-process every card's State lives here; under dask.distributed each worker process holds only its
-own card's (installed by ``CardStatePlugin``).
+Weights and caches are never graph values; kernels get their card's State from the runtime, which
+finds it in the registry under the submission's engine id (``cluster/registry.py``). A State names
+its owner (engine id), its build and how many steps it has committed (generation), so a submission
+can tell the State it expects from a stale or rebuilt one.
 """
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from dsv41.ops.rope import COMPRESSED, PLAIN, precompute_rope_tables
 from dsv41.ops.staged import StagedTensors
 from dsv41.serving import RequestTable
 
-STATES: dict[int, "CardState"] = {}
-
 
 @dataclass
 class CardState:
@@ -28,6 +27,10 @@ class CardState:
     caches: StagedTensors
     rope_tables: dict
     options: Options
+    engine: str = ""
+    build: str = ""
+    generation: int = 0                      # steps committed into these caches
+    capacity: tuple[int, int] = (1, 1)       # (max_batch, max_context) the caches are sized for
 
     @property
     def tp_rank(self) -> int:
@@ -35,13 +38,23 @@ class CardState:
 
 
 def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: int, max_context: int,
-                 options: Options = Options(), source=None) -> dict[int, CardState]:
-    """States of the given cards, each reading its own weight slices from ``source`` (a checkpoint
-    reader, or by default one deterministic draw from ``seed``)."""
+                 options: Options = Options(), source=None, engine: str = "", build: str = "",
+                 generation: int = 0) -> dict[int, CardState]:
+    """States of the given cards, owned by ``engine``, each reading its own weight slices from
+    ``source`` (a checkpoint reader, or by default one deterministic draw from ``seed``)."""
     if cfg.vocab_size % topo.tp:
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
     source = DrawnCheckpoint(cfg, seed) if source is None else source
-    table = RequestTable(cfg, max_batch, max_context)
     tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
-    return {c: CardState(cfg, topo, c, read_card(source, topo, c), StagedTensors(empty_caches(cfg, table)),
-                         tables, options) for c in cards}
+    return {c: CardState(cfg, topo, c, read_card(source, topo, c), _empty(cfg, max_batch, max_context),
+                         tables, options, engine, build, generation, (max_batch, max_context)) for c in cards}
+
+
+def renew(st: CardState, build: str, generation: int):
+    """Keep the weights, start over with empty caches as a new build (a DP-group peer of a lost card)."""
+    st.caches = _empty(st.cfg, *st.capacity)
+    st.build, st.generation = build, generation
+
+
+def _empty(cfg: ModelConfig, max_batch: int, max_context: int) -> StagedTensors:
+    return StagedTensors(empty_caches(cfg, RequestTable(cfg, max_batch, max_context)))

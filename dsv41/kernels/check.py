@@ -219,7 +219,7 @@ class KernelRow:
 
 @dataclass
 class NodeCheck:
-    """One run's check: called after every node (``runtime.Hooks.check``), thread-safe."""
+    """One run's check: called after every node (``GraphEngine.check_nodes``), thread-safe."""
     backend: str = "torch"
     trace_dir: Path = Path("traces")
     goldens: dict = field(default_factory=lambda: dict(KERNELS))   # snapshot: the reference arithmetic

@@ -243,4 +243,5 @@ def lm_head_argmax(st, node, *shards):
 @kernel("cache.commit")
 def cache_commit(st, node, *_done):
     st.caches.commit(node.attrs.get("step"))
+    st.generation += 1                       # one more committed step (an abort of this step undoes it)
     return True
