@@ -100,10 +100,10 @@ class _Builder:
         g, topo = self.g, self.topo
         shares = []
         for c in topo.cards:
-            ids = f"engram.ids@c{c}/g{grp}"
-            if ids not in g.literals:
-                g.literal(ids, self.steps[grp].hash_ids, c)
-            shares.append(g.add(f"L{L}/engram.lookup@c{c}/g{grp}", "engram.lookup", [ids], c, L))
+            step = step_key[c] if c in group else f"step@c{c}/g{grp}"   # the group's step metadata on c
+            if step not in g.literals:
+                g.literal(step, self.steps[grp], c)
+            shares.append(g.add(f"L{L}/engram.lookup@c{c}/g{grp}", "engram.lookup", [step], c, L))
         for c in group:
             x[c] = g.add(f"L{L}/engram@c{c}", "engram", [x[c], step_key[c]] + shares, c, L,
                          rows=local_rows(t, topo.tp, topo.tp_rank(c), self.wiring))

@@ -116,10 +116,10 @@ def _table_owner(cfg, topo, layer: int, ids: torch.Tensor) -> torch.Tensor:
 
 
 @signature("engram.lookup")
-def engram_lookup(ctx, node, hash_ids):
+def engram_lookup(ctx, node, step):
     """This card's slab's share of a group's lookups: rows (FP8 payload + E8M0 scales) read only for
     the ids in the slab."""
-    cfg, ids = ctx.cfg, hash_ids[node.layer]
+    cfg, ids = ctx.cfg, step.hash_ids[node.layer]
     row = cfg.engram_head_dim + cfg.engram_head_dim // cfg.mx_group
     mine = int((_table_owner(cfg, ctx.topo, node.layer, ids) == ctx.card).sum())
     return Cost(meta(*ids.shape, cfg.engram_head_dim), gathered=mine * row, act_read=0)

@@ -51,10 +51,10 @@ def hc_pack(st, node, rows):
 
 
 @kernel("engram.lookup")
-def engram_lookup(st, node, hash_ids):
+def engram_lookup(st, node, step):
     """This card's table slab's share of a DP group's looked-up rows (-0.0 outside the slab)."""
     table = st.weights[f"layers.{node.layer}.engram.embed"]
-    return shard_rows(hash_ids[node.layer], table, table.first)
+    return shard_rows(step.hash_ids[node.layer], table, table.first)
 
 
 @kernel("engram")
