@@ -29,7 +29,7 @@ def graph():
 
 def test_vocabulary_covers_every_stage(graph):
     kernels = graph.kernels()
-    expected = {"embed", "engram", "hc.pack", "rope.rows", "hc.mixes", "hc.pre", "hc.post", "hc.head", "norm.rms",
+    expected = {"embed", "engram", "engram.lookup", "hc.pack", "rope.rows", "hc.mixes", "hc.pre", "hc.post", "hc.head", "norm.rms",
                 "norm.final", "attn.q_proj", "attn.kv_proj", "attn.compress", "attn.publish", "attn.index",
                 "attn.topk", "attn.o_proj", "tp.all_gather", "tp.reduce_scatter", "moe.gate", "moe.dispatch",
                 "moe.experts", "moe.combine", "moe.shared", "lm_head.shard", "lm_head.argmax", "cache.commit"}
@@ -140,8 +140,26 @@ def test_exports(graph, tmp_path):
     dot = graph.to_dot()
     assert dot.startswith("digraph") and '"L20/attn/topk@c0"' in dot and "cluster_c3" in dot
     dsk = graph.to_dask(lambda node, *a: None)
-    assert set(graph.nodes) <= set(dsk) and dsk["hc.pack@c0"][2] == "embed@c0"
-    assert dask.core.get_dependencies(dsk, "hc.pack@c0") == {"embed@c0"}
+    assert set(graph.nodes) <= set(dsk) and dsk["hc.pack@c0"][2] == "embed/reduce_scatter@c0"
+    assert dask.core.get_dependencies(dsk, "embed/reduce_scatter@c0") == {"embed@c0", "embed@c1"}
+
+
+@pytest.mark.parametrize("wiring", ["sharded", "replicated"])
+def test_sharded_lookups_sum_every_owner(wiring):
+    """Embed shares meet in the group's TP transport; every card looks up every group's Engram ids in
+    its table slab, and each card of a group adds all cards' shares in card order."""
+    g = build(TINY, TOPO, _steps(TOPO, [8]), wiring, "prefill")
+    transport = {"sharded": "tp.reduce_scatter", "replicated": "tp.all_reduce"}[wiring]
+    for c in TOPO.cards:
+        group = TOPO.group_cards(TOPO.dp_group(c))
+        pack = g.nodes[f"hc.pack@c{c}"]
+        reduce = g.nodes[pack.inputs[0]]
+        assert reduce.kernel == transport and reduce.inputs == tuple(f"embed@c{r}" for r in group)
+        for layer in TINY.engram_layer_ids:
+            node = g.nodes[f"L{layer}/engram@c{c}"]
+            shares = tuple(f"L{layer}/engram.lookup@c{e}/g{TOPO.dp_group(c)}" for e in TOPO.cards)
+            assert node.inputs[2:] == shares
+            assert all(g.nodes[k].kernel == "engram.lookup" and g.nodes[k].card == e for e, k in enumerate(shares))
 
 
 def test_submissions_group_nodes_and_stay_acyclic(graph):

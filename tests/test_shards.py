@@ -10,8 +10,10 @@ from dsv41.checkpoint.reader import open_checkpoint
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.shards import DrawnCheckpoint, RowLookup, card_index, read_card
 from dsv41.config import SMALL, TINY, Topology
+from dsv41.ops.embed import embed_rows, embed_shard, shard_rows
+from dsv41.ops.engram import engram_primes, sum_shares
 from dsv41.ops.moe import expert
-from dsv41.ops.o_proj import o_proj_partial
+from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.projections import q_proj
 from dsv41.plan.sizing import weights_by_kind
 from dsv41.weights import checkpoint_specs, decode_checkpoint
@@ -24,38 +26,38 @@ def drawn():
     return DrawnCheckpoint(TINY, 0)
 
 
-def _expected_bytes(cfg, topo, card) -> tuple[int, int]:
-    """(bytes this card holds, bytes of the lookup tables' shares the plan leaves to other cards),
-    from the checkpoint specs and the sharding policy written out by hand."""
-    r, tp = topo.tp_rank(card), topo.tp
+def _engram_slab(cfg, topo, card, layer) -> tuple[int, int]:
+    """Rows [first, end) of a layer's Engram table on a card, by hand: contiguous ceil(rows/EP) slabs."""
+    rows = sum(engram_primes(cfg)[layer])
+    width = -(-rows // topo.ep)
+    return min(card * width, rows), min((card + 1) * width, rows)
+
+
+def _expected_bytes(cfg, topo, card) -> int:
+    """Bytes this card holds, from the checkpoint specs and the sharding policy written out by hand."""
     per = cfg.n_routed_experts // topo.ep
-    held = lookup_rest = 0
+    held = 0
     for name, (shape, dtype) in checkpoint_specs(cfg).items():
         n = math.prod(shape) * dtype.itemsize
         if ".ffn.experts." in name:
             held += n if int(name.split(".")[4]) // per == card else 0
         elif any(s in name for s in (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".attn.attn_sink")) \
-                or name == "head.weight":
-            held += n // tp
+                or name in ("head.weight", "embed.weight"):
+            held += n // topo.tp
+        elif ".engram.embed." in name:
+            first, end = _engram_slab(cfg, topo, card, int(name.split(".")[1]))
+            held += n // shape[0] * (end - first)
         else:
             held += n
-            if name == "embed.weight":
-                lookup_rest += n - n // tp
-            elif ".engram.embed." in name:
-                lookup_rest += n - n // topo.ep
-    return held, lookup_rest
+    return held
 
 
 def _check_resident(source, topo):
     for card in topo.cards:
         resident = read_card(source, topo, card).nbytes()
-        held, lookup_rest = _expected_bytes(source.cfg, topo, card)
         plan = sum(weights_by_kind(source.cfg, topo, card).values())
-        assert resident == held
-        # the plan shards embed by TP and Engram tables by EP; a card here holds them whole
-        assert resident - plan == lookup_rest
-        if topo.tp == topo.ep == 1:
-            assert abs(resident - plan) <= 0.03 * plan
+        assert resident == _expected_bytes(source.cfg, topo, card)
+        assert abs(resident - plan) <= 0.03 * plan, (card, resident, plan)
 
 
 @pytest.mark.parametrize("topo", TOPOS, ids=["tp1", "tp2dp2"])
@@ -105,8 +107,11 @@ def _old_shard(cfg, topo, card, w):
             out[k] = t[r * gl:(r + 1) * gl]
         elif k.endswith(".attn.wo_b"):
             out[k] = t[:, r * gl * cfg.o_lora_rank:(r + 1) * gl * cfg.o_lora_rank]
-        elif k == "head.weight":
+        elif k in ("head.weight", "embed.weight"):
             out[k] = t[r * v:(r + 1) * v]
+        elif k.endswith(".engram.embed"):
+            first, end = _engram_slab(cfg, topo, card, int(k.split(".")[1]))
+            out[k] = t[first:end]
         else:
             out[k] = t
     return out
@@ -139,7 +144,10 @@ def test_decoded_per_use_equals_whole_decode_and_hand_decode(drawn, card):
     ids = torch.tensor([[0, 5, 2], [7, 7, 1]])
     for k in old:
         got = mine[k]
-        if isinstance(got, RowLookup):   # lookup tables decode only the rows looked up
+        if isinstance(got, RowLookup):   # lookup tables decode only the rows looked up (shard rows)
+            first = (card % topo.tp) * (cfg.vocab_size // topo.tp) if k == "embed.weight" else \
+                _engram_slab(cfg, topo, card, int(k.split(".")[1]))[0]
+            assert got.first == first, k
             assert got.shape == old[k].shape and torch.equal(got[ids], old[k][ids]), k
             assert got[ids[:0]].shape == (0, 3, old[k].shape[1])   # an empty slab looks up nothing
             got = got[torch.arange(got.shape[0])]
@@ -165,6 +173,36 @@ def test_decoded_per_use_equals_whole_decode_and_hand_decode(drawn, card):
         return q, o, expert(x, w[f + "w1"], w[f + "w2"], w[f + "w3"], cfg.swiglu_limit)
 
     assert all(torch.equal(m, o) for m, o in zip(run(mine), run(old)))
+
+
+# ---- sharded lookups: the cards' shares add up to the whole table's lookup ---------------------------
+
+def test_lookup_shares_sum_to_the_whole_lookup(drawn):
+    cfg, topo = TINY, Topology(2, 2, 4)
+    whole = decode_checkpoint(cfg, drawn.tensors)
+    cards = [read_card(drawn, topo, c) for c in topo.cards]
+    ids = torch.tensor([[-1, 0, 3], [cfg.vocab_size - 1, cfg.vocab_size + 5, 17]])
+    for grp in range(topo.dp):   # embed: the TP ranks of a group, summed by the group's transport
+        shares = [embed_shard(ids, cards[c]["embed.weight"], cards[c]["embed.weight"].first, cfg.vocab_size)
+                  for c in topo.group_cards(grp)]
+        assert all((s != 0).any(-1).sum() < ids.numel() for s in shares)   # each share holds only some rows
+        assert torch.equal(reduce_partials(shares), embed_rows(ids, whole["embed.weight"]))
+    for layer in cfg.engram_layer_ids:
+        key = f"layers.{layer}.engram.embed"
+        rows = whole[key].shape[0]
+        ids = torch.randint(0, rows, (9, cfg.engram_ids_per_token), generator=torch.Generator().manual_seed(layer))
+        ids[0, 0], ids[0, 1] = 0, rows - 1
+        shares = [shard_rows(ids, w[key], w[key].first) for w in cards]
+        assert torch.equal(sum_shares(shares), whole[key][ids])
+
+
+def test_shares_keep_negative_zero_and_every_value():
+    """-0.0 fills the rows a shard does not hold, so a looked-up -0.0 (or +0.0) survives the sum."""
+    table = torch.tensor([[-0.0, 0.0], [1.5, -2.0], [0.0, -0.0], [3.0, 4.0]])
+    ids = torch.tensor([[0, 2], [3, 1]])
+    shares = [shard_rows(ids, table[a:a + 1], a) for a in range(4)]
+    for got in (sum_shares(shares), reduce_partials(shares)):   # card-order fold, the TP transport's tree
+        assert torch.equal(got, table[ids]) and torch.equal(torch.signbit(got), torch.signbit(table[ids]))
 
 
 # ---- slices read from a checkpoint folder ---------------------------------------------------------------

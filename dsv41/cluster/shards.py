@@ -13,14 +13,19 @@ with their payloads) and keeps them as they came: FP8 E4M3 + E8M0, packed MXFP4 
 nothing larger than the checkpoint bytes stays resident; the decoded values are those of
 ``weights.decode_checkpoint`` bit for bit.
 
-Sharding (head-parallel attention, expert-parallel MoE, vocab-parallel head):
+Sharding (head-parallel attention, expert-parallel MoE, vocab-parallel embed and head, EP-split
+Engram tables), as ``dsv41.plan.sizing`` sizes it:
 
-| tensors                                   | a card holds                            |
-| routed experts                            | its EP rank's n_routed/EP experts       |
-| wq_b rows, attn_sink, wo_a groups         | its TP rank's heads / groups            |
-| wo_b columns                              | its TP rank's groups' input columns     |
-| head.weight rows                          | its TP rank's vocabulary shard          |
-| everything else (embed, Engram tables too)| the whole tensor                        |
+| tensors                                   | a card holds                                   |
+| routed experts                            | its EP rank's n_routed/EP experts              |
+| wq_b rows, attn_sink, wo_a groups         | its TP rank's heads / groups                   |
+| wo_b columns                              | its TP rank's groups' input columns            |
+| embed.weight and head.weight rows         | its TP rank's vocabulary shard                 |
+| Engram tables (payload + scale rows)      | its EP slab of the rows (``ops.engram.table_slab``) |
+| everything else                           | the whole tensor                               |
+
+A sharded lookup table is a ``RowLookup`` that knows its first row; the graph looks up every card's
+share (-0.0 outside it) and sums the shares across the cards (``ops.embed.shard_rows``).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import torch
 
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.config import ModelConfig, Topology
+from dsv41.ops.engram import table_slab
 from dsv41.weights import decode_tensor, init_checkpoint, runtime_key
 
 
@@ -79,9 +85,12 @@ def card_index(cfg: ModelConfig, topo: Topology, card: int, name: str) -> tuple 
     if base.endswith(".attn.wo_b"):
         n = gl * cfg.o_lora_rank
         return (slice(None), slice(r * n // div, (r + 1) * n // div))
-    if name == "head.weight":
+    if name in ("head.weight", "embed.weight"):
         n = cfg.vocab_size // tp
         return _rows(r * n, (r + 1) * n)
+    if ".engram.embed." in name:
+        first, count = table_slab(cfg, int(name.split(".")[1]), topo.ep, card)
+        return _rows(first, first + count)
     return ()
 
 
@@ -102,11 +111,13 @@ def resident_bytes(tensors) -> int:
 
 
 class RowLookup:
-    """A lookup table (embed, Engram) in its checkpoint format: indexing decodes only the rows
-    asked for, the same values as those rows of the whole decoded table."""
+    """A card's rows [first, first + len) of a lookup table (embed, Engram) in its checkpoint format:
+    indexing (by row of the shard) decodes only the rows asked for, the same values as those rows of
+    the whole decoded table."""
 
-    def __init__(self, cfg: ModelConfig, key: str, payload: torch.Tensor, scale: torch.Tensor | None):
-        self.cfg, self.key, self.payload, self.scale = cfg, key, payload, scale
+    def __init__(self, cfg: ModelConfig, key: str, payload: torch.Tensor, scale: torch.Tensor | None,
+                 first: int = 0):
+        self.cfg, self.key, self.payload, self.scale, self.first = cfg, key, payload, scale, first
 
     @property
     def shape(self) -> torch.Size:
@@ -126,9 +137,11 @@ def _is_lookup(key: str) -> bool:
 class CardWeights(Mapping):
     """Runtime key -> decoded weight, decoded from the held checkpoint-format tensors on each use."""
 
-    def __init__(self, cfg: ModelConfig, held: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, held: dict[str, torch.Tensor], firsts: dict[str, int] | None = None):
+        """firsts: runtime key of a lookup table -> the first table row this card holds."""
         self.cfg = cfg
         self.held = held
+        self.firsts = firsts or {}
         self.keys_ = [k for k in (runtime_key(n, held) for n in held) if k is not None]
         self._known = set(self.keys_)
         self._scaled = {k for k in self.keys_ if k + ".scale" in held}
@@ -136,7 +149,8 @@ class CardWeights(Mapping):
     def __getitem__(self, key: str) -> torch.Tensor | RowLookup:
         if _is_lookup(key):
             scale = self.held[key + ".scale"] if key in self._scaled else None
-            return RowLookup(self.cfg, key, self.held[key + ".weight"] if scale is not None else self.held[key], scale)
+            return RowLookup(self.cfg, key, self.held[key + ".weight"] if scale is not None else self.held[key], scale,
+                             self.firsts.get(key, 0))
         if key in self._scaled:
             return decode_tensor(self.cfg, key, self.held[key + ".weight"], self.held[key + ".scale"])
         return decode_tensor(self.cfg, key, self.held[key])
@@ -150,10 +164,6 @@ class CardWeights(Mapping):
     def __contains__(self, key) -> bool:
         return key in self._known
 
-    def copy(self) -> "CardWeights":
-        """A copy owning its own held tensors (what ``--check`` saves for a replay)."""
-        return CardWeights(self.cfg, {k: v.clone() for k, v in self.held.items()})
-
     def nbytes(self) -> int:
         """Resident bytes: the held tensors' storages."""
         return resident_bytes(self.held.values())
@@ -161,12 +171,14 @@ class CardWeights(Mapping):
 
 def read_card(source, topo: Topology, card: int) -> CardWeights:
     """The card's shard, read slice by slice from ``source``."""
-    held = {}
+    held, firsts = {}, {}
     for name in source.names():
         index = card_index(source.cfg, topo, card, name)
         if index is not None:
             held[name] = _owned(source.get(name, index))
-    return CardWeights(source.cfg, held)
+            if name == "embed.weight" or ".engram.embed." in name:
+                firsts[name if name == "embed.weight" else name.rpartition(".")[0]] = index[0].start
+    return CardWeights(source.cfg, held, firsts)
 
 
 def card_bytes(st) -> dict:

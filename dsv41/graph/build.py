@@ -63,9 +63,8 @@ class _Builder:
                         [(COMPRESSED, s) for s in cfg.kv_source_layer_ids]:
                     rope[(c, prof, vec)] = g.add(f"rope/{prof}/{vec}@c{c}", "rope.rows", [step_key[c]], c,
                                                  profile=prof, vector=vec)
-                rows = local_rows(t, topo.tp, topo.tp_rank(c), self.wiring)
-                e = g.add(f"embed@c{c}", "embed", [step_key[c]], c, rows=rows)
-                x[c] = g.add(f"hc.pack@c{c}", "hc.pack", [e], c)
+            for c, rows in self._embed(grp, step_key).items():
+                x[c] = g.add(f"hc.pack@c{c}", "hc.pack", [rows], c)
                 mixes[c] = None
         selections = {}   # (card, "pub" | "topk", layer) -> publication / Top-K node
         for spec in cfg.layers:
@@ -83,15 +82,40 @@ class _Builder:
             g.add(f"cache.commit@c{c}", "cache.commit", sinks, c)
         return g
 
+    # ---- vocab-parallel embedding of one DP group ------------------------------------------------
+    def _embed(self, grp, step_key) -> dict:
+        """Each TP rank looks up all the group's rows in its vocabulary shard (-0.0 outside it); the
+        attention sub-layer's transport sums the shares, which is exact (one owner per row)."""
+        g, group = self.g, self.topo.group_cards(grp)
+        shares = {c: g.add(f"embed@c{c}", "embed", [step_key[c]], c) for c in group}
+        kernel, name = ("tp.reduce_scatter", "reduce_scatter") if self.wiring == SHARDED else \
+            ("tp.all_reduce", "all_reduce")
+        return self.collective(lambda c: f"embed/{name}@c{c}", kernel, group, lambda c: [shares[r] for r in group],
+                               f"embed/{name}@g{grp}")
+
+    # ---- Engram of one DP group: table rows split over the EP world ------------------------------
+    def _engram(self, L, grp, group, t, x, step_key):
+        """Every card looks up the group's hashed ids in its slab of the table (-0.0 outside it); each
+        card of the group adds all cards' shares of its rows in card order, then updates them."""
+        g, topo = self.g, self.topo
+        shares = []
+        for c in topo.cards:
+            step = step_key[c] if c in group else f"step@c{c}/g{grp}"   # the group's step metadata on c
+            if step not in g.literals:
+                g.literal(step, self.steps[grp], c)
+            shares.append(g.add(f"L{L}/engram.lookup@c{c}/g{grp}", "engram.lookup", [step], c, L))
+        for c in group:
+            x[c] = g.add(f"L{L}/engram@c{c}", "engram", [x[c], step_key[c]] + shares, c, L,
+                         rows=local_rows(t, topo.tp, topo.tp_rank(c), self.wiring))
+
     # ---- attention sub-layer of one DP group ----------------------------------------------------
     def _attention(self, spec, grp, group, t, x, mixes, step_key, rope, selections) -> dict:
         cfg, g, L, tp = self.cfg, self.g, spec.layer, self.topo.tp
         p = f"L{L}/attn"
         norm = {}
+        if L in cfg.engram_layer_ids:
+            self._engram(L, grp, group, t, x, step_key)
         for c in group:
-            if L in cfg.engram_layer_ids:
-                x[c] = g.add(f"L{L}/engram@c{c}", "engram", [x[c], step_key[c]], c, L,
-                             rows=local_rows(t, tp, self.topo.tp_rank(c), self.wiring))
             site = g.add(f"{p}/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="attn")
             pre_in = [mixes[c]] if mixes[c] else []
             collapsed = g.add(f"{p}/pre@c{c}", "hc.pre", [x[c]] + pre_in, c, L, initial=not pre_in)

@@ -260,7 +260,7 @@ class NodeCheck:
         caches = {name: tuple(t.clone() for t in st.caches.read(name)) for name in st.caches.committed}
         torch.save({"node": node, "args": args, "actual": value, "source": source, "backend": self.backend,
                     "state": {"cfg": st.cfg, "topo": st.topo, "card": st.card, "options": st.options,
-                              "weights": st.weights.copy(), "caches": caches,
+                              "weights": st.weights, "caches": caches,
                               "rope_tables": st.rope_tables}}, path)
         return path
 

@@ -30,6 +30,7 @@ from dsv41.config import slab
 from dsv41.ops import kv_cache
 from dsv41.kernels.registry import registrar
 from dsv41.ops.compressor import Compressed
+from dsv41.ops.engram import table_slab
 from dsv41.serving import StepInputs
 
 F32, I64 = torch.float32, torch.int64
@@ -95,8 +96,12 @@ def rope_rows(ctx, node, step):
 
 @signature("embed")
 def embed(ctx, node, step):
-    rows, d = len(node.attrs["rows"]), ctx.cfg.hidden_size
-    return Cost(meta(rows, d), gathered=rows * d * BF16_BYTES, act_read=0)
+    """A vocabulary shard's share of every row of the group: only the ids in the shard read a row."""
+    cfg, t = ctx.cfg, step.md.num_tokens
+    per = cfg.vocab_size // ctx.topo.tp
+    ids = step.input_ids.long().clamp(0, cfg.vocab_size - 1)
+    mine = int(((ids >= ctx.tp_rank * per) & (ids < (ctx.tp_rank + 1) * per)).sum())
+    return Cost(meta(t, cfg.hidden_size), gathered=mine * cfg.hidden_size * BF16_BYTES, act_read=0)
 
 
 @signature("hc.pack")
@@ -105,14 +110,34 @@ def hc_pack(ctx, node, rows):
     return Cost(meta(t, ctx.cfg.hc_mult, d), flops={"vector": t * ctx.cfg.hc_mult * d})
 
 
+def _table_owner(cfg, topo, layer: int, ids: torch.Tensor) -> torch.Tensor:
+    """The EP card holding each Engram table row (contiguous slabs, ``engram.table_slab``)."""
+    return ids.long() // max(1, table_slab(cfg, layer, topo.ep, 0)[1])
+
+
+@signature("engram.lookup")
+def engram_lookup(ctx, node, step):
+    """This card's slab's share of a group's lookups: rows (FP8 payload + E8M0 scales) read only for
+    the ids in the slab."""
+    cfg, ids = ctx.cfg, step.hash_ids[node.layer]
+    row = cfg.engram_head_dim + cfg.engram_head_dim // cfg.mx_group
+    mine = int((_table_owner(cfg, ctx.topo, node.layer, ids) == ctx.card).sum())
+    return Cost(meta(*ids.shape, cfg.engram_head_dim), gathered=mine * row, act_read=0)
+
+
 @signature("engram")
-def engram(ctx, node, x, step):
+def engram(ctx, node, x, step, *shares):
+    """The shares of the card's rows added (received from the cards owning them), then the update."""
     cfg, (t, hc, d) = ctx.cfg, x.shape
     e = f"layers.{node.layer}.engram."
-    row = cfg.engram_head_dim + cfg.engram_head_dim // cfg.mx_group
-    lookups = t * cfg.engram_ids_per_token * row
-    return Cost(meta(t, hc, d), weights=_w(e + "wkv", e + "q_weight", e + "k_weight"), gathered=lookups,
-                flops={"mx": 2 * t * cfg.engram_lookup_dim * (hc + 1) * d, "vector": 12 * t * hc * d})
+    ids = step.hash_ids[node.layer][node.attrs["rows"]]
+    remote = int((_table_owner(cfg, ctx.topo, node.layer, ids) != ctx.card).sum())
+    looked_up = t * cfg.engram_ids_per_token * cfg.engram_head_dim
+    return Cost(meta(t, hc, d), weights=_w(e + "wkv", e + "q_weight", e + "k_weight"),
+                link=remote * cfg.engram_head_dim * BF16_BYTES,
+                act_read=nbytes(x) + len(shares) * looked_up * F32_BYTES,
+                flops={"mx": 2 * t * cfg.engram_lookup_dim * (hc + 1) * d,
+                       "vector": 12 * t * hc * d + len(shares) * looked_up})
 
 
 # ---- mHC and norms -------------------------------------------------------------------------------

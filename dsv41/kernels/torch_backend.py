@@ -10,7 +10,8 @@ import torch
 from dsv41.config import slab
 from dsv41.kernels.registry import registrar
 from dsv41.ops import mhc, reference as ref
-from dsv41.ops.embed import embed_rows, pack_lanes
+from dsv41.ops.embed import embed_shard, pack_lanes, shard_rows
+from dsv41.ops.engram import engram_apply, sum_shares
 from dsv41.ops.lm_head import greedy, logits_shard, select_rows
 from dsv41.ops.moe import combine, experts_grouped
 from dsv41.ops.norm import rms_norm
@@ -39,7 +40,9 @@ def rope_rows(st, node, step):
 
 @kernel("embed")
 def embed(st, node, step):
-    return embed_rows(step.input_ids[node.attrs["rows"]], st.weights["embed.weight"])
+    """This card's vocabulary shard's share of every row of the DP group (-0.0 outside the shard)."""
+    table = st.weights["embed.weight"]
+    return embed_shard(step.input_ids, table, table.first, st.cfg.vocab_size)
 
 
 @kernel("hc.pack")
@@ -47,10 +50,18 @@ def hc_pack(st, node, rows):
     return pack_lanes(rows, st.cfg.hc_mult)
 
 
+@kernel("engram.lookup")
+def engram_lookup(st, node, step):
+    """This card's table slab's share of a DP group's looked-up rows (-0.0 outside the slab)."""
+    table = st.weights[f"layers.{node.layer}.engram.embed"]
+    return shard_rows(step.hash_ids[node.layer], table, table.first)
+
+
 @kernel("engram")
-def engram(st, node, x, step):
-    ids = step.hash_ids[node.layer][node.attrs["rows"]]
-    return ref.engram_update(st.cfg, st.weights, node.layer, x, ids)
+def engram(st, node, x, step, *shares):
+    rows, e, w = node.attrs["rows"], f"layers.{node.layer}.engram.", st.weights
+    looked_up = sum_shares([s[rows] for s in shares])
+    return engram_apply(x, looked_up, w[e + "wkv"], w[e + "q_weight"], w[e + "k_weight"], st.cfg.rms_norm_eps)
 
 
 @kernel("hc.mixes")

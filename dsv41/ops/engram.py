@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dsv41.config import slab
 from dsv41.ops.pointwise import sigmoid
 from dsv41.ops.projections import mx_linear
 from dsv41.ops.quant import round_bf16
@@ -40,6 +41,11 @@ def engram_primes(cfg) -> dict[int, list[int]]:
 
 def engram_table_rows(cfg, layer: int) -> int:
     return sum(engram_primes(cfg)[layer])
+
+
+def table_slab(cfg, layer: int, ep: int, card: int) -> tuple[int, int]:
+    """(first, count) of the table rows EP rank ``card`` holds: contiguous slabs of ceil(rows/EP)."""
+    return slab(engram_table_rows(cfg, layer), ep, card)
 
 
 def multipliers(cfg, layer: int) -> list[int]:
@@ -74,14 +80,29 @@ def hash_ids(cfg, layer: int, history: list[int], new_positions: range, token_ma
     return torch.from_numpy(out)
 
 
+def sum_shares(shares: list[torch.Tensor]) -> torch.Tensor:
+    """The lookup from every table shard's share (``embed.shard_rows``), added in card order: each
+    row has one owner and -0.0 elsewhere, so the sum is the whole table's lookup bit for bit."""
+    total = shares[0]
+    for s in shares[1:]:
+        total = total + s
+    return total
+
+
 def engram(x_hc, ids, table, wkv, q_weight, k_weight, eps: float) -> torch.Tensor:
     """x_hc [T, hc, D] -> x_hc + gate * value per lane, rounded to BF16.
 
-    table: dequantized embedding rows [N, head_dim] (BF16 values); wkv: [(hc+1)*D, lookup] MXFP8.
+    table: dequantized embedding rows [N, head_dim] (BF16 values); wkv: [(hc+1)*D, lookup] MXFP8."""
+    return engram_apply(x_hc, table[ids.long()], wkv, q_weight, k_weight, eps)
+
+
+def engram_apply(x_hc, rows, wkv, q_weight, k_weight, eps: float) -> torch.Tensor:
+    """The Engram update from its looked-up table rows [T, ids, head_dim] (FP32).
+
     gate = sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot)), dot the per-lane normalised product.
     """
     t, hc, d = x_hc.shape
-    lookup = round_bf16(table[ids.long()].reshape(t, ids.shape[1] * table.shape[1]))
+    lookup = round_bf16(rows.reshape(t, rows.shape[1] * rows.shape[2]))
     kv = round_bf16(mx_linear(lookup, wkv))
     key, value = kv[:, : hc * d].reshape(t, hc, d), kv[:, hc * d:]
     w = q_weight.float() * k_weight.float()

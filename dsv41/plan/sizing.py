@@ -1,8 +1,8 @@
 """Bytes of values, of a card's weight shards (checkpoint formats) and of its caches.
 
-Weights are sized as a device would hold them: the checkpoint's own formats (FP8 payload + E8M0
-block scales, packed FP4 experts + scales, BF16 dense, FP32 mHC/bias/sinks), never the FP64 runtime
-copies the CPU State keeps. Sharding policy per card:
+Weights are sized as a device would hold them, and as a card's State holds them
+(``dsv41.cluster.shards``): the checkpoint's own formats (FP8 payload + E8M0 block scales, packed
+FP4 experts + scales, BF16 dense, FP32 mHC/bias/sinks). Sharding policy per card:
 
 | tensors                                        | held by a card                                  |
 | routed experts                                 | the EP rank's n_routed/EP experts               |
@@ -12,8 +12,9 @@ copies the CPU State keeps. Sharding policy per card:
 |                                                | ParallelEmbedding / ColumnParallelLinear head)  |
 | everything else                                | replicated                                      |
 
-The CPU State keeps Engram tables and embed replicated (views of one array); on a device the two
-sharded lookups need a gather the graph does not model.
+The graph serves the two sharded lookups by summing every shard's share (-0.0 outside it): the TP
+transport for embed, a card-order sum over the EP world for Engram. Here a table's bytes are divided
+by EP; the cards hold whole rows in ceil(rows/EP) slabs, a few rows' difference on the last card.
 """
 from __future__ import annotations
 
