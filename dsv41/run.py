@@ -2,6 +2,7 @@
 
 Runs a prefill of ``--batch`` random prompts of ``--prompt-len`` tokens, then (decode) greedy
 steps, on the chosen executor, and prints a readable summary or one JSON object (``--json``).
+Every argument is checked before any work; ``dsv41.cli.args`` holds the rules.
 """
 from __future__ import annotations
 
@@ -13,44 +14,83 @@ import time
 
 import torch
 
+from dsv41.cli import args as rules
+from dsv41.cli.progress import Progress
+from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
 from dsv41.config import PRESETS, Topology
 from dsv41.kernels.device_time import BACKENDS
 from dsv41.telemetry import cli as telemetry
 
-EXECUTORS = ("threads", "sync", "distributed", "reference")
+EXECUTORS = ("sync", "threads", "distributed", "reference")
+# Measured on the default TINY run (README, "Choosing an executor"): threads lost to sync on a
+# 2-core machine (the GIL hand-off between two executor threads costs more than they overlap).
+DEFAULT_EXECUTOR = "sync"
+
+EPILOG = """\
+modes and the flags that go with them:
+  every mode        --graph --config --batch --json --debug
+  a run             --prompt-len --seed --new-tokens (--graph decode only)
+  graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
+  distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
+  --plan            --tp --dp --ep --wiring --context --trace --device-profile
+--batch is the number of requests in total, everywhere: a run spreads them over the DP groups,
+--plan spreads them evenly (so it must be a multiple of --dp). Files go under ./traces/ only.
+"""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dsv41.run", description=__doc__.splitlines()[0])
+def build_parser() -> rules.Parser:
+    p = rules.Parser(prog="python -m dsv41.run", description=__doc__.splitlines()[0], epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
     p.add_argument("--config", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4,
+                   help="requests in total (spread over the DP groups; --plan: evenly)")
     p.add_argument("--prompt-len", type=int, default=48)
-    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--executor", choices=EXECUTORS, default="threads")
+    p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
+                   help="sync is the default: on few cores threads is slower (README, Choosing an executor); "
+                        "distributed runs one dask worker per card and shows the dashboard")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--ep", type=int, default=None, help="default tp*dp")
+    p.add_argument("--ep", type=int, default=None, help="must equal tp*dp (the default)")
     p.add_argument("--granularity", choices=("submission", "node"), default="submission")
     p.add_argument("--backend", choices=BACKENDS, default="torch",
                    help="pypto-sim: values from Torch, simulated device time per pypto-backed node")
     p.add_argument("--wiring", choices=("sharded", "replicated"), default="sharded")
-    p.add_argument("--address", default=None, help="distributed: connect to this scheduler")
-    p.add_argument("--dashboard", action="store_true", help="distributed: print the dashboard link and wait")
+    p.add_argument("--address", default=None, help="distributed: join this scheduler (e.g. tcp://host:8786), whose "
+                   "workers are named 0..EP-1 with one thread each")
+    p.add_argument("--connect-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="distributed: give up when the scheduler and every card's worker are not there "
+                        "within this time (default: %(default)g s)")
+    p.add_argument("--dashboard", action="store_true",
+                   help="distributed: print the dashboard link when the cluster is up and wait after the run")
     p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
-    p.add_argument("--show-graph", default=None, metavar="PATH", help="write the decode graph as DOT (SVG if .svg)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--show-graph", default=None, metavar="NAME",
+                   help="write the last step's graph as traces/NAME (NAME.dot, or NAME.svg with graphviz)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (progress goes to stderr)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     telemetry.add_arguments(p)
+    return p
+
+
+APPLIES = {**rules.APPLIES, **telemetry.APPLIES}
+CHECKS = rules.CHECKS + telemetry.CHECKS + rules.LAST
+
+
+def parse_args(argv=None, parser: rules.Parser | None = None):
+    """Parsed and checked arguments; a usage error exits 2 with one line (raises with --debug)."""
+    p = parser or build_parser()
     a = p.parse_args(argv)
     if a.ep is None:
         a.ep = a.tp * a.dp
-    for name in ("batch", "prompt_len"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.new_tokens < 0:
-        p.error("--new-tokens must be >= 0")
-    telemetry.check_arguments(p, a)
+    try:
+        rules.check_modes(a, rules.given_flags(p, argv), APPLIES)
+        rules.run_checks(a, PRESETS[a.config], CHECKS, APPLIES)
+    except rules.UsageError as e:
+        if a.debug:
+            raise
+        p.error(str(e))
     return a
 
 
@@ -63,53 +103,84 @@ def logits_sha256(logits: torch.Tensor) -> str:
     return hashlib.sha256(logits.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
-def make_engine(args, cfg, topo):
+def make_engine(args, cfg, topo, progress: Progress):
+    max_context = args.prompt_len + (args.new_tokens if args.graph == "decode" else 0) + 1
     if args.executor == "reference":
         from dsv41.ops.reference import ReferenceModel
-        return ReferenceModel(cfg, seed=args.seed, max_batch=args.batch,
-                              max_context=args.prompt_len + args.new_tokens + 1)
+        return ReferenceModel(cfg, seed=args.seed, max_batch=args.batch, max_context=max_context)
     from dsv41.cluster.engine import GraphEngine
+    startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
     return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
                        wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
-                       max_context=args.prompt_len + args.new_tokens + 1, backend=args.backend)
+                       max_context=max_context, backend=args.backend, startup=startup)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    try:
+        return run(args)
+    except ConnectError as e:
+        if args.debug:
+            raise
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:   # a failure past the checks: one line, the traceback only with --debug
+        if args.debug:
+            raise
+        print(f"{parser.prog}: error: {type(e).__name__}: {e} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def run(args) -> int:
     cfg = PRESETS[args.config]
-    topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep).check(cfg)
-    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep)
+    progress = Progress(args.json)
+    say = progress.say
     if args.plan:
         return telemetry.plan_command(args, cfg, topo, say)
     say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} ep={topo.ep} "
         f"batch={args.batch} prompt_len={args.prompt_len}")
     t0 = time.perf_counter()
-    engine = make_engine(args, cfg, topo)
-    say(f"  built in {time.perf_counter() - t0:.2f} s")
+    engine = make_engine(args, cfg, topo, progress)
+    try:
+        say(f"  built in {time.perf_counter() - t0:.2f} s")
+        return _generate(args, cfg, topo, engine, progress)
+    finally:
+        if args.executor != "reference":
+            engine.close()
+
+
+def _generate(args, cfg, topo, engine, progress: Progress) -> int:
+    say = progress.say
     tracing = telemetry.start(args, engine)
     prompts = prompts_for(cfg, args.batch, args.prompt_len, args.seed)
     stats = []
-
-    t0 = time.perf_counter()
-    logits = engine.prefill(prompts)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    stats.append(getattr(engine, "last_stats", {}))
-    say(f"  prefill   {prefill_ms:9.1f} ms  {_describe(stats[-1])}")
-    rids = list(engine.last_request_ids)
+    steps = args.new_tokens if args.graph == "decode" else 0
     tokens = [[] for _ in prompts]
     step_ms = []
-    steps = args.new_tokens if args.graph == "decode" else 0
-    for i in range(steps):
-        nxt = torch.argmax(logits, -1).tolist()
-        for out, t in zip(tokens, nxt):
-            out.append(t)
-        if i + 1 == steps:
-            break
+    with progress.steps(1 + max(0, steps - 1)), progress.compilations():
+        progress.start(f"prefill {args.batch} x {args.prompt_len} tokens")
         t0 = time.perf_counter()
-        logits = engine.decode(nxt, rids)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+        logits = engine.prefill(prompts)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
         stats.append(getattr(engine, "last_stats", {}))
-        say(f"  decode {i + 1:3d} {step_ms[-1]:9.1f} ms  {_describe(stats[-1])}")
+        progress.done(f"  prefill   {prefill_ms:9.1f} ms  {_describe(stats[-1])}")
+        rids = list(engine.last_request_ids)
+        for i in range(steps):
+            nxt = torch.argmax(logits, -1).tolist()
+            for out, t in zip(tokens, nxt):
+                out.append(t)
+            if i + 1 == steps:
+                break
+            progress.start(f"decode {i + 1}/{steps - 1}")
+            t0 = time.perf_counter()
+            logits = engine.decode(nxt, rids)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            stats.append(getattr(engine, "last_stats", {}))
+            progress.done(f"  decode {i + 1:3d} {step_ms[-1]:9.1f} ms  {_describe(stats[-1])}")
     if args.graph == "prefill":
         tokens = [[t] for t in torch.argmax(logits, -1).tolist()]
     result = {
@@ -129,13 +200,15 @@ def main(argv=None) -> int:
             say(f"  {args.backend} kernels: {', '.join(result['pypto_kernels'])}")
             say(f"  torch only: {', '.join(sorted(engine.last_graph.kernels() - set(result['pypto_kernels'])))}")
         if args.show_graph:
-            engine.write_graph(args.show_graph)
-            say(f"  graph written to {args.show_graph}")
+            path = telemetry.TRACES / args.show_graph
+            path.parent.mkdir(exist_ok=True)
+            engine.write_graph(str(path))
+            result["graph_file"] = str(path)
+            say(f"  graph written to {path}")
         if tracing is not None:
             tracing.finish(result, say)
         if args.dashboard:
             engine.hold_dashboard(args.hold, say)
-        engine.close()
     if args.json:
         print(json.dumps(result))
     else:

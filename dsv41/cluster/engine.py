@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from dsv41.cluster import state as card_state
+from dsv41.cluster.connect import Startup
 from dsv41.cluster.executors import LOCAL, DistributedRunner, run_local
 from dsv41.cluster.plan import make_plan
 from dsv41.cluster.runtime import Hooks, NodeError
@@ -36,7 +37,7 @@ class GraphEngine(StepModel):
     def __init__(self, cfg: ModelConfig, topo: Topology, seed: int = 0, executor: str = "threads",
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
-                 options: Options = Options(), backend: str = "torch"):
+                 options: Options = Options(), backend: str = "torch", startup: Startup = Startup()):
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
@@ -71,7 +72,7 @@ class GraphEngine(StepModel):
         else:
             from dsv41.cluster.worker_plugin import CardStatePlugin
             plugin = CardStatePlugin(cfg.name, topo, seed, per_group, max_context)
-            self.runner = DistributedRunner(topo.ep, plugin, address, dashboard)
+            self.runner = DistributedRunner(topo.ep, plugin, address, dashboard, startup)
         self._on_every_process(_set_device_time, backend)
 
     @property

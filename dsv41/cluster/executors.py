@@ -9,6 +9,7 @@ from __future__ import annotations
 import dask
 import dask.threaded
 
+from dsv41.cluster.connect import Startup, connect
 from dsv41.cluster.plan import Plan
 from dsv41.cluster.runtime import run_submission
 
@@ -37,24 +38,10 @@ def run_local(plan: Plan, scheduler: str) -> dict:
 class DistributedRunner:
     """A LocalCluster (or an existing scheduler) with one single-threaded worker per card."""
 
-    def __init__(self, cards: int, plugin, address: str | None = None, dashboard: bool = False):
-        from distributed import Client, LocalCluster
-
-        self.cluster = None
-        if address is None:
-            self.cluster = LocalCluster(n_workers=cards, threads_per_worker=1, processes=True,
-                                        dashboard_address=":8787" if dashboard else None,
-                                        silence_logs=40)
-            self.client = Client(self.cluster)
-        else:
-            self.client = Client(address)
-        self.client.wait_for_workers(cards)
+    def __init__(self, cards: int, plugin, address: str | None = None, dashboard: bool = False,
+                 startup: Startup = Startup()):
+        self.cluster, self.client, self.address_of = connect(cards, address, dashboard, startup)
         self.client.register_plugin(plugin)
-        workers = self.client.scheduler_info()["workers"]
-        self.address_of = {int(w["name"]): addr for addr, w in workers.items()}
-        missing = sorted(set(range(cards)) - set(self.address_of))
-        if missing:
-            raise ValueError(f"--address: the scheduler has no worker named for card(s) {missing}")
 
     @property
     def dashboard_link(self) -> str:

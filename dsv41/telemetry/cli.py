@@ -1,16 +1,19 @@
 """The telemetry half of ``python -m dsv41.run``: --trace, --report, --plan, --context, --device-profile.
 
-``--plan --batch N`` means N requests per DP group (the seed's capacity contract: 32 requests x 6
-rows = 192 decode rows per group), unlike a run's --batch, which counts prompts over all groups.
+``--batch`` counts requests in total here as in a run; ``--plan`` spreads them evenly over the DP
+groups (``--batch 64 --dp 2``: 32 requests x 6 rows = 192 decode rows per group, the seed's
+capacity contract).
 """
 from __future__ import annotations
 
 import json
 from contextlib import nullcontext
 
+from dsv41.cli.args import ALL, DIST, FILE_NAME, GRAPH_OR_PLAN, PLAN, traces_writable
 from dsv41.telemetry.export import TRACES, write_traces
 from dsv41.telemetry.profiles import PROFILES
 from dsv41.telemetry.session import DEFAULT_PROFILE, TraceSession
+from dsv41.telemetry.spans import otlp_configured
 
 GB = 1e9
 
@@ -18,25 +21,54 @@ GB = 1e9
 def add_arguments(p):
     g = p.add_argument_group("telemetry")
     g.add_argument("--trace", metavar="NAME", default=None,
-                   help="write traces/NAME.otlp.jsonl and traces/NAME.perfetto.json")
+                   help="write traces/NAME.otlp.jsonl and traces/NAME.perfetto.json (NAME: a plain file name). "
+                        "Spans also go live to a collector when OTEL_EXPORTER_OTLP_ENDPOINT is set")
     g.add_argument("--report", action="store_true",
                    help="distributed: write Dask's performance report to traces/NAME.dask-report.html")
     g.add_argument("--plan", action="store_true",
-                   help="build the step's graph at full scale on meta tensors and report HBM and roofline latency")
+                   help="build the step's graph at full scale on meta tensors and report HBM and roofline latency; "
+                        "--batch requests are spread evenly over the DP groups")
     g.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default: the config's max)")
     g.add_argument("--device-profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                   help="roofline device for simulated times")
+                   help="--plan or traced runs: roofline device for simulated times (default: %(default)s)")
 
 
-def check_arguments(p, a):
-    if a.plan:
-        return
-    if a.report and a.executor != "distributed":
-        p.error("--report needs --executor distributed")
-    if a.trace and a.executor == "reference":
-        p.error("--trace needs a graph executor (sync, threads or distributed)")
-    if a.context is not None:
-        p.error("--context is a --plan option")
+def tracing_on(a) -> bool:
+    """Spans are recorded for --trace, and whenever the OTEL_* variables name a collector."""
+    return bool(a.trace) or otlp_configured()
+
+
+APPLIES = {
+    "--trace": (GRAPH_OR_PLAN, None),
+    "--report": (DIST, None),
+    "--plan": (ALL, None),
+    "--context": (frozenset({PLAN}), None),
+    "--device-profile": (GRAPH_OR_PLAN, ("--trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
+                                         lambda a: a.plan or tracing_on(a))),
+}
+
+
+def _trace(a, cfg):
+    if a.trace is not None and not FILE_NAME.fullmatch(a.trace):
+        return (f"must be a plain file name (letters, digits, '.', '_', '-'; written as traces/NAME.*), "
+                f"got {a.trace!r}")
+    return traces_writable() if (a.trace or a.plan) else None
+
+
+def _report(a, cfg):
+    return traces_writable() if a.report else None
+
+
+def _context(a, cfg):
+    from dsv41.telemetry.plan import rows_per_request
+    if a.context is None:
+        return None
+    low, top = rows_per_request(cfg, a.batch // a.dp, a.graph), cfg.max_position_embeddings
+    if not low <= a.context <= top:
+        return f"must be in [{low}, {top}] tokens per request on --config {cfg.name}, got {a.context}"
+
+
+CHECKS = [("--trace", _trace), ("--report", _report), ("--context", _context)]
 
 
 # ---- plan mode -----------------------------------------------------------------------------------
@@ -52,8 +84,8 @@ def plan_command(args, cfg, topo, say) -> int:
 
 def plan_report(args, cfg, topo, say) -> dict:
     from dsv41.telemetry.plan import run_plan
-    context = args.context or cfg.max_position_embeddings
-    report, records, resource = run_plan(cfg, topo, args.batch, context, args.graph, args.wiring,
+    context = cfg.max_position_embeddings if args.context is None else args.context
+    report, records, resource = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
                                          args.device_profile)
     report["traces"] = write_traces(args.trace or f"plan-{cfg.name}", records, resource)
     requests = report["requests_per_dp_group"]
@@ -80,7 +112,8 @@ class Tracing:
 
     def __init__(self, args, engine):
         self.name = args.trace or "run"
-        self.session = TraceSession(engine, args.device_profile) if args.trace else None
+        self.keep = bool(args.trace)
+        self.session = TraceSession(engine, args.device_profile, self.keep) if tracing_on(args) else None
         self.report_path = str(TRACES / f"{self.name}.dask-report.html") if args.report else None
         self.report = nullcontext()
         if self.report_path:
@@ -93,7 +126,8 @@ class Tracing:
         self.report.__exit__(None, None, None)
         files = {}
         if self.session is not None:
-            files = write_traces(self.name, self.session.collect(), self.session.resource)
+            if self.keep:
+                files = write_traces(self.name, self.session.collect(), self.session.resource)
             result["hbm"] = self.session.hbm()
             self.session.close()
         if self.report_path:
@@ -104,4 +138,4 @@ class Tracing:
 
 
 def start(args, engine):
-    return Tracing(args, engine) if (args.trace or args.report) else None
+    return Tracing(args, engine) if (tracing_on(args) or args.report) else None

@@ -24,15 +24,18 @@ def resource_attributes(cfg, topo, executor: str, device: str) -> dict:
 
 
 class TraceSession:
-    def __init__(self, engine, device: str = DEFAULT_PROFILE):
+    """keep: hold every span for ``collect`` (files); spans also go live to an OTLP collector when the
+    OTEL_* variables name one (``spans.otlp_configured``), in this process and on every worker."""
+
+    def __init__(self, engine, device: str = DEFAULT_PROFILE, keep: bool = True):
         self.engine, self.device = engine, profile(device)
         self.resource = resource_attributes(engine.cfg, engine.topo, engine.executor, device)
-        self.recorder = SpanRecorder(self.resource)
+        self.recorder = SpanRecorder(self.resource, keep)
         self.records: list[dict] = []
         if engine.runner is None:
             Hooks.tracer = NodeTracer(self.recorder, self.device)
         else:
-            engine.runner.run_on_workers(_install, self.resource, device)
+            engine.runner.run_on_workers(_install, self.resource, device, keep)
         engine.trace = self
 
     @contextmanager
@@ -69,10 +72,12 @@ class TraceSession:
         return sorted(rows, key=lambda r: r["card"])
 
     def close(self):
+        """Stop tracing and flush what is queued for a collector."""
         if self.engine.runner is None:
             Hooks.tracer = None
         else:
             self.engine.runner.run_on_workers(_uninstall)
+        self.recorder.shutdown()
         self.engine.trace = None
 
 
@@ -81,8 +86,8 @@ def _ledger_row(card: int, led) -> dict:
             "transient_peak_bytes": led.peak_transient, "peak_bytes": led.peak_bytes}
 
 
-def _install(resource: dict, device: str):
-    Hooks.tracer = NodeTracer(SpanRecorder(resource), profile(device))
+def _install(resource: dict, device: str, keep: bool):
+    Hooks.tracer = NodeTracer(SpanRecorder(resource, keep), profile(device))
 
 
 def _drain() -> list[dict]:
@@ -94,4 +99,5 @@ def _ledger_rows() -> list[dict]:
 
 
 def _uninstall():
+    Hooks.tracer.recorder.shutdown()
     Hooks.tracer = None

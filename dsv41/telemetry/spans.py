@@ -1,28 +1,63 @@
-"""The only module that imports OpenTelemetry: the SDK records spans, the API is the interface.
+"""The only module that imports OpenTelemetry: the SDK records spans, its exporters send them.
 
-Spans leave as plain records (dicts of ints and strings) so they can cross processes (dask workers)
-and feed the exporters without the SDK on the reading side.
+- Live: with ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set (and the
+  other standard ``OTEL_*`` variables: headers, timeout, compression, ``OTEL_BSP_*``,
+  ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SDK_DISABLED``), spans go to that collector
+  over OTLP/HTTP through a BatchSpanProcessor, and each card's HBM live/peak bytes as gauges.
+- Kept: finished spans also leave as plain records (dicts of ints and strings) so they can cross
+  processes (dask workers) and feed the file exporters; ``otlp_json_lines`` encodes them with the
+  OTLP exporter's own protobuf encoder.
 """
 from __future__ import annotations
+
+import base64
+import json
+import os
+from collections import defaultdict
+from typing import Callable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 SCOPE = "dsv41.telemetry"
+LIVE_QUEUE = 1 << 16   # spans; the SDK's 2048 drops spans of one TINY step (~3,400 nodes) before export
+HEX_IDS = ("traceId", "spanId", "parentSpanId")
+
+
+def _on(variable: str, default: str = "") -> str:
+    return os.environ.get(variable, default).strip().lower()
+
+
+def otlp_configured(signal: str = "traces") -> bool:
+    """Whether the standard OTEL_* variables ask for OTLP export of this signal (traces | metrics)."""
+    if _on("OTEL_SDK_DISABLED") == "true" or _on(f"OTEL_{signal.upper()}_EXPORTER", "otlp") == "none":
+        return False
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
 
 
 class SpanRecorder:
-    def __init__(self, resource: dict):
+    """keep: hold finished spans for ``drain`` (files); live: also export them over OTLP/HTTP."""
+
+    def __init__(self, resource: dict, keep: bool = True, live: bool | None = None):
         self.resource = dict(resource)
-        self._exporter = InMemorySpanExporter()
-        provider = TracerProvider(resource=Resource.create(self.resource))
-        provider.add_span_processor(SimpleSpanProcessor(self._exporter))
-        self._tracer = provider.get_tracer(SCOPE)
+        self._resource = Resource.create(self.resource)
+        self._provider = TracerProvider(resource=self._resource)
+        self._exporter = InMemorySpanExporter() if keep else None
+        if keep:
+            self._provider.add_span_processor(SimpleSpanProcessor(self._exporter))
+        if otlp_configured() if live is None else live:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in os.environ else LIVE_QUEUE
+            self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=queue))
+        self._tracer = self._provider.get_tracer(SCOPE)
+        self._meters = None
 
     def start(self, name: str, parent=None, start_ns: int | None = None, attrs: dict | None = None):
         """A live span; parent is a span, a (trace id, span id) pair from another process, or None."""
@@ -50,6 +85,8 @@ class SpanRecorder:
 
     def drain(self) -> list[dict]:
         """Finished spans as records, oldest first; the recorder forgets them."""
+        if self._exporter is None:
+            return []
         spans = self._exporter.get_finished_spans()
         self._exporter.clear()
         return [{"name": s.name, "trace_id": s.context.trace_id, "span_id": s.context.span_id,
@@ -57,3 +94,64 @@ class SpanRecorder:
                  "start_ns": s.start_time, "end_ns": s.end_time, "attributes": dict(s.attributes),
                  "error": s.status.description if s.status.status_code == StatusCode.ERROR else None}
                 for s in spans]
+
+    def observe_hbm(self, read: Callable[[], dict[int, tuple[int, int]]]) -> None:
+        """Export ``read()`` (card -> (live, peak) bytes) as two gauges when OTLP metrics are configured;
+        observed at each export (``OTEL_METRIC_EXPORT_INTERVAL``) and at shutdown, never per node."""
+        if self._meters is not None or not otlp_configured("metrics"):
+            return
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.metrics import Observation
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        def gauge(i: int):
+            return lambda _options: [Observation(v[i], {"dsv41.card": c}) for c, v in sorted(read().items())]
+
+        self._meters = MeterProvider(resource=self._resource,
+                                     metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
+        meter = self._meters.get_meter(SCOPE)
+        meter.create_observable_gauge("dsv41.hbm.live_bytes", [gauge(0)], unit="By",
+                                      description="card HBM in use: weights + caches + live transient values")
+        meter.create_observable_gauge("dsv41.hbm.peak_bytes", [gauge(1)], unit="By",
+                                      description="card HBM peak so far in the run")
+
+    def shutdown(self) -> None:
+        """Flush what is still queued for the collector (spans, then a last metrics reading)."""
+        self._provider.shutdown()
+        if self._meters is not None:
+            self._meters.shutdown()
+
+
+def otlp_json_lines(records: list[dict], resource: dict) -> list[str]:
+    """OTLP JSON, one ``ExportTraceServiceRequest`` per trace: the OTLP exporter's protobuf encoder,
+    then protobuf's JSON mapping with the two changes the OTLP/JSON spec makes to it (trace and
+    span ids in hex, not base64; enums as integers)."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    res, scope = Resource.create(resource), InstrumentationScope(SCOPE)
+    by_trace = defaultdict(list)
+    for r in records:
+        by_trace[r["trace_id"]].append(_readable(r, res, scope))
+    lines = []
+    for spans in by_trace.values():
+        doc = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for s in ss["spans"]:
+                    for k in HEX_IDS:
+                        if k in s:
+                            s[k] = base64.b64decode(s[k]).hex()
+        lines.append(json.dumps(doc, separators=(",", ":")))
+    return lines
+
+
+def _readable(r: dict, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    parent = None if r["parent_id"] is None else SpanContext(r["trace_id"], r["parent_id"], False, flags)
+    status = Status(StatusCode.ERROR, r["error"]) if r["error"] is not None else Status(StatusCode.UNSET)
+    return ReadableSpan(name=r["name"], context=SpanContext(r["trace_id"], r["span_id"], False, flags),
+                        parent=parent, resource=resource, attributes=r["attributes"], kind=SpanKind.INTERNAL,
+                        status=status, start_time=r["start_ns"], end_time=r["end_ns"],
+                        instrumentation_scope=scope)
