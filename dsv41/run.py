@@ -22,9 +22,9 @@ from dsv41.kernels.device_time import BACKENDS
 from dsv41.telemetry import cli as telemetry
 
 EXECUTORS = ("sync", "threads", "distributed", "reference")
-# Measured on the default TINY run (README, "Choosing an executor"): threads lost to sync on a
-# 2-core machine (the GIL hand-off between two executor threads costs more than they overlap).
-DEFAULT_EXECUTOR = "sync"
+# Measured on the default TINY run (README, "Choosing an executor"): threads took 0.53-0.67 of
+# sync's wall time for the same CPU time on 2 cores. Revisit when the executors change.
+DEFAULT_EXECUTOR = "threads"
 
 EPILOG = """\
 modes and the flags that go with them:
@@ -49,8 +49,9 @@ def build_parser() -> rules.Parser:
     p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
-                   help="sync is the default: on few cores threads is slower (README, Choosing an executor); "
-                        "distributed runs one dask worker per card and shows the dashboard")
+                   help="threads (default) was the fastest here; sync runs one node at a time (same tokens, "
+                        "easier to profile); distributed runs one dask worker per card and has the dashboard; "
+                        "reference is the monolithic model (README: Choosing an executor)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--ep", type=int, default=None, help="must equal tp*dp (the default)")

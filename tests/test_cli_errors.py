@@ -71,14 +71,16 @@ MATRIX = [
 ]
 
 
-def _error_line(capsys, argv: list[str]) -> str:
+def _error_line(capsys, argv: list[str], started: bool = False) -> str:
+    """started: the error comes from reaching the cluster, after the run's header line."""
     t0 = time.perf_counter()
     with pytest.raises(SystemExit) as exit_:
         run.main(argv)
     assert exit_.value.code == 2
     assert time.perf_counter() - t0 < 60   # a hang guard, not a speed target
     captured = capsys.readouterr()
-    assert captured.out == ""
+    assert captured.out == "" or (started and captured.out.startswith("dsv41 decode:") and
+                                  len(captured.out.splitlines()) == 1), captured.out
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, captured.err
     return lines[0]
@@ -128,14 +130,13 @@ def _cli(*argv, env=None, cwd=None, timeout=120):
 
 @pytest.mark.timeout(240)
 def test_real_processes_print_one_line_and_no_traceback(tmp_path):
-    for argv, start in [(["--batch", "1000000"], "--batch: must be in [1, 16]"),
-                        (["--executor", "distributed", "--address", "tcp://127.0.0.1:1"],
+    for argv, start in [(["--executor", "distributed", "--address", "tcp://127.0.0.1:1"],
                          "--address tcp://127.0.0.1:1: connection refused"),
                         (["--config", "flash"], "--config: flash needs at least")]:
         r = _cli(*argv, cwd=tmp_path)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(PROG + start), r.stderr
-        assert r.stdout == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- distributed: a scheduler the test starts ------------------------------------------------------------
@@ -148,14 +149,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def scheduler(tmp_path_factory):
-    """A dask scheduler with workers named '0' (1 thread), '1' (2 threads) and 'a' (1 thread)."""
+    """A dask scheduler with workers named '0' (1 thread), '2' (2 threads) and 'a' (1 thread)."""
     folder = tmp_path_factory.mktemp("scheduler")
     address = f"tcp://127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                "--port", address.rsplit(":", 1)[1], "--no-dashboard"],
                               cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
-        for name, threads in [("0", 1), ("1", 2), ("a", 1)]:
+        for name, threads in [("0", 1), ("2", 2), ("a", 1)]:
             procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
                                            "--name", name, "--nthreads", str(threads), "--no-nanny",
                                            "--no-dashboard"],
@@ -176,16 +177,16 @@ def test_distributed_connection_failures(capsys, monkeypatch, tmp_path, schedule
     dist = ["--executor", "distributed", "--address", scheduler, "--connect-timeout", "2"]
 
     t0 = time.perf_counter()
-    msg = _error_line(capsys, dist + ["--tp", "2", "--dp", "1"])         # worker '1' has two threads: at once
-    assert msg.startswith(PROG + f"--address {scheduler}: expected 2 worker(s) named 0..1 with one thread each")
-    assert "'1' (2 threads)" in msg and "'a' (1 thread)" in msg
+    msg = _error_line(capsys, dist + ["--tp", "4", "--dp", "1"], started=True)   # '2' has two threads: at once
+    assert msg.startswith(PROG + f"--address {scheduler}: expected 4 worker(s) named 0..3 with one thread each; ")
+    assert msg.endswith("the scheduler has 3: '0' (1 thread), '2' (2 threads), 'a' (1 thread)")
     assert time.perf_counter() - t0 < 15
 
     t0 = time.perf_counter()
-    msg = _error_line(capsys, dist + ["--tp", "2", "--dp", "2"])         # '2' and '3' missing: at the timeout
-    assert f"expected 4 worker(s) named 0..3 with one thread each within 2 s; the scheduler has 3: " in msg
-    assert "'0' (1 thread), '1' (2 threads), 'a' (1 thread)" in msg
+    msg = _error_line(capsys, dist + ["--tp", "2", "--dp", "1"], started=True)   # '1' missing: at the timeout
+    assert msg == (PROG + f"--address {scheduler}: expected 2 worker(s) named 0..1 with one thread each within 2 s; "
+                   "the scheduler has 3: '0' (1 thread), '2' (2 threads), 'a' (1 thread)")
     assert 2 <= time.perf_counter() - t0 < 20
 
-    msg = _error_line(capsys, ["--executor", "distributed", "--address", "tcp://127.0.0.1:1"])
+    msg = _error_line(capsys, ["--executor", "distributed", "--address", "tcp://127.0.0.1:1"], started=True)
     assert msg == PROG + "--address tcp://127.0.0.1:1: connection refused: no dask scheduler listens there"

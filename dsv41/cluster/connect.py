@@ -123,6 +123,6 @@ def _want(cards: int) -> str:
 def _have(workers: dict) -> str:
     if not workers:
         return "the scheduler has no workers"
-    listed = ", ".join(f"{w.get('name')!r} ({w.get('nthreads')} thread{'s' if w.get('nthreads') != 1 else ''})"
+    listed = ", ".join(f"'{w.get('name')}' ({w.get('nthreads')} thread{'s' if w.get('nthreads') != 1 else ''})"
                        for w in sorted(workers.values(), key=lambda w: str(w.get("name"))))
     return f"the scheduler has {len(workers)}: {listed}"
