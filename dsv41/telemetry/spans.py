@@ -42,12 +42,19 @@ def otlp_configured(signal: str = "traces") -> bool:
                 or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
 
 
+def otel_resource(attrs: dict) -> Resource:
+    """The run's attributes over the SDK's (OTEL_RESOURCE_ATTRIBUTES); OTEL_SERVICE_NAME renames the service."""
+    if os.environ.get("OTEL_SERVICE_NAME"):
+        attrs = {**attrs, "service.name": os.environ["OTEL_SERVICE_NAME"]}
+    return Resource.create(attrs)
+
+
 class SpanRecorder:
     """keep: hold finished spans for ``drain`` (files); live: also export them over OTLP/HTTP."""
 
     def __init__(self, resource: dict, keep: bool = True, live: bool | None = None):
         self.resource = dict(resource)
-        self._resource = Resource.create(self.resource)
+        self._resource = otel_resource(self.resource)
         self._provider = TracerProvider(resource=self._resource)
         self._exporter = InMemorySpanExporter() if keep else None
         if keep:
@@ -130,7 +137,7 @@ def otlp_json_lines(records: list[dict], resource: dict) -> list[str]:
     from google.protobuf.json_format import MessageToDict
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-    res, scope = Resource.create(resource), InstrumentationScope(SCOPE)
+    res, scope = otel_resource(resource), InstrumentationScope(SCOPE)
     by_trace = defaultdict(list)
     for r in records:
         by_trace[r["trace_id"]].append(_readable(r, res, scope))
