@@ -105,7 +105,7 @@ def logits_sha256(logits: torch.Tensor) -> str:
 
 
 def make_engine(args, cfg, topo, progress: Progress):
-    max_context = args.prompt_len + (args.new_tokens if args.graph == "decode" else 0) + 1
+    max_context = rules.max_context(args)
     if args.executor == "reference":
         from dsv41.ops.reference import ReferenceModel
         return ReferenceModel(cfg, seed=args.seed, max_batch=args.batch, max_context=max_context)
@@ -155,8 +155,16 @@ def run(args) -> int:
 
 
 def _generate(args, cfg, topo, engine, progress: Progress) -> int:
-    say = progress.say
     tracing = telemetry.start(args, engine)
+    try:
+        return _steps(args, cfg, topo, engine, progress, tracing)
+    finally:
+        if tracing is not None:
+            tracing.close()
+
+
+def _steps(args, cfg, topo, engine, progress: Progress, tracing) -> int:
+    say = progress.say
     prompts = prompts_for(cfg, args.batch, args.prompt_len, args.seed)
     stats = []
     steps = args.new_tokens if args.graph == "decode" else 0

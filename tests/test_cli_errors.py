@@ -190,3 +190,15 @@ def test_distributed_connection_failures(capsys, monkeypatch, tmp_path, schedule
 
     msg = _error_line(capsys, ["--executor", "distributed", "--address", "tcp://127.0.0.1:1"], started=True)
     assert msg == PROG + "--address tcp://127.0.0.1:1: connection refused: no dask scheduler listens there"
+
+
+def test_an_error_past_the_checks_is_one_line_and_stops_tracing(capsys, monkeypatch, tmp_path):
+    from dsv41.cluster.runtime import Hooks
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "prompts_for", lambda cfg, batch, length, seed: [[cfg.vocab_size] * length] * batch)
+    assert run.main(["--executor", "sync", "--tp", "1", "--dp", "1", "--batch", "1", "--prompt-len", "3",
+                     "--trace", "t"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("python -m dsv41.run: error: ValueError: token_ids: must be ints in [0, 511], got 512 "
+                   "(--debug shows the traceback)")
+    assert Hooks.tracer is None

@@ -148,7 +148,8 @@ def _batch(a, cfg):
                 f"{where}), got {a.batch}")
 
 
-def _max_context(a, cfg) -> int:
+def max_context(a) -> int:
+    """Tokens a request of the run reaches: its prompt, the generated tokens and one spare row."""
     return a.prompt_len + (a.new_tokens if a.graph == "decode" else 0) + 1
 
 

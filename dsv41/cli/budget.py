@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import psutil
 
-from dsv41.cli.args import PLAN, REFERENCE, mode, per_group
+from dsv41.cli.args import PLAN, REFERENCE, max_context, mode, per_group
 from dsv41.config import Topology
 from dsv41.telemetry.sizing import request_cache_bytes, weights_by_kind
 
@@ -26,9 +26,8 @@ def cards_here(a) -> int:
 def card_bytes(a, cfg) -> tuple[int, int]:
     """(weights, caches) of one card; every card holds the same under the sharding policy."""
     topo = Topology(1, 1, 1) if mode(a) == REFERENCE else Topology(a.tp, a.dp, a.ep)
-    context = a.prompt_len + (a.new_tokens if a.graph == "decode" else 0) + 1
     weights = sum(weights_by_kind(cfg, topo, 0).values())
-    return weights, per_group(a) * sum(request_cache_bytes(cfg, context).values())
+    return weights, per_group(a) * sum(request_cache_bytes(cfg, max_context(a)).values())
 
 
 def check_budget(a, cfg, available: int | None = None) -> str | None:

@@ -124,17 +124,28 @@ class Tracing:
 
     def finish(self, result: dict, say):
         self.report.__exit__(None, None, None)
+        self.report = None
         files = {}
         if self.session is not None:
             if self.keep:
                 files = write_traces(self.name, self.session.collect(), self.session.resource)
             result["hbm"] = self.session.hbm()
-            self.session.close()
+        self.close()
         if self.report_path:
             files["dask_report"] = self.report_path
         result["traces"] = files
         for kind, path in files.items():
             say(f"  {kind}: {path}")
+
+
+    def close(self):
+        """Stop tracing, also when the run failed (idempotent)."""
+        if self.report is not None:
+            self.report.__exit__(None, None, None)
+            self.report = None
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
 
 def start(args, engine):
