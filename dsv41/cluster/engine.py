@@ -179,7 +179,8 @@ class GraphEngine(StepModel):
             raise ValueError("--dashboard: needs --executor distributed")
         say(f"  dashboard: {self.runner.dashboard_link}")
         if seconds is None:
-            input("  press Enter to shut down ")
+            say("  press Enter to shut down")   # through say: with --json stdout holds only the result
+            input()
         else:
             time.sleep(seconds)
 
