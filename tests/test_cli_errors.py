@@ -180,13 +180,13 @@ def test_distributed_connection_failures(capsys, monkeypatch, tmp_path, schedule
     msg = _error_line(capsys, dist + ["--tp", "4", "--dp", "1"], started=True)   # '2' has two threads: at once
     assert msg.startswith(PROG + f"--address {scheduler}: expected 4 worker(s) named 0..3 with one thread each; ")
     assert msg.endswith("the scheduler has 3: '0' (1 thread), '2' (2 threads), 'a' (1 thread)")
-    assert time.perf_counter() - t0 < 15
+    assert time.perf_counter() - t0 < 60     # hang guards; the connect timeout itself is 2 s
 
     t0 = time.perf_counter()
     msg = _error_line(capsys, dist + ["--tp", "2", "--dp", "1"], started=True)   # '1' missing: at the timeout
     assert msg == (PROG + f"--address {scheduler}: expected 2 worker(s) named 0..1 with one thread each within 2 s; "
                    "the scheduler has 3: '0' (1 thread), '2' (2 threads), 'a' (1 thread)")
-    assert 2 <= time.perf_counter() - t0 < 20
+    assert 2 <= time.perf_counter() - t0 < 60
 
     msg = _error_line(capsys, ["--executor", "distributed", "--address", "tcp://127.0.0.1:1"], started=True)
     assert msg == PROG + "--address tcp://127.0.0.1:1: connection refused: no dask scheduler listens there"
