@@ -43,14 +43,14 @@ MATRIX = [
     ("--executor distributed --dashboard", "--dashboard", ["stdin is not a terminal", "--hold"]),
     ("--executor distributed --dashboard --hold -1", "--hold", [">= 0"]),
     # flags that do not apply to the chosen mode name both flags
-    ("--dashboard", "--dashboard", ["--executor sync", "--executor distributed"]),
+    ("--dashboard", "--dashboard", ["--executor threads", "--executor distributed"]),
     ("--executor threads --dashboard", "--dashboard", ["--executor threads"]),
-    ("--hold 5", "--hold", ["--executor sync"]),
+    ("--hold 5", "--hold", ["--executor threads"]),
     ("--executor distributed --hold 5", "--hold", ["needs --dashboard"]),
-    ("--address tcp://127.0.0.1:8786", "--address", ["--executor sync"]),
-    ("--executor threads --address tcp://127.0.0.1:8786", "--address", ["--executor threads"]),
-    ("--report", "--report", ["--executor sync", "--executor distributed"]),
-    ("--plan --executor sync", "--executor", ["--plan"]),
+    ("--address tcp://127.0.0.1:8786", "--address", ["--executor threads"]),
+    ("--executor sync --address tcp://127.0.0.1:8786", "--address", ["--executor sync"]),
+    ("--report", "--report", ["--executor threads", "--executor distributed"]),
+    ("--plan --executor sync", "--executor", ["--plan", "runs nothing"]),
     ("--plan --report", "--report", ["--plan"]),
     ("--plan --executor reference --tp 4 --dp 2", "--executor", ["--plan"]),
     ("--plan --prompt-len 9", "--prompt-len", ["--plan"]),
@@ -63,7 +63,7 @@ MATRIX = [
     ("--executor reference --show-graph g.dot", "--show-graph", ["--executor reference"]),
     ("--executor reference --trace t", "--trace", ["--executor reference"]),
     ("--graph prefill --new-tokens 100", "--new-tokens", ["needs --graph decode"]),
-    ("--context 100", "--context", ["--executor sync", "--plan"]),
+    ("--context 100", "--context", ["--executor threads", "--plan"]),
     ("--device-profile h200", "--device-profile", ["needs --trace"]),
     # cost before commitment
     ("--config flash", "--config", ["GB", "available", "--plan --config flash"]),
@@ -94,6 +94,13 @@ def test_mistaken_command(capsys, monkeypatch, tmp_path, line, flag, words):
     for w in words:
         assert w in msg, msg
     assert list(tmp_path.iterdir()) == []       # nothing written: every check runs before any work
+
+
+def test_svg_without_graphviz(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(rules.shutil, "which", lambda exe: None)
+    msg = _error_line(capsys, ["--show-graph", "g.svg"])
+    assert msg == PROG + "--show-graph: an .svg needs graphviz's 'dot' on PATH, which is missing; ask for a .dot file instead"
 
 
 def test_every_flag_has_a_row():
@@ -187,6 +194,11 @@ def test_distributed_connection_failures(capsys, monkeypatch, tmp_path, schedule
     assert msg == (PROG + f"--address {scheduler}: expected 2 worker(s) named 0..1 with one thread each within 2 s; "
                    "the scheduler has 3: '0' (1 thread), '2' (2 threads), 'a' (1 thread)")
     assert 2 <= time.perf_counter() - t0 < 60
+
+    t0 = time.perf_counter()
+    msg = _error_line(capsys, ["--executor", "distributed", "--address", "tcp://10.255.255.1:8786",
+                               "--connect-timeout", "1"], started=True)    # nothing answers there
+    assert msg.startswith(PROG + "--address tcp://10.255.255.1:8786: ") and time.perf_counter() - t0 < 60
 
     msg = _error_line(capsys, ["--executor", "distributed", "--address", "tcp://127.0.0.1:1"], started=True)
     assert msg == PROG + "--address tcp://127.0.0.1:1: connection refused: no dask scheduler listens there"

@@ -53,7 +53,7 @@ def mode_flag(m: str) -> str:
 
 def _where(modes) -> str:
     if modes == RUN:
-        return "a run (any --executor), not --plan, which runs nothing"
+        return "a run (leave out --plan: it runs nothing)"
     executors = [m for m in EXECUTOR_ORDER if m in modes]
     parts = []
     if executors:
