@@ -60,7 +60,7 @@ def connect(cards: int, address: str | None, dashboard: bool, startup: Startup =
                 raise ConnectError(f"{where}: {problem}")
             try:
                 client = Client(address, timeout=max(0.1, deadline - time.monotonic()))
-            except (OSError, TimeoutError) as e:
+            except Exception as e:   # refused, timed out, or something else listens there
                 raise ConnectError(f"{where}: no dask scheduler answered within {startup.timeout:g} s "
                                    f"({type(e).__name__}: {e})") from None
         address_of = _wait_for_cards(client, cards, deadline, where, startup)
