@@ -100,7 +100,8 @@ def test_svg_without_graphviz(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(rules.shutil, "which", lambda exe: None)
     msg = _error_line(capsys, ["--show-graph", "g.svg"])
-    assert msg == PROG + "--show-graph: an .svg needs graphviz's 'dot' on PATH, which is missing; ask for a .dot file instead"
+    assert msg == PROG + ("--show-graph: an .svg needs graphviz's 'dot' on PATH, which is missing; "
+                          "ask for a .dot file instead")
 
 
 def test_every_flag_has_a_row():
