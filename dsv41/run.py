@@ -22,8 +22,8 @@ from dsv41.kernels.device_time import BACKENDS
 from dsv41.telemetry import cli as telemetry
 
 EXECUTORS = ("sync", "threads", "distributed", "reference")
-# Measured on the default TINY run (README, "Choosing an executor"): threads took 0.53-0.67 of
-# sync's wall time for the same CPU time on 2 cores. Revisit when the executors change.
+# Measured on the default TINY run (README, "Choosing an executor"): threads finished first in three
+# of four pairs on this shared 2-core machine, for the same CPU time. Revisit when the executors change.
 DEFAULT_EXECUTOR = "threads"
 
 EPILOG = """\
@@ -49,9 +49,9 @@ def build_parser() -> rules.Parser:
     p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
-                   help="threads (default) was the fastest here; sync runs one node at a time (same tokens, "
-                        "easier to profile); distributed runs one dask worker per card and has the dashboard; "
-                        "reference is the monolithic model (README: Choosing an executor)")
+                   help="threads (default) was the fastest in most measured runs; on a quiet machine try sync "
+                        "(one submission at a time, same tokens); distributed runs one dask worker per card and "
+                        "has the dashboard; reference is the monolithic model (README: Choosing an executor)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--ep", type=int, default=None, help="must equal tp*dp (the default)")
