@@ -3,7 +3,9 @@
 - Live: with ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set (and the
   other standard ``OTEL_*`` variables: headers, timeout, compression, ``OTEL_BSP_*``,
   ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SDK_DISABLED``), spans go to that collector
-  over OTLP/HTTP through a BatchSpanProcessor, and each card's HBM live/peak bytes as gauges.
+  over OTLP/HTTP through a BatchSpanProcessor, and each card's HBM live/peak bytes as gauges. The
+  exporter runs in a child process (``python -m dsv41.telemetry.spans``) fed batches of span records:
+  its protobuf encoding would otherwise hold the step's GIL.
 - Kept: finished spans also leave as plain records (dicts of ints and strings) so they can cross
   processes (dask workers) and feed the file exporters; ``otlp_json_lines`` encodes them with the
   OTLP exporter's own protobuf encoder.
@@ -13,7 +15,12 @@ from __future__ import annotations
 import base64
 import json
 import os
+import pickle
+import subprocess
+import sys
+import threading
 from collections import defaultdict
+from pathlib import Path
 from typing import Callable
 
 from opentelemetry import trace
@@ -26,6 +33,8 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status,
 
 SCOPE = "dsv41.telemetry"
 LIVE_QUEUE = 1 << 16   # spans; the SDK's 2048 drops spans of one TINY step (~3,400 nodes) before export
+LIVE_BATCH = 512       # span records per hand-off to the exporter process
+CHILD_EXIT_S = 60.0    # the exporter flushes its queue before exiting; a dead collector costs its timeout
 HEX_IDS = ("traceId", "spanId", "parentSpanId")
 
 
@@ -59,6 +68,67 @@ class _Kept(SpanProcessor):
         self.spans.append(span)
 
 
+def _record(s: ReadableSpan) -> dict:
+    return {"name": s.name, "trace_id": s.context.trace_id, "span_id": s.context.span_id,
+            "parent_id": s.parent.span_id if s.parent is not None else None,
+            "start_ns": s.start_time, "end_ns": s.end_time, "attributes": dict(s.attributes),
+            "error": s.status.description if s.status.status_code == StatusCode.ERROR else None}
+
+
+class _LiveExport(SpanProcessor):
+    """Span records, in batches, to the exporter process; the SDK's BatchSpanProcessor and OTLP/HTTP
+    exporter do the rest there."""
+
+    def __init__(self, resource: dict):
+        repo = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+        self._proc = subprocess.Popen([sys.executable, "-m", "dsv41.telemetry.spans"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, env=env)
+        self._batch: list[dict] = []
+        self._lock = threading.Lock()     # the threads executor ends spans from several threads
+        self._send(resource)
+
+    def _send(self, obj) -> None:
+        pickle.dump(obj, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        self._proc.stdin.flush()
+
+    def on_end(self, span: ReadableSpan) -> None:
+        with self._lock:
+            self._batch.append(_record(span))
+            if len(self._batch) >= LIVE_BATCH:
+                self._send(self._batch)
+                self._batch = []
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._proc.poll() is None:
+                self._send(self._batch)
+                self._proc.stdin.close()
+                self._batch = []
+        try:
+            self._proc.wait(CHILD_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _export_forever(stream) -> None:
+    """The exporter process: span records from ``stream`` into a BatchSpanProcessor(OTLPSpanExporter)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    resource = otel_resource(pickle.load(stream))
+    scope = InstrumentationScope(SCOPE)
+    queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in os.environ else LIVE_QUEUE
+    processor = BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=queue)
+    while True:
+        try:
+            batch = pickle.load(stream)
+        except EOFError:
+            break
+        for r in batch:
+            processor.on_end(_readable(r, resource, scope))
+    processor.shutdown()
+
+
 class SpanRecorder:
     """keep: hold finished spans for ``drain`` (files); live: also export them over OTLP/HTTP."""
 
@@ -70,9 +140,7 @@ class SpanRecorder:
         if keep:
             self._provider.add_span_processor(self._kept)
         if otlp_configured() if live is None else live:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in os.environ else LIVE_QUEUE
-            self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=queue))
+            self._provider.add_span_processor(_LiveExport(self.resource))
         self._tracer = self._provider.get_tracer(SCOPE)
         self._meters = None
 
@@ -105,11 +173,7 @@ class SpanRecorder:
         if self._kept is None:
             return []
         spans, self._kept.spans = self._kept.spans, []    # called between steps: nothing ends meanwhile
-        return [{"name": s.name, "trace_id": s.context.trace_id, "span_id": s.context.span_id,
-                 "parent_id": s.parent.span_id if s.parent is not None else None,
-                 "start_ns": s.start_time, "end_ns": s.end_time, "attributes": dict(s.attributes),
-                 "error": s.status.description if s.status.status_code == StatusCode.ERROR else None}
-                for s in spans]
+        return [_record(s) for s in spans]
 
     def observe_hbm(self, read: Callable[[], dict[int, tuple[int, int]]]) -> None:
         """Export ``read()`` (card -> (live, peak) bytes) as two gauges when OTLP metrics are configured;
@@ -171,3 +235,7 @@ def _readable(r: dict, resource: Resource, scope: InstrumentationScope) -> Reada
                         parent=parent, resource=resource, attributes=r["attributes"], kind=SpanKind.INTERNAL,
                         status=status, start_time=r["start_ns"], end_time=r["end_ns"],
                         instrumentation_scope=scope)
+
+
+if __name__ == "__main__":   # the exporter process of _LiveExport
+    _export_forever(sys.stdin.buffer)
