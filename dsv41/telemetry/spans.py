@@ -83,10 +83,11 @@ class _LiveExport(SpanProcessor):
         repo = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
         self._proc = subprocess.Popen([sys.executable, "-m", "dsv41.telemetry.spans"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.DEVNULL, env=env)
+                                      stdout=subprocess.PIPE, env=env)
         self._batch: list[dict] = []
         self._lock = threading.Lock()     # the threads executor ends spans from several threads
         self._send(resource)
+        self._proc.stdout.read(1)         # ready: its imports (about a second) are not paid inside a step
 
     def _send(self, obj) -> None:
         pickle.dump(obj, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
@@ -119,6 +120,8 @@ def _export_forever(stream) -> None:
     scope = InstrumentationScope(SCOPE)
     queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in os.environ else LIVE_QUEUE
     processor = BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=queue)
+    sys.stdout.buffer.write(b"1")
+    sys.stdout.buffer.flush()
     while True:
         try:
             batch = pickle.load(stream)
