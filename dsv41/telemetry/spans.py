@@ -87,30 +87,46 @@ class _LiveExport(SpanProcessor):
         self._batch: list[dict] = []
         self._lock = threading.Lock()     # the threads executor ends spans from several threads
         self._send(resource)
-        self._proc.stdout.read(1)         # ready: its imports (about a second) are not paid inside a step
+        if self._proc.stdout.read(1) != b"1":   # ready: its imports (a second) stay out of the steps
+            self._stop()                         # it could not start; its error is on stderr
+
+    def _stop(self) -> None:
+        """Live export ends (the exporter died or failed to start); the run goes on without it."""
+        self._proc.kill()
+        self._proc.wait()
+        self._proc = None
 
     def _send(self, obj) -> None:
         pickle.dump(obj, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
         self._proc.stdin.flush()
 
     def on_end(self, span: ReadableSpan) -> None:
+        if self._proc is None:
+            return
         with self._lock:
             self._batch.append(_record(span))
             if len(self._batch) >= LIVE_BATCH:
-                self._send(self._batch)
-                self._batch = []
+                batch, self._batch = self._batch, []
+                try:
+                    self._send(batch)
+                except OSError:
+                    self._stop()
 
     def shutdown(self) -> None:
+        if self._proc is None:
+            return
         with self._lock:
-            if self._proc.poll() is None:
+            try:
                 self._send(self._batch)
                 self._proc.stdin.close()
-                self._batch = []
+            except OSError:
+                pass
+            self._batch = []
         try:
             self._proc.wait(CHILD_EXIT_S)
+            self._proc = None
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+            self._stop()
 
 
 def _export_forever(stream) -> None:
