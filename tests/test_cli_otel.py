@@ -172,3 +172,17 @@ def test_trace_and_graph_files_stay_under_traces(monkeypatch, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["graph_file"] == "traces/g.dot" and open(tmp_path / "traces/g.dot").read().startswith("digraph")
     assert _listing(tmp_path) == {"traces/t.otlp.jsonl", "traces/t.perfetto.json", "traces/g.dot"}
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_exporter_never_stops_the_run(monkeypatch):
+    from dsv41.telemetry import spans
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    recorder = spans.SpanRecorder({"service.name": "dsv41"}, keep=True)
+    live = next(p for p in recorder._provider._active_span_processor._span_processors
+                if isinstance(p, spans._LiveExport))
+    live._proc.kill()
+    for _ in range(3 * spans.LIVE_BATCH):
+        recorder.end(recorder.start("node"))
+    assert live._proc is None and len(recorder.drain()) == 3 * spans.LIVE_BATCH
+    recorder.shutdown()
