@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.config import FLASH, TINY  # noqa: E402
-from dsv41.kernels.pypto_backend import SimCache, node_parts, sim_time_us  # noqa: E402
+from dsv41.kernels.pypto.backend import SimCache, node_parts, sim_time_us  # noqa: E402
 
 SETS = {"TINY": (TINY, TINY.decode_max_tokens, 1, 1), "FLASH": (FLASH, FLASH.decode_max_tokens, 4, 8)}
 
@@ -57,7 +57,7 @@ def cold_warm() -> None:
     parts = unique_parts(*SETS["TINY"])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "sim_times.json"
-        from dsv41.kernels.pypto_sim import close_workers
+        from dsv41.kernels.pypto.sim import close_workers
         close_workers()  # cold includes starting the worker (import pypto)
         t0 = time.perf_counter()
         cold = [sim_time_us(k, s, cache=SimCache(path)) for k, s in [parts[0]]]
@@ -74,7 +74,7 @@ def cold_warm() -> None:
         disk = [sim_time_us(k, s, cache=SimCache(path), simulate=never) for k, s in parts]
         t_disk = time.perf_counter() - t0
         # a second process: the disk cache alone must answer, with pypto never imported
-        code = ("import sys; from dsv41.kernels.pypto_sim import SimCache, sim_time_us; parts=%r; "
+        code = ("import sys; from dsv41.kernels.pypto.sim import SimCache, sim_time_us; parts=%r; "
                 "c=SimCache(%r); f=lambda *a: (_ for _ in ()).throw(AssertionError('simulated')); "
                 "print([sim_time_us(k, s, cache=c, simulate=f) for k, s in parts]); "
                 "assert 'pypto' not in sys.modules" % (parts, str(path)))

@@ -18,9 +18,9 @@ from dsv41.config import PRESETS, Topology
 from dsv41.graph.build import REPLICATED, build
 from dsv41.kernels.device_time import node_sim_us
 from dsv41.kernels.signatures import SIGNATURES, nbytes
-from dsv41.telemetry.plan import CardContext, step_inputs
-from dsv41.telemetry.roofline import node_us, profile
-from dsv41.telemetry.sizing import card_weights, node_cost
+from dsv41.plan.step import CardContext, step_inputs
+from dsv41.plan.roofline import node_us, profile
+from dsv41.plan.sizing import card_weights, node_cost
 
 NODES = ["rope/compressed/token@c0", "L3/attn/norm@c0", "L3/attn/pre@c0", "L3/attn/q_proj@c0",
          "L3/attn/kv_proj@c0", "L3/attn/leaf.c2a_reuse@c0", "L3/attn/o_proj@c0", "L3/attn/post@c0",

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from dsv41.cluster.engine import GraphEngine
-from dsv41.cluster.runtime import Hooks
+from dsv41.cluster.registry import Hooks
 from dsv41.config import PRESETS, Topology
 from dsv41.telemetry.session import TraceSession
 
@@ -57,7 +57,7 @@ def main():
             session.collect()
             session.close()
     nodes, subs = engine.last_stats["nodes"], engine.last_stats["submissions"]
-    check_ns = timeit.timeit("Hooks.tracer is not None", globals={"Hooks": Hooks}, number=200_000) / 200_000 * 1e9
+    check_ns = timeit.timeit("hooks.tracer is not None", globals={"hooks": Hooks()}, number=200_000) / 200_000 * 1e9
     off_path_us = (2 * nodes + 2 * subs) * check_ns / 1e3
     off, on = statistics.median(ms["off"]), statistics.median(ms["on"])
     print(json.dumps({

@@ -1,8 +1,9 @@
 """Command line: ``python -m dsv41.run --graph decode|prefill``.
 
-Runs a prefill of ``--batch`` random prompts of ``--prompt-len`` tokens, then (decode) greedy
-steps, on the chosen executor, and prints a readable summary or one JSON object (``--json``).
-Every argument is checked before any work; ``dsv41.cli.args`` holds the rules.
+Runs a prefill of ``--batch`` random prompts of ``--prompt-len`` tokens (or, with ``--checkpoint``,
+the ``--prompt`` texts), then (decode) greedy steps, on the chosen executor, and prints a readable
+summary or one JSON object (``--json``). Every argument is checked before any work; ``dsv41.cli.args``
+holds the rules.
 """
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import time
 
 import torch
 
+from dsv41.checkpoint.errors import CheckpointError
+from dsv41.checkpoint.text import TextStream
 from dsv41.cli import args as rules
 from dsv41.cli.progress import Progress
 from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
 from dsv41.config import PRESETS, Topology
 from dsv41.kernels.device_time import BACKENDS
+from dsv41.plan import cli as plan_cli
 from dsv41.telemetry import cli as telemetry
 
 EXECUTORS = ("sync", "threads", "distributed", "reference")
@@ -28,13 +32,17 @@ DEFAULT_EXECUTOR = "threads"
 
 EPILOG = """\
 modes and the flags that go with them:
-  every mode        --graph --config --batch --json --debug
+  every mode        --graph --config --checkpoint --batch --json --debug
   a run             --prompt-len --seed --new-tokens (--graph decode only)
+                    --prompt --prompt-file (with --checkpoint) --chat (with a prompt)
   graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
+  sync, threads     --check
   distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
-  --plan            --tp --dp --ep --wiring --context --trace --device-profile
+  --plan            --tp --dp --ep --wiring --context --dispatch --trace --device-profile
 --batch is the number of requests in total, everywhere: a run spreads them over the DP groups,
---plan spreads them evenly (so it must be a multiple of --dp). Files go under ./traces/ only.
+--plan spreads them evenly (so it must be a multiple of --dp). With --checkpoint its config.json is
+the config (no --config); with --prompt/--prompt-file the batch is the prompts (no --batch,
+--prompt-len or --seed). Files go under ./traces/ only.
 """
 
 
@@ -71,23 +79,37 @@ def build_parser() -> rules.Parser:
                    help="write the last step's graph as traces/NAME (NAME.dot, or NAME.svg with graphviz)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout (progress goes to stderr)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    p.add_argument("--check", action="store_true",
+                   help="check every node against the Torch golden on its inputs (sync/threads executors)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="with --checkpoint; repeatable (the batch is the number of prompts)")
+    p.add_argument("--prompt-file", default=None, metavar="PATH", help="with --checkpoint: one prompt per line")
+    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt")
     telemetry.add_arguments(p)
     return p
 
 
 APPLIES = {**rules.APPLIES, **telemetry.APPLIES}
+FIRST = rules.FIRST     # before the config is known (it may come from --checkpoint)
 CHECKS = rules.CHECKS + telemetry.CHECKS + rules.LAST
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
-    """Parsed and checked arguments; a usage error exits 2 with one line (raises with --debug)."""
+    """Parsed and checked arguments; a usage error exits 2 with one line (raises with --debug).
+
+    With --checkpoint, its config.json is read and the prompts encoded here (``rules.model_config``):
+    ``codec`` and ``prompt_ids`` are set, and --batch/--prompt-len become the prompts' count and length.
+    """
     p = parser or build_parser()
     a = p.parse_args(argv)
     if a.ep is None:
         a.ep = a.tp * a.dp
     try:
         rules.check_modes(a, rules.given_flags(p, argv), APPLIES)
-        rules.run_checks(a, PRESETS[a.config], CHECKS, APPLIES)
+        rules.run_checks(a, None, FIRST, APPLIES)
+        rules.run_checks(a, rules.model_config(a), CHECKS, APPLIES)
     except rules.UsageError as e:
         if a.debug:
             raise
@@ -104,16 +126,17 @@ def logits_sha256(logits: torch.Tensor) -> str:
     return hashlib.sha256(logits.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
-def make_engine(args, cfg, topo, progress: Progress):
+def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
     max_context = rules.max_context(args)
     if args.executor == "reference":
         from dsv41.ops.reference import ReferenceModel
-        return ReferenceModel(cfg, seed=args.seed, max_batch=args.batch, max_context=max_context)
+        return ReferenceModel(cfg, seed=args.seed, max_batch=args.batch, max_context=max_context,
+                              checkpoint=checkpoint)
     from dsv41.cluster.engine import GraphEngine
     startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
     return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
                        wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
-                       max_context=max_context, backend=args.backend, startup=startup)
+                       max_context=max_context, backend=args.backend, checkpoint=checkpoint, startup=startup)
 
 
 def main(argv=None) -> int:
@@ -136,16 +159,26 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    cfg = PRESETS[args.config]
+    ckpt = None
+    if args.checkpoint is not None:
+        from dsv41.checkpoint.reader import open_checkpoint
+        try:
+            ckpt = open_checkpoint(args.checkpoint)   # every header checked: nothing is served from a bad folder
+        except CheckpointError as e:
+            return _refuse(e)
+    cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
     topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep)
     progress = Progress(args.json)
     say = progress.say
     if args.plan:
-        return telemetry.plan_command(args, cfg, topo, say)
+        return plan_cli.plan_command(args, cfg, topo, say)
     say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} ep={topo.ep} "
         f"batch={args.batch} prompt_len={args.prompt_len}")
     t0 = time.perf_counter()
-    engine = make_engine(args, cfg, topo, progress)
+    try:
+        engine = make_engine(args, cfg, topo, progress, ckpt)
+    except CheckpointError as e:   # a value found bad as the weights were read, before any step
+        return _refuse(e)
     try:
         say(f"  built in {time.perf_counter() - t0:.2f} s")
         return _generate(args, cfg, topo, engine, progress)
@@ -165,13 +198,17 @@ def _generate(args, cfg, topo, engine, progress: Progress) -> int:
 
 def _steps(args, cfg, topo, engine, progress: Progress, tracing) -> int:
     say = progress.say
-    prompts = prompts_for(cfg, args.batch, args.prompt_len, args.seed)
+    checker = _start_check(args, engine)
+    prompts = args.prompt_ids or prompts_for(cfg, args.batch, args.prompt_len, args.seed)
+    codec = args.codec
     stats = []
     steps = args.new_tokens if args.graph == "decode" else 0
     tokens = [[] for _ in prompts]
     step_ms = []
+    stream = TextStream(codec, len(prompts)) if codec is not None else None
+    live = list(range(len(prompts)))      # requests still generating (EOS ends one)
     with progress.steps(1 + max(0, steps - 1)), progress.compilations():
-        progress.start(f"prefill {args.batch} x {args.prompt_len} tokens")
+        progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens")
         t0 = time.perf_counter()
         logits = engine.prefill(prompts)
         prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -179,17 +216,21 @@ def _steps(args, cfg, topo, engine, progress: Progress, tracing) -> int:
         progress.done(f"  prefill   {prefill_ms:9.1f} ms  {_describe(stats[-1])}")
         rids = list(engine.last_request_ids)
         for i in range(steps):
-            nxt = torch.argmax(logits, -1).tolist()
-            for out, t in zip(tokens, nxt):
-                out.append(t)
-            if i + 1 == steps:
+            nxt = dict(zip(live, torch.argmax(logits, -1).tolist()))
+            for j, t in nxt.items():
+                tokens[j].append(t)
+            if stream is not None:
+                live = stream.step(nxt, say)
+            if i + 1 == steps or not live:
                 break
             progress.start(f"decode {i + 1}/{steps - 1}")
             t0 = time.perf_counter()
-            logits = engine.decode(nxt, rids)
+            logits = engine.decode([nxt[j] for j in live], [rids[j] for j in live])
             step_ms.append((time.perf_counter() - t0) * 1e3)
             stats.append(getattr(engine, "last_stats", {}))
             progress.done(f"  decode {i + 1:3d} {step_ms[-1]:9.1f} ms  {_describe(stats[-1])}")
+    if stream is not None:
+        stream.finish(say)
     if args.graph == "prefill":
         tokens = [[t] for t in torch.argmax(logits, -1).tolist()]
     result = {
@@ -198,16 +239,21 @@ def _steps(args, cfg, topo, engine, progress: Progress, tracing) -> int:
         "tokens": tokens, "step_ms": step_ms, "prefill_ms": prefill_ms,
         "last_logits_sha256": logits_sha256(logits),
     }
+    if codec is not None:
+        result["text"] = [codec.decode(t) for t in tokens]
     if args.executor != "reference":
         last = stats[-1]
         result.update(nodes=last.get("nodes"), submissions=last.get("submissions"),
                       dask_tasks=last.get("dask_tasks"), granularity=args.granularity, wiring=args.wiring,
-                      backend=args.backend)
+                      backend=args.backend, cards=last.get("cards"), host_ms=[s.get("host_ms") for s in stats],
+                      recovered=[r for s in stats for r in s.get("recovered", [])])
         if args.backend != "torch":
             result.update(device_sim_us=[s["device_sim_us"] for s in stats],
                           pypto_kernels=sorted({k for s in stats for k in s["pypto_kernels"]}))
             say(f"  {args.backend} kernels: {', '.join(result['pypto_kernels'])}")
             say(f"  torch only: {', '.join(sorted(engine.last_graph.kernels() - set(result['pypto_kernels'])))}")
+        if checker is not None:
+            _finish_check(checker, result, say)
         if args.show_graph:
             path = telemetry.TRACES / args.show_graph
             path.parent.mkdir(exist_ok=True)
@@ -222,8 +268,30 @@ def _steps(args, cfg, topo, engine, progress: Progress, tracing) -> int:
         print(json.dumps(result))
     else:
         say(f"  tokens: {tokens}")
+        for j, text in enumerate(result.get("text", [])):
+            say(f"  text[{j}]: {text!r}")
         say(f"  last_logits_sha256: {result['last_logits_sha256']}")
     return 0
+
+
+def _start_check(args, engine):
+    if not args.check:
+        return None
+    from dsv41.kernels.check import NodeCheck
+    checker = NodeCheck(args.backend)
+    engine.check_nodes(checker)
+    return checker
+
+
+def _finish_check(checker, result, say):
+    say(checker.table())
+    result["check"] = checker.summary()
+
+
+def _refuse(e: ValueError) -> int:
+    """A checkpoint found bad past the up-front checks: the usage-error line, exit status 2."""
+    print(f"python -m dsv41.run: error: --checkpoint: {e}", file=sys.stderr)
+    return 2
 
 
 def _describe(stats: dict) -> str:

@@ -3,21 +3,17 @@
 ``init_checkpoint`` draws deterministic random weights already in checkpoint format (FP8 E4M3
 payloads with E8M0 32x32 block scales, packed MXFP4 experts with per-row group-32 E8M0 scales,
 BF16 dense tensors, FP32 mHC/sink/bias). ``decode_checkpoint`` turns any such dict (drawn here or
-read from safetensors) into FP32 runtime tensors holding exactly the quantized values. Scales keep
-activations O(1) through all 40 layers.
+read from a checkpoint folder, ``dsv41.checkpoint``) into FP32 runtime tensors holding exactly the
+quantized values. Scales keep activations O(1) through all 40 layers.
 """
 from __future__ import annotations
-
-import json
-import os
-from pathlib import Path
 
 import torch
 
 from dsv41.config import FULL, ModelConfig
 from dsv41.ops.engram import engram_table_rows
-from dsv41.ops.quant import (block_mxfp8_decode, block_mxfp8_encode, e8m0_decode, expert_mxfp4_decode,
-                             expert_mxfp4_encode, mxfp8_encode)
+from dsv41.ops.quant import (block_mxfp8_decode64, block_mxfp8_encode, e4m3_decode, e8m0_decode,
+                             expert_mxfp4_decode64, expert_mxfp4_encode, mxfp8_encode)
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -131,81 +127,45 @@ def checkpoint_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
     return out
 
 
+def is_scaled(name: str, names) -> bool:
+    """Whether ``name`` is a quantized payload (``X.weight`` with an ``X.scale`` partner)."""
+    return name.endswith(".weight") and name[: -len(".weight")] + ".scale" in names
+
+
+def runtime_key(name: str, names) -> str | None:
+    """The runtime key a checkpoint tensor decodes to; None for a scale (it joins its payload)."""
+    if name.endswith(".scale") and not name.endswith("_scale"):
+        return None
+    return name[: -len(".weight")] if is_scaled(name, names) else name
+
+
+def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One runtime weight from its checkpoint tensor(s), which may be a card's slice: FP32 values of
+    the exact quantized numbers; matrices in FP64 so matmul_t accumulates without a per-call cast
+    (values unchanged); wo_a as [groups, o_lora, group_in]."""
+    if scale is None:
+        v = t.float()
+    elif key.endswith("engram.embed"):
+        codes = _codes(scale)
+        groups = codes.shape[1]
+        v = e4m3_decode(t).reshape(t.shape[0], groups, t.shape[1] // groups)
+        return (v * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
+    elif t.dtype == torch.int8:
+        v = expert_mxfp4_decode64(t, _codes(scale))
+    else:
+        v = block_mxfp8_decode64(t, _codes(scale))
+    if key.endswith(".attn.wo_a"):
+        v = v.reshape(-1, cfg.o_lora_rank, cfg.o_group_in)
+    return v.double() if v.dim() >= 2 and key != "embed.weight" else v
+
+
 def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Runtime weights: FP32 tensors of the exact quantized values, keyed by tensor name (no '.weight'
-    suffix for quantized linears). wo_a becomes [groups, o_lora, group_in]."""
+    """Runtime weights of a whole checkpoint, keyed by runtime key (no '.weight' suffix for
+    quantized linears); see ``decode_tensor``."""
     out: dict[str, torch.Tensor] = {}
     for name, t in ck.items():
-        if name.endswith(".scale") and not name.endswith("_scale"):
-            continue
-        scale = ck.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
-        if scale is None:
-            out[name] = t.float()
-            continue
-        base = name[: -len(".weight")]
-        codes = _codes(scale)
-        if t.dtype == torch.int8:
-            out[base] = expert_mxfp4_decode(t.view(torch.uint8), codes)
-        elif base.endswith("engram.embed"):
-            g = t.shape[1] // codes.shape[1]
-            out[base] = (t.float().reshape(t.shape[0], -1, g) * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
-        else:
-            out[base] = block_mxfp8_decode(t, codes)
-    for spec in cfg.layers:
-        key = f"layers.{spec.layer}.attn.wo_a"
-        out[key] = out[key].reshape(cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in)
-    # matrices are held in FP64 so matmul_t accumulates without a per-call cast (values unchanged)
-    return {k: (v.double() if v.dim() >= 2 and not k.endswith("engram.embed") and k != "embed.weight" else v)
-            for k, v in out.items()}
+        key = runtime_key(name, ck)
+        if key is not None:
+            out[key] = decode_tensor(cfg, key, t, ck.get(key + ".scale") if key != name else None)
+    return out
 
-
-def save_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor], path: str | os.PathLike, shard_bytes: int = 1 << 28):
-    """Write sharded safetensors plus model.safetensors.index.json and a config.json."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    shards, cur, size = [], {}, 0
-    for name, t in ck.items():
-        nbytes = t.numel() * t.element_size()
-        if cur and size + nbytes > shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[name] = t.contiguous()
-        size += nbytes
-    shards.append(cur)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname))
-        weight_map.update({n: fname for n in shard})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=1))
-    (path / "config.json").write_text(json.dumps(config_json(cfg), indent=1))
-
-
-def config_json(cfg: ModelConfig) -> dict:
-    return {"text_config": {
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "head_dim": cfg.head_dim,
-        "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size,
-        "kv_source_layer_ids": list(cfg.kv_source_layer_ids),
-        "index_source_layer_ids": list(cfg.index_source_layer_ids)},
-        "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
-
-
-def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """Read a checkpoint folder in the released layout; checks config.json against cfg when given."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    if cfg is not None and (path / "config.json").exists():
-        text = json.loads((path / "config.json").read_text()).get("text_config", {})
-        for key, want in config_json(cfg)["text_config"].items():
-            if key in text and text[key] != want:
-                raise ValueError(f"config.json text_config.{key}: checkpoint has {text[key]}, config {cfg.name} "
-                                 f"expects {want}")
-    ck = {}
-    for fname in sorted(set(index["weight_map"].values())):
-        ck.update(load_file(str(path / fname)))
-    return ck

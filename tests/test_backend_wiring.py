@@ -3,9 +3,9 @@ step summary and in the node spans."""
 import pytest
 import torch
 
-import dsv41.kernels.pypto_backend as pypto_backend
+import dsv41.kernels.pypto.backend as pypto_backend
 from dsv41.cluster.engine import GraphEngine
-from dsv41.cluster.runtime import Hooks
+from dsv41.cluster import registry
 from dsv41.config import TINY, Topology
 from dsv41.kernels.device_time import node_sim_us
 from dsv41.telemetry.session import TraceSession
@@ -42,7 +42,7 @@ def test_pypto_sim_keeps_values_and_reports_device_time(fake_cost_model):
         assert "hc.mixes" not in stats["pypto_kernels"] and "attn.index" not in stats["pypto_kernels"]
         # decode: 2 rows, sharded over TP2 -> 1 local row per card for every mHC node
         per_card = {}
-        for card, kernel, us in Hooks.sim_log.values():
+        for card, kernel, us in registry.find(engine.id).hooks.sim_log.values():
             per_card[card] = per_card.get(card, 0.0) + us
         assert stats["device_sim_us"] == max(per_card.values()) > 0
         spans = [r for r in trace.collect() if r["attributes"].get("dsv41.span") == "node"]
@@ -50,15 +50,13 @@ def test_pypto_sim_keeps_values_and_reports_device_time(fake_cost_model):
         assert sim and all(r["attributes"]["dsv41.kernel"] in stats["pypto_kernels"] for r in sim)
     finally:
         trace.close()
-        Hooks.device_time = None
 
 
 def test_nodes_without_pypto_form_get_none(fake_cost_model):
     engine = GraphEngine(TINY, Topology(1, 1, 1), executor="sync", max_batch=1, max_context=8)
     engine.prefill([[1, 2, 3]])
     node = engine.last_graph.nodes["L0/attn/mixes@c0"]
-    from dsv41.cluster.state import STATES
-    assert node_sim_us(STATES[0], node, [torch.zeros(3, 4, TINY.hidden_size)]) is None
+    assert node_sim_us(engine.states()[0], node, [torch.zeros(3, 4, TINY.hidden_size)]) is None
 
 
 def test_pypto_npu_fails_clearly_without_an_npu():

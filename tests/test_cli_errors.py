@@ -64,6 +64,19 @@ MATRIX = [
     ("--executor reference --trace t", "--trace", ["--executor reference"]),
     ("--graph prefill --new-tokens 100", "--new-tokens", ["needs --graph decode"]),
     ("--context 100", "--context", ["--executor threads", "--plan"]),
+    ("--dispatch eager", "--dispatch", ["--executor threads", "--plan"]),
+    ("--check --executor distributed", "--check", ["--executor distributed", "--executor sync or threads"]),
+    ("--check --plan", "--check", ["--plan"]),
+    # checkpoint serving: the flags that come with it
+    ("--prompt hi", "--prompt", ["needs --checkpoint"]),
+    ("--prompt-file p.txt", "--prompt-file", ["needs --checkpoint"]),
+    ("--chat", "--chat", ["needs --prompt or --prompt-file"]),
+    ("--checkpoint ck --config tiny", "--config", ["does not apply with --checkpoint", "config.json"]),
+    ("--checkpoint ck --prompt hi --batch 2", "--batch", ["does not apply with --prompt", "number of prompts"]),
+    ("--checkpoint ck --prompt hi --prompt-len 9", "--prompt-len", ["does not apply with --prompt"]),
+    ("--checkpoint ck --prompt hi --seed 1", "--seed", ["does not apply with --prompt"]),
+    ("--plan --checkpoint ck --prompt hi", "--prompt", ["--plan"]),
+    ("--checkpoint /no/such/ck", "--checkpoint", ["/no/such/ck", "expected a checkpoint folder, found nothing"]),
     ("--device-profile h200", "--device-profile", ["needs --trace"]),
     # cost before commitment
     ("--config flash", "--config", ["GB", "available", "--plan --config flash"]),
@@ -94,6 +107,27 @@ def test_mistaken_command(capsys, monkeypatch, tmp_path, line, flag, words):
     for w in words:
         assert w in msg, msg
     assert list(tmp_path.iterdir()) == []       # nothing written: every check runs before any work
+
+
+def test_checkpoint_flags_are_checked_against_its_config(capsys, monkeypatch, tmp_path, tiny_checkpoint):
+    """The folder, the prompt file and the prompts' count and length, before the folder is opened."""
+    monkeypatch.chdir(tmp_path)
+    ck = str(tiny_checkpoint)
+    assert _error_line(capsys, ["--checkpoint", str(tmp_path)]) == (
+        PROG + f"--checkpoint: {tmp_path / 'config.json'}: expected the model config, found no file")
+    assert _error_line(capsys, ["--checkpoint", ck, "--prompt-file", "none.txt"]) == (
+        PROG + "--prompt-file: none.txt: expected a file of prompts (one per line), found nothing")
+    msg = _error_line(capsys, ["--checkpoint", ck, "--tp", "1", "--dp", "1"] + ["--prompt", "a"] * 9)
+    assert msg.startswith(PROG + "--prompt: must be in [1, 8] requests in total") and "got 9" in msg, msg
+    msg = _error_line(capsys, ["--checkpoint", ck, "--tp", "1", "--dp", "1", "--prompt", "word " * 600])
+    assert msg.startswith(PROG + "--prompt: must be in [1, ") and "tokens" in msg and "(--checkpoint's" in msg, msg
+    msg = _error_line(capsys, ["--checkpoint", ck, "--prompt", "hi", "--new-tokens", "99999"])
+    assert msg.startswith(PROG + "--new-tokens: must be in [0, ") and "prompts of up to" in msg, msg
+    a = run.parse_args(["--checkpoint", ck, "--prompt", "The river", "--prompt", "Café"])
+    assert a.batch == 2 and a.prompt_len == max(map(len, a.prompt_ids)) and a.codec is not None
+    assert check_budget(a, TINY, available=10 ** 6).endswith(f"python -m dsv41.run --plan --checkpoint {ck} "
+                                                              "--tp 2 --dp 2")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_svg_without_graphviz(capsys, monkeypatch, tmp_path):
@@ -206,7 +240,7 @@ def test_distributed_connection_failures(capsys, monkeypatch, tmp_path, schedule
 
 
 def test_an_error_past_the_checks_is_one_line_and_stops_tracing(capsys, monkeypatch, tmp_path):
-    from dsv41.cluster.runtime import Hooks
+    from dsv41.cluster import registry
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run, "prompts_for", lambda cfg, batch, length, seed: [[cfg.vocab_size] * length] * batch)
     assert run.main(["--executor", "sync", "--tp", "1", "--dp", "1", "--batch", "1", "--prompt-len", "3",
@@ -214,4 +248,4 @@ def test_an_error_past_the_checks_is_one_line_and_stops_tracing(capsys, monkeypa
     err = capsys.readouterr().err.strip()
     assert err == ("python -m dsv41.run: error: ValueError: token_ids: must be ints in [0, 511], got 512 "
                    "(--debug shows the traceback)")
-    assert Hooks.tracer is None
+    assert all(registry.find(e).hooks.tracer is None for e in registry.engines())

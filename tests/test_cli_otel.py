@@ -16,7 +16,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from dsv41 import run
-from dsv41.cluster.runtime import Hooks
+from dsv41.cluster import registry
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["--executor", "sync", "--tp", "2", "--dp", "1", "--batch", "1", "--prompt-len", "4", "--new-tokens", "2"]
@@ -97,7 +97,7 @@ def test_spans_go_live_to_the_collector_and_to_the_file(collector, monkeypatch, 
     monkeypatch.setenv("OTEL_SERVICE_NAME", "dsv41-test")
     assert run.main(RUN + ["--trace", "live", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert Hooks.tracer is None
+    assert all(registry.find(e).hooks.tracer is None for e in registry.engines())
 
     from_file = _spans(_file_requests(tmp_path / out["traces"]["otlp"]))
     live = _spans(collector.traces)

@@ -4,9 +4,9 @@ import random
 import pytest
 import torch
 
-from dsv41.cluster import state as card_state
+from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
-from dsv41.cluster.runtime import Hooks, NodeError
+from dsv41.cluster.runtime import NodeError
 from dsv41.config import TINY, Topology
 from dsv41.ops.reference import ReferenceModel
 
@@ -28,12 +28,9 @@ def _run(engine, prompts, steps=STEPS):
     return tokens, logits
 
 
-def within_seed_bounds(actual, ref):
-    """Per row: RMS(err) <= 1e-6 + 0.01 RMS(ref) and max|err| <= 1e-5 + 0.05 RMS(ref); non-finite fails."""
-    err = actual - ref
-    rms_ref = ref.pow(2).mean(-1).sqrt()
-    ok = (err.pow(2).mean(-1).sqrt() <= 1e-6 + 0.01 * rms_ref) & (err.abs().amax(-1) <= 1e-5 + 0.05 * rms_ref)
-    return bool(torch.isfinite(actual).all() and ok.all())
+def same_bytes(actual, ref):
+    """Every layout reproduces the reference bit for bit (partition-invariant arithmetic)."""
+    return actual.numpy().tobytes() == ref.numpy().tobytes()
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +50,7 @@ def test_graph_matches_reference(reference, tp, dp, wiring, executor):
     tokens, logits = _run(engine, _prompts())
     ref_tokens, ref_logits = reference
     assert tokens == ref_tokens
-    for a, r in zip(logits, ref_logits):
-        assert within_seed_bounds(a, r)
+    assert all(same_bytes(a, r) for a, r in zip(logits, ref_logits))
 
 
 def test_node_and_submission_granularity_bit_identical():
@@ -69,6 +65,7 @@ def test_node_and_submission_granularity_bit_identical():
     assert s1["nodes"] == s2["nodes"] and s1["submissions"] < s2["submissions"] == s2["nodes"]
 
 
+@pytest.mark.timeout(300)
 def test_distributed_matches_reference(reference):
     engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="distributed", wiring="sharded",
                          max_batch=2, max_context=64)
@@ -77,14 +74,14 @@ def test_distributed_matches_reference(reference):
     finally:
         engine.close()
     assert tokens == reference[0][:3]
-    assert all(within_seed_bounds(a, r) for a, r in zip(logits, reference[1]))
+    assert all(same_bytes(a, r) for a, r in zip(logits, reference[1]))
 
 
-def _snapshot():
+def _snapshot(engine):
     def raw(t):
         return t.view(torch.uint8).clone() if t.element_size() == 1 else t.clone()
     return {c: {name: tuple(raw(t) for t in ts) for name, ts in st.caches.committed.items()}
-            for c, st in card_state.STATES.items()}
+            for c, st in engine.states().items()}
 
 
 def _same(a, b):
@@ -99,7 +96,7 @@ def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
     logits = engine.prefill(prompts)
     rids = list(engine.last_request_ids)
     toks = torch.argmax(logits, -1).tolist()
-    before = _snapshot()
+    before = _snapshot(engine)
     tables = [(dict(t.requests), list(t.pools.window)) for t in engine.tables]
     # decode graphs have the prefill graph's keys except for the number of index chunks
     keys = sorted(k for k in engine.last_graph.nodes if "/index#" not in k)
@@ -110,23 +107,23 @@ def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
             engine.decode(toks, rids)
     finally:
         engine.inject_failure(None)
-    assert _same(before, _snapshot())
+    assert _same(before, _snapshot(engine))
     assert [(dict(t.requests), list(t.pools.window)) for t in engine.tables] == tables
     again = engine.decode(toks, rids)
     assert torch.argmax(again, -1).tolist() == reference[0][1]
-    assert Hooks.fail_at is None
+    assert registry.find(engine.id).hooks.fail_at is None
 
 
 def test_inputs_validated_before_any_node_runs():
     engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="sync", max_batch=2, max_context=64)
-    before = _snapshot()
+    before = _snapshot(engine)
     with pytest.raises(ValueError, match="token_ids"):
         engine.prefill([[TINY.vocab_size]])
     with pytest.raises(ValueError, match="batch"):
         engine.prefill([[1, 2]] * 3)
     with pytest.raises(ValueError, match="token_ids"):
         engine.prefill([[1] * 80])
-    assert _same(before, _snapshot()) and engine.active == []
+    assert _same(before, _snapshot(engine)) and engine.active == []
     with pytest.raises(ValueError, match="Topology.tp=8: must divide o_groups=4"):
         GraphEngine(TINY, Topology(8, 1, 8))
     with pytest.raises(ValueError, match="Topology.ep: must equal tp\\*dp"):
@@ -136,6 +133,8 @@ def test_inputs_validated_before_any_node_runs():
 def test_graph_to_dask_runs_node_by_node_under_dask_get():
     import dask
 
+    from functools import partial
+
     from dsv41.cluster.runtime import run_one
     from dsv41.graph.build import build
 
@@ -143,6 +142,6 @@ def test_graph_to_dask_runs_node_by_node_under_dask_get():
     prompts = _prompts()
     step = engine.tables[0].plan([(None, p) for p in prompts], "prefill", 1)
     graph = build(TINY, engine.topo, {0: step}, "sharded", "prefill")
-    logits, _ = dask.get(graph.to_dask(run_one), "final/argmax@g0")
+    logits, _ = dask.get(graph.to_dask(partial(run_one, engine.states())), "final/argmax@g0")
     ref = ReferenceModel(TINY, seed=0, max_batch=2, max_context=64).prefill(prompts)
     assert torch.equal(logits, ref)

@@ -9,7 +9,7 @@ import torch
 from dsv41.config import FLASH, TINY
 from dsv41.ops.engram import (default_token_map, engram, engram_primes, engram_table_rows, hash_ids,
                               multipliers)
-from _spec_ref import bf16_64, is_bf16, mx_linear_64
+from _spec_ref import bf16_64, bf16_ulp_close, is_bf16, mx_linear_64
 
 
 def _g(seed):
@@ -130,8 +130,10 @@ def test_engram_vs_formula():
             gate = 1 / (1 + math.exp(-math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot)))
             want[i, c] = xc + gate * value[i]
     want = bf16_64(want)
-    # spec 01 §8 engram bound (1e-3, 1e-2), applied to every element
-    assert ((out.double() - want).abs() <= 1e-3 + 1e-2 * want.abs()).all()
+    # same rounding points; the FP32 gate and sum may flip the final BF16 rounding by one ulp where
+    # the exact value sits on a boundary (rare: at most 1% of elements)
+    bf16_ulp_close(out, want, ulps=1.0)
+    assert (out.double() != want).float().mean() <= 0.01
     assert (out.double() != x.double()).any()
 
 

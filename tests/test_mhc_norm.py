@@ -76,9 +76,11 @@ def test_mixes_vs_spec_formula():
     assert pre.dtype == post.dtype == comb.dtype == torch.float32
     assert pre.shape == (6, 4) and post.shape == (6, 4) and comb.shape == (6, 4, 4)
     rp, rq, rc = _mixes_ref(x, fn, scale, base)
-    # spec 01 §8 bound for mixes: ratio_allclose(2.5e-5, 5e-3); here applied to every element
+    # FP32 arithmetic against exact float64: a few dozen FP32 operations (the FP64-accumulated
+    # projection, sigmoid, 20 Sinkhorn rounds) each within half an ulp; measured <= 5 ulps, bound 16.
+    # (The spec's 0.5% bound would accept a dropped hc_eps: 1e-6 on pre is ~33 FP32 ulps.)
     for got, want in ((pre, rp), (post, rq), (comb, rc)):
-        assert ((got.double() - want).abs() <= 2.5e-5 + 5e-3 * want.abs()).all()
+        assert ((got.double() - want).abs() <= 16 * 2 ** -24 * want.abs()).all()
     assert (pre > 1e-6).all() and (pre <= 1 + 1e-6).all() and (post >= 0).all() and (post <= 2).all()
 
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dsv41.config import FLASH, TINY
-from dsv41.kernels import pypto_env
-from dsv41.kernels.pypto_backend import (PYPTO_KERNELS, SimCache, cache_key, check_npu, device_time_us,
+from dsv41.kernels.pypto import env as pypto_env
+from dsv41.kernels.pypto.backend import (PYPTO_KERNELS, SimCache, cache_key, check_npu, device_time_us,
                                          node_parts, node_time_us, sim_time_us, verify_kernel)
-from dsv41.kernels.pypto_specs import kernel_digest
-from dsv41.kernels.pypto_verify import row_check
-from dsv41.kernels.pypto_worker import e2e_us
+from dsv41.kernels.pypto.specs import kernel_digest
+from dsv41.kernels.pypto.verify import row_check
+from dsv41.kernels.pypto.worker import e2e_us
 from dsv41.ops.rope import apply_rope
 
 REQUIRED = ["norm.rms", "rope.rows", "rope.apply", "hc.pre", "hc.post", "matmul", "attn.q_proj",
@@ -89,7 +89,7 @@ def test_failure_returns_none_and_is_recorded(tmp_path):
 
 
 def test_transient_failure_is_not_persisted(tmp_path):
-    from dsv41.kernels.pypto_sim import SimFailed
+    from dsv41.kernels.pypto.sim import SimFailed
     path = tmp_path / "sim.json"
     fake = FakeSim(fail=SimFailed("pypto worker timed out", transient=True))
     assert sim_time_us("hc.pre", dict(T=8, hc=4, D=64), cache=SimCache(path), simulate=fake) is None
@@ -185,7 +185,7 @@ def test_e2e_us_from_swimlane(tmp_path):
 
 
 def test_backend_import_does_not_import_pypto():
-    code = "import sys, dsv41.kernels.pypto_backend; assert 'pypto' not in sys.modules"
+    code = "import sys, dsv41.kernels.pypto.backend; assert 'pypto' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -229,7 +229,7 @@ def test_worker_killed_mid_call_is_reported_and_replaced(tmp_path):
     import os
     import signal
     import threading
-    from dsv41.kernels.pypto_sim import worker
+    from dsv41.kernels.pypto.sim import worker
     w = worker("sim")
     cache = SimCache(tmp_path / "sim.json")
     assert sim_time_us("norm.rms", dict(T=8, D=64), cache=cache) > 0  # worker is up

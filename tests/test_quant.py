@@ -108,12 +108,8 @@ def test_mxfp8_qdq_values_idempotent_and_error_bound():
     x = _rand(16, 256, seed=7) * torch.linspace(0.01, 100, 256)
     y = quant.mxfp8_qdq(x)
     assert torch.equal(quant.mxfp8_qdq(y), y)
-    # e4m3 keeps 4 significant bits: relative error <= 2^-4 for normal payloads
-    g = x.reshape(16, 8, 32)
-    s = y.reshape(16, 8, 32)
-    amax = g.abs().amax(-1, keepdim=True)
-    err = (g - s).abs()
-    assert (err <= g.abs() * 2 ** -4 + amax * 2 ** -10 / 224).all()
+    # exactly computable: equals the float64 spec rule value for value
+    assert torch.equal(y.double(), mxfp8_qdq_64(x))
 
 
 def test_mxfp8_rejects_ragged_groups():
@@ -287,3 +283,39 @@ def test_round_bf16_is_rne():
     assert quant.round_bf16(x).tolist() == [1.0, 1.0 + 2 ** -6, 1.0 + 2 ** -7, -1.0]
     r = _rand(5000, seed=14) * 100
     assert torch.equal(quant.round_bf16(r).double(), bf16_64(r))
+
+
+def test_table_decodes_equal_the_formulas_bit_for_bit():
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    formula = torch.ldexp(torch.ones(16, 16), codes.to(torch.int32) - 127)
+    assert torch.equal(quant.e8m0_decode(codes).view(torch.int32), formula.view(torch.int32))
+    packed = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    dq = quant.mxfp4_decode(packed, torch.full((8, 2), 127, dtype=torch.uint8), 32)
+    want = [fp4_value_ref(int(b) >> (4 * h) & 0xF) for b in packed.flatten() for h in (0, 1)]
+    assert dq.flatten().tolist() == want
+    assert torch.signbit(dq.flatten()).tolist() == [math.copysign(1.0, v) < 0 for v in want]
+
+
+def test_mxfp8_qdq_is_decode_of_encode_bit_for_bit():
+    for scale in (1e-9, 1e-3, 1.0, 1e4, 1e30, 3e38):
+        x = (_rand(6, 128, seed=15) * scale).clamp(-3.4e38, 3.4e38)
+        x[0, :40] = 0.0
+        x[2, :32] = 2.0 ** torch.arange(-20, 12).float()   # amax an exact power of two
+        want = quant.mxfp8_decode(*quant.mxfp8_encode(x))
+        assert torch.equal(quant.mxfp8_qdq(x).view(torch.int32), want.view(torch.int32))
+
+
+def test_fp64_weight_decodes_equal_the_fp32_formulas_for_every_code_pair():
+    """Every (scale code, payload code) pair, NaN codes included, compared bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    scale = codes.reshape(16, 16)
+    payload = codes.reshape(8, 32).repeat(4, 1).repeat(16, 16)          # each 32x32 block: all codes
+    p8 = payload.view(torch.float8_e4m3fn)
+    want = quant.block_mxfp8_decode(p8, scale).double()
+    assert torch.equal(quant.block_mxfp8_decode64(p8, scale).view(torch.int64), want.view(torch.int64))
+    packed = codes.repeat(256, 1)[:, :128].reshape(256, 128) ^ torch.arange(256, dtype=torch.uint8)[:, None]
+    s4 = codes.repeat(256, 1)[:, :8].roll(1, 0) ^ torch.arange(256, dtype=torch.uint8)[:, None]
+    want4 = quant.expert_mxfp4_decode(packed, s4).double()
+    assert torch.equal(quant.expert_mxfp4_decode64(packed.view(torch.int8), s4).view(torch.int64),
+                       want4.view(torch.int64))
+    assert set(s4.flatten().tolist()) == set(range(256)) and set(packed.flatten().tolist()) == set(range(256))

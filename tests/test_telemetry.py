@@ -11,9 +11,8 @@ import torch
 from dask.utils import key_split
 
 from dsv41 import run
-from dsv41.cluster import state as card_state
 from dsv41.cluster.engine import GraphEngine
-from dsv41.cluster.runtime import Hooks
+from dsv41.cluster import registry
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.graph.build import REPLICATED, SHARDED
 from dsv41.kernels.signatures import SIGNATURES
@@ -61,7 +60,7 @@ def engine():
     logits = e.prefill([[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]])
     e.tokens = torch.argmax(logits, -1).tolist()
     yield e
-    Hooks.tracer = None
+    e.close()
 
 
 def decode(e, wiring=SHARDED):
@@ -87,7 +86,8 @@ class Capturing(NodeTracer):
 @pytest.fixture(scope="module")
 def traced(engine):
     session = TraceSession(engine)
-    Hooks.tracer = capture = Capturing(Hooks.tracer)
+    hooks = registry.find(engine.id).hooks
+    hooks.tracer = capture = Capturing(hooks.tracer)
     steps = []
     for wiring in (SHARDED, REPLICATED):
         decode(engine, wiring)
@@ -115,7 +115,7 @@ def test_signatures_predict_every_value_from_meta_inputs(engine):
         return [tuple(t.shape) for t in _tensors(v)]
 
     class Check:
-        def begin_submission(self, sub): pass
+        def begin_submission(self, sub, st): pass
         def end_submission(self, sub): pass
 
         def run(self, st, node, fn, args, sim_us=None):
@@ -127,12 +127,13 @@ def test_signatures_predict_every_value_from_meta_inputs(engine):
                 wrong.append(node.key)
             return value
 
-    Hooks.tracer = Check()
+    hooks = registry.find(engine.id).hooks
+    hooks.tracer = Check()
     try:
         decode(engine, SHARDED)
         decode(engine, REPLICATED)
     finally:
-        Hooks.tracer = None
+        hooks.tracer = None
     assert wrong == []
     assert seen == set(KERNELS)
 
@@ -177,7 +178,7 @@ def test_every_kernel_traced_with_its_attributes(traced):
 
 def test_span_tree_one_trace_per_step(traced, engine):
     records, steps, *_ = traced
-    assert Hooks.tracer is None and engine.trace is None   # closed: the runtime is back to no hooks
+    assert registry.find(engine.id).hooks.tracer is None and engine.trace is None   # closed: no hooks left
     by_id = {r["span_id"]: r for r in records}
     kinds = defaultdict(int)
     for r in records:
@@ -249,10 +250,10 @@ def _hand_transient_peak(records, steps, card: int) -> int:
     return peak
 
 
-def test_hbm_peak_of_card0_matches_a_hand_count(traced):
+def test_hbm_peak_of_card0_matches_a_hand_count(traced, engine):
     records, steps, _, hbm, _ = traced
     weights = _hand_weights(0)
-    caches = sum(t.numel() * t.element_size() for ts in card_state.STATES[0].caches.committed.values() for t in ts)
+    caches = sum(t.numel() * t.element_size() for ts in engine.states()[0].caches.committed.values() for t in ts)
     peak = _hand_transient_peak(records, steps, 0)
     card0 = next(h for h in hbm if h["card"] == 0)
     assert (card0["weights_bytes"], card0["cache_bytes"], card0["transient_peak_bytes"]) == (weights, caches, peak)
@@ -324,7 +325,7 @@ def test_a_failed_step_is_marked_in_its_spans(engine, tmp_path):
 def test_submission_keys_read_as_kernel_layer_card():
     from dsv41.cluster.plan import make_plan, task_name
     from dsv41.graph.build import build
-    from dsv41.telemetry.plan import step_inputs
+    from dsv41.plan.step import step_inputs
     steps = {0: step_inputs(TINY, 2, 2, 1, 20, "decode")}
     plan = make_plan(build(TINY, TOPO, steps), TOPO, step=7)
     assert len(set(plan.submissions)) == len(plan.submissions)
@@ -345,7 +346,8 @@ def test_plan_flash_reproduces_the_seed_figures(capsys, tmp_path, monkeypatch):
 
     for card in out["cards"]:
         kinds = card["by_kind"]
-        assert set(card) == {"card", "weights_bytes", "cache_bytes", "transient_peak_bytes", "total_bytes", "by_kind"}
+        assert set(card) == {"card", "weights_bytes", "cache_bytes", "transient_peak_bytes", "total_bytes", "by_kind",
+                             "breakdown_us"}
         assert near(kinds["weights.routed_experts"], 36.1) and near(kinds["weights.engram_tables"], 25.3)
         assert near(card["weights_bytes"], 66.0) and near(card["cache_bytes"], 30.2)
         other = card["weights_bytes"] - kinds["weights.routed_experts"] - kinds["weights.engram_tables"]
@@ -361,7 +363,7 @@ def test_plan_flash_reproduces_the_seed_figures(capsys, tmp_path, monkeypatch):
 
 def test_plan_weights_equal_the_live_ledger(traced):
     """Plan mode and a traced run size a card's weights with one policy."""
-    from dsv41.telemetry.sizing import weights_by_kind
+    from dsv41.plan.sizing import weights_by_kind
     _, _, _, hbm, _ = traced
     assert [h["weights_bytes"] for h in hbm] == [sum(weights_by_kind(TINY, TOPO, c).values()) for c in TOPO.cards]
     assert sum(weights_by_kind(FLASH, Topology(4, 2, 8), 0).values()) > 6e10
@@ -375,7 +377,7 @@ def test_cli_trace_writes_both_files_and_hbm(capsys, tmp_path, monkeypatch):
     assert out["traces"] == {"otlp": "traces/cli.otlp.jsonl", "perfetto": "traces/cli.perfetto.json"}
     assert len(open(tmp_path / out["traces"]["otlp"]).readlines()) == 2   # prefill and one decode step
     assert [h["card"] for h in out["hbm"]] == [0, 1] and all(h["peak_bytes"] > h["weights_bytes"] for h in out["hbm"])
-    assert Hooks.tracer is None
+    assert not any(registry.find(e).hooks.tracer for e in registry.engines())   # the CLI closed its engine
 
 
 def test_distributed_trace_dashboard_and_report(tmp_path, monkeypatch):

@@ -2,9 +2,11 @@
 
 Two tables keep the rules in one place:
 - ``APPLIES``: per flag, the modes it applies to (a mode is ``--plan`` or an ``--executor``) and any
-  flag it needs. A flag the user gave outside them is a usage error naming both flags.
+  rule on the other flags (what it needs, what it does not go with). A flag the user gave outside
+  them is a usage error naming both flags.
 - ``CHECKS``: value checks, in order; each returns what is wrong with the allowed range, or None.
   They run on every value that applies, given or default, so a default that cannot work is caught too.
+  ``FIRST`` runs before the model config is known (it may come from ``--checkpoint``).
 
 A new flag is one ``add_argument`` line, one ``APPLIES`` row and, when its value has a range, one
 ``CHECKS`` entry (``test_every_flag_has_a_row`` keeps the table complete). Errors follow argparse:
@@ -23,6 +25,7 @@ from typing import Callable
 PLAN, REFERENCE = "plan", "reference"
 EXECUTOR_ORDER = ("reference", "sync", "threads", "distributed")
 GRAPH = frozenset(("sync", "threads", "distributed"))
+LOCAL = frozenset(("sync", "threads"))
 RUN = GRAPH | {REFERENCE}
 ALL = RUN | {PLAN}
 DIST = frozenset(("distributed",))
@@ -66,14 +69,26 @@ def _where(modes) -> str:
 
 # ---- which flag goes with which mode -----------------------------------------------------------------
 
-Needs = tuple[str, Callable] | None
-APPLIES: dict[str, tuple[frozenset, Needs]] = {
+def _no_prompts(a) -> bool:
+    return not (a.prompt or a.prompt_file)
+
+
+FROM_PROMPTS = "does not apply with --prompt/--prompt-file: "
+Rule = tuple[str, Callable] | None     # (what is wrong when the predicate is false, predicate)
+APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--graph": (ALL, None),
-    "--config": (ALL, None),
-    "--batch": (ALL, None),
-    "--prompt-len": (RUN, None),
-    "--new-tokens": (RUN, ("--graph decode", lambda a: a.graph == "decode")),
-    "--seed": (RUN, None),
+    "--config": (ALL, ("does not apply with --checkpoint: its config.json is the config",
+                       lambda a: a.checkpoint is None)),
+    "--checkpoint": (ALL, None),
+    "--prompt": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)", lambda a: a.checkpoint)),
+    "--prompt-file": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)",
+                            lambda a: a.checkpoint)),
+    "--chat": (RUN, ("needs --prompt or --prompt-file", lambda a: not _no_prompts(a))),
+    "--batch": (ALL, (FROM_PROMPTS + "the batch is the number of prompts", _no_prompts)),
+    "--prompt-len": (RUN, (FROM_PROMPTS + "the prompts set their lengths", _no_prompts)),
+    "--new-tokens": (RUN, ("needs --graph decode", lambda a: a.graph == "decode")),
+    "--seed": (RUN, (FROM_PROMPTS + "the seed draws random prompts and weights, and --checkpoint gives both",
+                     _no_prompts)),
     "--executor": (RUN, None),
     "--tp": (GRAPH_OR_PLAN, None),
     "--dp": (GRAPH_OR_PLAN, None),
@@ -84,8 +99,9 @@ APPLIES: dict[str, tuple[frozenset, Needs]] = {
     "--address": (DIST, None),
     "--connect-timeout": (DIST, None),
     "--dashboard": (DIST, None),
-    "--hold": (DIST, ("--dashboard", lambda a: a.dashboard)),
+    "--hold": (DIST, ("needs --dashboard", lambda a: a.dashboard)),
     "--show-graph": (GRAPH, None),
+    "--check": (LOCAL, None),
     "--json": (ALL, None),
     "--debug": (ALL, None),
     "--help": (ALL, None),
@@ -100,7 +116,7 @@ def check_modes(a, given: set[str], applies: dict) -> None:
         if m not in modes:
             raise UsageError(f"{flag}: does not apply with {mode_flag(m)}; it goes with {_where(modes)}")
         if needs is not None and not needs[1](a):
-            raise UsageError(f"{flag}: needs {needs[0]}")
+            raise UsageError(f"{flag}: {needs[0]}")
 
 
 # ---- values ------------------------------------------------------------------------------------------
@@ -114,10 +130,50 @@ def per_group(a) -> int:
     return -(-a.batch // groups(a))
 
 
+def on(a, cfg) -> str:
+    """Which model a range is for."""
+    return f"on --config {cfg.name}" if a.checkpoint is None else f"on {cfg.name} (--checkpoint's config.json)"
+
+
+def _length(a) -> str:
+    return f"--prompt-len {a.prompt_len}" if _no_prompts(a) else f"prompts of up to {a.prompt_len} tokens"
+
+
+def shown(a, flag: str) -> str:
+    """The flag a value came from: the prompts stand for --batch and --prompt-len, and --checkpoint
+    for --config."""
+    if flag in ("--batch", "--prompt-len") and not _no_prompts(a):
+        return "--prompt" if a.prompt else "--prompt-file"
+    if flag == "--config" and a.checkpoint is not None:
+        return "--checkpoint"
+    return flag
+
+
+def model_config(a):
+    """The model to check against: the --config preset, or --checkpoint's config.json. With a
+    checkpoint the prompts are encoded here (``a.codec``, ``a.prompt_ids``); their count and longest
+    length become --batch and --prompt-len."""
+    from dsv41.config import PRESETS
+    a.codec, a.prompt_ids = None, []
+    if a.checkpoint is None:
+        return PRESETS[a.config]
+    from dsv41.checkpoint.cli import encode_prompts
+    from dsv41.checkpoint.reader import read_config
+    try:
+        cfg = read_config(a.checkpoint)
+        if mode(a) != PLAN:
+            a.codec, a.prompt_ids = encode_prompts(a.checkpoint, a.prompt, a.prompt_file, a.chat)
+    except ValueError as e:    # CheckpointError included
+        raise UsageError(str(e) if str(e).startswith("--") else f"--checkpoint: {e}") from None
+    if a.prompt_ids:
+        a.batch, a.prompt_len = len(a.prompt_ids), max(map(len, a.prompt_ids))
+    return cfg
+
+
 def _tp(a, cfg):
     ok = [t for t in (1, 2, 4, 8) if cfg.num_attention_heads % t == 0 and cfg.o_groups % t == 0]
     if a.tp not in ok:
-        return (f"must be one of {', '.join(map(str, ok))} on --config {cfg.name} (it splits the "
+        return (f"must be one of {', '.join(map(str, ok))} {on(a, cfg)} (it splits the "
                 f"{cfg.num_attention_heads} heads and {cfg.o_groups} output groups), got {a.tp}")
 
 
@@ -125,7 +181,7 @@ def _dp(a, cfg):
     e = cfg.n_routed_experts
     ok = [d for d in range(1, e // a.tp + 1) if e % (a.tp * d) == 0]
     if a.dp not in ok:
-        return (f"must be one of {', '.join(map(str, ok))} with --tp {a.tp} on --config {cfg.name} "
+        return (f"must be one of {', '.join(map(str, ok))} with --tp {a.tp} {on(a, cfg)} "
                 f"(tp x dp cards split its {e} routed experts), got {a.dp}")
 
 
@@ -139,12 +195,12 @@ def _batch(a, cfg):
     if mode(a) == PLAN:
         if a.batch % a.dp or not 1 <= a.batch // a.dp <= cap:
             return (f"must be a multiple of --dp {a.dp} in [{a.dp}, {cap * a.dp}] (requests in total, "
-                    f"{cap} per DP group at most on --config {cfg.name}), got {a.batch}")
+                    f"{cap} per DP group at most {on(a, cfg)}), got {a.batch}")
         return None
     g = groups(a)
     if not 1 <= a.batch <= cap * g:
         where = f"{g} DP groups" if g > 1 else "one DP group"
-        return (f"must be in [1, {cap * g}] requests in total ({cap} per DP group on --config {cfg.name}, "
+        return (f"must be in [1, {cap * g}] requests in total ({cap} per DP group {on(a, cfg)}, "
                 f"{where}), got {a.batch}")
 
 
@@ -157,7 +213,7 @@ def _prompt_len(a, cfg):
     rows = per_group(a)
     top = min(cfg.prefill_max_tokens // rows, cfg.max_position_embeddings - 1)
     if not 1 <= a.prompt_len <= top:
-        return (f"must be in [1, {top}] with {rows} prompt(s) per DP group on --config {cfg.name} "
+        return (f"must be in [1, {top}] tokens with {rows} prompt(s) per DP group {on(a, cfg)} "
                 f"(a prefill step holds {cfg.prefill_max_tokens} rows per DP group), got {a.prompt_len}")
 
 
@@ -166,8 +222,24 @@ def _new_tokens(a, cfg):
         return None
     top = cfg.max_position_embeddings - a.prompt_len - 1
     if not 0 <= a.new_tokens <= top:
-        return (f"must be in [0, {top}] with --prompt-len {a.prompt_len} on --config {cfg.name} "
+        return (f"must be in [0, {top}] with {_length(a)} {on(a, cfg)} "
                 f"(context limit {cfg.max_position_embeddings} tokens), got {a.new_tokens}")
+
+
+def _checkpoint(a, cfg):
+    if a.checkpoint is None:
+        return None
+    if not os.path.isdir(a.checkpoint):
+        found = "a file" if os.path.exists(a.checkpoint) else "nothing"
+        return f"{a.checkpoint}: expected a checkpoint folder, found {found}"
+    if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
+        return f"{os.path.join(a.checkpoint, 'config.json')}: expected the model config, found no file"
+
+
+def _prompt_file(a, cfg):
+    if a.prompt_file is not None and not os.path.isfile(a.prompt_file):
+        found = "a folder" if os.path.isdir(a.prompt_file) else "nothing"
+        return f"{a.prompt_file}: expected a file of prompts (one per line), found {found}"
 
 
 def _seed(a, cfg):
@@ -204,7 +276,7 @@ def _show_graph(a, cfg):
 
 def _backend(a, cfg):
     if a.backend == "pypto-npu":
-        from dsv41.kernels.pypto_env import check_npu
+        from dsv41.kernels.pypto.env import check_npu
         try:
             check_npu()
         except RuntimeError as e:
@@ -245,6 +317,7 @@ def _budget(a, cfg):
 
 
 Check = tuple[str, Callable]
+FIRST: list[Check] = [("--checkpoint", _checkpoint), ("--prompt-file", _prompt_file)]
 CHECKS: list[Check] = [
     ("--tp", _tp), ("--dp", _dp), ("--ep", _ep), ("--batch", _batch), ("--prompt-len", _prompt_len),
     ("--new-tokens", _new_tokens), ("--seed", _seed), ("--hold", _hold), ("--connect-timeout", _connect_timeout),
@@ -260,7 +333,7 @@ def run_checks(a, cfg, checks: list[Check], applies: dict) -> None:
             continue
         problem = fn(a, cfg)
         if problem:
-            raise UsageError(f"{flag}: {problem}")
+            raise UsageError(f"{shown(a, flag)}: {problem}")
 
 
 # ---- the parser ----------------------------------------------------------------------------------------

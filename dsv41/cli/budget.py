@@ -1,6 +1,6 @@
 """Cost before commitment: refuse a run whose weights and caches cannot fit this machine's memory.
 
-The figures are the plan's per card (``telemetry.sizing``: weight shards in checkpoint formats, cache
+The figures are the plan's per card (``plan.sizing``: weight shards in checkpoint formats, cache
 rows in their stored formats), times the cards this machine holds. The CPU runtime keeps matrices in
 FP64 on top of that, so the figure is a floor: a run refused here could never fit.
 """
@@ -10,7 +10,7 @@ import psutil
 
 from dsv41.cli.args import PLAN, REFERENCE, max_context, mode, per_group
 from dsv41.config import Topology
-from dsv41.telemetry.sizing import request_cache_bytes, weights_by_kind
+from dsv41.plan.sizing import request_cache_bytes, weights_by_kind
 
 GB = 1e9
 
@@ -40,7 +40,8 @@ def check_budget(a, cfg, available: int | None = None) -> str | None:
     if need <= available:
         return None
     topo = "--tp 1 --dp 1" if mode(a) == REFERENCE else f"--tp {a.tp} --dp {a.dp}"
+    model = f"--config {cfg.name}" if a.checkpoint is None else f"--checkpoint {a.checkpoint}"
     return (f"{cfg.name} needs at least {need / GB:.3g} GB for weights and caches ({cards} card(s) x "
             f"{(weights + caches) / GB:.2f} GB: weights {weights / GB:.2f}, caches {caches / GB:.3f}) and this "
             f"machine has {available / GB:.3g} GB available; see the per-card figures with "
-            f"python -m dsv41.run --plan --config {cfg.name} {topo}")
+            f"python -m dsv41.run --plan {model} {topo}")

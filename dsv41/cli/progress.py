@@ -65,7 +65,7 @@ class Progress:
     # ---- pypto-sim compilations --------------------------------------------------------------------
     @contextmanager
     def compilations(self):
-        """Counts the pypto cost model's compilations (logged by ``kernels.pypto_sim``) in this process."""
+        """Counts the pypto cost model's compilations (logged by ``kernels.pypto.sim``) in this process."""
         handler = _Compilations(self)
         log = logging.getLogger(PYPTO_LOGGER)
         log.addHandler(handler)

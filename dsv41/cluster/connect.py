@@ -41,7 +41,7 @@ def check_address(address: str) -> str | None:
 
 
 def connect(cards: int, address: str | None, dashboard: bool, startup: Startup = Startup()):
-    """(LocalCluster or None, Client, card -> worker address)."""
+    """(LocalCluster or None, Client) once every card's worker is there."""
     from distributed import Client, LocalCluster
 
     deadline = time.monotonic() + startup.timeout
@@ -63,7 +63,7 @@ def connect(cards: int, address: str | None, dashboard: bool, startup: Startup =
             except Exception as e:   # refused, timed out, or something else listens there
                 raise ConnectError(f"{where}: no dask scheduler answered within {startup.timeout:g} s "
                                    f"({type(e).__name__}: {e})") from None
-        address_of = _wait_for_cards(client, cards, deadline, where, startup)
+        _wait_for_cards(client, cards, deadline, where, startup)
     except BaseException:
         if client is not None:
             client.close()
@@ -72,7 +72,7 @@ def connect(cards: int, address: str | None, dashboard: bool, startup: Startup =
         raise
     if startup.on_ready is not None:
         startup.on_ready(client.dashboard_link if dashboard else None)
-    return cluster, client, address_of
+    return cluster, client
 
 
 def _probe(address: str, timeout: float) -> str | None:
@@ -95,13 +95,13 @@ def _probe(address: str, timeout: float) -> str | None:
     return None
 
 
-def _wait_for_cards(client, cards: int, deadline: float, where: str, startup: Startup) -> dict[int, str]:
+def _wait_for_cards(client, cards: int, deadline: float, where: str, startup: Startup) -> None:
     expected = {str(c) for c in range(cards)}
     seen = -1
     while True:
         workers = client.scheduler_info(n_workers=-1)["workers"]
-        by_name = {str(w.get("name")): (addr, w) for addr, w in workers.items()}
-        threaded = sorted(n for n in expected & set(by_name) if by_name[n][1].get("nthreads") != 1)
+        by_name = {str(w.get("name")): w for w in workers.values()}
+        threaded = sorted(n for n in expected & set(by_name) if by_name[n].get("nthreads") != 1)
         if threaded:
             raise ConnectError(f"{where}: expected {_want(cards)}; {_have(workers)}")
         ready = len(expected & set(by_name))
@@ -109,7 +109,7 @@ def _wait_for_cards(client, cards: int, deadline: float, where: str, startup: St
             startup.on_workers(ready, cards)
         seen = ready
         if ready == cards:
-            return {int(n): by_name[n][0] for n in expected}
+            return
         if time.monotonic() >= deadline:
             raise ConnectError(f"{where}: expected {_want(cards)} within {startup.timeout:g} s; {_have(workers)}")
         time.sleep(POLL_S)

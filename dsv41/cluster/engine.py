@@ -2,85 +2,222 @@
 
 Inputs are validated (tokens, capacity, topology) before any node runs. A step is atomic: cache
 writes are staged on every card and only ``cache.commit`` applies them; if anything fails the
-engine aborts the step on every card (undoing a commit that already happened) and the host
-request tables are left as they were.
+engine aborts the step on every card (waiting for its running submissions, undoing a commit that
+already happened) and the host request tables are left as they were.
+
+Every engine has an id; its cards' States and hooks live under that id (``cluster/registry.py``),
+here or on the dask workers, so engines and runs sharing a process or a scheduler stay apart. A
+step that finds a card's State missing or stale (``StateLost``: a worker restarted, replaced or
+gone) is recovered: the engine waits up to ``recovery_timeout`` seconds for a worker to serve the
+card, rebuilds the States of the card's DP group (weights from the same seed, empty caches),
+replays every request of that group as a prefill of its token history (exact: the graph is
+bit-identical to the reference, and a prefill of a history equals the steps that produced it) and
+retries the step.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
+import uuid
+import weakref
+from collections import OrderedDict
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 
 import torch
 
-from dsv41.cluster import state as card_state
+from dsv41.cluster import registry
 from dsv41.cluster.connect import Startup
-from dsv41.cluster.executors import LOCAL, DistributedRunner, run_local
-from dsv41.cluster.plan import make_plan
-from dsv41.cluster.runtime import Hooks, NodeError
+from dsv41.cluster.executors import LOCAL, CardUnavailable, DistributedRunner, run_local
+from dsv41.cluster.plan import Plan, make_plan
+from dsv41.cluster.registry import StateLost
+from dsv41.cluster.runtime import NodeError
+from dsv41.cluster.shards import card_bytes, return_freed_memory
+from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
-from dsv41.graph.build import SHARDED, build
+from dsv41.graph.build import SHARDED, build, feed, shape
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
 from dsv41.ops.reference import Options
 from dsv41.serving import RequestTable, StepModel
 
 EXECUTORS = ("sync", "threads", "distributed")
-
-
-def _abort_all(step_id: int):
-    for st in card_state.STATES.values():
-        st.caches.abort(step_id)
+RECOVERY_TIMEOUT_S = 60.0    # how long a step waits for a worker to serve a lost card
+MAX_RECOVERIES = 2           # per step; a third loss in one step is raised
+GRAPH_CACHE = 16             # planned graphs kept, one per step shape (0: rebuild every step)
+log = logging.getLogger(__name__)
 
 
 class GraphEngine(StepModel):
     def __init__(self, cfg: ModelConfig, topo: Topology, seed: int = 0, executor: str = "threads",
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
-                 options: Options = Options(), backend: str = "torch", startup: Startup = Startup()):
+                 options: Options = Options(), backend: str = "torch", checkpoint=None,
+                 recovery_timeout: float = RECOVERY_TIMEOUT_S, graph_cache: int = GRAPH_CACHE,
+                 startup: Startup = Startup()):
+        """checkpoint: an opened checkpoint holding cfg (weights and Engram token map), the source each
+        card reads its own slices from; None draws random weights from seed. Under distributed it
+        travels to the workers, which open its files themselves. startup: how long to wait for the
+        cluster and whom to tell as its workers join (``connect.Startup``)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
-            from dsv41.kernels.pypto_backend import check_npu
+            from dsv41.kernels.pypto.backend import check_npu
             check_npu()
         if executor not in EXECUTORS:
             raise ValueError(f"executor: must be one of {EXECUTORS}, got {executor!r}")
         if granularity not in ("submission", "node"):
             raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
         topo.check(cfg)
+        if checkpoint is not None and checkpoint.cfg != cfg:
+            raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
         self.cfg, self.topo, self.executor, self.granularity, self.wiring = cfg, topo, executor, granularity, wiring
         self.backend = backend
+        self.recovery_timeout = recovery_timeout
+        self.graph_cache = graph_cache
+        self._graphs: OrderedDict = OrderedDict()   # step shape -> planned graph, least recent first
         max_batch = max_batch or cfg.max_batch_per_dp * topo.dp
         per_group = math.ceil(max_batch / topo.dp)
         if per_group > cfg.max_batch_per_dp:
             raise ValueError(f"max_batch: {max_batch} over dp={topo.dp} exceeds {cfg.max_batch_per_dp} requests "
                              f"per DP group (capacity contract)")
         max_context = max_context or min(cfg.max_position_embeddings, 1024)
-        self.tables = [RequestTable(cfg, per_group, max_context) for _ in range(topo.dp)]
+        token_map = None if checkpoint is None else checkpoint.token_map
+        self.tables = [RequestTable(cfg, per_group, max_context, token_map) for _ in range(topo.dp)]
         self.where: dict[int, tuple[int, int]] = {}   # global request id -> (DP group, local id)
         self.next_rid = 0
         self.step_id = 0
+        self.generation = 0                  # steps committed on every card
         self.last_request_ids: list[int] = []
         self.last_stats: dict = {}
         self.last_graph = None
+        self.recoveries: list[dict] = []     # one record per recovery, oldest first
         self.runner = None
         self.trace = None            # a telemetry TraceSession while tracing
-        if executor in LOCAL:
-            card_state.STATES.clear()
-            card_state.STATES.update(card_state.build_states(cfg, topo, seed, topo.cards, per_group, max_context,
-                                                             options))
-        else:
-            from dsv41.cluster.worker_plugin import CardStatePlugin
-            plugin = CardStatePlugin(cfg.name, topo, seed, per_group, max_context)
-            self.runner = DistributedRunner(topo.ep, plugin, address, dashboard, startup)
-        self._on_every_process(_set_device_time, backend)
+        self.id = uuid.uuid4().hex[:8]
+        self.builds: dict[int, str] = {}      # card -> build id of the State this engine expects
+        self._state_args = (seed, per_group, max_context, options, checkpoint)
+        if executor not in LOCAL:
+            self.runner = DistributedRunner(topo.ep, address, dashboard, startup)
+        self._finalizer = weakref.finalize(self, _free_everywhere, self.id, self.runner)
+        self._finalizer.atexit = False       # a process that exits frees its own States
+        self._recovered: list[dict] = []     # recoveries during the current step
+        try:
+            self._install(list(topo.cards))
+        except BaseException:                # e.g. a bad checkpoint value found as a card read it
+            self._finalizer()
+            raise
+        self.cards = sorted((r for rs in self._on_every_process(_card_bytes, self.id).values() for r in rs),
+                            key=lambda r: r["card"])   # resident bytes per card, measured once
 
     @property
     def active(self) -> list[int]:
         return list(self.where)
 
+    # ---- State ownership ----------------------------------------------------------------------------
+    def _install(self, cards: list[int]):
+        """Fresh States (same seed, empty caches, a new build id) for these cards, at this generation."""
+        seed, per_group, max_context, options, source = self._state_args
+        build_id = uuid.uuid4().hex[:8]
+        args = (self.cfg, self.topo, seed, per_group, max_context, options, source, self.id, build_id,
+                self.generation, self.backend)
+        if self.runner is None:
+            _install_here(*args, cards=cards)
+        else:
+            self.runner.run_on_cards(_install_on_worker, *args, cards=cards)
+            if self.trace is not None:
+                self.trace.attach(cards)
+        self.builds.update(dict.fromkeys(cards, build_id))
+
+    def _renew(self, cards: list[int]):
+        """Empty caches as a new build on cards that kept their State (weights stay)."""
+        if not cards:
+            return
+        build_id = uuid.uuid4().hex[:8]
+        if self.runner is None:
+            _renew_here(self.id, cards, build_id, self.generation)
+        else:
+            self.runner.run_on_cards(_renew_here, self.id, cards, build_id, self.generation, cards=cards)
+        self.builds.update(dict.fromkeys(cards, build_id))
+
+    def _lost_cards(self) -> list[int]:
+        """Cards whose State is missing or not the one this engine expects (waits for workers)."""
+        expect = {c: (self.builds[c], self.generation) for c in self.topo.cards}
+        if self.runner is None:
+            return [c for c, e in expect.items() if registry.probe(self.id).get(c) != e]
+        self.runner.wait_for_cards(list(self.topo.cards), self.recovery_timeout)
+        found = self.runner.run_on_cards(registry.probe, self.id, on_error="return")
+        return [c for c, e in expect.items()
+                if not isinstance(got := found.get(self.runner.address_of[c]), dict) or got.get(c) != e]
+
+    def _recover(self, err: StateLost, failed_step_ms: float):
+        """failed_step_ms: how long the step ran before the loss was detected."""
+        t = [time.perf_counter()]
+        lost = self._lost_cards() or list(err.cards)
+        t.append(time.perf_counter())
+        groups = sorted({self.topo.dp_group(c) for c in lost})
+        cards = [c for g in groups for c in self.topo.group_cards(g)]
+        self._install(lost)
+        self._renew([c for c in cards if c not in lost])
+        t.append(time.perf_counter())
+        tokens, requests, steps = self._replay(groups)
+        t.append(time.perf_counter())
+        record = {"lost_cards": lost, "rebuilt_cards": cards, "dp_groups": groups, "cause": err.reason,
+                  "replayed_requests": requests, "replayed_tokens": tokens, "replay_steps": steps,
+                  "failed_step_ms": failed_step_ms, "wait_ms": (t[1] - t[0]) * 1e3,
+                  "rebuild_ms": (t[2] - t[1]) * 1e3, "replay_ms": (t[3] - t[2]) * 1e3, "ms": (t[3] - t[0]) * 1e3}
+        self.recoveries.append(record)
+        self._recovered.append(record)
+        log.warning("dsv41 engine %s: recovered card(s) %s (%s): rebuilt DP group(s) %s, replayed %d token(s) of "
+                    "%d request(s) in %d prefill step(s), %.0f ms", self.id, lost, err.reason, groups, tokens,
+                    requests, steps, record["ms"])
+
+    def _replay(self, groups: list[int]) -> tuple[int, int, int]:
+        """Rebuild the caches of these DP groups from their requests' token histories, as prefill steps of
+        at most prefill_max_tokens rows per group (a longer history in chunks), into fresh host tables."""
+        limit = self.cfg.prefill_max_tokens
+        fresh = {g: RequestTable(self.cfg, self.tables[g].max_batch, self.tables[g].max_context,
+                                 self.tables[g].token_map) for g in groups}
+        work = {g: [(local, req.tokens[i:i + limit]) for local, req in self.tables[g].requests.items()
+                    for i in range(0, len(req.tokens), limit)] for g in groups}
+        renamed = {g: {} for g in groups}                 # old local id -> new local id
+        tokens = steps = 0
+        while any(work.values()):
+            take = {g: _pack(work[g], limit) for g in groups if work[g]}
+            plans = {g: fresh[g].plan([(renamed[g].get(local), chunk) for local, chunk in items], "prefill",
+                                      self.topo.tp) for g, items in take.items()}
+            self._execute(plans, "prefill")
+            for g, items in take.items():
+                fresh[g].commit(plans[g])
+                for (local, chunk), rid in zip(items, plans[g].rids):
+                    renamed[g].setdefault(local, rid)
+                    tokens += len(chunk)
+            steps += 1
+        for rid, (g, local) in self.where.items():
+            if g in groups:
+                self.where[rid] = (g, renamed[g][local])
+        for g in groups:
+            self.tables[g] = fresh[g]
+        return tokens, sum(len(r) for r in renamed.values()), steps
+
     # ---- steps -------------------------------------------------------------------------------------
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> torch.Tensor:
+        if not batch:
+            raise ValueError("batch: must contain at least one request, got an empty batch")
+        if not self._finalizer.alive:
+            raise RuntimeError(f"engine {self.id} is closed")
+        self._recovered = []
+        for attempt in range(MAX_RECOVERIES + 1):
+            t0 = time.perf_counter()
+            try:
+                return self._step(batch, phase)
+            except StateLost as e:
+                if attempt == MAX_RECOVERIES:
+                    raise
+                self._recover(e, (time.perf_counter() - t0) * 1e3)
+
+    def _step(self, batch, phase: str) -> torch.Tensor:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         placed = []                          # (group, index within the group's batch) per request
         load = [len(t.requests) for t in self.tables]
@@ -96,22 +233,8 @@ class GraphEngine(StepModel):
             placed.append((grp, len(per_group[grp])))
             per_group[grp].append((local, toks))
         steps = {g: self.tables[g].plan(b, phase, self.topo.tp) for g, b in per_group.items() if b}
-
-        graph = build(self.cfg, self.topo, steps, self.wiring, phase)
-        outputs = [f"final/argmax@g{g}" for g in steps] + [f"cache.commit@c{c}" for c in self.topo.cards]
-        plan = make_plan(graph, self.topo, self.granularity, outputs, step=self.step_id + 1)
-        self.step_id += 1
-        for n in graph.nodes.values():
-            if n.kernel == "cache.commit":
-                n.attrs["step"] = self.step_id
         t0 = time.perf_counter()
-        self._on_every_process(_clear_sim_log)
-        try:
-            with self.trace.step(plan) if self.trace is not None else nullcontext():
-                values = self._run(plan)
-        except BaseException:
-            self._abort()
-            raise
+        values, graph, plan = self._execute(steps, phase)
         for g, s in steps.items():
             self.tables[g].commit(s)
         new_ids = []
@@ -123,10 +246,53 @@ class GraphEngine(StepModel):
         self.last_request_ids = new_ids
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
-                           "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3}
+                           "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3,
+                           "cards": self.cards, "host_ms": self._host_ms, "graph_reused": self._reused}
+        if self._recovered:
+            self.last_stats["recovered"] = list(self._recovered)
         if self.backend != "torch":
             self.last_stats.update(self._device_summary())
         return torch.stack([values[f"final/argmax@g{grp}"][0][idx] for grp, idx in placed])
+
+    def _execute(self, steps: dict, phase: str):
+        """Plan and run one step over these DP groups' inputs; abort everywhere if it fails."""
+        self.step_id += 1
+        t0 = time.perf_counter()
+        plan, reused = self._plan(steps, phase)
+        self._host_ms, self._reused = (time.perf_counter() - t0) * 1e3, reused
+        if self.backend != "torch":
+            self._on_every_process(_clear_sim_log, self.id)
+        try:
+            with self.trace.step(plan) if self.trace is not None else nullcontext():
+                values = self._run(plan)
+        except BaseException:
+            self._abort()
+            raise
+        self.generation += 1
+        return values, plan.graph, plan
+
+    def _plan(self, steps: dict, phase: str) -> tuple[Plan, bool]:
+        """This step's plan: the built, validated and planned graph of its shape (cached), fed this
+        step's inputs, with submissions stamped with this engine, step and expected States."""
+        key = (phase, self.wiring, self.granularity, shape(self.cfg, steps))
+        template = self._graphs.get(key)
+        reused = template is not None
+        if reused:
+            self._graphs.move_to_end(key)
+            feed(template.graph, self.topo, steps)
+        else:
+            graph = build(self.cfg, self.topo, steps, self.wiring, phase)
+            outputs = [f"final/argmax@g{g}" for g in steps] + [f"cache.commit@c{c}" for c in self.topo.cards]
+            template = make_plan(graph, self.topo, self.granularity, outputs)
+            if self.graph_cache:
+                self._graphs[key] = template
+                while len(self._graphs) > self.graph_cache:
+                    self._graphs.popitem(last=False)
+        for c in self.topo.cards:
+            template.graph.nodes[f"cache.commit@c{c}"].attrs["step"] = self.step_id
+        subs = {k: replace(sub, step=self.step_id, engine=self.id, expect=(self.builds[sub.card], self.generation))
+                for k, sub in template.submissions.items()}
+        return Plan(template.graph, subs, template.owner, template.outputs), reused
 
     def _run(self, plan):
         if self.runner is None:
@@ -134,27 +300,32 @@ class GraphEngine(StepModel):
         return self.runner.run(plan)
 
     def _on_every_process(self, fn, *args):
-        """Run fn here (sync/threads) or on every worker (distributed); results by process."""
+        """Run fn here (sync/threads) or on every card's worker (distributed); results by process."""
         if self.runner is None:
             return {"local": fn(*args)}
-        return self.runner.run_on_workers(fn, *args)
+        return self.runner.run_on_cards(fn, *args)
 
     def _device_summary(self) -> dict:
         """Per step: the busiest card's summed simulated µs (cards run concurrently) and which node
         kernels had a pypto form."""
         per_card: dict[int, float] = {}
         kernels = set()
-        for log in self._on_every_process(_sim_log).values():
-            for card, kernel, us in log.values():
+        for log_ in self._on_every_process(_sim_log, self.id).values():
+            for card, kernel, us in log_.values():
                 per_card[card] = per_card.get(card, 0.0) + us
                 kernels.add(kernel)
         return {"device_sim_us": max(per_card.values(), default=0.0), "pypto_kernels": sorted(kernels)}
 
     def _abort(self):
+        """Abort the current step on every card; a worker that is gone has nothing left to abort."""
+        args = (self.id, self.step_id, self.generation)
         if self.runner is None:
-            _abort_all(self.step_id)
-        else:
-            self.runner.run_on_workers(_abort_all, self.step_id)
+            registry.abort(*args)
+            return
+        self.runner.refresh()
+        for result in self.runner.run_on_cards(registry.abort, *args, on_error="return").values():
+            if isinstance(result, Exception) and not isinstance(result, OSError):
+                raise result
 
     def release(self, rid: int):
         if rid not in self.where:
@@ -164,11 +335,21 @@ class GraphEngine(StepModel):
 
     # ---- tools ------------------------------------------------------------------------------------------
     def inject_failure(self, node_key: str | None):
-        """Make the node with this key raise on its next run (tests)."""
-        if self.runner is None:
-            Hooks.fail_at = node_key
-        else:
-            self.runner.run_on_workers(_set_fail_at, node_key)
+        """Make the node with this key raise the next time it runs (once; tests)."""
+        self._on_every_process(_set_fail_at, self.id, node_key)
+
+    def states(self) -> dict:
+        """card -> this engine's State (sync/threads: the States live in this process)."""
+        if self.runner is not None:
+            raise ValueError("states: only sync and threads engines hold their States in this process")
+        return registry.owned(self.id).states
+
+    def check_nodes(self, checker):
+        """Call ``checker(state, node, args, value)`` after every node of the following steps (None
+        stops). The check runs in this process, so only the sync and threads executors have it."""
+        if self.runner is not None:
+            raise ValueError("--check: runs in this process; needs --executor sync or threads")
+        registry.owned(self.id).hooks.check = checker
 
     def write_graph(self, path: str):
         from dsv41.graph.export import write_graph
@@ -185,26 +366,74 @@ class GraphEngine(StepModel):
             time.sleep(seconds)
 
     def close(self):
-        if self.runner is not None:
-            self.runner.close()
-            self.runner = None
+        """Free this engine's States and hooks everywhere (its workers too) and leave the cluster."""
+        self._finalizer()
+        self.runner = None
 
 
-def _set_fail_at(key):
-    Hooks.fail_at = key
+def _pack(work: list, limit: int) -> list:
+    """Take from the front of work the (request, chunk) items of one prefill step: at least one, up to
+    limit rows, at most one chunk per request and a request's chunks in order."""
+    items = [work.pop(0)]
+    rows, seen = len(items[0][1]), {items[0][0]}
+    i = 0
+    while i < len(work):
+        local, chunk = work[i]
+        if local not in seen and rows + len(chunk) <= limit:
+            items.append(work.pop(i))
+            rows += len(chunk)
+        else:
+            i += 1
+        seen.add(local)
+    return items
 
 
-def _set_device_time(backend: str):
-    Hooks.device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
-    Hooks.sim_log = {}
+def _free_everywhere(engine: str, runner):
+    if runner is None:
+        registry.free(engine)
+        return
+    try:
+        runner.run_on_cards(registry.free, engine, on_error="ignore")
+    finally:
+        runner.close()
 
 
-def _clear_sim_log():
-    Hooks.sim_log = {}
+def _card_bytes(engine: str):
+    return [card_bytes(st) for st in registry.owned(engine).states.values()]
 
 
-def _sim_log():
-    return dict(Hooks.sim_log)
+def _install_here(cfg, topo, seed, per_group, max_context, options, source, engine, build_id, generation, backend,
+                  cards):
+    device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
+    registry.install(engine, build_states(cfg, topo, seed, cards, per_group, max_context, options, source, engine,
+                                          build_id, generation), device_time)
+    return_freed_memory()
 
 
-__all__ = ["GraphEngine", "NodeError", "EXECUTORS"]
+def _renew_here(engine: str, cards, build_id: str, generation: int):
+    states = registry.owned(engine).states
+    for c in cards:
+        if c in states:
+            renew(states[c], build_id, generation)
+
+
+def _install_on_worker(*args, dask_worker=None):
+    """client.run target: the State of the card this worker is named for."""
+    card = int(dask_worker.name)
+    _install_here(*args, cards=[card])
+    return card
+
+
+def _set_fail_at(engine: str, key):
+    registry.owned(engine).hooks.fail_at = key
+
+
+def _clear_sim_log(engine: str):
+    registry.owned(engine).hooks.sim_log = {}
+
+
+def _sim_log(engine: str):
+    return dict(registry.owned(engine).hooks.sim_log)
+
+
+__all__ = ["GraphEngine", "NodeError", "StateLost", "CardUnavailable", "EXECUTORS"]

@@ -5,9 +5,10 @@ a new submission, so external inputs only ever enter at a submission's first nod
 between submissions then goes from an earlier-starting submission to a later-starting one, so the
 submission graph is acyclic. ``granularity="node"`` keeps one submission per node (debugging).
 
-A submission's key is ``<kernel>@L<layer>@c<card>-<step>-<n>`` after its first node, so dask's
-``key_split`` (the dashboard's task-stream and progress grouping) reads ``kernel@Llayer@ccard``; the
-step and running number keep keys unique across steps.
+A submission's key is ``<kernel>@L<layer>@c<card>-<n>`` after its first node, so dask's
+``key_split`` (the dashboard's task-stream and progress grouping) reads ``kernel@Llayer@ccard``. A plan
+serves every step of its shape; its dask key (``task_key``) adds the engine id and the step, unique
+across steps, retries and runs sharing one scheduler.
 """
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ class Submission:
     exports: set[str] = field(default_factory=set)     # node keys consumed outside this submission
     step: int = 0
     phase: str = ""
+    engine: str = ""                                   # whose State it runs against
+    expect: tuple[str, int] = ("", 0)                  # that State's (build id, generation)
+
+    @property
+    def task_key(self) -> str:
+        return f"{self.key}-{self.engine}-{self.step}" if self.engine else f"{self.key}-{self.step}"
     trace: object = None                               # telemetry's liveness and parent span, when tracing
 
 
@@ -60,7 +67,7 @@ def make_plan(graph: Graph, topology, granularity: str = "submission", outputs=(
         crosses = any(card_of.get(i, node.card) != node.card for i in node.inputs if i in graph.nodes)
         sub = current.get(node.card)
         if sub is None or crosses or granularity == "node":
-            sub = Submission(f"{task_name(node)}-{step}-{len(subs)}", node.card, [], step=step, phase=graph.phase)
+            sub = Submission(f"{task_name(node)}-{len(subs)}", node.card, [], step=step, phase=graph.phase)
             subs[sub.key] = sub
             current[node.card] = sub
         sub.nodes.append(node)

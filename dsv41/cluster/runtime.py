@@ -1,10 +1,14 @@
 """What a dask task runs: a submission's nodes, in order, against its card's State.
 
-Failures are re-raised as NodeError naming the node, so a failed step says where it broke.
+A submission names its engine and the State it expects (build id, generation); the State is looked
+up in this process's registry under that engine, and a missing or different one raises
+``StateLost`` before any node runs, so a restarted worker's empty caches are never computed through.
+Node failures are re-raised as NodeError naming the node, so a failed step says where it broke.
 """
 from __future__ import annotations
 
-from dsv41.cluster import state as card_state
+from dsv41.cluster import registry
+from dsv41.cluster.registry import StateLost
 from dsv41.kernels.torch_backend import KERNELS
 
 
@@ -12,54 +16,68 @@ class NodeError(RuntimeError):
     pass
 
 
-class Hooks:
-    """Process-wide run hooks: fault injection for tests, span recording for traces, simulated
-    device time per node (``--backend pypto-sim``), logged per node key for the step summary."""
-    fail_at: str | None = None
-    tracer = None
-    device_time = None                       # (state, node, args) -> µs or None
-    sim_log: dict[str, tuple[int, str, float]] = {}   # node key -> (card, kernel, µs)
+def card_state(sub):
+    """The State this submission expects, or StateLost."""
+    entry = registry.find(sub.engine)
+    st = None if entry is None else entry.states.get(sub.card)
+    if st is None:
+        raise StateLost([sub.card], f"no State of engine {sub.engine} in this process")
+    if (st.build, st.generation) != sub.expect:
+        raise StateLost([sub.card], f"State is build {st.build} at generation {st.generation}, the step expects "
+                                    f"build {sub.expect[0]} at generation {sub.expect[1]}")
+    return entry, st
 
 
-def run_node(node, values: dict):
-    st = card_state.STATES[node.card]
+def run_node(st, hooks, node, values: dict):
     args = [values[i] for i in node.inputs]
     try:
-        if Hooks.fail_at == node.key:
+        if hooks.fail_at == node.key:
+            hooks.fail_at = None
             raise RuntimeError("injected failure")
         sim_us = None
-        if Hooks.device_time is not None:  # asked before the kernel so its cost stays outside the span
-            sim_us = Hooks.device_time(st, node, args)
+        if hooks.device_time is not None:  # asked before the kernel so its cost stays outside the span
+            sim_us = hooks.device_time(st, node, args)
             if sim_us is not None:
-                Hooks.sim_log[node.key] = (node.card, node.kernel, sim_us)
-        if Hooks.tracer is not None:
-            return Hooks.tracer.run(st, node, KERNELS[node.kernel], args, sim_us)
-        return KERNELS[node.kernel](st, node, *args)
+                hooks.sim_log[node.key] = (node.card, node.kernel, sim_us)
+        if hooks.tracer is not None:
+            value = hooks.tracer.run(st, node, KERNELS[node.kernel], args, sim_us)
+        else:
+            value = KERNELS[node.kernel](st, node, *args)
+        if hooks.check is not None:
+            hooks.check(st, node, args, value)
+        return value
     except NodeError:
         raise
     except Exception as e:
         raise NodeError(f"node {node.key} (kernel {node.kernel}, card {node.card}) failed: {e}") from e
 
 
-def run_one(node, *input_values):
-    """One node as a plain dask task (``Graph.to_dask(run_one)``)."""
-    return run_node(node, dict(zip(node.inputs, input_values)))
+def run_one(states: dict, node, *input_values):
+    """One node as a plain dask task against its card's State in ``states`` (card -> State); bind
+    states with ``functools.partial`` for ``Graph.to_dask``."""
+    return run_node(states[node.card], registry.Hooks(), node, dict(zip(node.inputs, input_values)))
 
 
 def run_submission(sub, *dep_values):
     """dep_values align with sub.deps: dicts of exported values (submissions) or literal values."""
-    values = {}
-    for dep, v in zip(sub.deps, dep_values):
-        if dep in sub.literals:
-            values[dep] = v
-        else:
-            values.update(v)
-    if Hooks.tracer is not None:
-        Hooks.tracer.begin_submission(sub)
+    entry, st = card_state(sub)
+    entry.enter(sub.step)
     try:
-        for node in sub.nodes:
-            values[node.key] = run_node(node, values)
+        values = {}
+        for dep, v in zip(sub.deps, dep_values):
+            if dep in sub.literals:
+                values[dep] = v
+            else:
+                values.update(v)
+        hooks = entry.hooks
+        if hooks.tracer is not None:
+            hooks.tracer.begin_submission(sub, st)
+        try:
+            for node in sub.nodes:
+                values[node.key] = run_node(st, hooks, node, values)
+        finally:
+            if hooks.tracer is not None:
+                hooks.tracer.end_submission(sub)
+        return {k: values[k] for k in sub.exports}
     finally:
-        if Hooks.tracer is not None:
-            Hooks.tracer.end_submission(sub)
-    return {k: values[k] for k in sub.exports}
+        entry.leave()

@@ -205,6 +205,26 @@ class _Builder:
             g.add(f"final/argmax@g{grp}", "lm_head.argmax", shards, group[0], dp_group=grp)
 
 
+def shape(cfg: ModelConfig, steps: dict) -> tuple:
+    """All a graph's structure depends on: the DP groups with work, their rows and the index chunks
+    per indexed source. Steps of one shape differ only in their ``step@c*`` literals."""
+    sources = sorted({spec.kv_source for spec in cfg.layers if spec.mode in (FULL, REINDEX)})
+    out = []
+    for grp, step in sorted(steps.items()):
+        t = step.md.num_tokens
+        chunks = tuple(tuple(score_chunks(t, int(step.md.compressed_lens[s].max()) if t else 0,
+                                          cfg.index_score_budget_bytes, cfg.index_score_leaf)) for s in sources)
+        out.append((grp, t, chunks))
+    return tuple(out)
+
+
+def feed(graph: Graph, topo: Topology, steps: dict):
+    """Give a graph built for steps of the same shape this step's inputs."""
+    for grp, step in steps.items():
+        for c in topo.group_cards(grp):
+            graph.literals[f"step@c{c}"] = (step, c)
+
+
 def build(cfg: ModelConfig, topo: Topology, steps: dict, wiring: str = SHARDED, phase: str = "decode") -> Graph:
     """steps: DP group -> StepInputs for groups with work this step."""
     if phase not in ("decode", "prefill"):

@@ -30,7 +30,7 @@ def _rows(node, args) -> int | None:
 
 def node_sim_us(st, node, args, backend: str = "pypto-sim") -> float | None:
     """The node's simulated µs on its card, or None when it has no pypto form."""
-    from dsv41.kernels.pypto_backend import node_time_us
+    from dsv41.kernels.pypto.backend import node_time_us
 
     cfg, tp, ep = st.cfg, st.topo.tp, st.topo.ep
     if node.kernel.startswith("attn.leaf."):

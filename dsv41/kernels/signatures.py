@@ -12,7 +12,7 @@ Where a grouping depends on data (the experts' per-expert dict), the spec keeps 
 shapes of the tensors under one group, not the keys.
 
 A Cost names the weights a node reads (runtime keys; the card's shard of each is sized by
-``dsv41.telemetry.sizing``) and counts everything else in bytes: looked-up table rows, cache rows in
+``dsv41.plan.sizing``) and counts everything else in bytes: looked-up table rows, cache rows in
 their kv_cache formats (each row once per request that reads it: a request's query rows share its
 window and index keys), and, by default, every input's bytes as the Torch backend holds them.
 ``link`` is what a card receives over the interconnect, with the device's element sizes (BF16

@@ -12,7 +12,7 @@ from dsv41.kernels.registry import registrar
 from dsv41.ops import mhc, reference as ref
 from dsv41.ops.embed import embed_rows, pack_lanes
 from dsv41.ops.lm_head import greedy, logits_shard, select_rows
-from dsv41.ops.moe import combine, expert
+from dsv41.ops.moe import combine, experts_grouped
 from dsv41.ops.norm import rms_norm
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.projections import kv_proj, q_proj
@@ -195,18 +195,22 @@ def moe_dispatch(st, node, gate):
 @kernel("moe.experts")
 def moe_experts(st, node, *dispatches):
     """This EP rank's experts on the rows every source sent: source -> expert -> (rows, BF16 out)."""
-    p, cfg = f"layers.{node.layer}.ffn.experts.", st.cfg
+    p, cfg, sources = f"layers.{node.layer}.ffn.experts.", st.cfg, node.attrs["sources"]
     parts = [d[st.card] for d in dispatches]
-    src = torch.cat([torch.full_like(rows, s) for s, (rows, *_) in zip(node.attrs["sources"], parts)])
+    src = torch.cat([torch.full_like(rows, i) for i, (rows, *_) in enumerate(parts)])
     rows, eids, x, w = (torch.cat(col) for col in zip(*parts))
-    out = {s: {} for s in node.attrs["sources"]}
-    for e in sorted(set(eids.tolist())):  # one call per expert over every source's rows
-        sel = eids == e
-        y = expert(x[sel], st.weights[f"{p}{e}.w1"], st.weights[f"{p}{e}.w2"], st.weights[f"{p}{e}.w3"],
-                   cfg.swiglu_limit, w[sel])
-        for s in src[sel].unique().tolist():
-            mine = src[sel] == s
-            out[s][e] = (rows[sel][mine], y[mine])
+    out = {s: {} for s in sources}
+    if not eids.numel():
+        return out
+    # rows sorted by (expert, source), stably: one group per expert, a run per source inside it
+    order = torch.argsort(eids * len(sources) + src, stable=True)
+    runs, run_counts = torch.unique_consecutive((eids * len(sources) + src)[order], return_counts=True)
+    experts, counts = torch.unique_consecutive(eids[order], return_counts=True)
+    y = experts_grouped(x[order], w[order], experts.tolist(), counts.tolist(),
+                        lambda e, name: st.weights[f"{p}{e}.{name}"], cfg.swiglu_limit)
+    for run, r, part in zip(runs.tolist(), rows[order].split(run_counts.tolist()), y.split(run_counts.tolist())):
+        e, i = divmod(run, len(sources))
+        out[sources[i]][e] = (r, part)
     return out
 
 
@@ -239,4 +243,5 @@ def lm_head_argmax(st, node, *shards):
 @kernel("cache.commit")
 def cache_commit(st, node, *_done):
     st.caches.commit(node.attrs.get("step"))
+    st.generation += 1                       # one more committed step (an abort of this step undoes it)
     return True

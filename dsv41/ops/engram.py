@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dsv41.ops.pointwise import sigmoid
 from dsv41.ops.projections import mx_linear
 from dsv41.ops.quant import round_bf16
 
@@ -88,5 +89,5 @@ def engram(x_hc, ids, table, wkv, q_weight, k_weight, eps: float) -> torch.Tenso
     rx = torch.rsqrt(x.pow(2).mean(-1) + eps)
     rk = torch.rsqrt(key.pow(2).mean(-1) + eps)
     dot = (x * w * key).sum(-1) * rx * rk * d ** -0.5
-    gate = torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(1e-6)), dot))
+    gate = sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(1e-6)), dot))
     return round_bf16(x + gate.unsqueeze(-1) * value.unsqueeze(1))

@@ -22,14 +22,16 @@ def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int
     """qI [T, nh, ihd] (RoPE'd, FP4 fake-quantized when fp4_query) and head weights wI [T, nh].
 
     fp4_query=True follows the official code; False is the pypto C2A kernel's variant.
-    wI = bf16(x weights_proj) * ihd^-1/2 * nh^-1/2 with no further rounding (exactly 2^-6 on FLASH).
+    wI = bf16(bf16(x weights_proj) * (ihd^-1/2 * nh^-1/2)): the official code multiplies the BF16
+    projection by the scalar and keeps a BF16 result. On FLASH the factor is exactly 2^-6 and the
+    second rounding changes nothing; on other shapes (TINY: 2^-3.5) it does.
     """
     t = qr.shape[0]
     q = round_bf16(mx_linear(qr, wq_b)).reshape(t, n_heads, head_dim)
     q = apply_rope(q, cos, sin)
     if fp4_query:
         q = round_bf16(mxfp4_qdq(q.reshape(t, -1))).reshape(t, n_heads, head_dim)
-    w = round_bf16(dense_linear(x, weights_proj)) * (head_dim ** -0.5 * n_heads ** -0.5)
+    w = round_bf16(round_bf16(dense_linear(x, weights_proj)) * (head_dim ** -0.5 * n_heads ** -0.5))
     return q, w
 
 
@@ -37,10 +39,12 @@ def index_scores(q, w, keys, visible) -> torch.Tensor:
     """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)); -inf where not visible.
 
     q [T, nh, d], w [T, nh], keys [T, P, d] (each row's decoded keys), visible bool [T, P].
+    The dot and the head sum accumulate in FP64 (rounded to FP32 once, then to BF16) so that a
+    row's score does not depend on how many rows or heads are batched together.
     """
-    dot = round_bf16(torch.einsum("thd,tpd->thp", q, keys))
+    dot = round_bf16(torch.einsum("thd,tpd->thp", q.double(), keys.double()).float())
     term = round_bf16(torch.relu(dot) * w.unsqueeze(-1))
-    s = round_bf16(term.sum(1))
+    s = round_bf16(term.double().sum(1).float())
     return s.masked_fill(~visible, NEG_INF)
 
 

@@ -193,6 +193,15 @@ def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_bloc
     )
 
 
+def window_list_width(md: ForwardMetadata) -> torch.Tensor:
+    """Window slots the official attention lists per token (i64 [T]): min(prompt length, window)
+    for a request's first (prefill) chunk, the whole window for every later step."""
+    req = md.token_to_req_indices.long()
+    w = md.window_indices.shape[1]
+    fresh = md.kv_seq_lens.long()[req] == 0
+    return torch.where(fresh, md.query_lens.long()[req].clamp(max=w), torch.full_like(req, w))
+
+
 def replay_rows(md: ForwardMetadata, window: int) -> tuple[ForwardMetadata, torch.Tensor]:
     """SWA bounded replay (approximate, prefill of fresh prompts only): keep each request's last
     min(len, window) rows and truncate their windows to those rows.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.ops.pointwise import sigmoid
 from dsv41.ops.projections import matmul_t
 from dsv41.ops.quant import round_bf16
 
@@ -29,8 +30,8 @@ def hc_mixes(x_hc: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     f = x_hc.reshape(t, hc * d).float()
     inv = torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps)
     m = matmul_t(f, fn) * inv
-    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb0 = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(t, hc, hc)
     return pre, post, sinkhorn(comb0, iters, hc_eps)
 
@@ -41,8 +42,10 @@ def hc_pre(x_hc: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 def hc_post(sub: torch.Tensor, x_hc: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out[t,k] = post[t,k]*sub[t] + sum_j comb[t,j,k]*x_hc[t,j], rounded to BF16 (stored FP32)."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb, x_hc)
+    """out[t,k] = post[t,k]*sub[t] + sum_j comb[t,j,k]*x_hc[t,j], rounded to BF16 (stored FP32).
+
+    The lane mix accumulates in FP64 and rounds to FP32 once (batch-independent, as matmul_t)."""
+    mixed = torch.einsum("tjk,tjd->tkd", comb.double(), x_hc.double()).float()
     return round_bf16(post.unsqueeze(-1) * sub.unsqueeze(1) + mixed)
 
 

@@ -7,10 +7,10 @@ outputs in ascending expert id in FP32, adds the shared expert, and rounds once.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from dsv41.ops.pointwise import silu, softplus
 from dsv41.ops.projections import matmul_t, mx_linear
-from dsv41.ops.quant import round_bf16
+from dsv41.ops.quant import mxfp8_qdq, round_bf16
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
@@ -19,7 +19,7 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int,
     Scores s = sqrt(softplus(x W^T)) in FP32; the bias only selects; weights come from s.
     Ties in the biased score go to the smaller expert id (stable sort).
     """
-    s = torch.sqrt(F.softplus(matmul_t(x, gate_w)))
+    s = torch.sqrt(softplus(matmul_t(x, gate_w)))
     biased = s + bias.float()
     idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
     picked = torch.gather(s, 1, idx)
@@ -29,12 +29,31 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int,
 
 def expert(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU expert on BF16 rows -> BF16 output [T, D]; weight [T] (routed) scales h before w2."""
-    g = round_bf16(mx_linear(x, w1)).clamp(max=limit)
-    u = round_bf16(mx_linear(x, w3)).clamp(-limit, limit)
-    h = F.silu(g) * u
+    xq = mxfp8_qdq(round_bf16(x))   # mx_linear's input quantization, shared by w1 and w3
+    g = round_bf16(matmul_t(xq, w1)).clamp(max=limit)
+    u = round_bf16(matmul_t(xq, w3)).clamp(-limit, limit)
+    h = silu(g) * u
     if weight is not None:
         h = h * weight.unsqueeze(-1)
     return round_bf16(mx_linear(round_bf16(h), w2))
+
+
+def experts_grouped(x: torch.Tensor, weight: torch.Tensor, expert_ids: list[int], counts: list[int],
+                    linear, limit: float) -> torch.Tensor:
+    """``expert`` for rows grouped by expert, in one pass: rows [sum(counts), D] BF16 with routing
+    weights [n], consecutive ``counts[i]`` rows going to ``expert_ids[i]``; ``linear(e, name)`` gives
+    expert e's dequantized w1/w2/w3 when it is used. -> BF16 [n, D] in row order.
+
+    The activation quantizations, the clamp/SwiGLU/weighting and the roundings act per row or per
+    element, so they run once over every group's rows; only the matmuls go expert by expert. Each
+    row's bits are those ``expert`` gives it alone (matmul_t is independent of the row count).
+    """
+    xq = mxfp8_qdq(round_bf16(x)).split(counts)
+    g = torch.cat([matmul_t(a, linear(e, "w1")) for e, a in zip(expert_ids, xq)])
+    u = torch.cat([matmul_t(a, linear(e, "w3")) for e, a in zip(expert_ids, xq)])
+    h = silu(round_bf16(g).clamp(max=limit)) * round_bf16(u).clamp(-limit, limit)
+    hq = mxfp8_qdq(round_bf16(h * weight.unsqueeze(-1))).split(counts)
+    return round_bf16(torch.cat([matmul_t(a, linear(e, "w2")) for e, a in zip(expert_ids, hq)]))
 
 
 def dispatch_rows(indices: torch.Tensor, expert_ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -29,8 +29,15 @@ def ceil_log2(v: torch.Tensor) -> torch.Tensor:
     return torch.where(mant == 0.5, exp - 1, exp).to(torch.int32)
 
 
+def _e8m0_table() -> torch.Tensor:
+    return torch.ldexp(torch.ones(256), torch.arange(256, dtype=torch.int32) - 127)
+
+
+_E8M0_VALUES = _e8m0_table()   # code -> 2^(code-127) in FP32; one lookup decodes any shape
+
+
 def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones_like(code, dtype=torch.float32), code.to(torch.int32) - 127)
+    return _E8M0_VALUES.to(code.device).index_select(0, code.reshape(-1).long()).reshape(code.shape)
 
 
 def e8m0_from_exp(exp: torch.Tensor) -> torch.Tensor:
@@ -42,6 +49,18 @@ def e8m0_from_exp(exp: torch.Tensor) -> torch.Tensor:
 def e4m3(x: torch.Tensor) -> torch.Tensor:
     """RNE cast to float8_e4m3fn with saturation at +-448 (torch's cast alone would give NaN)."""
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def e4m3_decode(payload: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 payload -> FP32 values by table: the same values as ``payload.float()``, whose
+    element-wise cast is several times slower on CPU. Other dtypes are cast as before."""
+    if payload.dtype != torch.float8_e4m3fn:
+        return payload.float()
+    codes = payload.view(torch.uint8).reshape(-1).long()
+    return _E4M3_VALUES.to(payload.device).index_select(0, codes).reshape(payload.shape)
 
 
 def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -63,13 +82,24 @@ def mxfp8_encode(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.
 
 
 def mxfp8_decode(payload: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
-    p = _groups(payload.float(), group)
+    p = _groups(e4m3_decode(payload), group)
     return (p * e8m0_decode(scale).unsqueeze(-1)).reshape(payload.shape)
 
 
+def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(v)) for positive normal FP32 v whose result is normal, from the bits: adding
+    2^23 - 1 carries into the exponent exactly when the mantissa is not zero."""
+    return ((v.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
 def mxfp8_qdq(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """Dynamic MXFP8 activation fake-quantization (per row, groups of 32 along the last dim)."""
-    return mxfp8_decode(*mxfp8_encode(x, group), group)
+    """Dynamic MXFP8 activation fake-quantization (per row, groups of 32 along the last dim):
+    ``mxfp8_decode(*mxfp8_encode(x))`` for finite x without materialising the codes. The scale
+    2^ceil(log2(amax/448)) is what its E8M0 code decodes to; with amax floored at 1e-4 and finite it
+    lies in [2^-22, 2^120], where ``pow2_ceil`` is exact, so the bits are the same in fewer ops."""
+    g = _groups(x, group)
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(MXFP8_AMAX_FLOOR) * _INV_E4M3_MAX)
+    return (e4m3(g / s).float() * s).reshape(x.shape)
 
 
 # ---- FP4 E2M1 --------------------------------------------------------------------------------
@@ -122,9 +152,17 @@ def mxfp4_encode(x: torch.Tensor, group: int, scale_fmt: str) -> tuple[torch.Ten
     return pack_nibbles(fp4_codes(n).reshape(x.shape)), scale
 
 
+def _fp4_pair_table() -> torch.Tensor:
+    return fp4_values(unpack_nibbles(torch.arange(256, dtype=torch.uint8)[:, None]))
+
+
+_FP4_PAIRS = _fp4_pair_table()   # packed byte -> its (low, high) E2M1 values
+
+
 def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    v = fp4_values(unpack_nibbles(packed))
-    s = e8m0_decode(scale) if scale.dtype == torch.uint8 else scale.float()
+    v = _FP4_PAIRS.to(packed.device).index_select(0, packed.reshape(-1).long())
+    v = v.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    s = e8m0_decode(scale) if scale.dtype == torch.uint8 else e4m3_decode(scale)
     return (_groups(v, group) * s.unsqueeze(-1)).reshape(v.shape)
 
 
@@ -148,7 +186,36 @@ def block_mxfp8_encode(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, 
 def block_mxfp8_decode(payload: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
     n, k = payload.shape
     s = e8m0_decode(scale)[:, None, :, None]
-    return (payload.float().reshape(n // block, block, k // block, block) * s).reshape(n, k)
+    return (e4m3_decode(payload).reshape(n // block, block, k // block, block) * s).reshape(n, k)
+
+
+def _scaled_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale code, payload byte) -> decoded FP64 value(s): every FP32 product the formulas form
+    (E4M3 value x 2^(s-127); the two E2M1 values of a packed byte x 2^(s-127)), widened to FP64."""
+    scale = _E8M0_VALUES[:, None]
+    fp8 = (_E4M3_VALUES[None, :] * scale).double().reshape(-1)
+    fp4 = (_FP4_PAIRS[None] * scale[..., None]).double().reshape(-1, 2)
+    return fp8, fp4
+
+
+_FP8_BY_SCALE, _FP4_BY_SCALE = _scaled_tables()
+
+
+def block_mxfp8_decode64(payload: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``block_mxfp8_decode(payload, scale).double()`` in one table lookup per element (weights
+    decoded on each use are read in FP64 by the matmuls)."""
+    n, k = payload.shape
+    idx = payload.view(torch.uint8).to(torch.int32).view(n // block, block, k // block, block) \
+        + (scale.view(torch.uint8).to(torch.int32) << 8).view(n // block, 1, k // block, 1)
+    return _FP8_BY_SCALE.to(payload.device).index_select(0, idx.reshape(-1)).view(n, k)
+
+
+def expert_mxfp4_decode64(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``expert_mxfp4_decode(packed, scale).double()`` in one table lookup per packed byte."""
+    n, half = packed.shape
+    idx = packed.view(torch.uint8).to(torch.int32).view(n, scale.shape[1], -1) \
+        + (scale.view(torch.uint8).to(torch.int32) << 8).view(n, -1, 1)
+    return _FP4_BY_SCALE.to(packed.device).index_select(0, idx.reshape(-1)).view(n, 2 * half)
 
 
 def expert_mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,16 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.checkpoint.reader import read_all
 from dsv41.config import FULL, REINDEX, SWA, LayerSpec, ModelConfig
 from dsv41.ops import kv_cache, mhc
-from dsv41.ops.attention import sparse_attention
+from dsv41.ops.attention import slot_list, sparse_attention
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
 from dsv41.ops.embed import pack_x_hc
 from dsv41.ops.engram import engram
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
                                topk_positions)
 from dsv41.ops.lm_head import logits_shard, select_rows
-from dsv41.ops.metadata import ForwardMetadata, replay_rows
+from dsv41.ops.metadata import ForwardMetadata, replay_rows, window_list_width
 from dsv41.ops.moe import combine, dispatch_rows, expert, route
 from dsv41.ops.norm import rms_norm
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
@@ -163,8 +164,8 @@ def attend(cfg, w, spec, caches, md, q, topk_rows):
     keys = read(caches, f"window.{spec.layer}", md.window_indices)
     valid = md.window_indices >= 0
     if spec.mode != SWA:
-        keys = torch.cat([keys, read(caches, f"compressed.{spec.kv_source}", topk_rows)], 1)
-        valid = torch.cat([valid, topk_rows >= 0], 1)
+        keys, valid = slot_list(keys, valid, read(caches, f"compressed.{spec.kv_source}", topk_rows),
+                                topk_rows >= 0, window_list_width(md))
     sink = w[f"layers.{spec.layer}.attn.attn_sink"]  # this card's heads when w is a TP shard
     return sparse_attention(q, keys, valid, sink, cfg.head_dim ** -0.5)
 
@@ -266,14 +267,20 @@ class ReferenceModel(StepModel):
     """Deterministic random (or loaded) weights, paged caches, continuous batching, greedy decode."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, max_batch: int | None = None,
-                 max_context: int | None = None, checkpoint: dict | None = None, options: Options = Options()):
+                 max_context: int | None = None, checkpoint=None, options: Options = Options()):
+        """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; read whole here."""
         self.cfg = cfg
         self.options = options
         self.seed = seed
-        ck = checkpoint if checkpoint is not None else init_checkpoint(cfg, seed)
-        self.weights = decode_checkpoint(cfg, ck)
+        if checkpoint is None:
+            self.weights = decode_checkpoint(cfg, init_checkpoint(cfg, seed))
+        else:
+            if checkpoint.cfg != cfg:
+                raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
+            self.weights = decode_checkpoint(cfg, read_all(checkpoint))
         self.table = RequestTable(cfg, max_batch or cfg.max_batch_per_dp,
-                                  max_context or min(cfg.max_position_embeddings, 1024))
+                                  max_context or min(cfg.max_position_embeddings, 1024),
+                                  None if checkpoint is None else checkpoint.token_map)
         self.caches = StagedTensors(empty_caches(cfg, self.table))
         capacity = self.table.max_context
         self.rope_tables = {p: precompute_rope_tables(cfg, capacity, p) for p in (PLAIN, COMPRESSED)}

@@ -1,21 +1,16 @@
-"""The telemetry half of ``python -m dsv41.run``: --trace, --report, --plan, --context, --device-profile.
-
-``--batch`` counts requests in total here as in a run; ``--plan`` spreads them evenly over the DP
-groups (``--batch 64 --dp 2``: 32 requests x 6 rows = 192 decode rows per group, the seed's
-capacity contract).
-"""
+"""The telemetry half of ``python -m dsv41.run``: --trace, --report, and the plan's options (--plan,
+--context, --device-profile, --dispatch; plan mode itself is ``dsv41.plan.cli``), with their rows of
+the command line's rules (``dsv41.cli.args``)."""
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 
-from dsv41.cli.args import ALL, DIST, FILE_NAME, GRAPH_OR_PLAN, PLAN, traces_writable
+from dsv41.cli.args import ALL, DIST, FILE_NAME, GRAPH_OR_PLAN, PLAN, on, traces_writable
 from dsv41.telemetry.export import TRACES, write_traces
-from dsv41.telemetry.profiles import PROFILES
+from dsv41.plan.latency import DISPATCH
+from dsv41.plan.profiles import PROFILES
 from dsv41.telemetry.session import DEFAULT_PROFILE, TraceSession
 from dsv41.telemetry.spans import otlp_configured
-
-GB = 1e9
 
 
 def add_arguments(p):
@@ -26,11 +21,14 @@ def add_arguments(p):
     g.add_argument("--report", action="store_true",
                    help="distributed: write Dask's performance report to traces/NAME.dask-report.html")
     g.add_argument("--plan", action="store_true",
-                   help="build the step's graph at full scale on meta tensors and report HBM and roofline latency; "
+                   help="build the step's graph at full scale on meta tensors and report HBM and predicted latency; "
                         "--batch requests are spread evenly over the DP groups")
     g.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default: the config's max)")
     g.add_argument("--device-profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                   help="--plan or traced runs: roofline device for simulated times (default: %(default)s)")
+                   help="--plan or traced runs: the device whose cited constants time the plan and traced nodes "
+                        "(dsv41/plan/profiles.py; default: %(default)s)")
+    g.add_argument("--dispatch", choices=DISPATCH, default=None,
+                   help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
 
 
 def tracing_on(a) -> bool:
@@ -43,7 +41,8 @@ APPLIES = {
     "--report": (DIST, None),
     "--plan": (ALL, None),
     "--context": (frozenset({PLAN}), None),
-    "--device-profile": (GRAPH_OR_PLAN, ("--trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
+    "--dispatch": (frozenset({PLAN}), None),
+    "--device-profile": (GRAPH_OR_PLAN, ("needs --trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
                                          lambda a: a.plan or tracing_on(a))),
 }
 
@@ -60,49 +59,15 @@ def _report(a, cfg):
 
 
 def _context(a, cfg):
-    from dsv41.telemetry.plan import rows_per_request
+    from dsv41.plan.step import rows_per_request
     if a.context is None:
         return None
     low, top = rows_per_request(cfg, a.batch // a.dp, a.graph), cfg.max_position_embeddings
     if not low <= a.context <= top:
-        return f"must be in [{low}, {top}] tokens per request on --config {cfg.name}, got {a.context}"
+        return f"must be in [{low}, {top}] tokens per request {on(a, cfg)}, got {a.context}"
 
 
 CHECKS = [("--trace", _trace), ("--report", _report), ("--context", _context)]
-
-
-# ---- plan mode -----------------------------------------------------------------------------------
-
-def plan_command(args, cfg, topo, say) -> int:
-    say(f"dsv41 plan {args.graph}: config={cfg.name} tp={topo.tp} dp={topo.dp} ep={topo.ep} wiring={args.wiring}")
-    report = plan_report(args, cfg, topo, say)
-    if args.json:
-        print(json.dumps({"graph": args.graph, "config": cfg.name,
-                          "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep}, "plan": report}))
-    return 0
-
-
-def plan_report(args, cfg, topo, say) -> dict:
-    from dsv41.telemetry.plan import run_plan
-    context = cfg.max_position_embeddings if args.context is None else args.context
-    report, records, resource = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
-                                         args.device_profile)
-    report["traces"] = write_traces(args.trace or f"plan-{cfg.name}", records, resource)
-    requests = report["requests_per_dp_group"]
-    say(f"  {requests} requests x {report['rows_per_dp_group'] // requests} rows per DP group at context {context}: "
-        f"nodes={report['nodes']} submissions={report['submissions']}")
-    say(f"  {'card':>4} {'weights GB':>11} {'caches GB':>10} {'transient GB':>13} {'total GB':>9}")
-    for c in report["cards"]:
-        say(f"  {c['card']:>4} {c['weights_bytes'] / GB:>11.2f} {c['cache_bytes'] / GB:>10.2f} "
-            f"{c['transient_peak_bytes'] / GB:>13.3f} {c['total_bytes'] / GB:>9.2f}")
-    kinds = report["cards"][0]["by_kind"]
-    say("  card 0 by kind (GB): " + ", ".join(f"{k} {v / GB:.3f}" for k, v in kinds.items()))
-    say(f"  cache per request: {report['cache_per_request_bytes'] / GB:.3f} GB "
-        f"(BF16 rows: {report['cache_per_request_bf16_bytes'] / GB:.3f} GB)")
-    say(f"  {report['device_profile']}: predicted step {report['predicted_step_us'] / 1e3:.2f} ms, "
-        f"memory-bound floor {report['floor_us'] / 1e3:.2f} ms")
-    say(f"  simulated timeline: {report['traces']['perfetto']}")
-    return report
 
 
 # ---- traced runs ---------------------------------------------------------------------------------

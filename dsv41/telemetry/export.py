@@ -13,7 +13,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from dsv41.telemetry.roofline import STREAMS, stream
+from dsv41.plan.roofline import STREAMS, stream
 from dsv41.telemetry.spans import otlp_json_lines
 
 TRACES = Path("traces")

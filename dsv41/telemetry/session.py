@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from dsv41.cluster.runtime import Hooks
+from dsv41.cluster import registry
 from dsv41.telemetry.hbm import annotate
-from dsv41.telemetry.roofline import profile
+from dsv41.plan.roofline import profile
 from dsv41.telemetry.spans import SpanRecorder
 from dsv41.telemetry.tracer import NodeTracer
 
@@ -28,14 +28,14 @@ class TraceSession:
     OTEL_* variables name one (``spans.otlp_configured``), in this process and on every worker."""
 
     def __init__(self, engine, device: str = DEFAULT_PROFILE, keep: bool = True):
-        self.engine, self.device = engine, profile(device)
+        self.engine, self.device, self.device_name, self.keep = engine, profile(device), device, keep
         self.resource = resource_attributes(engine.cfg, engine.topo, engine.executor, device)
         self.recorder = SpanRecorder(self.resource, keep)
         self.records: list[dict] = []
         if engine.runner is None:
-            Hooks.tracer = NodeTracer(self.recorder, self.device)
+            registry.owned(engine.id).hooks.tracer = NodeTracer(self.recorder, self.device)
         else:
-            engine.runner.run_on_workers(_install, self.resource, device, keep)
+            engine.runner.run_on_cards(_install, engine.id, self.resource, device, keep)
         engine.trace = self
 
     @contextmanager
@@ -54,11 +54,17 @@ class TraceSession:
         finally:
             self.recorder.end(span, error=error)
 
+    def attach(self, cards):
+        """A tracer on the workers that now serve these cards (after a recovery replaced them)."""
+        if self.engine.runner is not None:
+            self.engine.runner.run_on_cards(_install, self.engine.id, self.resource, self.device_name, self.keep,
+                                            cards=cards)
+
     def collect(self) -> list[dict]:
         """Every span recorded so far (here and on the workers), by start time."""
         self.records += self.recorder.drain()
         if self.engine.runner is not None:
-            for recs in self.engine.runner.run_on_workers(_drain).values():
+            for recs in self.engine.runner.run_on_cards(_drain, self.engine.id).values():
                 self.records += recs
         self.records.sort(key=lambda r: (r["start_ns"], r["end_ns"]))
         return self.records
@@ -66,17 +72,17 @@ class TraceSession:
     def hbm(self) -> list[dict]:
         """Per card: weights, caches, transient peak and total peak bytes seen so far."""
         if self.engine.runner is None:
-            rows = [_ledger_row(c, led) for c, led in Hooks.tracer.ledgers.items()]
+            rows = _ledger_rows(self.engine.id)
         else:
-            rows = [r for rs in self.engine.runner.run_on_workers(_ledger_rows).values() for r in rs]
+            rows = [r for rs in self.engine.runner.run_on_cards(_ledger_rows, self.engine.id).values() for r in rs]
         return sorted(rows, key=lambda r: r["card"])
 
     def close(self):
         """Stop tracing and flush what is queued for a collector."""
         if self.engine.runner is None:
-            Hooks.tracer = None
+            _uninstall(self.engine.id)
         else:
-            self.engine.runner.run_on_workers(_uninstall)
+            self.engine.runner.run_on_cards(_uninstall, self.engine.id)
         self.recorder.shutdown()
         self.engine.trace = None
 
@@ -86,18 +92,28 @@ def _ledger_row(card: int, led) -> dict:
             "transient_peak_bytes": led.peak_transient, "peak_bytes": led.peak_bytes}
 
 
-def _install(resource: dict, device: str, keep: bool):
-    Hooks.tracer = NodeTracer(SpanRecorder(resource, keep), profile(device))
+def _install(engine: str, resource: dict, device: str, keep: bool):
+    registry.owned(engine).hooks.tracer = NodeTracer(SpanRecorder(resource, keep), profile(device))
 
 
-def _drain() -> list[dict]:
-    return Hooks.tracer.recorder.drain()
+def _tracer(engine: str):
+    """The engine's tracer here, if any (a worker that replaced a lost one starts without spans)."""
+    entry = registry.find(engine)
+    return None if entry is None else entry.hooks.tracer
 
 
-def _ledger_rows() -> list[dict]:
-    return [_ledger_row(c, led) for c, led in Hooks.tracer.ledgers.items()]
+def _drain(engine: str) -> list[dict]:
+    tracer = _tracer(engine)
+    return [] if tracer is None else tracer.recorder.drain()
 
 
-def _uninstall():
-    Hooks.tracer.recorder.shutdown()
-    Hooks.tracer = None
+def _ledger_rows(engine: str) -> list[dict]:
+    tracer = _tracer(engine)
+    return [] if tracer is None else [_ledger_row(c, led) for c, led in tracer.ledgers.items()]
+
+
+def _uninstall(engine: str):
+    entry = registry.find(engine)
+    if entry is not None and entry.hooks.tracer is not None:
+        entry.hooks.tracer.recorder.shutdown()
+        entry.hooks.tracer = None

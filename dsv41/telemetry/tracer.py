@@ -1,4 +1,4 @@
-"""The runtime's ``Hooks.tracer``: a span per submission, a child span per node, an HBM ledger per card.
+"""An engine's ``hooks.tracer`` (see ``cluster/registry.py``): a span per submission, a child span per node, an HBM ledger per card.
 
 A node span covers the kernel call alone; its bytes, FLOPs and roofline time come from the kernel's
 signature, evaluated on the node's real inputs after the call.
@@ -8,11 +8,10 @@ from __future__ import annotations
 import threading
 import time
 
-from dsv41.cluster import state as card_state
 from dsv41.kernels.signatures import SIGNATURES, nbytes
 from dsv41.telemetry.hbm import CardLedger, SubmissionTrace
-from dsv41.telemetry.roofline import node_us
-from dsv41.telemetry.sizing import caches_by_kind, card_weights, node_cost, weights_by_kind
+from dsv41.plan.roofline import node_us
+from dsv41.plan.sizing import caches_by_kind, card_weights, node_cost, weights_by_kind
 
 _UNTRACKED = SubmissionTrace({}, frozenset(), None)
 _SUMMED = ("dsv41.bytes_read", "dsv41.bytes_written", "dsv41.flops", "dsv41.device.sim_us")
@@ -54,21 +53,21 @@ class NodeTracer:
         """Card -> (live, peak) bytes now (read without the lock: a gauge tolerates a node's lag)."""
         return {c: (led.live_bytes, led.peak_bytes) for c, led in list(self.ledgers.items())}
 
-    def ledger(self, card: int) -> CardLedger:
+    def ledger(self, st) -> CardLedger:
+        card = st.card
         if card not in self.ledgers:
-            st = card_state.STATES[card]
             self.weights[card] = card_weights(st.cfg, st.topo, card)
             weights = sum(weights_by_kind(st.cfg, st.topo, card).values())
             self.ledgers.setdefault(card, CardLedger(weights, sum(caches_by_kind(st.caches.committed).values())))
         return self.ledgers[card]
 
-    def begin_submission(self, sub):
+    def begin_submission(self, sub, st):
         info = sub.trace or _UNTRACKED
         span = self.recorder.start(sub.key, parent=info.parent, attrs={
             "dsv41.span": "submission", "dsv41.submission": sub.key, "dsv41.node": sub.nodes[0].key,
             "dsv41.kernel": sub.nodes[0].kernel, "dsv41.card": sub.card, "dsv41.phase": sub.phase,
             "dsv41.step": sub.step, "dsv41.nodes": len(sub.nodes)})
-        led = self.ledger(sub.card)
+        led = self.ledger(st)
         with led.lock:
             led.begin(sub.step)
         self._current.open = _Open(sub, span)
@@ -85,7 +84,7 @@ class NodeTracer:
             raise
         t1 = time.time_ns()
         cur.ran += 1
-        led = self.ledger(node.card)
+        led = self.ledger(st)
         cost = node_cost(self.weights[node.card], SIGNATURES[node.kernel](st, node, *args), args, nbytes(value))
         with led.lock:
             led.produce(node.key, cost.output_bytes, cur.info.uses.get(node.key, 0), node.key in cur.info.remote)
@@ -100,7 +99,7 @@ class NodeTracer:
 
     def end_submission(self, sub):
         cur = self._current.open
-        led = self.ledger(sub.card)
+        led = self.ledgers[sub.card]
         with led.lock:
             for k in cur.info.remote:
                 led.sent(k)

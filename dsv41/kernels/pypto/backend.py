@@ -2,20 +2,20 @@
 
 Values always come from the Torch backend; pypto only contributes time (``sim_time_us``: SIM cost
 model on CPU, measured on an NPU with ``mode="npu"``). Module map:
-  pypto_specs   - per-kernel argument layouts, goldens (dsv41.ops), the registry PYPTO_KERNELS
-  pypto_kernels - the @pypto.frontend.jit factories (imported only in a worker)
-  pypto_worker  - the subprocess that runs pypto, its console sent to a log file
-  pypto_sim     - the memory + disk cache and the worker client
-  pypto_verify  - pypto values vs Torch goldens
-  pypto_env     - run folder, python3 shim, calculator build, check_npu
+  specs   - per-kernel argument layouts, goldens (dsv41.ops), the registry PYPTO_KERNELS
+  kernels - the @pypto.frontend.jit factories (imported only in a worker)
+  worker  - the subprocess that runs pypto, its console sent to a log file
+  sim     - the memory + disk cache and the worker client
+  verify  - pypto values vs Torch goldens
+  env     - run folder, python3 shim, calculator build, check_npu
 """
 from __future__ import annotations
 
-from dsv41.kernels.pypto_env import check_npu
-from dsv41.kernels.pypto_sim import (BACKEND_MODES, SimCache, close_workers, default_cache, device_time_us,
+from dsv41.kernels.pypto.env import check_npu
+from dsv41.kernels.pypto.sim import (BACKEND_MODES, SimCache, close_workers, default_cache, device_time_us,
                                      sim_time_us)
-from dsv41.kernels.pypto_specs import MATMUL_ALIASES, PYPTO_KERNELS, KernelSpec, cache_key
-from dsv41.kernels.pypto_verify import verify_kernel
+from dsv41.kernels.pypto.specs import MATMUL_ALIASES, PYPTO_KERNELS, KernelSpec, cache_key
+from dsv41.kernels.pypto.verify import verify_kernel
 
 __all__ = ["BACKEND_MODES", "PYPTO_KERNELS", "MATMUL_ALIASES", "KernelSpec", "SimCache", "cache_key",
            "check_npu", "close_workers", "default_cache", "device_time_us", "node_parts", "node_time_us",

@@ -51,7 +51,7 @@ class KernelSpec:
     rev: int = 1  # bump when a layout here changes; pypto_kernels code changes re-key by themselves
 
     def __call__(self, shapes: dict, dtypes: dict | None = None, run_mode: str = "sim"):
-        from dsv41.kernels import pypto_kernels
+        from dsv41.kernels.pypto import kernels as pypto_kernels
         s, d = self.normalize(shapes, dtypes)
         return getattr(pypto_kernels, self.factory)(s, d, run_mode)
 
@@ -329,7 +329,7 @@ def kernel_digest(factory: str) -> str:
     Read with ast, not imported (import pypto costs 3 s). A retiled kernel gets new cache keys; a
     comment edit or a newly added kernel keeps the others' keys.
     """
-    tree = _strip_docstrings(ast.parse(Path(__file__).with_name("pypto_kernels.py").read_text()))
+    tree = _strip_docstrings(ast.parse(Path(__file__).with_name("kernels.py").read_text()))
     factories = {sp.factory for sp in PYPTO_KERNELS.values()}
     shared = [n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name in factories)]
     own = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == factory]

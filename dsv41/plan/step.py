@@ -12,7 +12,6 @@ reported transient peak follow the same order.
 """
 from __future__ import annotations
 
-import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -23,12 +22,10 @@ from dsv41.graph.build import SHARDED, build
 from dsv41.kernels.signatures import SIGNATURES, nbytes
 from dsv41.ops import metadata as md_ops
 from dsv41.serving import StepInputs
+from dsv41.plan.latency import DISPATCH, StepLatency, step_latency
+from dsv41.plan.roofline import node_us, profile, simulate
+from dsv41.plan.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
 from dsv41.telemetry.hbm import CardLedger, annotate
-from dsv41.telemetry.roofline import critical_path, node_us, profile, simulate
-from dsv41.telemetry.session import resource_attributes
-from dsv41.telemetry.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
-from dsv41.telemetry.spans import SpanRecorder
-from dsv41.telemetry.tracer import node_attributes
 
 
 @dataclass(frozen=True)
@@ -116,37 +113,24 @@ def replay_hbm(plan, costs, times, ledgers) -> dict[str, tuple[int, int]]:
     return at_end
 
 
-def record_timeline(recorder, plan, costs, times, live_at, dev, critical: set) -> None:
-    """The simulated step as spans: times are µs after now, as if the step had just run. Nodes on the
-    critical path carry ``dsv41.critical_path`` (search for it in Perfetto)."""
-    base, phase = time.time_ns(), plan.graph.phase
-
-    def ns(us: float) -> int:
-        return base + int(us * 1e3)
-
-    step = recorder.start(f"{phase} step (simulated)", start_ns=base, attrs={
-        "dsv41.span": "step", "dsv41.phase": phase, "dsv41.step": 1, "dsv41.simulated": True,
-        "dsv41.nodes": len(plan.graph.nodes), "dsv41.submissions": len(plan.submissions)})
-    for sub in plan.submissions.values():
-        start, end = min(times[n.key][0] for n in sub.nodes), max(times[n.key][1] for n in sub.nodes)
-        span = recorder.start(sub.key, step, ns(start), {
-            "dsv41.span": "submission", "dsv41.submission": sub.key, "dsv41.node": sub.nodes[0].key,
-            "dsv41.kernel": sub.nodes[0].kernel, "dsv41.card": sub.card, "dsv41.phase": phase, "dsv41.step": 1,
-            "dsv41.nodes": len(sub.nodes), "dsv41.simulated": True})
-        for n in sub.nodes:
-            attrs = node_attributes(n, sub, costs[n.key], dev, *live_at[n.key])
-            attrs["dsv41.critical_path"] = n.key in critical
-            recorder.end(recorder.start(n.key, span, ns(times[n.key][0]), attrs), end_ns=ns(times[n.key][1]))
-        recorder.end(span, end_ns=ns(end))
-    recorder.end(step, end_ns=ns(max(end for _, end in times.values())))
+@dataclass
+class PlannedStep:
+    """What the plan computed, for whoever records it (telemetry draws it as simulated spans)."""
+    plan: object
+    costs: dict
+    latency: StepLatency
+    live_at: dict          # node key -> the card's (live, peak) HBM bytes when the node ends
+    device: object
 
 
 def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiring: str = SHARDED,
-             device: str = "a5") -> tuple[dict, list[dict], dict]:
-    """(report, simulated span records, resource attributes) of one step."""
+             device: str = "a5", dispatch: str = "graph") -> tuple[dict, PlannedStep]:
+    """The report of one step and the planned step itself."""
     check(cfg, requests, context, phase)
     topo.check(cfg)
     dev = profile(device)
+    if dispatch not in DISPATCH:
+        raise ValueError(f"--dispatch: must be one of {list(DISPATCH)}, got {dispatch!r}")
     rows = rows_per_request(cfg, requests, phase)
     steps = {g: step_inputs(cfg, topo.tp, requests, rows, context, phase) for g in range(topo.dp)}
     graph = build(cfg, topo, steps, wiring, phase)
@@ -154,35 +138,41 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     plan = make_plan(graph, topo, outputs=outputs, step=1)
     annotate(plan)
     costs = walk(graph, {c: CardContext(cfg, topo, c) for c in topo.cards})
-    durations = {k: node_us(c, dev) for k, c in costs.items()}
-    times = simulate(graph, durations)
+    roofline = simulate(graph, {k: node_us(c, dev) for k, c in costs.items()})
+    latency = step_latency(graph, costs, dev, dispatch)
 
     per_request = request_cache_bytes(cfg, context)
     weights = {c: weights_by_kind(cfg, topo, c) for c in topo.cards}
     ledgers = {c: CardLedger(sum(weights[c].values()), requests * sum(per_request.values())) for c in topo.cards}
-    path = critical_path(graph, times)
-    recorder = SpanRecorder(resource_attributes(cfg, topo, "plan", device))
-    record_timeline(recorder, plan, costs, times, replay_hbm(plan, costs, times, ledgers), dev, set(path))
+    live_at = replay_hbm(plan, costs, latency.times, ledgers)
 
     moved = defaultdict(int)
     for key, c in costs.items():
         moved[graph.nodes[key].card] += c.bytes_read + c.bytes_written
     on_path = Counter()
-    for key in path:
-        on_path[graph.nodes[key].kernel] += durations[key]
+    for key in latency.path:
+        on_path[graph.nodes[key].kernel] += latency.parts[key].total
+    by_card = latency.per_card(graph)
     cards = []
     for c, led in ledgers.items():
         by_kind = {f"weights.{k}": v for k, v in weights[c].items()}
         by_kind.update({f"cache.{k}": requests * v for k, v in per_request.items()})
         cards.append({"card": c, "weights_bytes": led.weights, "cache_bytes": led.caches,
-                      "transient_peak_bytes": led.peak_transient, "total_bytes": led.peak_bytes, "by_kind": by_kind})
+                      "transient_peak_bytes": led.peak_transient, "total_bytes": led.peak_bytes, "by_kind": by_kind,
+                      "breakdown_us": by_card[c]})
+    step_us = latency.step_us
+    tokens_per_step = requests * (1 if phase == "decode" else rows)
     report = {
         "cards": cards, "nodes": len(graph.nodes), "submissions": len(plan.submissions),
         "requests_per_dp_group": requests, "rows_per_dp_group": requests * rows, "context": context,
         "wiring": wiring, "cache_per_request_bytes": sum(per_request.values()),
         "cache_per_request_bf16_bytes": sum(request_cache_bytes(cfg, context, bf16=True).values()),
-        "device_profile": dev.name, "predicted_step_us": max(end for _, end in times.values()),
+        "device_profile": dev.name, "dispatch": dispatch, "predicted_step_us": step_us,
+        "breakdown_us": latency.on_path(),
+        "tokens_per_s_per_request": (tokens_per_step / requests) * 1e6 / step_us,
+        "tokens_per_s": tokens_per_step * topo.dp * 1e6 / step_us,
+        "roofline_step_us": max(end for _, end in roofline.values()),
         "floor_us": max(moved.values()) / dev.hbm_bytes_per_s * 1e6,
         "critical_path_us_by_kernel": dict(on_path.most_common()),
     }
-    return report, recorder.drain(), recorder.resource
+    return report, PlannedStep(plan, costs, latency, live_at, dev)

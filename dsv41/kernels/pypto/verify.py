@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from dsv41.kernels.pypto_specs import PYPTO_KERNELS
-from dsv41.kernels.pypto_sim import worker
+from dsv41.kernels.pypto.specs import PYPTO_KERNELS
+from dsv41.kernels.pypto.sim import worker
 
 
 def row_check(actual: torch.Tensor, ref: torch.Tensor) -> dict:

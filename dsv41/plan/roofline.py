@@ -3,16 +3,17 @@
 A node takes max(HBM bytes / bandwidth, sum over FLOP kinds of FLOPs / rate) plus the bytes it
 receives over the interconnect / link bandwidth. Each card runs two streams: collectives (``tp.*``)
 on ``comm``, everything else on ``compute``; a node starts when its inputs are done and its stream is
-free. The makespan is the predicted step latency; the memory-bound floor is the busiest card's
-bytes / bandwidth, with no compute, links or dependencies.
+free. The makespan is the roofline step (``dsv41.plan.latency`` adds what a deployment pays on top,
+on the same timeline); the memory-bound floor is the busiest card's bytes / bandwidth, with no
+compute, links or dependencies.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 from dsv41.graph.graph import COLLECTIVES
-from dsv41.telemetry.profiles import PROFILES, DeviceProfile
-from dsv41.telemetry.sizing import NodeCost
+from dsv41.plan.profiles import PROFILES, DeviceProfile
+from dsv41.plan.sizing import NodeCost
 
 STREAMS = ("compute", "comm")
 
@@ -33,22 +34,26 @@ def node_us(cost: NodeCost, dev: DeviceProfile) -> float:
     return (max(memory, compute) + cost.link / dev.link_bytes_per_s) * 1e6
 
 
-def simulate(graph, durations: dict[str, float]) -> dict[str, tuple[float, float]]:
-    """Node key -> (start µs, end µs), list-scheduled in topological order."""
+def simulate(graph, durations: dict[str, float], release: dict[str, float] | None = None
+             ) -> dict[str, tuple[float, float]]:
+    """Node key -> (start µs, end µs), list-scheduled in topological order; a node starts when its
+    inputs and its stream are done and, with ``release``, not before the host has issued it."""
+    release = release or {}
     free: dict[tuple, float] = defaultdict(float)
     times: dict[str, tuple[float, float]] = {}
     for key in graph.topo_order():
         n = graph.nodes[key]
         lane = (n.card, stream(n.kernel))
         ready = max((times[i][1] for i in n.inputs if i in times), default=0.0)
-        start = max(ready, free[lane])
+        start = max(ready, free[lane], release.get(key, 0.0))
         times[key] = (start, start + durations[key])
         free[lane] = times[key][1]
     return times
 
 
 def critical_path(graph, times: dict[str, tuple[float, float]]) -> list[str]:
-    """The chain of nodes that ends last: each one waited on its latest input or on its stream."""
+    """The chain of nodes that ends last: each one waited on its latest input or on its stream; it
+    begins at a node that waited for nothing but the host (its issue, or the step's start)."""
     by_lane = defaultdict(list)
     for key in times:
         n = graph.nodes[key]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NPU_HINT = "pypto-npu needs an Ascend NPU and torch_npu"
 
 
@@ -121,6 +121,6 @@ def load_calculator(so: Path) -> None:
     BuildOnlineManager().calculator_loaded = True
 
 
-if __name__ == "__main__":  # python -m dsv41.kernels.pypto_env build  (prebuild the calculator)
+if __name__ == "__main__":  # python -m dsv41.kernels.pypto.env build  (prebuild the calculator)
     if sys.argv[1:] == ["build"]:
         print(build_calculator(run_dir(), log=sys.stdout))

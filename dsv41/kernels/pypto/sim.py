@@ -22,8 +22,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
 
-from dsv41.kernels import pypto_env
-from dsv41.kernels.pypto_specs import PYPTO_KERNELS, cache_key
+from dsv41.kernels.pypto import env as pypto_env
+from dsv41.kernels.pypto.specs import PYPTO_KERNELS, cache_key
 
 log = logging.getLogger("dsv41.pypto")
 log.addHandler(logging.NullHandler())  # no stderr fallback over the CLI's output; the CLI may add one
@@ -85,7 +85,7 @@ class SimCache:
 class PyptoWorker:
     """One worker subprocess for a run mode (sim | verify | npu); restarted after it dies.
 
-    A plain subprocess (``python -m dsv41.kernels.pypto_worker``), not multiprocessing spawn: spawn
+    A plain subprocess (``python -m dsv41.kernels.pypto.worker``), not multiprocessing spawn: spawn
     re-imports the caller's __main__, which scripts without a main guard do not survive.
     """
 
@@ -105,7 +105,7 @@ class PyptoWorker:
             log_file.replace(log_file.with_suffix(".log.old"))
         with open(log_file, "ab") as console:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "dsv41.kernels.pypto_worker", str(theirs.fileno()), self.mode, str(self.root)],
+                [sys.executable, "-m", "dsv41.kernels.pypto.worker", str(theirs.fileno()), self.mode, str(self.root)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
                 env=env, cwd=self.root)
         theirs.close()

@@ -15,7 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
-from dsv41.kernels import pypto_env
+from dsv41.kernels.pypto import env as pypto_env
 
 CYCLES_PER_US = 1800.0  # what pypto's own swimlane script divides by (--time_convert_denominator)
 
@@ -85,7 +85,7 @@ class _Runner:
         return sorted(p for p in self.out.glob(f"output_*_{os.getpid()}_*") if p not in before)
 
     def call(self, kernel: str, shapes: dict, dtypes: dict, args: list | None):
-        from dsv41.kernels.pypto_specs import PYPTO_KERNELS
+        from dsv41.kernels.pypto.specs import PYPTO_KERNELS
         spec = PYPTO_KERNELS[kernel]
         if args is None:  # timing only: values are irrelevant, index tables must be in range
             args = spec.to_layout(_zeros(spec, shapes, dtypes), shapes, dtypes)
@@ -133,7 +133,7 @@ class _Runner:
 
 def _zeros(spec, shapes, dtypes) -> dict:
     import torch
-    from dsv41.kernels.pypto_specs import TORCH_DTYPES
+    from dsv41.kernels.pypto.specs import TORCH_DTYPES
     return {a.name: torch.zeros(a.shape, dtype=TORCH_DTYPES[a.dtype])
             for a in spec.args(shapes, dtypes) if a.kind == "in"}
 

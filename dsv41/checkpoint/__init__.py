@@ -1,0 +1,1 @@
+"""Checkpoint folders in the released layout: config, validation, reading, writing, text."""

@@ -1,0 +1,187 @@
+"""A card's weight shard: the slices it reads from a weight source, held in checkpoint formats.
+
+A weight source serves named checkpoint tensors, or slices of them, in their checkpoint dtypes:
+
+    cfg: ModelConfig
+    names() -> list[str]
+    get(name, index=()) -> tensor[index]
+
+``DrawnCheckpoint`` is the random-weights source (one deterministic draw); the checkpoint reader
+serves folders. ``read_card`` asks a source for exactly the slices one card holds (scales sliced
+with their payloads) and keeps them as they came: FP8 E4M3 + E8M0, packed MXFP4 + E8M0, BF16, FP32.
+``CardWeights`` decodes a runtime weight on each use (a lookup table only the rows looked up), so
+nothing larger than the checkpoint bytes stays resident; the decoded values are those of
+``weights.decode_checkpoint`` bit for bit.
+
+Sharding (head-parallel attention, expert-parallel MoE, vocab-parallel head):
+
+| tensors                                   | a card holds                            |
+| routed experts                            | its EP rank's n_routed/EP experts       |
+| wq_b rows, attn_sink, wo_a groups         | its TP rank's heads / groups            |
+| wo_b columns                              | its TP rank's groups' input columns     |
+| head.weight rows                          | its TP rank's vocabulary shard          |
+| everything else (embed, Engram tables too)| the whole tensor                        |
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from dsv41.checkpoint.errors import CheckpointError
+from dsv41.config import ModelConfig, Topology
+from dsv41.weights import decode_tensor, init_checkpoint, runtime_key
+
+
+class DrawnCheckpoint:
+    """Weight source of deterministic random weights (``weights.init_checkpoint``). The draw is the
+    whole model; a card keeps only its slices (copies), so the draw is freed with this object."""
+    token_map = None          # random weights have no tokenizer: the identity Engram map
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        self.cfg = cfg
+        self.tensors = init_checkpoint(cfg, seed)
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str, index: tuple = ()) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"drawn checkpoint: no tensor {name!r}")
+        return self.tensors[name][index]
+
+
+def _rows(a: int, b: int) -> tuple:
+    return (slice(a, b),)
+
+
+def card_index(cfg: ModelConfig, topo: Topology, card: int, name: str) -> tuple | None:
+    """The index of checkpoint tensor ``name`` that ``card`` holds: () for all of it, None for none.
+
+    Scale tensors follow their payloads: 32x32 block scales take rows / columns divided by the
+    block (shard boundaries are whole blocks: head_dim and o_lora_rank are multiples of 32)."""
+    g = cfg.mx_group
+    base, _, part = name.rpartition(".")
+    div = g if part == "scale" else 1
+    if ".ffn.experts." in name:
+        per = cfg.n_routed_experts // topo.ep
+        return () if int(name.split(".ffn.experts.")[1].split(".")[0]) // per == card else None
+    r, tp = topo.tp_rank(card), topo.tp
+    hl, gl = cfg.num_attention_heads // tp, cfg.o_groups // tp
+    if base.endswith(".attn.wq_b"):
+        n = hl * cfg.head_dim
+        return _rows(r * n // div, (r + 1) * n // div)
+    if name.endswith(".attn.attn_sink"):
+        return _rows(r * hl, (r + 1) * hl)
+    if base.endswith(".attn.wo_a"):
+        n = gl * cfg.o_lora_rank
+        return _rows(r * n // div, (r + 1) * n // div)
+    if base.endswith(".attn.wo_b"):
+        n = gl * cfg.o_lora_rank
+        return (slice(None), slice(r * n // div, (r + 1) * n // div))
+    if name == "head.weight":
+        n = cfg.vocab_size // tp
+        return _rows(r * n, (r + 1) * n)
+    return ()
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """t in storage of its own: a view of a larger tensor would keep the whole parent alive."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def resident_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each storage counted once)."""
+    storages = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+class RowLookup:
+    """A lookup table (embed, Engram) in its checkpoint format: indexing decodes only the rows
+    asked for, the same values as those rows of the whole decoded table."""
+
+    def __init__(self, cfg: ModelConfig, key: str, payload: torch.Tensor, scale: torch.Tensor | None):
+        self.cfg, self.key, self.payload, self.scale = cfg, key, payload, scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.payload.shape
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        flat = torch.as_tensor(idx).reshape(-1)
+        rows = decode_tensor(self.cfg, self.key, self.payload[flat],
+                             None if self.scale is None else self.scale[flat])
+        return rows.reshape(*torch.as_tensor(idx).shape, self.payload.shape[1])
+
+
+def _is_lookup(key: str) -> bool:
+    return key == "embed.weight" or key.endswith(".engram.embed")
+
+
+class CardWeights(Mapping):
+    """Runtime key -> decoded weight, decoded from the held checkpoint-format tensors on each use."""
+
+    def __init__(self, cfg: ModelConfig, held: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.held = held
+        self.keys_ = [k for k in (runtime_key(n, held) for n in held) if k is not None]
+        self._known = set(self.keys_)
+        self._scaled = {k for k in self.keys_ if k + ".scale" in held}
+
+    def __getitem__(self, key: str) -> torch.Tensor | RowLookup:
+        if _is_lookup(key):
+            scale = self.held[key + ".scale"] if key in self._scaled else None
+            return RowLookup(self.cfg, key, self.held[key + ".weight"] if scale is not None else self.held[key], scale)
+        if key in self._scaled:
+            return decode_tensor(self.cfg, key, self.held[key + ".weight"], self.held[key + ".scale"])
+        return decode_tensor(self.cfg, key, self.held[key])
+
+    def __iter__(self):
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+    def __contains__(self, key) -> bool:
+        return key in self._known
+
+    def copy(self) -> "CardWeights":
+        """A copy owning its own held tensors (what ``--check`` saves for a replay)."""
+        return CardWeights(self.cfg, {k: v.clone() for k, v in self.held.items()})
+
+    def nbytes(self) -> int:
+        """Resident bytes: the held tensors' storages."""
+        return resident_bytes(self.held.values())
+
+
+def read_card(source, topo: Topology, card: int) -> CardWeights:
+    """The card's shard, read slice by slice from ``source``."""
+    held = {}
+    for name in source.names():
+        index = card_index(source.cfg, topo, card, name)
+        if index is not None:
+            held[name] = _owned(source.get(name, index))
+    return CardWeights(source.cfg, held)
+
+
+def card_bytes(st) -> dict:
+    """A card's resident bytes, measured from the tensors its State holds."""
+    caches = [t for ts in st.caches.committed.values() for t in ts]
+    return {"card": st.card, "weights_bytes": st.weights.nbytes(), "cache_bytes": resident_bytes(caches)}
+
+
+def return_freed_memory():
+    """Hand a freed weight draw back to the OS: glibc keeps freed heap pages, so a process's RSS
+    would stay at the whole model's size although it holds one card's shard."""
+    import ctypes
+    import ctypes.util
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)

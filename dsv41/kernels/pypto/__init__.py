@@ -1,0 +1,1 @@
+"""The PyPTO backend (see backend.py for the map of its modules)."""

@@ -1,0 +1,57 @@
+"""Plan mode of ``python -m dsv41.run --plan``: HBM per card, the predicted step and where it goes.
+
+``--batch`` counts requests in total here as in a run; the plan spreads them evenly over the DP
+groups (``--batch 64 --dp 2``: 32 requests x 6 rows = 192 decode rows per group, the seed's
+capacity contract).
+"""
+from __future__ import annotations
+
+import json
+
+from dsv41.plan.latency import PARTS
+from dsv41.plan.step import run_plan
+from dsv41.telemetry.export import write_traces
+from dsv41.telemetry.simulated import record_planned
+
+GB = 1e9
+
+
+def plan_command(args, cfg, topo, say) -> int:
+    say(f"dsv41 plan {args.graph}: config={cfg.name} tp={topo.tp} dp={topo.dp} ep={topo.ep} wiring={args.wiring}")
+    report = plan_report(args, cfg, topo, say)
+    if args.json:
+        print(json.dumps({"graph": args.graph, "config": cfg.name,
+                          "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep}, "plan": report}))
+    return 0
+
+
+def _parts(breakdown: dict) -> str:
+    return ", ".join(f"{k} {breakdown[k] / 1e3:.2f}" for k in PARTS)
+
+
+def plan_report(args, cfg, topo, say) -> dict:
+    context = cfg.max_position_embeddings if args.context is None else args.context
+    report, planned = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
+                               args.device_profile, args.dispatch or "graph")
+    records, resource = record_planned(planned, cfg, topo)
+    report["traces"] = write_traces(args.trace or f"plan-{cfg.name}", records, resource)
+    requests = report["requests_per_dp_group"]
+    say(f"  {requests} requests x {report['rows_per_dp_group'] // requests} rows per DP group at context {context}: "
+        f"nodes={report['nodes']} submissions={report['submissions']}")
+    say(f"  {'card':>4} {'weights GB':>11} {'caches GB':>10} {'transient GB':>13} {'total GB':>9}")
+    for c in report["cards"]:
+        say(f"  {c['card']:>4} {c['weights_bytes'] / GB:>11.2f} {c['cache_bytes'] / GB:>10.2f} "
+            f"{c['transient_peak_bytes'] / GB:>13.3f} {c['total_bytes'] / GB:>9.2f}")
+    kinds = report["cards"][0]["by_kind"]
+    say("  card 0 by kind (GB): " + ", ".join(f"{k} {v / GB:.3f}" for k, v in kinds.items()))
+    say(f"  cache per request: {report['cache_per_request_bytes'] / GB:.3f} GB "
+        f"(BF16 rows: {report['cache_per_request_bf16_bytes'] / GB:.3f} GB)")
+    say(f"  {report['device_profile']} ({report['dispatch']} dispatch): predicted step "
+        f"{report['predicted_step_us'] / 1e3:.2f} ms; {report['tokens_per_s_per_request']:.1f} tokens/s per request, "
+        f"{report['tokens_per_s']:.0f} tokens/s in total (one token per request per step)")
+    say(f"  roofline {report['roofline_step_us'] / 1e3:.2f} ms, memory-bound floor {report['floor_us'] / 1e3:.2f} ms")
+    say(f"  critical path (ms): {_parts(report['breakdown_us'])}")
+    for c in report["cards"]:
+        say(f"  card {c['card']} (ms): {_parts(c['breakdown_us'])}")
+    say(f"  simulated timeline: {report['traces']['perfetto']}")
+    return report

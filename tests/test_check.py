@@ -1,0 +1,99 @@
+"""--check: every node against the Torch golden on its own inputs; first failure saved and replayable."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv41.cluster.engine import GraphEngine
+from dsv41.config import TINY, Topology
+from dsv41.kernels import check
+from dsv41.kernels.torch_backend import KERNELS
+from dsv41.replay import replay
+from dsv41.run import main
+
+
+def test_check_torch_backend_every_node_exact(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--check", "--executor", "sync", "--tp", "2", "--dp", "1", "--batch", "2", "--prompt-len", "9",
+                 "--new-tokens", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    result = json.loads(out.out)
+    kernels = result["check"]["kernels"]
+    assert result["check"]["first_failure"] is None and "every node passed" in out.err
+    assert {"hc.post", "attn.leaf.swa", "attn.topk", "moe.gate", "tp.reduce_scatter", "lm_head.argmax"} <= set(kernels)
+    for name, row in kernels.items():
+        assert row["nodes"] > 0 and row["failures"] == 0 and row["exact"] == row["nodes"], name
+    assert "attn.publish" not in kernels and "cache.commit" not in kernels   # effects are not run twice
+
+
+def test_perturbed_kernel_is_the_first_failure_and_replays(tmp_path):
+    target = "L5/ffn/norm@c0"
+    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=2, max_context=32)
+    checker = check.NodeCheck("torch", trace_dir=tmp_path)
+    original = KERNELS["norm.rms"]
+
+    def perturbed(st, node, x):
+        y = original(st, node, x)
+        return y + 0.05 * y.pow(2).mean(-1, keepdim=True).sqrt() if node.key == target else y
+
+    engine.check_nodes(checker)
+    KERNELS["norm.rms"] = perturbed
+    try:
+        engine.prefill([[1, 2, 3, 4, 5], [9, 8, 7]])
+    finally:
+        KERNELS["norm.rms"] = original
+        engine.check_nodes(None)
+    first = checker.first_failure
+    assert first["node"] == target and first["kernel"] == "norm.rms"
+    assert "RMS(err)/RMS(ref)" in first["why"]
+    assert checker.rows["norm.rms"].failures == 1                   # downstream goldens use the perturbed inputs
+    assert sum(r.failures for r in checker.rows.values()) == 1
+    saved, verdict = replay(first["trace"])
+    assert saved["node"].key == target and not verdict.ok
+    assert verdict.rms_ratio == pytest.approx(0.05, rel=0.05)
+    assert replay(first["trace"], rerun=True)[1].ok                  # the unperturbed kernel passes
+
+
+@pytest.mark.timeout(120)
+def test_replay_command_exit_status(tmp_path):
+    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=1, max_context=16)
+    checker = check.NodeCheck("torch", trace_dir=tmp_path)
+    key = "L0/attn/norm@c0"
+    original = KERNELS["norm.rms"]
+    KERNELS["norm.rms"] = lambda st, node, x: original(st, node, x) * (1.5 if node.key == key else 1.0)
+    engine.check_nodes(checker)
+    try:
+        engine.prefill([[3, 1, 4]])
+    finally:
+        KERNELS["norm.rms"] = original
+        engine.check_nodes(None)
+    proc = subprocess.run([sys.executable, "-m", "dsv41.replay", checker.first_failure["trace"]],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1 and f"{key} (norm.rms" in proc.stdout and "FAILS" in proc.stdout
+
+
+def test_compare_rules():
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert check.compare(a, a.clone()).exact
+    v = check.compare(a * (1 + 0.009), a)                            # inside the 1% RMS bound
+    assert v.ok and not v.exact and v.rms_ratio == pytest.approx(0.009, rel=1e-3)
+    assert not check.compare(a * 1.02, a).ok
+    assert not check.compare(torch.tensor([1, 2]), torch.tensor([1, 3])).ok    # integers: exact
+    assert not check.compare((a, torch.tensor([True])), (a, torch.tensor([False]))).ok
+    assert not check.compare(torch.tensor([[float("nan"), 1.0]]), torch.tensor([[0.0, 1.0]])).ok
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_check_pypto_sim_lists_every_pypto_kernel(capsys):
+    assert main(["--check", "--backend", "pypto-sim", "--executor", "sync", "--tp", "1", "--dp", "1",
+                 "--batch", "1", "--prompt-len", "5", "--graph", "prefill", "--json"]) == 0
+    out = capsys.readouterr()
+    kernels = json.loads(out.out)["check"]["kernels"]
+    for name in check.PYPTO_FORMS:
+        assert kernels[name]["source"] == "pypto" and kernels[name]["nodes"] > 0, name
+        assert kernels[name]["failures"] == 0, (name, kernels[name])
+    for name in check.NO_NODE_FORM:
+        assert name in out.err

@@ -1,0 +1,177 @@
+"""Damaged checkpoint folders are refused before any step, naming the file and the tensor."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsv41.checkpoint import config_json
+from dsv41.checkpoint.errors import CheckpointError
+from dsv41.checkpoint.headers import INDEX, read_header
+from dsv41.checkpoint.reader import open_checkpoint
+from dsv41.config import FLASH, SMALL, TINY
+from dsv41.run import main
+
+
+def _index(folder):
+    return json.loads((folder / INDEX).read_text())
+
+
+def _shard_of(folder, name):
+    return _index(folder)["weight_map"][name]
+
+
+def _rewrite(folder, name, value):
+    """Replace (value a tensor), add, or drop (value None) one tensor, keeping the index in step."""
+    index = _index(folder)
+    file = index["weight_map"].get(name) or next(iter(index["weight_map"].values()))
+    tensors = load_file(str(folder / file))
+    if value is None:
+        del tensors[name]
+        del index["weight_map"][name]
+    else:
+        tensors[name] = value
+        index["weight_map"][name] = file
+    save_file(tensors, str(folder / file))
+    (folder / INDEX).write_text(json.dumps(index))
+    return file
+
+
+def _patch_bytes(folder, name, fn):
+    """Overwrite a tensor's stored bytes in place with fn(old bytes)."""
+    file = _shard_of(folder, name)
+    path = folder / file
+    header, _ = read_header(path)
+    start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    begin, end = header[name]["data_offsets"]
+    data = bytearray(path.read_bytes())
+    data[start + begin:start + end] = fn(bytes(data[start + begin:start + end]))
+    path.write_bytes(bytes(data))
+    return file
+
+
+def _tensor(folder, name):
+    return load_file(str(folder / _shard_of(folder, name)))[name]
+
+
+def missing(folder):   # gone from its shard and the index: the index is where it should be listed
+    _rewrite(folder, "layers.5.attn.wkv.scale", None)
+    return INDEX, "layers.5.attn.wkv.scale", "missing"
+
+
+def extra(folder):
+    name = "layers.5.attn.wq_c.weight"
+    return _rewrite(folder, name, torch.zeros(4, 4, dtype=torch.bfloat16)), name, "unexpected"
+
+
+def wrong_shape(folder):   # a head with 504 rows would silently shrink the vocabulary
+    return _rewrite(folder, "head.weight", _tensor(folder, "head.weight")[:504]), "head.weight", "shape"
+
+
+def uint8_for_fp8(folder):
+    name = "layers.3.attn.wq_a.weight"
+    return _rewrite(folder, name, _tensor(folder, name).view(torch.uint8)), name, "dtype F8_E4M3"
+
+
+def bf16_for_fp4(folder):
+    name = "layers.4.ffn.experts.2.w1.weight"
+    return _rewrite(folder, name, _tensor(folder, name).to(torch.bfloat16)), name, "dtype I8"
+
+
+def truncated(folder):
+    last = sorted(set(_index(folder)["weight_map"].values()))[-1]
+    header, _ = read_header(folder / last)
+    name = max(header, key=lambda n: header[n]["data_offsets"][1])
+    data = (folder / last).read_bytes()
+    (folder / last).write_bytes(data[:-100])
+    return last, name, "truncated"
+
+
+def shard_gone(folder):
+    file = _shard_of(folder, "layers.20.attn.wkv.weight")
+    (folder / file).unlink()
+    first = next(n for n, f in _index(folder)["weight_map"].items() if f == file)
+    return file, first, "no file"
+
+
+def random_bytes(folder):   # every byte of the first tensor read (BF16) random
+    g = torch.Generator().manual_seed(0)
+    file = _patch_bytes(folder, "embed.weight",
+                        lambda b: torch.randint(0, 256, (len(b),), generator=g, dtype=torch.uint8).numpy().tobytes())
+    return file, "embed.weight", "non-finite"
+
+
+def nan_scale(folder):
+    name = "layers.7.ffn.shared_experts.w2.scale"
+    return _patch_bytes(folder, name, lambda b: b[:3] + b"\xff" + b[4:]), name, "non-finite, first 255"
+
+
+def config_disagrees(folder):   # config.json says a wider expert than the tensors hold
+    doc = json.loads((folder / config_json.FILE).read_text())
+    doc["text_config"]["moe_intermediate_size"] = 96
+    (folder / config_json.FILE).write_text(json.dumps(doc))
+    name = "layers.0.ffn.experts.0.w1.weight"
+    return _shard_of(folder, name), name, "shape [96, 32]"
+
+
+DAMAGES = [missing, extra, wrong_shape, uint8_for_fp8, bf16_for_fp4, truncated, shard_gone, random_bytes,
+           nan_scale, config_disagrees]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=[d.__name__ for d in DAMAGES])
+def test_damaged_checkpoint_is_refused_before_any_step(capsys, tiny_checkpoint, tmp_path, damage):
+    folder = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, folder)
+    file, tensor, found = damage(folder)
+    rc = main(["--checkpoint", str(folder), "--prompt", "hello", "--executor", "sync", "--tp", "1", "--dp", "1",
+               "--new-tokens", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "prefill" not in out + err and "tokens" not in out
+    assert err.startswith("python -m dsv41.run: error: --checkpoint: ")
+    assert f"{file}: tensor {tensor!r}" in err and found in err, err
+
+
+def _config_doc(folder):
+    return json.loads((folder / config_json.FILE).read_text())
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda t: t.pop("hidden_size"), "text_config.hidden_size: expected present"),
+    (lambda t: t.update(num_hidden_layers=True), "text_config.num_hidden_layers: expected an integer"),
+    (lambda t: t.update(compress_ratios=t["compress_ratios"] + [1]), "text_config.compress_ratios"),
+    (lambda t: t.update(engram_num_embeddings=[5, 6]), "text_config.engram_num_embeddings"),
+    (lambda t: t.update(scoring_func="softmax"), "text_config.scoring_func"),
+    (lambda t: t["rope_scaling"].pop("factor"), "text_config.rope_scaling.factor"),
+    (lambda t: t.update(o_groups=3), "o_groups: must divide num_attention_heads"),
+])
+def test_config_json_must_agree_with_itself(tiny_checkpoint, edit, field):
+    doc = _config_doc(tiny_checkpoint)
+    edit(doc["text_config"])
+    with pytest.raises(CheckpointError, match="config.json: .*" + field.split(":")[0]) as e:
+        config_json.from_json(doc, "x")
+    assert field in str(e.value)
+
+
+def test_released_style_config_is_read(tiny_checkpoint):
+    """No dsv41 section (engine constants default), draft-layer ratios appended, FLASH round trip."""
+    doc = config_json.to_json(config_json.from_json(_config_doc(tiny_checkpoint), "x"))
+    del doc["dsv41"]
+    doc["text_config"].update(num_nextn_predict_layers=3, compress_ratios=doc["text_config"]["compress_ratios"] + [0] * 3)
+    del doc["text_config"]["candidate_source_layer_id"]     # defaults to the last KV source
+    cfg = config_json.from_json(doc, "folder")
+    assert cfg.name == "folder" and cfg.compress_ratios == TINY.compress_ratios and cfg.block_size == 128
+    assert cfg.candidate_source_layer_id == 20
+    for preset in (TINY, SMALL, FLASH):
+        assert config_json.from_json(json.loads(json.dumps(config_json.to_json(preset))), "x") == preset
+    assert config_json.to_json(FLASH)["text_config"]["engram_num_embeddings"] == [384006168, 384016682]
+
+
+def test_tokenizer_must_give_the_configs_compressed_vocabulary(tiny_checkpoint, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, folder)
+    doc = _config_doc(folder)
+    doc["text_config"]["engram_compressed_vocab_size"] += 1
+    (folder / config_json.FILE).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="tokenizer.json: expected config.json's engram_compressed_vocab_size"):
+        open_checkpoint(folder)

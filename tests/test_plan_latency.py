@@ -1,0 +1,163 @@
+"""The latency model against hand-worked cases, its monotonicity, and its totals against its parts."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from dsv41 import run
+from dsv41.config import TINY, Topology
+from dsv41.graph.graph import Graph
+from dsv41.plan.latency import PARTS, kernel_class, step_latency
+from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
+from dsv41.plan.sizing import NodeCost
+from dsv41.plan.step import run_plan
+
+G, T = 1e9, 1e12
+# Round numbers so every case is worked by hand: 1 TB/s HBM at 50% (matmul), 100 TFLOPS dense at 50%.
+DEV = DeviceProfile(
+    "test", "hand-worked", 64 * G, 1 * T, {"mx": 200 * T, "dense": 100 * T, "vector": 10 * T},
+    {"matmul": (0.5, 0.5), "gather": (0.25, 0.5), "vector": (0.5, 0.5)},
+    Link(100 * G, 0.5, 2.0), Link(10 * G, 0.5, 10.0), 2,
+    launch_us=1.0, host_launch_us=4.0, graph_launch_us=20.0, host_step_us=30.0)
+
+
+def cost(read=0, written=0, flops=None, link=0) -> NodeCost:
+    return NodeCost(read, written, flops or {}, link, written)
+
+
+def one_node(kernel: str, c: NodeCost):
+    g = Graph("decode")
+    g.add("n", kernel, (), 0)
+    return step_latency(g, {"n": c}, DEV)
+
+
+def test_kernel_at_the_bandwidth_bound():
+    # 1 MB at 1 TB/s x 0.5 = 2 µs; 10 MFLOP dense at 100 TFLOPS x 0.5 = 0.2 µs: memory-bound
+    lat = one_node("attn.q_proj", cost(read=900_000, written=100_000, flops={"dense": 1e7}))
+    p = lat.parts["n"]
+    assert p.bound == "memory" and p.body == pytest.approx(2.0) and p.launch == 1.0 and p.collectives == 0
+    assert lat.step_us == pytest.approx(30 + 20 + 1 + 2)      # host step, graph replay, launch, body
+    assert lat.on_path() == pytest.approx({"compute": 0, "memory": 2.0, "launch": 1.0, "collectives": 0,
+                                           "host": 50.0, "idle": 0})
+
+
+def test_kernel_at_the_compute_bound():
+    # 1 TFLOP of FP8-weight matmul at 200 TFLOPS x 0.5 = 10 ms; 1 MB of bytes = 2 µs: compute-bound
+    p = one_node("moe.experts", cost(read=1_000_000, flops={"mx": 1e12})).parts["n"]
+    assert p.bound == "compute" and p.body == pytest.approx(10_000.0)
+    # the same bytes as a gather kernel (0.25 of bandwidth) take twice as long
+    assert kernel_class("attn.leaf.swa") == "gather"
+    assert one_node("attn.leaf.swa", cost(read=1_000_000)).parts["n"].body == pytest.approx(4.0)
+
+
+def all_gather(cards, link_bytes):
+    g = Graph("decode")
+    for c in cards:
+        g.add(f"x@c{c}", "norm.rms", (), c)
+    for c in cards:
+        g.add(f"ag@c{c}", "tp.all_gather", [f"x@c{r}" for r in cards], c)
+    costs = {k: cost(link=link_bytes if k.startswith("ag") else 0) for k in g.nodes}
+    return step_latency(g, costs, DEV).parts["ag@c0"]
+
+
+def test_all_gather_of_known_size_on_known_links():
+    # 4 cards each contributing 1 MB: a card receives 3 MB over a ring of 3 steps
+    mb = 1_000_000
+    # cards 0, 1 share a node (2 per node), cards 2, 3 do not: the ring runs on the inter-node link
+    inter = all_gather([0, 1, 2, 3], 3 * mb).collectives
+    assert inter == pytest.approx(3 * 10.0 + 3 * mb / (10 * G * 0.5) * 1e6)      # 30 + 600 µs
+    intra = all_gather([0, 1], mb).collectives
+    assert intra == pytest.approx(1 * 2.0 + mb / (100 * G * 0.5) * 1e6)           # 2 + 20 µs
+    mesh = replace(DEV, intra=Link(100 * G, 0.5, 2.0, "mesh"), cards_per_node=4)
+    g = Graph("decode")
+    for c in range(4):
+        g.add(f"x@c{c}", "norm.rms", (), c)
+    g.add("ag", "tp.all_gather", [f"x@c{r}" for r in range(4)], 0)
+    lat = step_latency(g, {k: cost(link=3 * mb if k == "ag" else 0) for k in g.nodes}, mesh)
+    assert lat.parts["ag"].collectives == pytest.approx(2.0 + 3 * mb / (50 * G) * 1e6)   # one step on a mesh
+
+
+def test_two_card_critical_path_with_a_wait():
+    g = Graph("decode")
+    g.add("a", "norm.rms", (), 0)           # card 0: 10 µs body
+    g.add("b", "norm.rms", (), 1)           # card 1: 30 µs body
+    g.add("c", "hc.post", ("a", "b"), 0)    # card 0 needs b: waits 20 µs on its peer
+    mb = 1_000_000
+    costs = {"a": cost(read=5 * mb), "b": cost(read=15 * mb), "c": cost(read=mb)}
+    lat = step_latency(g, costs, DEV)
+    start = 30 + 20
+    assert lat.times["a"] == pytest.approx((start, start + 11))
+    assert lat.times["b"] == pytest.approx((start, start + 31))
+    assert lat.times["c"] == pytest.approx((start + 31, start + 31 + 3))
+    assert lat.path == ["b", "c"]
+    assert lat.step_us == pytest.approx(start + 34)
+    cards = lat.per_card(g)
+    assert cards[0]["idle"] == pytest.approx(20.0) and cards[0]["memory"] == pytest.approx(12.0)
+    assert cards[1]["idle"] == pytest.approx(3.0)   # card 1 is done and waits for card 0 to finish the step
+    for b in list(cards.values()) + [lat.on_path()]:
+        assert sum(b.values()) == pytest.approx(lat.step_us)
+
+
+def test_eager_dispatch_starves_short_kernels():
+    g = Graph("decode")
+    prev = ()
+    for i in range(10):
+        prev = (g.add(f"n{i}", "norm.rms", prev, 0),)
+    costs = dict.fromkeys(g.nodes, cost(read=500_000))     # 1 µs body + 1 µs launch < 4 µs host issue
+    graph_mode, eager = step_latency(g, costs, DEV, "graph"), step_latency(g, costs, DEV, "eager")
+    assert graph_mode.step_us == pytest.approx(50 + 10 * 2)
+    assert eager.step_us == pytest.approx(30 + 10 * 4 + 2)     # the last issue at 70 µs, then its 2 µs
+    assert eager.on_path()["host"] == pytest.approx(70.0)
+    with pytest.raises(ValueError, match="--dispatch"):
+        step_latency(g, costs, DEV, "lazy")
+
+
+@pytest.fixture(scope="module")
+def tiny_plans():
+    topo = Topology(2, 1, 2)
+    by_context = [run_plan(TINY, topo, 2, c, device="h200")[0] for c in (64, 512, 4096)]
+    by_batch = [run_plan(TINY, topo, b, 1024, device="h200")[0] for b in (1, 2, 4, 8)]
+    return by_context, by_batch
+
+
+def test_more_context_or_batch_never_predicts_less(tiny_plans):
+    for reports in tiny_plans:
+        steps = [r["predicted_step_us"] for r in reports]
+        assert steps == sorted(steps) and steps[0] < steps[-1]
+
+
+def test_plan_total_is_the_sum_of_its_parts(tiny_plans):
+    for r in tiny_plans[0] + tiny_plans[1]:
+        assert set(r["breakdown_us"]) == set(PARTS) and r["breakdown_us"]["idle"] == 0
+        assert math.isclose(sum(r["breakdown_us"].values()), r["predicted_step_us"], rel_tol=1e-9)
+        for card in r["cards"]:
+            assert math.isclose(sum(card["breakdown_us"].values()), r["predicted_step_us"], rel_tol=1e-9)
+        assert r["predicted_step_us"] > r["roofline_step_us"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_s_per_request"] * r["requests_per_dp_group"])
+
+
+def test_every_constant_cites_its_source():
+    assert set(PROFILES) >= {"a2", "a3", "a5", "h200", "h20"}
+    for p in PROFILES.values():
+        assert set(p.sources) == set(CONSTANTS), p.name
+        assert all(len(text) > 20 for text in p.sources.values())
+        assert set(p.efficiency) == {"matmul", "gather", "vector"}
+        assert all(0 < f <= 1 for pair in p.efficiency.values() for f in pair)
+        assert 0 < p.intra.efficiency <= 1 and 0 < p.inter.efficiency <= 1
+
+
+def test_cli_plan_json_carries_prediction_and_breakdown(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run.main(["--config", "tiny", "--plan", "--tp", "2", "--dp", "1", "--batch", "2", "--context", "256",
+                     "--device-profile", "a3", "--dispatch", "eager", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["plan"]
+    assert out["device_profile"] == "a3" and out["dispatch"] == "eager"
+    assert out["predicted_step_us"] > 0 and set(out["breakdown_us"]) == set(PARTS)
+    assert [c["card"] for c in out["cards"]] == [0, 1] and all("breakdown_us" in c for c in out["cards"])
+    with pytest.raises(SystemExit):
+        run.main(["--config", "tiny", "--dispatch", "eager"])      # a --plan option
+    with pytest.raises(SystemExit):
+        run.main(["--config", "tiny", "--plan", "--device-profile", "tpu-v5"])

@@ -1,0 +1,280 @@
+"""Card State owned by its engine: engines side by side in one process, runs sharing one scheduler,
+lost workers recovered to the tokens of an undisturbed run, complete aborts, empty batches.
+
+Oracle: ``ReferenceModel`` with the same seed (the graph gives its tokens on every layout)."""
+import functools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from dsv41 import run
+from dsv41.cluster import registry
+from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.runtime import NodeError
+from dsv41.config import TINY, Topology
+from dsv41.ops.reference import ReferenceModel
+
+PROMPTS = [[5, 9, 100, 7], [11, 2, 3]]
+CTX = 12
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def reference_tokens(seed: int, steps: int) -> list[list[int]]:
+    """Argmax tokens after the prefill and after each of ``steps`` greedy decodes."""
+    ref = ReferenceModel(TINY, seed=seed, max_batch=2, max_context=CTX)
+    toks = [torch.argmax(ref.prefill(PROMPTS), -1).tolist()]
+    for _ in range(steps):
+        toks.append(torch.argmax(ref.decode(toks[-1]), -1).tolist())
+    return toks
+
+
+def engine_for(topo, seed=0, executor="threads", **kw):
+    return GraphEngine(TINY, topo, seed=seed, executor=executor, max_batch=2, max_context=CTX, **kw)
+
+
+def next_tokens(engine, logits=None, prompts=PROMPTS):
+    out = engine.prefill(prompts) if logits is None else engine.decode(torch.argmax(logits, -1).tolist())
+    return out, torch.argmax(out, -1).tolist()
+
+
+def digest(engine):
+    if engine.runner is None:
+        return registry.digest(engine.id)
+    return {c: d for r in engine.runner.run_on_cards(registry.digest, engine.id).values() for c, d in r.items()}
+
+
+def host_tables(engine):
+    return [(repr(t.requests), repr(t.pools)) for t in engine.tables]
+
+
+# ---- one process --------------------------------------------------------------------------------------
+
+def test_empty_batches_raise_before_any_node_runs():
+    engine = engine_for(Topology(1, 1, 1), executor="sync")
+    for call in (lambda: engine.prefill([]), lambda: engine.decode([], []), lambda: engine.decode([])):
+        with pytest.raises(ValueError, match="batch"):
+            call()
+    assert engine.step_id == 0 and engine.generation == 0 and engine.last_graph is None
+    engine.close()
+    assert engine.id not in registry.engines()
+
+
+@pytest.mark.timeout(300)
+def test_three_engines_interleaved_give_their_solo_tokens():
+    a = engine_for(Topology(1, 1, 1), seed=0, executor="sync")
+    la, ta0 = next_tokens(a)
+    b = engine_for(Topology(2, 1, 2), seed=1, executor="threads")   # built after a's prefill
+    lb, tb0 = next_tokens(b)
+    _, ta1 = next_tokens(a, la)
+    c = engine_for(Topology(1, 2, 2), seed=0, executor="threads")
+    lc, tc0 = next_tokens(c)
+    _, tb1 = next_tokens(b, lb)
+    _, tc1 = next_tokens(c, lc)
+    assert [ta0, ta1] == reference_tokens(0, 1)
+    assert [tb0, tb1] == reference_tokens(1, 1)
+    assert [tc0, tc1] == reference_tokens(0, 1)
+    a.close()
+    assert a.id not in registry.engines() and {b.id, c.id} <= set(registry.engines())
+    for e in (b, c):
+        e.close()
+
+
+@pytest.mark.timeout(300)
+def test_lost_card_state_in_process_is_rebuilt_by_replay(caplog):
+    engine = engine_for(Topology(1, 2, 2), seed=0, executor="threads")
+    logits, _ = next_tokens(engine)
+    registry.find(engine.id).states.pop(1)          # card 1 (DP group 1) lost its State
+    with caplog.at_level("WARNING", logger="dsv41.cluster.engine"):
+        logits, t1 = next_tokens(engine, logits)
+    assert t1 == reference_tokens(0, 2)[1]
+    rec = engine.last_stats["recovered"][0]
+    assert (rec["lost_cards"], rec["rebuilt_cards"], rec["replayed_requests"]) == ([1], [1], 1)
+    assert "recovered card(s) [1]" in caplog.text
+    engine.states()[0].generation += 5              # a stale State is a loss too, never computed through
+    _, t2 = next_tokens(engine, logits)
+    assert t2 == reference_tokens(0, 2)[2]
+    assert engine.last_stats["recovered"][0]["lost_cards"] == [0]
+    engine.close()
+
+
+def _failures_leave_state_untouched(engine, targets):
+    logits, _ = next_tokens(engine)
+    before, tables = digest(engine), host_tables(engine)
+    for target in targets:
+        engine.inject_failure(target)
+        with pytest.raises(NodeError, match=f"node {target}"):
+            next_tokens(engine, logits)
+        assert digest(engine) == before and host_tables(engine) == tables, target
+    _, again = next_tokens(engine, logits)               # fired once: the retry runs clean
+    assert again == reference_tokens(0, 1)[1]
+
+
+def _random_targets(engine, n, seed):
+    engine.prefill([[1]])                                # a throwaway step: the decode graph's keys
+    keys = sorted(k for k in engine.last_graph.nodes if "/index#" not in k)
+    engine.release(engine.last_request_ids[0])
+    return random.Random(seed).sample(keys, n) + ["cache.commit@c1"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("executor,n", [("sync", 2), ("threads", 6)])
+def test_injected_failures_abort_completely(executor, n):
+    engine = engine_for(Topology(2, 1, 2), executor=executor)
+    targets = _random_targets(engine, n, seed=len(executor))
+    _failures_leave_state_untouched(engine, targets)
+    engine.close()
+
+
+# ---- dask.distributed ------------------------------------------------------------------------------
+
+def _pid(engine, card):
+    addr = engine.runner.address_of[card]
+    return engine.runner.client.run(os.getpid, workers=[addr])[addr]
+
+
+def _kill_when_step_runs_on(engine, card):
+    """SIGKILL the card's worker as soon as one of the engine's tasks is on it (mid-step)."""
+    addr, pid = engine.runner.address_of[card], _pid(engine, card)
+
+    def watch():
+        while True:
+            if any(engine.id in str(k) for k in engine.runner.client.processing([addr]).get(addr, ())):
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def _served_again(engine, card):
+    """Wait until a new worker process (a new server id) serves the card; its address."""
+    old = engine.runner.members[card][1]
+    while True:
+        engine.runner.refresh()
+        if engine.runner.members.get(card, (None, old))[1] != old:
+            return engine.runner.address_of[card]
+        time.sleep(0.2)
+
+
+def _recovers_between_and_mid_step(address, same_address: bool):
+    engine = engine_for(Topology(2, 1, 2), executor="distributed", address=address, recovery_timeout=60)
+    try:
+        logits, _ = next_tokens(engine)
+        before = engine.runner.address_of[1]
+        os.kill(_pid(engine, 1), signal.SIGKILL)          # between steps; the nanny starts a new, empty worker
+        assert (_served_again(engine, 1) == before) == same_address
+        t0 = time.perf_counter()
+        logits, t1 = next_tokens(engine, logits)
+        between_s = time.perf_counter() - t0             # detection, rebuild, replay and the step
+        assert t1 == reference_tokens(0, 2)[1]
+        assert engine.last_stats["recovered"][0]["lost_cards"] == [1]
+        watcher = _kill_when_step_runs_on(engine, 0)      # in the middle of the next step
+        t0 = time.perf_counter()
+        _, t2 = next_tokens(engine, logits)
+        mid_s = time.perf_counter() - t0
+        watcher.join(5)
+        assert not watcher.is_alive()
+        assert t2 == reference_tokens(0, 2)[2]
+        assert 0 in engine.last_stats["recovered"][0]["lost_cards"]
+        print(f"recovery: between steps {between_s:.1f} s, mid-step {mid_s:.1f} s")
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    from distributed import LocalCluster
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                           silence_logs=40)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(300)
+def test_distributed_injected_failures_abort_completely(local_cluster):
+    engine = engine_for(Topology(2, 1, 2), executor="distributed", address=local_cluster.scheduler_address)
+    try:
+        _failures_leave_state_untouched(engine, _random_targets(engine, 2, seed=5))
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_worker_killed_on_local_cluster_is_recovered(local_cluster):
+    _recovers_between_and_mid_step(local_cluster.scheduler_address, same_address=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def external_cluster():
+    """``dask scheduler`` and two named workers on fixed ports (a killed worker comes back at the same
+    address, with empty memory), stopped by PID."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                               "--port", str(port), "--dashboard-address", ":0"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        for name in ("0", "1"):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "distributed.cli.dask_worker", address, "--name", name, "--nthreads", "1",
+                 "--worker-port", str(_free_port()), "--nanny-port", str(_free_port()), "--no-dashboard"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        from distributed import Client
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(2, timeout=120)
+        yield address
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.mark.timeout(300)
+def test_two_concurrent_cli_runs_on_one_scheduler_give_local_results(external_cluster, capsys):
+    args = ["--tp", "2", "--dp", "1", "--batch", "2", "--prompt-len", "4", "--new-tokens", "2", "--json"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    runs = []
+    for _ in range(2):
+        runs.append(subprocess.Popen([sys.executable, "-m", "dsv41.run", "--executor", "distributed", "--address",
+                                      external_cluster, *args], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True))
+        time.sleep(2)
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in runs]
+    finally:
+        for p in runs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in runs] == [0, 0]
+    assert run.main(["--executor", "threads", *args]) == 0
+    local = json.loads(capsys.readouterr().out)["last_logits_sha256"]
+    assert [json.loads(o)["last_logits_sha256"] for o in outs] == [local, local]
+
+
+@pytest.mark.timeout(300)
+def test_worker_killed_on_fixed_port_cluster_is_recovered(external_cluster):
+    _recovers_between_and_mid_step(external_cluster, same_address=True)
