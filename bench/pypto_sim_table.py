@@ -2,7 +2,7 @@
 
 python bench/pypto_sim_table.py [--no-cold]
 TINY: one decode step of one DP group at TP1 (48 rows). FLASH: one decode step per card at TP4,
-EP8 (192 rows per DP group, 16 local heads, 48 local experts). Times land in the default cache (traces/pypto-cache/), so
+EP8 (192 rows per DP group, 16 local heads, 48 local experts). Times land in the default cache (~/.cache/dsv41/pypto/), so
 a rerun prints the table without simulating. The cold/warm part uses a throwaway cache file.
 """
 from __future__ import annotations

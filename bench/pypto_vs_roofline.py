@@ -5,7 +5,7 @@
 
 Both come from one decode graph built with the plan machinery (meta tensors, nothing allocated):
 the roofline from the node's signature on --device-profile, the pypto time from
-dsv41.kernels.device_time for the node's actual row count (cached in traces/pypto-cache; a cold
+dsv41.kernels.device_time for the node's actual row count (cached in ~/.cache/dsv41/pypto; a cold
 FLASH moe.experts simulation takes minutes).
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     python bench/trace_overhead.py                  # TINY, TP2/DP1/EP2, sync executor
     python bench/trace_overhead.py --config small --steps 6
+    python bench/trace_overhead.py --otlp           # spans live over OTLP/HTTP to a local receiver, no file
 
 Decode steps alternate tracing off and on over one engine (so both see the same context lengths
 and machine load) and the medians are compared. Tracing off leaves only two ``is None`` checks per
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import threading
 import time
 import timeit
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
@@ -31,7 +35,11 @@ def main():
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--executor", default="sync", choices=("sync", "threads"))
     p.add_argument("--steps", type=int, default=8, help="decode steps per setting")
+    p.add_argument("--otlp", action="store_true",
+                   help="traced steps export live to a local OTLP/HTTP receiver instead of keeping spans for files")
     a = p.parse_args()
+    if a.otlp:
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = _discarding_receiver() + "/v1/traces"
     cfg, topo = PRESETS[a.config], Topology(a.tp, a.dp, a.tp * a.dp)
     prompt = 8
     engine = GraphEngine(cfg, topo, seed=0, executor=a.executor, max_batch=2 * a.dp,
@@ -41,7 +49,7 @@ def main():
     ms = {"off": [], "on": []}
     for i in range(2 * a.steps):
         mode = "on" if i % 2 else "off"
-        session = TraceSession(engine) if mode == "on" else None
+        session = TraceSession(engine, keep=not a.otlp) if mode == "on" else None
         t0 = time.perf_counter()
         logits = engine.decode(torch.argmax(logits, -1).tolist(), rids)
         ms[mode].append((time.perf_counter() - t0) * 1e3)
@@ -54,12 +62,31 @@ def main():
     off, on = statistics.median(ms["off"]), statistics.median(ms["on"])
     print(json.dumps({
         "config": cfg.name, "topology": f"tp{topo.tp}-dp{topo.dp}-ep{topo.ep}", "executor": a.executor,
+        "tracing": "live OTLP/HTTP" if a.otlp else "kept for files",
         "nodes": nodes, "submissions": subs, "steps_each": a.steps,
         "step_ms_tracing_off": round(off, 2), "step_ms_tracing_on": round(on, 2), "on_over_off": round(on / off, 3),
         "tracing_us_per_node": round((on - off) * 1e3 / nodes, 1),
         "off_path_checks_us_per_step": round(off_path_us, 2),
         "off_path_share_of_step": f"{off_path_us / (off * 1e3):.2e}",
     }, indent=1))
+
+
+class _Discard(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_):
+        pass
+
+
+def _discarding_receiver() -> str:
+    """An OTLP/HTTP endpoint on 127.0.0.1 that accepts and drops everything (a collector's cheapest case)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Discard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Runs a prefill of ``--batch`` random prompts of ``--prompt-len`` tokens (or, with ``--checkpoint``,
 the ``--prompt`` texts), then (decode) greedy steps, on the chosen executor, and prints a readable
-summary or one JSON object (``--json``).
+summary or one JSON object (``--json``). Every argument is checked before any work; ``dsv41.cli.args``
+holds the rules.
 """
 from __future__ import annotations
 
@@ -14,62 +15,105 @@ import time
 
 import torch
 
-from dsv41.checkpoint.cli import open_for_text
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.text import TextStream
+from dsv41.cli import args as rules
+from dsv41.cli.progress import Progress
+from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
 from dsv41.config import PRESETS, Topology
 from dsv41.kernels.device_time import BACKENDS
 from dsv41.plan import cli as plan_cli
 from dsv41.telemetry import cli as telemetry
 
-EXECUTORS = ("threads", "sync", "distributed", "reference")
+EXECUTORS = ("sync", "threads", "distributed", "reference")
+# Measured on the default TINY run (README, "Choosing an executor"): threads finished first in three
+# of four pairs on this shared 2-core machine, for the same CPU time. Revisit when the executors change.
+DEFAULT_EXECUTOR = "threads"
+
+EPILOG = """\
+modes and the flags that go with them:
+  every mode        --graph --config --checkpoint --batch --json --debug
+  a run             --prompt-len --seed --new-tokens (--graph decode only)
+                    --prompt --prompt-file (with --checkpoint) --chat (with a prompt)
+  graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
+  sync, threads     --check
+  distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
+  --plan            --tp --dp --ep --wiring --context --dispatch --trace --device-profile
+--batch is the number of requests in total, everywhere: a run spreads them over the DP groups,
+--plan spreads them evenly (so it must be a multiple of --dp). With --checkpoint its config.json is
+the config (no --config); with --prompt/--prompt-file the batch is the prompts (no --batch,
+--prompt-len or --seed). Files go under ./traces/ only.
+"""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dsv41.run", description=__doc__.splitlines()[0])
+def build_parser() -> rules.Parser:
+    p = rules.Parser(prog="python -m dsv41.run", description=__doc__.splitlines()[0], epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
     p.add_argument("--config", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4,
+                   help="requests in total (spread over the DP groups; --plan: evenly)")
     p.add_argument("--prompt-len", type=int, default=48)
-    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--executor", choices=EXECUTORS, default="threads")
+    p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
+                   help="threads (default) was the fastest in most measured runs; on a quiet machine try sync "
+                        "(one submission at a time, same tokens); distributed runs one dask worker per card and "
+                        "has the dashboard; reference is the monolithic model (README: Choosing an executor)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--ep", type=int, default=None, help="default tp*dp")
+    p.add_argument("--ep", type=int, default=None, help="must equal tp*dp (the default)")
     p.add_argument("--granularity", choices=("submission", "node"), default="submission")
     p.add_argument("--backend", choices=BACKENDS, default="torch",
                    help="pypto-sim: values from Torch, simulated device time per pypto-backed node")
     p.add_argument("--wiring", choices=("sharded", "replicated"), default="sharded")
-    p.add_argument("--address", default=None, help="distributed: connect to this scheduler")
-    p.add_argument("--dashboard", action="store_true", help="distributed: print the dashboard link and wait")
+    p.add_argument("--address", default=None, help="distributed: join this scheduler (e.g. tcp://host:8786), whose "
+                   "workers are named 0..EP-1 with one thread each")
+    p.add_argument("--connect-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="distributed: give up when the scheduler and every card's worker are not there "
+                        "within this time (default: %(default)g s)")
+    p.add_argument("--dashboard", action="store_true",
+                   help="distributed: print the dashboard link when the cluster is up and wait after the run")
     p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
-    p.add_argument("--show-graph", default=None, metavar="PATH", help="write the decode graph as DOT (SVG if .svg)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--show-graph", default=None, metavar="NAME",
+                   help="write the last step's graph as traces/NAME (NAME.dot, or NAME.svg with graphviz)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (progress goes to stderr)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--check", action="store_true",
                    help="check every node against the Torch golden on its inputs (sync/threads executors)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
-    p.add_argument("--prompt", action="append", default=None, metavar="TEXT", help="with --checkpoint; repeatable")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="with --checkpoint; repeatable (the batch is the number of prompts)")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="with --checkpoint: one prompt per line")
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt")
     telemetry.add_arguments(p)
+    return p
+
+
+APPLIES = {**rules.APPLIES, **telemetry.APPLIES}
+FIRST = rules.FIRST     # before the config is known (it may come from --checkpoint)
+CHECKS = rules.CHECKS + telemetry.CHECKS + rules.LAST
+
+
+def parse_args(argv=None, parser: rules.Parser | None = None):
+    """Parsed and checked arguments; a usage error exits 2 with one line (raises with --debug).
+
+    With --checkpoint, its config.json is read and the prompts encoded here (``rules.model_config``):
+    ``codec`` and ``prompt_ids`` are set, and --batch/--prompt-len become the prompts' count and length.
+    """
+    p = parser or build_parser()
     a = p.parse_args(argv)
     if a.ep is None:
         a.ep = a.tp * a.dp
-    for name in ("batch", "prompt_len"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.new_tokens < 0:
-        p.error("--new-tokens must be >= 0")
-    for flag, given in (("--prompt", a.prompt), ("--prompt-file", a.prompt_file), ("--chat", a.chat)):
-        if given and not a.checkpoint:
-            p.error(f"{flag}: needs --checkpoint (the tokenizer comes from the checkpoint)")
-    if a.chat and not (a.prompt or a.prompt_file):
-        p.error("--chat: needs --prompt or --prompt-file")
-    telemetry.check_arguments(p, a)
-    if a.check and a.executor not in ("sync", "threads"):
-        p.error(f"--check runs in this process: --executor must be sync or threads, got {a.executor}")
+    try:
+        rules.check_modes(a, rules.given_flags(p, argv), APPLIES)
+        rules.run_checks(a, None, FIRST, APPLIES)
+        rules.run_checks(a, rules.model_config(a), CHECKS, APPLIES)
+    except rules.UsageError as e:
+        if a.debug:
+            raise
+        p.error(str(e))
     return a
 
 
@@ -82,66 +126,109 @@ def logits_sha256(logits: torch.Tensor) -> str:
     return hashlib.sha256(logits.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
-def make_engine(args, cfg, topo, prompts, checkpoint=None):
-    max_context = max(map(len, prompts)) + args.new_tokens + 1
+def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
+    max_context = rules.max_context(args)
     if args.executor == "reference":
         from dsv41.ops.reference import ReferenceModel
-        return ReferenceModel(cfg, seed=args.seed, max_batch=len(prompts), max_context=max_context,
+        return ReferenceModel(cfg, seed=args.seed, max_batch=args.batch, max_context=max_context,
                               checkpoint=checkpoint)
     from dsv41.cluster.engine import GraphEngine
+    startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
     return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
-                       wiring=args.wiring, max_batch=len(prompts), address=args.address, dashboard=args.dashboard,
-                       max_context=max_context, backend=args.backend, checkpoint=checkpoint)
+                       wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
+                       max_context=max_context, backend=args.backend, checkpoint=checkpoint, startup=startup)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parse_args(argv, parser)
     try:
-        ckpt, codec, encoded = open_for_text(args.checkpoint, args.prompt, args.prompt_file, args.chat)
-    except ValueError as e:   # CheckpointError included: nothing is served from a bad checkpoint
-        return _refuse(e)
+        return run(args)
+    except ConnectError as e:
+        if args.debug:
+            raise
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:   # a failure past the checks: one line, the traceback only with --debug
+        if args.debug:
+            raise
+        print(f"{parser.prog}: error: {type(e).__name__}: {e} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def run(args) -> int:
+    ckpt = None
+    if args.checkpoint is not None:
+        from dsv41.checkpoint.reader import open_checkpoint
+        try:
+            ckpt = open_checkpoint(args.checkpoint)   # every header checked: nothing is served from a bad folder
+        except CheckpointError as e:
+            return _refuse(e)
     cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
-    topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep).check(cfg)
-    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep)
+    progress = Progress(args.json)
+    say = progress.say
     if args.plan:
         return plan_cli.plan_command(args, cfg, topo, say)
-    prompts = encoded or prompts_for(cfg, args.batch, args.prompt_len, args.seed)
     say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} ep={topo.ep} "
-        f"batch={len(prompts)} prompt_len={max(map(len, prompts))}")
+        f"batch={args.batch} prompt_len={args.prompt_len}")
     t0 = time.perf_counter()
     try:
-        engine = make_engine(args, cfg, topo, prompts, ckpt)
+        engine = make_engine(args, cfg, topo, progress, ckpt)
     except CheckpointError as e:   # a value found bad as the weights were read, before any step
         return _refuse(e)
-    say(f"  built in {time.perf_counter() - t0:.2f} s")
-    tracing = telemetry.start(args, engine)
-    checker = _start_check(args, engine)
-    stats = []
+    try:
+        say(f"  built in {time.perf_counter() - t0:.2f} s")
+        return _generate(args, cfg, topo, engine, progress)
+    finally:
+        if args.executor != "reference":
+            engine.close()
 
-    t0 = time.perf_counter()
-    logits = engine.prefill(prompts)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    stats.append(getattr(engine, "last_stats", {}))
-    say(f"  prefill   {prefill_ms:9.1f} ms  {_describe(stats[-1])}")
-    rids = list(engine.last_request_ids)
+
+def _generate(args, cfg, topo, engine, progress: Progress) -> int:
+    tracing = telemetry.start(args, engine)
+    try:
+        return _steps(args, cfg, topo, engine, progress, tracing)
+    finally:
+        if tracing is not None:
+            tracing.close()
+
+
+def _steps(args, cfg, topo, engine, progress: Progress, tracing) -> int:
+    say = progress.say
+    checker = _start_check(args, engine)
+    prompts = args.prompt_ids or prompts_for(cfg, args.batch, args.prompt_len, args.seed)
+    codec = args.codec
+    stats = []
+    steps = args.new_tokens if args.graph == "decode" else 0
     tokens = [[] for _ in prompts]
     step_ms = []
-    steps = args.new_tokens if args.graph == "decode" else 0
     stream = TextStream(codec, len(prompts)) if codec is not None else None
     live = list(range(len(prompts)))      # requests still generating (EOS ends one)
-    for i in range(steps):
-        nxt = dict(zip(live, torch.argmax(logits, -1).tolist()))
-        for j, t in nxt.items():
-            tokens[j].append(t)
-        if stream is not None:
-            live = stream.step(nxt, say)
-        if i + 1 == steps or not live:
-            break
+    with progress.steps(1 + max(0, steps - 1)), progress.compilations():
+        progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens")
         t0 = time.perf_counter()
-        logits = engine.decode([nxt[j] for j in live], [rids[j] for j in live])
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+        logits = engine.prefill(prompts)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
         stats.append(getattr(engine, "last_stats", {}))
-        say(f"  decode {i + 1:3d} {step_ms[-1]:9.1f} ms  {_describe(stats[-1])}")
+        progress.done(f"  prefill   {prefill_ms:9.1f} ms  {_describe(stats[-1])}")
+        rids = list(engine.last_request_ids)
+        for i in range(steps):
+            nxt = dict(zip(live, torch.argmax(logits, -1).tolist()))
+            for j, t in nxt.items():
+                tokens[j].append(t)
+            if stream is not None:
+                live = stream.step(nxt, say)
+            if i + 1 == steps or not live:
+                break
+            progress.start(f"decode {i + 1}/{steps - 1}")
+            t0 = time.perf_counter()
+            logits = engine.decode([nxt[j] for j in live], [rids[j] for j in live])
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            stats.append(getattr(engine, "last_stats", {}))
+            progress.done(f"  decode {i + 1:3d} {step_ms[-1]:9.1f} ms  {_describe(stats[-1])}")
     if stream is not None:
         stream.finish(say)
     if args.graph == "prefill":
@@ -168,13 +255,15 @@ def main(argv=None) -> int:
         if checker is not None:
             _finish_check(checker, result, say)
         if args.show_graph:
-            engine.write_graph(args.show_graph)
-            say(f"  graph written to {args.show_graph}")
+            path = telemetry.TRACES / args.show_graph
+            path.parent.mkdir(exist_ok=True)
+            engine.write_graph(str(path))
+            result["graph_file"] = str(path)
+            say(f"  graph written to {path}")
         if tracing is not None:
             tracing.finish(result, say)
         if args.dashboard:
             engine.hold_dashboard(args.hold, say)
-        engine.close()
     if args.json:
         print(json.dumps(result))
     else:
@@ -200,8 +289,8 @@ def _finish_check(checker, result, say):
 
 
 def _refuse(e: ValueError) -> int:
-    flag = "" if str(e).startswith("--") else "--checkpoint: "
-    print(f"python -m dsv41.run: error: {flag}{e}", file=sys.stderr)
+    """A checkpoint found bad past the up-front checks: the usage-error line, exit status 2."""
+    print(f"python -m dsv41.run: error: --checkpoint: {e}", file=sys.stderr)
     return 2
 
 

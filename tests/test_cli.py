@@ -28,13 +28,15 @@ def test_decode_json_fields_and_graph_equals_reference(capsys):
 
 
 def test_prefill_graph(capsys):
-    out = _run(capsys, "--graph", "prefill", "--executor", "reference")
+    assert main(["--batch", "2", "--prompt-len", "9", "--json", "--graph", "prefill", "--executor", "reference"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert out["graph"] == "prefill" and out["step_ms"] == [] and [len(t) for t in out["tokens"]] == [1, 1]
 
 
 def test_bad_arguments_name_the_field(capsys):
     with pytest.raises(SystemExit):
         main(["--batch", "0"])
-    assert "--batch must be >= 1" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="Topology.ep"):
+    assert "--batch: must be in [1, 16]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main(["--tp", "2", "--dp", "2", "--ep", "2"])
+    assert "--ep: must equal --tp x --dp = 4" in capsys.readouterr().err   # tests/test_cli_errors.py has the rest

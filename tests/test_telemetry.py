@@ -277,7 +277,7 @@ def test_otlp_and_perfetto_files(traced, tmp_path):
         assert len({s["traceId"] for s in scope["spans"]}) == 1
         for s in scope["spans"]:
             assert len(s["traceId"]) == 32 and len(s["spanId"]) == 16 and int(s["spanId"], 16) > 0
-            assert s["parentSpanId"] == "" or s["parentSpanId"] in ids
+            assert s.get("parentSpanId", "") == "" or s["parentSpanId"] in ids
             assert int(s["endTimeUnixNano"]) >= int(s["startTimeUnixNano"]) > 1.6e18   # unix nanos
         spans += scope["spans"]
     assert len(spans) == len(records)
@@ -317,8 +317,9 @@ def test_a_failed_step_is_marked_in_its_spans(engine, tmp_path):
         session.close()
     errors = {r["attributes"]["dsv41.span"]: r["error"] for r in records if r["error"]}
     assert "L5/attn/q_proj@c1" in errors["step"] and re.fullmatch(r"stopped after 1 of \d+ nodes", errors["submission"])
-    lines = open(write_traces("failed", records, session.resource, tmp_path)["otlp"]).read()
-    assert f'"status":{{"code":2,"message":"{errors["submission"]}"}}' in lines
+    lines = open(write_traces("failed", records, session.resource, tmp_path)["otlp"]).readlines()
+    statuses = [s.get("status") for line in lines for s in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]]
+    assert {"code": 2, "message": errors["submission"]} in statuses
 
 
 def test_submission_keys_read_as_kernel_layer_card():
@@ -336,7 +337,7 @@ def test_submission_keys_read_as_kernel_layer_card():
 def test_plan_flash_reproduces_the_seed_figures(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run.main(["--graph", "decode", "--config", "flash", "--plan", "--tp", "4", "--dp", "2", "--ep", "8",
-                     "--batch", "32", "--context", "1048576", "--json"]) == 0
+                     "--batch", "64", "--context", "1048576", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["plan"]
     assert len(out["cards"]) == 8 and out["rows_per_dp_group"] == 192 and out["nodes"] > out["submissions"] > 0
 
@@ -401,7 +402,7 @@ def test_distributed_trace_dashboard_and_report(tmp_path, monkeypatch):
     spans = [s for line in open(result["traces"]["otlp"]) for s in
              json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]]
     attrs = {s["spanId"]: {a["key"]: a["value"] for a in s["attributes"]} for s in spans}
-    parent = {s["spanId"]: s["parentSpanId"] for s in spans}
+    parent = {s["spanId"]: s.get("parentSpanId", "") for s in spans}
     nodes = [i for i, a in attrs.items() if a["dsv41.span"] == {"stringValue": "node"}]
     assert {attrs[i]["dsv41.card"]["intValue"] for i in nodes} == {"0", "1"}
     for i in nodes:   # worker spans hang under worker submission spans under the engine's step span

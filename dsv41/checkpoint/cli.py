@@ -1,21 +1,19 @@
-"""What ``python -m dsv41.run`` needs from ``--checkpoint``: the opened folder, its text codec and
-the prompts as token ids."""
+"""What ``python -m dsv41.run`` needs from ``--checkpoint`` before any work, besides its config
+(``reader.read_config``): the prompts as token ids and the text codec. The whole folder is validated
+by ``reader.open_checkpoint`` when the run starts."""
 from __future__ import annotations
 
-from dsv41.checkpoint.reader import Checkpoint, open_checkpoint
 from dsv41.checkpoint.text import TextCodec, read_prompts
 
 
-def open_for_text(path, prompts: list[str] | None, prompt_file: str | None, chat: bool = False
-                  ) -> tuple[Checkpoint | None, TextCodec | None, list[list[int]]]:
-    """(checkpoint, codec, encoded prompts); (None, None, []) without a path. Raises ValueError
-    (CheckpointError for the folder) before anything is served."""
+def encode_prompts(path, prompts: list[str] | None, prompt_file: str | None, chat: bool = False
+                   ) -> tuple[TextCodec, list[list[int]]]:
+    """(codec, encoded prompts); no prompts given: []. Raises ValueError (CheckpointError for the
+    folder's tokenizer files)."""
     texts = read_prompts(prompts, prompt_file)
-    if path is None:
-        return None, None, []
-    checkpoint, codec = open_checkpoint(path), TextCodec.load(path)
+    codec = TextCodec.load(path)
     encoded = [codec.encode(t, chat) for t in texts]
     for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"--prompt: prompt {i} ({texts[i]!r}) encodes to no tokens")
-    return checkpoint, codec, encoded
+    return codec, encoded

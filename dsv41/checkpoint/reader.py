@@ -69,8 +69,8 @@ def read_all(checkpoint) -> dict[str, torch.Tensor]:
     return {name: checkpoint.get(name) for name in checkpoint.names()}
 
 
-def open_checkpoint(path) -> Checkpoint:
-    """Validate a folder in the released layout (spec 03 §8); raises CheckpointError."""
+def read_config(path) -> ModelConfig:
+    """The folder's validated ``config.json`` alone (what sizing a run needs); raises CheckpointError."""
     path = Path(path)
     cfg_path = path / config_json.FILE
     if not cfg_path.is_file():
@@ -79,7 +79,13 @@ def open_checkpoint(path) -> Checkpoint:
         doc = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: expected JSON, found: {e}") from None
-    cfg = config_json.from_json(doc, path.name)
+    return config_json.from_json(doc, path.name)
+
+
+def open_checkpoint(path) -> Checkpoint:
+    """Validate a folder in the released layout (spec 03 §8); raises CheckpointError."""
+    path = Path(path)
+    cfg = read_config(path)
     files = check_headers(path, cfg)
     files = {name: files[name] for name in checkpoint_specs(cfg)}   # layout order
     codec = TextCodec.load(path)

@@ -29,6 +29,7 @@ from functools import partial
 import torch
 
 from dsv41.cluster import registry
+from dsv41.cluster.connect import Startup
 from dsv41.cluster.executors import LOCAL, CardUnavailable, DistributedRunner, run_local
 from dsv41.cluster.plan import Plan, make_plan
 from dsv41.cluster.registry import StateLost
@@ -53,10 +54,12 @@ class GraphEngine(StepModel):
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
                  options: Options = Options(), backend: str = "torch", checkpoint=None,
-                 recovery_timeout: float = RECOVERY_TIMEOUT_S, graph_cache: int = GRAPH_CACHE):
+                 recovery_timeout: float = RECOVERY_TIMEOUT_S, graph_cache: int = GRAPH_CACHE,
+                 startup: Startup = Startup()):
         """checkpoint: an opened checkpoint holding cfg (weights and Engram token map), the source each
         card reads its own slices from; None draws random weights from seed. Under distributed it
-        travels to the workers, which open its files themselves."""
+        travels to the workers, which open its files themselves. startup: how long to wait for the
+        cluster and whom to tell as its workers join (``connect.Startup``)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
@@ -96,7 +99,7 @@ class GraphEngine(StepModel):
         self.builds: dict[int, str] = {}      # card -> build id of the State this engine expects
         self._state_args = (seed, per_group, max_context, options, checkpoint)
         if executor not in LOCAL:
-            self.runner = DistributedRunner(topo.ep, address, dashboard)
+            self.runner = DistributedRunner(topo.ep, address, dashboard, startup)
         self._finalizer = weakref.finalize(self, _free_everywhere, self.id, self.runner)
         self._finalizer.atexit = False       # a process that exits frees its own States
         self._recovered: list[dict] = []     # recoveries during the current step
@@ -357,7 +360,8 @@ class GraphEngine(StepModel):
             raise ValueError("--dashboard: needs --executor distributed")
         say(f"  dashboard: {self.runner.dashboard_link}")
         if seconds is None:
-            input("  press Enter to shut down ")
+            say("  press Enter to shut down")   # through say: with --json stdout holds only the result
+            input()
         else:
             time.sleep(seconds)
 

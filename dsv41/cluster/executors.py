@@ -15,6 +15,7 @@ import time
 import dask
 import dask.threaded
 
+from dsv41.cluster.connect import Startup, connect
 from dsv41.cluster.plan import Plan
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import run_submission
@@ -54,23 +55,11 @@ def _members(dask_scheduler) -> dict:
 class DistributedRunner:
     """A LocalCluster (or an existing scheduler) with one single-threaded worker per card."""
 
-    def __init__(self, cards: int, address: str | None = None, dashboard: bool = False):
-        from distributed import Client, LocalCluster
-
-        self.cluster = None
+    def __init__(self, cards: int, address: str | None = None, dashboard: bool = False,
+                 startup: Startup = Startup()):
         self.cards = cards
-        if address is None:
-            self.cluster = LocalCluster(n_workers=cards, threads_per_worker=1, processes=True,
-                                        dashboard_address=":8787" if dashboard else None,
-                                        silence_logs=40)
-            self.client = Client(self.cluster)
-        else:
-            self.client = Client(address)
-        self.client.wait_for_workers(cards)
+        self.cluster, self.client = connect(cards, address, dashboard, startup)
         self.refresh()
-        missing = sorted(set(range(cards)) - set(self.address_of))
-        if missing:
-            raise ValueError(f"--address: the scheduler has no worker named for card(s) {missing}")
 
     @property
     def dashboard_link(self) -> str:

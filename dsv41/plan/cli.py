@@ -1,7 +1,8 @@
 """Plan mode of ``python -m dsv41.run --plan``: HBM per card, the predicted step and where it goes.
 
-``--plan --batch N`` means N requests per DP group (the seed's capacity contract: 32 requests x 6
-rows = 192 decode rows per group), unlike a run's --batch, which counts prompts over all groups.
+``--batch`` counts requests in total here as in a run; the plan spreads them evenly over the DP
+groups (``--batch 64 --dp 2``: 32 requests x 6 rows = 192 decode rows per group, the seed's
+capacity contract).
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def _parts(breakdown: dict) -> str:
 
 
 def plan_report(args, cfg, topo, say) -> dict:
-    context = args.context or cfg.max_position_embeddings
-    report, planned = run_plan(cfg, topo, args.batch, context, args.graph, args.wiring, args.device_profile,
-                               args.dispatch or "graph")
+    context = cfg.max_position_embeddings if args.context is None else args.context
+    report, planned = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
+                               args.device_profile, args.dispatch or "graph")
     records, resource = record_planned(planned, cfg, topo)
     report["traces"] = write_traces(args.trace or f"plan-{cfg.name}", records, resource)
     requests = report["requests_per_dp_group"]

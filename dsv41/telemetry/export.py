@@ -1,8 +1,8 @@
 """Span records -> files under ``traces/``.
 
 - ``NAME.otlp.jsonl``: OTLP JSON, one ``ExportTraceServiceRequest`` per line (one line per trace,
-  i.e. per step), as the OpenTelemetry file exporter writes it: ids in hex, times in unix nanoseconds
-  as decimal strings, 64-bit integers as strings (proto3 JSON).
+  i.e. per step), encoded by the OTLP exporter's own encoder (``spans.otlp_json_lines``): ids in hex,
+  times in unix nanoseconds as decimal strings, 64-bit integers as strings (proto3 JSON).
 - ``NAME.perfetto.json``: Chrome trace-event JSON for Perfetto / chrome://tracing: one process per card
   (plus one for the engine's step spans), one track per stream (submissions, compute, comm), ``X``
   events for spans and a ``C`` counter of the card's HBM live bytes at every node's end.
@@ -14,47 +14,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from dsv41.plan.roofline import STREAMS, stream
+from dsv41.telemetry.spans import otlp_json_lines
 
 TRACES = Path("traces")
-SPAN_KIND_INTERNAL = 1
-STATUS_ERROR = 2
-
-
-def _any_value(v) -> dict:
-    if isinstance(v, bool):
-        return {"boolValue": v}
-    if isinstance(v, int):
-        return {"intValue": str(v)}
-    if isinstance(v, float):
-        return {"doubleValue": v}
-    return {"stringValue": str(v)}
-
-
-def _attributes(attrs: dict) -> list[dict]:
-    return [{"key": k, "value": _any_value(v)} for k, v in attrs.items()]
-
-
-def otlp_span(r: dict) -> dict:
-    span = {"traceId": f"{r['trace_id']:032x}", "spanId": f"{r['span_id']:016x}",
-            "parentSpanId": f"{r['parent_id']:016x}" if r["parent_id"] is not None else "",
-            "name": r["name"], "kind": SPAN_KIND_INTERNAL,
-            "startTimeUnixNano": str(r["start_ns"]), "endTimeUnixNano": str(r["end_ns"]),
-            "attributes": _attributes(r["attributes"]), "status": {}}
-    if r["error"] is not None:
-        span["status"] = {"code": STATUS_ERROR, "message": r["error"]}
-    return span
 
 
 def write_otlp(records: list[dict], resource: dict, path: Path) -> Path:
-    by_trace = defaultdict(list)
-    for r in records:
-        by_trace[r["trace_id"]].append(r)
     with open(path, "w") as f:
-        for spans in by_trace.values():
-            request = {"resourceSpans": [{"resource": {"attributes": _attributes(resource)},
-                                          "scopeSpans": [{"scope": {"name": "dsv41.telemetry"},
-                                                          "spans": [otlp_span(r) for r in spans]}]}]}
-            f.write(json.dumps(request, separators=(",", ":")) + "\n")
+        for line in otlp_json_lines(records, resource):
+            f.write(line + "\n")
     return path
 
 

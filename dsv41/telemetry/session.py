@@ -24,15 +24,18 @@ def resource_attributes(cfg, topo, executor: str, device: str) -> dict:
 
 
 class TraceSession:
-    def __init__(self, engine, device: str = DEFAULT_PROFILE):
-        self.engine, self.device, self.device_name = engine, profile(device), device
+    """keep: hold every span for ``collect`` (files); spans also go live to an OTLP collector when the
+    OTEL_* variables name one (``spans.otlp_configured``), in this process and on every worker."""
+
+    def __init__(self, engine, device: str = DEFAULT_PROFILE, keep: bool = True):
+        self.engine, self.device, self.device_name, self.keep = engine, profile(device), device, keep
         self.resource = resource_attributes(engine.cfg, engine.topo, engine.executor, device)
-        self.recorder = SpanRecorder(self.resource)
+        self.recorder = SpanRecorder(self.resource, keep)
         self.records: list[dict] = []
         if engine.runner is None:
             registry.owned(engine.id).hooks.tracer = NodeTracer(self.recorder, self.device)
         else:
-            engine.runner.run_on_cards(_install, engine.id, self.resource, device)
+            engine.runner.run_on_cards(_install, engine.id, self.resource, device, keep)
         engine.trace = self
 
     @contextmanager
@@ -54,7 +57,8 @@ class TraceSession:
     def attach(self, cards):
         """A tracer on the workers that now serve these cards (after a recovery replaced them)."""
         if self.engine.runner is not None:
-            self.engine.runner.run_on_cards(_install, self.engine.id, self.resource, self.device_name, cards=cards)
+            self.engine.runner.run_on_cards(_install, self.engine.id, self.resource, self.device_name, self.keep,
+                                            cards=cards)
 
     def collect(self) -> list[dict]:
         """Every span recorded so far (here and on the workers), by start time."""
@@ -74,10 +78,12 @@ class TraceSession:
         return sorted(rows, key=lambda r: r["card"])
 
     def close(self):
+        """Stop tracing and flush what is queued for a collector."""
         if self.engine.runner is None:
             _uninstall(self.engine.id)
         else:
             self.engine.runner.run_on_cards(_uninstall, self.engine.id)
+        self.recorder.shutdown()
         self.engine.trace = None
 
 
@@ -86,8 +92,8 @@ def _ledger_row(card: int, led) -> dict:
             "transient_peak_bytes": led.peak_transient, "peak_bytes": led.peak_bytes}
 
 
-def _install(engine: str, resource: dict, device: str):
-    registry.owned(engine).hooks.tracer = NodeTracer(SpanRecorder(resource), profile(device))
+def _install(engine: str, resource: dict, device: str, keep: bool):
+    registry.owned(engine).hooks.tracer = NodeTracer(SpanRecorder(resource, keep), profile(device))
 
 
 def _tracer(engine: str):
@@ -108,5 +114,6 @@ def _ledger_rows(engine: str) -> list[dict]:
 
 def _uninstall(engine: str):
     entry = registry.find(engine)
-    if entry is not None:
+    if entry is not None and entry.hooks.tracer is not None:
+        entry.hooks.tracer.recorder.shutdown()
         entry.hooks.tracer = None

@@ -1,28 +1,167 @@
-"""The only module that imports OpenTelemetry: the SDK records spans, the API is the interface.
+"""The only module that imports OpenTelemetry: the SDK records spans, its exporters send them.
 
-Spans leave as plain records (dicts of ints and strings) so they can cross processes (dask workers)
-and feed the exporters without the SDK on the reading side.
+- Live: with ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set (and the
+  other standard ``OTEL_*`` variables: headers, timeout, compression, ``OTEL_BSP_*``,
+  ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SDK_DISABLED``), spans go to that collector
+  over OTLP/HTTP through a BatchSpanProcessor, and each card's HBM live/peak bytes as gauges. The
+  exporter runs in a child process (``python -m dsv41.telemetry.spans``) fed batches of span records:
+  its protobuf encoding would otherwise hold the step's GIL.
+- Kept: finished spans also leave as plain records (dicts of ints and strings) so they can cross
+  processes (dask workers) and feed the file exporters; ``otlp_json_lines`` encodes them with the
+  OTLP exporter's own protobuf encoder.
 """
 from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 SCOPE = "dsv41.telemetry"
+LIVE_QUEUE = 1 << 16   # spans; the SDK's 2048 drops spans of one TINY step (~3,400 nodes) before export
+LIVE_BATCH = 512       # span records per hand-off to the exporter process
+CHILD_EXIT_S = 60.0    # the exporter flushes its queue before exiting; a dead collector costs its timeout
+HEX_IDS = ("traceId", "spanId", "parentSpanId")
+
+
+def _on(variable: str, default: str = "") -> str:
+    return os.environ.get(variable, default).strip().lower()
+
+
+def otlp_configured(signal: str = "traces") -> bool:
+    """Whether the standard OTEL_* variables ask for OTLP export of this signal (traces | metrics)."""
+    if _on("OTEL_SDK_DISABLED") == "true" or _on(f"OTEL_{signal.upper()}_EXPORTER", "otlp") == "none":
+        return False
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
+
+
+def otel_resource(attrs: dict) -> Resource:
+    """The run's attributes over the SDK's (OTEL_RESOURCE_ATTRIBUTES); OTEL_SERVICE_NAME renames the service."""
+    if os.environ.get("OTEL_SERVICE_NAME"):
+        attrs = {**attrs, "service.name": os.environ["OTEL_SERVICE_NAME"]}
+    return Resource.create(attrs)
+
+
+class _Kept(SpanProcessor):
+    """Finished spans, appended as they end: half the cost per span of the SDK's in-memory exporter
+    behind a SimpleSpanProcessor (which wraps every span in a context attach and a lock)."""
+
+    def __init__(self):
+        self.spans: list[ReadableSpan] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.spans.append(span)
+
+
+def _record(s: ReadableSpan) -> dict:
+    return {"name": s.name, "trace_id": s.context.trace_id, "span_id": s.context.span_id,
+            "parent_id": s.parent.span_id if s.parent is not None else None,
+            "start_ns": s.start_time, "end_ns": s.end_time, "attributes": dict(s.attributes),
+            "error": s.status.description if s.status.status_code == StatusCode.ERROR else None}
+
+
+class _LiveExport(SpanProcessor):
+    """Span records, in batches, to the exporter process; the SDK's BatchSpanProcessor and OTLP/HTTP
+    exporter do the rest there."""
+
+    def __init__(self, resource: dict):
+        repo = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+        self._proc = subprocess.Popen([sys.executable, "-m", "dsv41.telemetry.spans"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env)
+        self._batch: list[dict] = []
+        self._lock = threading.Lock()     # the threads executor ends spans from several threads
+        self._send(resource)
+        if self._proc.stdout.read(1) != b"1":   # ready: its imports (a second) stay out of the steps
+            self._stop()                         # it could not start; its error is on stderr
+
+    def _stop(self) -> None:
+        """Live export ends (the exporter died or failed to start); the run goes on without it."""
+        self._proc.kill()
+        self._proc.wait()
+        self._proc = None
+
+    def _send(self, obj) -> None:
+        pickle.dump(obj, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        self._proc.stdin.flush()
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self._proc is None:
+            return
+        with self._lock:
+            self._batch.append(_record(span))
+            if len(self._batch) >= LIVE_BATCH:
+                batch, self._batch = self._batch, []
+                try:
+                    self._send(batch)
+                except OSError:
+                    self._stop()
+
+    def shutdown(self) -> None:
+        if self._proc is None:
+            return
+        with self._lock:
+            try:
+                self._send(self._batch)
+                self._proc.stdin.close()
+            except OSError:
+                pass
+            self._batch = []
+        try:
+            self._proc.wait(CHILD_EXIT_S)
+            self._proc = None
+        except subprocess.TimeoutExpired:
+            self._stop()
+
+
+def _export_forever(stream) -> None:
+    """The exporter process: span records from ``stream`` into a BatchSpanProcessor(OTLPSpanExporter)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    resource = otel_resource(pickle.load(stream))
+    scope = InstrumentationScope(SCOPE)
+    queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in os.environ else LIVE_QUEUE
+    processor = BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=queue)
+    sys.stdout.buffer.write(b"1")
+    sys.stdout.buffer.flush()
+    while True:
+        try:
+            batch = pickle.load(stream)
+        except EOFError:
+            break
+        for r in batch:
+            processor.on_end(_readable(r, resource, scope))
+    processor.shutdown()
 
 
 class SpanRecorder:
-    def __init__(self, resource: dict):
+    """keep: hold finished spans for ``drain`` (files); live: also export them over OTLP/HTTP."""
+
+    def __init__(self, resource: dict, keep: bool = True, live: bool | None = None):
         self.resource = dict(resource)
-        self._exporter = InMemorySpanExporter()
-        provider = TracerProvider(resource=Resource.create(self.resource))
-        provider.add_span_processor(SimpleSpanProcessor(self._exporter))
-        self._tracer = provider.get_tracer(SCOPE)
+        self._resource = otel_resource(self.resource)
+        self._provider = TracerProvider(resource=self._resource)
+        self._kept = _Kept() if keep else None
+        if keep:
+            self._provider.add_span_processor(self._kept)
+        if otlp_configured() if live is None else live:
+            self._provider.add_span_processor(_LiveExport(self.resource))
+        self._tracer = self._provider.get_tracer(SCOPE)
+        self._meters = None
 
     def start(self, name: str, parent=None, start_ns: int | None = None, attrs: dict | None = None):
         """A live span; parent is a span, a (trace id, span id) pair from another process, or None."""
@@ -50,10 +189,72 @@ class SpanRecorder:
 
     def drain(self) -> list[dict]:
         """Finished spans as records, oldest first; the recorder forgets them."""
-        spans = self._exporter.get_finished_spans()
-        self._exporter.clear()
-        return [{"name": s.name, "trace_id": s.context.trace_id, "span_id": s.context.span_id,
-                 "parent_id": s.parent.span_id if s.parent is not None else None,
-                 "start_ns": s.start_time, "end_ns": s.end_time, "attributes": dict(s.attributes),
-                 "error": s.status.description if s.status.status_code == StatusCode.ERROR else None}
-                for s in spans]
+        if self._kept is None:
+            return []
+        spans, self._kept.spans = self._kept.spans, []    # called between steps: nothing ends meanwhile
+        return [_record(s) for s in spans]
+
+    def observe_hbm(self, read: Callable[[], dict[int, tuple[int, int]]]) -> None:
+        """Export ``read()`` (card -> (live, peak) bytes) as two gauges when OTLP metrics are configured;
+        observed at each export (``OTEL_METRIC_EXPORT_INTERVAL``) and at shutdown, never per node."""
+        if self._meters is not None or not otlp_configured("metrics"):
+            return
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.metrics import Observation
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        def gauge(i: int):
+            return lambda _options: [Observation(v[i], {"dsv41.card": c}) for c, v in sorted(read().items())]
+
+        self._meters = MeterProvider(resource=self._resource,
+                                     metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
+        meter = self._meters.get_meter(SCOPE)
+        meter.create_observable_gauge("dsv41.hbm.live_bytes", [gauge(0)], unit="By",
+                                      description="card HBM in use: weights + caches + live transient values")
+        meter.create_observable_gauge("dsv41.hbm.peak_bytes", [gauge(1)], unit="By",
+                                      description="card HBM peak so far in the run")
+
+    def shutdown(self) -> None:
+        """Flush what is still queued for the collector (spans, then a last metrics reading)."""
+        self._provider.shutdown()
+        if self._meters is not None:
+            self._meters.shutdown()
+
+
+def otlp_json_lines(records: list[dict], resource: dict) -> list[str]:
+    """OTLP JSON, one ``ExportTraceServiceRequest`` per trace: the OTLP exporter's protobuf encoder,
+    then protobuf's JSON mapping with the two changes the OTLP/JSON spec makes to it (trace and
+    span ids in hex, not base64; enums as integers)."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    res, scope = otel_resource(resource), InstrumentationScope(SCOPE)
+    by_trace = defaultdict(list)
+    for r in records:
+        by_trace[r["trace_id"]].append(_readable(r, res, scope))
+    lines = []
+    for spans in by_trace.values():
+        doc = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for s in ss["spans"]:
+                    for k in HEX_IDS:
+                        if k in s:
+                            s[k] = base64.b64decode(s[k]).hex()
+        lines.append(json.dumps(doc, separators=(",", ":")))
+    return lines
+
+
+def _readable(r: dict, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    parent = None if r["parent_id"] is None else SpanContext(r["trace_id"], r["parent_id"], False, flags)
+    status = Status(StatusCode.ERROR, r["error"]) if r["error"] is not None else Status(StatusCode.UNSET)
+    return ReadableSpan(name=r["name"], context=SpanContext(r["trace_id"], r["span_id"], False, flags),
+                        parent=parent, resource=resource, attributes=r["attributes"], kind=SpanKind.INTERNAL,
+                        status=status, start_time=r["start_ns"], end_time=r["end_ns"],
+                        instrumentation_scope=scope)
+
+
+if __name__ == "__main__":   # the exporter process of _LiveExport
+    _export_forever(sys.stdin.buffer)

@@ -47,6 +47,11 @@ class NodeTracer:
         self.ledgers: dict[int, CardLedger] = {}
         self.weights: dict[int, dict] = {}          # card -> runtime weight key -> bytes held
         self._current = threading.local()
+        recorder.observe_hbm(self.hbm_bytes)
+
+    def hbm_bytes(self) -> dict[int, tuple[int, int]]:
+        """Card -> (live, peak) bytes now (read without the lock: a gauge tolerates a node's lag)."""
+        return {c: (led.live_bytes, led.peak_bytes) for c, led in list(self.ledgers.items())}
 
     def ledger(self, st) -> CardLedger:
         card = st.card

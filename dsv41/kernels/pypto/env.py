@@ -13,13 +13,20 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-DEFAULT_RUN_DIR = REPO / "traces" / "pypto-run"
-DEFAULT_CACHE_FILE = REPO / "traces" / "pypto-cache" / "sim_times.json"
 NPU_HINT = "pypto-npu needs an Ascend NPU and torch_npu"
 
 
 def run_dir(path: str | os.PathLike | None = None) -> Path:
-    return Path(path or os.environ.get("DSV41_PYPTO_RUN_DIR") or DEFAULT_RUN_DIR).resolve()
+    """pypto's run files: ``traces/pypto-run`` under the working directory at the time of the call."""
+    return Path(path or os.environ.get("DSV41_PYPTO_RUN_DIR") or Path.cwd() / "traces" / "pypto-run").resolve()
+
+
+def cache_file() -> Path:
+    """The simulated-times cache, shared by every working directory: under the user's cache (XDG)."""
+    if os.environ.get("DSV41_PYPTO_CACHE"):
+        return Path(os.environ["DSV41_PYPTO_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dsv41" / "pypto" / "sim_times.json"
 
 
 def check_npu() -> None:

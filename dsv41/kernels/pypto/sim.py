@@ -41,7 +41,7 @@ class SimCache:
     """
 
     def __init__(self, path: str | os.PathLike | None = None):
-        self.path = Path(path or os.environ.get("DSV41_PYPTO_CACHE") or pypto_env.DEFAULT_CACHE_FILE)
+        self.path = Path(path or pypto_env.cache_file())
         self._mem: dict[str, dict] | None = None
         self._lock = threading.Lock()
 
@@ -247,5 +247,7 @@ def sim_time_us(kernel: str, shapes: dict, dtypes=None, *, mode: str = "sim", ca
         log.warning("pypto %s %s failed: %s", mode, key, e)
         cache.put(key, {"us": None, "error": str(e)}, persist=not transient)
         return None
-    cache.put(key, {"us": us, "error": None, "wall_s": round(time.perf_counter() - t0, 3)})
+    wall = time.perf_counter() - t0
+    cache.put(key, {"us": us, "error": None, "wall_s": round(wall, 3)})
+    log.info("compiled and simulated %s in %.1f s", kernel, wall)
     return us

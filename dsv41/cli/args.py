@@ -1,0 +1,359 @@
+"""Every argument of ``python -m dsv41.run`` checked before any work is done.
+
+Two tables keep the rules in one place:
+- ``APPLIES``: per flag, the modes it applies to (a mode is ``--plan`` or an ``--executor``) and any
+  rule on the other flags (what it needs, what it does not go with). A flag the user gave outside
+  them is a usage error naming both flags.
+- ``CHECKS``: value checks, in order; each returns what is wrong with the allowed range, or None.
+  They run on every value that applies, given or default, so a default that cannot work is caught too.
+  ``FIRST`` runs before the model config is known (it may come from ``--checkpoint``).
+
+A new flag is one ``add_argument`` line, one ``APPLIES`` row and, when its value has a range, one
+``CHECKS`` entry (``test_every_flag_has_a_row`` keeps the table complete). Errors follow argparse:
+one line ``python -m dsv41.run: error: --flag: what is wrong``, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import sys
+from typing import Callable
+
+PLAN, REFERENCE = "plan", "reference"
+EXECUTOR_ORDER = ("reference", "sync", "threads", "distributed")
+GRAPH = frozenset(("sync", "threads", "distributed"))
+LOCAL = frozenset(("sync", "threads"))
+RUN = GRAPH | {REFERENCE}
+ALL = RUN | {PLAN}
+DIST = frozenset(("distributed",))
+GRAPH_OR_PLAN = GRAPH | {PLAN}
+
+MAX_SEED = 2 ** 32 - 1
+MAX_CONNECT_TIMEOUT_S = 600.0
+FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+
+
+class UsageError(Exception):
+    """A bad command line; the message starts with the flag it is about."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line and exit status 2 (argparse prints the whole usage first, which buries the line)."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def mode(a) -> str:
+    return PLAN if a.plan else a.executor
+
+
+def mode_flag(m: str) -> str:
+    return "--plan" if m == PLAN else f"--executor {m}"
+
+
+def _where(modes) -> str:
+    if modes == RUN:
+        return "a run (leave out --plan: it runs nothing)"
+    executors = [m for m in EXECUTOR_ORDER if m in modes]
+    parts = []
+    if executors:
+        names = executors[0] if len(executors) == 1 else ", ".join(executors[:-1]) + " or " + executors[-1]
+        parts.append(f"--executor {names}")
+    if PLAN in modes:
+        parts.append("--plan")
+    return ", or ".join(parts)
+
+
+# ---- which flag goes with which mode -----------------------------------------------------------------
+
+def _no_prompts(a) -> bool:
+    return not (a.prompt or a.prompt_file)
+
+
+FROM_PROMPTS = "does not apply with --prompt/--prompt-file: "
+Rule = tuple[str, Callable] | None     # (what is wrong when the predicate is false, predicate)
+APPLIES: dict[str, tuple[frozenset, Rule]] = {
+    "--graph": (ALL, None),
+    "--config": (ALL, ("does not apply with --checkpoint: its config.json is the config",
+                       lambda a: a.checkpoint is None)),
+    "--checkpoint": (ALL, None),
+    "--prompt": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)", lambda a: a.checkpoint)),
+    "--prompt-file": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)",
+                            lambda a: a.checkpoint)),
+    "--chat": (RUN, ("needs --prompt or --prompt-file", lambda a: not _no_prompts(a))),
+    "--batch": (ALL, (FROM_PROMPTS + "the batch is the number of prompts", _no_prompts)),
+    "--prompt-len": (RUN, (FROM_PROMPTS + "the prompts set their lengths", _no_prompts)),
+    "--new-tokens": (RUN, ("needs --graph decode", lambda a: a.graph == "decode")),
+    "--seed": (RUN, (FROM_PROMPTS + "the seed draws random prompts and weights, and --checkpoint gives both",
+                     _no_prompts)),
+    "--executor": (RUN, None),
+    "--tp": (GRAPH_OR_PLAN, None),
+    "--dp": (GRAPH_OR_PLAN, None),
+    "--ep": (GRAPH_OR_PLAN, None),
+    "--granularity": (GRAPH, None),
+    "--backend": (GRAPH, None),
+    "--wiring": (GRAPH_OR_PLAN, None),
+    "--address": (DIST, None),
+    "--connect-timeout": (DIST, None),
+    "--dashboard": (DIST, None),
+    "--hold": (DIST, ("needs --dashboard", lambda a: a.dashboard)),
+    "--show-graph": (GRAPH, None),
+    "--check": (LOCAL, None),
+    "--json": (ALL, None),
+    "--debug": (ALL, None),
+    "--help": (ALL, None),
+}
+
+
+def check_modes(a, given: set[str], applies: dict) -> None:
+    m = mode(a)
+    for flag, (modes, needs) in applies.items():
+        if flag not in given:
+            continue
+        if m not in modes:
+            raise UsageError(f"{flag}: does not apply with {mode_flag(m)}; it goes with {_where(modes)}")
+        if needs is not None and not needs[1](a):
+            raise UsageError(f"{flag}: {needs[0]}")
+
+
+# ---- values ------------------------------------------------------------------------------------------
+
+def groups(a) -> int:
+    """DP groups the run's requests are spread over (the reference is one group)."""
+    return 1 if mode(a) == REFERENCE else a.dp
+
+
+def per_group(a) -> int:
+    return -(-a.batch // groups(a))
+
+
+def on(a, cfg) -> str:
+    """Which model a range is for."""
+    return f"on --config {cfg.name}" if a.checkpoint is None else f"on {cfg.name} (--checkpoint's config.json)"
+
+
+def _length(a) -> str:
+    return f"--prompt-len {a.prompt_len}" if _no_prompts(a) else f"prompts of up to {a.prompt_len} tokens"
+
+
+def shown(a, flag: str) -> str:
+    """The flag a value came from: the prompts stand for --batch and --prompt-len, and --checkpoint
+    for --config."""
+    if flag in ("--batch", "--prompt-len") and not _no_prompts(a):
+        return "--prompt" if a.prompt else "--prompt-file"
+    if flag == "--config" and a.checkpoint is not None:
+        return "--checkpoint"
+    return flag
+
+
+def model_config(a):
+    """The model to check against: the --config preset, or --checkpoint's config.json. With a
+    checkpoint the prompts are encoded here (``a.codec``, ``a.prompt_ids``); their count and longest
+    length become --batch and --prompt-len."""
+    from dsv41.config import PRESETS
+    a.codec, a.prompt_ids = None, []
+    if a.checkpoint is None:
+        return PRESETS[a.config]
+    from dsv41.checkpoint.cli import encode_prompts
+    from dsv41.checkpoint.reader import read_config
+    try:
+        cfg = read_config(a.checkpoint)
+        if mode(a) != PLAN:
+            a.codec, a.prompt_ids = encode_prompts(a.checkpoint, a.prompt, a.prompt_file, a.chat)
+    except ValueError as e:    # CheckpointError included
+        raise UsageError(str(e) if str(e).startswith("--") else f"--checkpoint: {e}") from None
+    if a.prompt_ids:
+        a.batch, a.prompt_len = len(a.prompt_ids), max(map(len, a.prompt_ids))
+    return cfg
+
+
+def _tp(a, cfg):
+    ok = [t for t in (1, 2, 4, 8) if cfg.num_attention_heads % t == 0 and cfg.o_groups % t == 0]
+    if a.tp not in ok:
+        return (f"must be one of {', '.join(map(str, ok))} {on(a, cfg)} (it splits the "
+                f"{cfg.num_attention_heads} heads and {cfg.o_groups} output groups), got {a.tp}")
+
+
+def _dp(a, cfg):
+    e = cfg.n_routed_experts
+    ok = [d for d in range(1, e // a.tp + 1) if e % (a.tp * d) == 0]
+    if a.dp not in ok:
+        return (f"must be one of {', '.join(map(str, ok))} with --tp {a.tp} {on(a, cfg)} "
+                f"(tp x dp cards split its {e} routed experts), got {a.dp}")
+
+
+def _ep(a, cfg):
+    if a.ep != a.tp * a.dp:
+        return f"must equal --tp x --dp = {a.tp * a.dp} (EP = TP x DP; leave it out for that), got {a.ep}"
+
+
+def _batch(a, cfg):
+    cap = cfg.max_batch_per_dp
+    if mode(a) == PLAN:
+        if a.batch % a.dp or not 1 <= a.batch // a.dp <= cap:
+            return (f"must be a multiple of --dp {a.dp} in [{a.dp}, {cap * a.dp}] (requests in total, "
+                    f"{cap} per DP group at most {on(a, cfg)}), got {a.batch}")
+        return None
+    g = groups(a)
+    if not 1 <= a.batch <= cap * g:
+        where = f"{g} DP groups" if g > 1 else "one DP group"
+        return (f"must be in [1, {cap * g}] requests in total ({cap} per DP group {on(a, cfg)}, "
+                f"{where}), got {a.batch}")
+
+
+def max_context(a) -> int:
+    """Tokens a request of the run reaches: its prompt, the generated tokens and one spare row."""
+    return a.prompt_len + (a.new_tokens if a.graph == "decode" else 0) + 1
+
+
+def _prompt_len(a, cfg):
+    rows = per_group(a)
+    top = min(cfg.prefill_max_tokens // rows, cfg.max_position_embeddings - 1)
+    if not 1 <= a.prompt_len <= top:
+        return (f"must be in [1, {top}] tokens with {rows} prompt(s) per DP group {on(a, cfg)} "
+                f"(a prefill step holds {cfg.prefill_max_tokens} rows per DP group), got {a.prompt_len}")
+
+
+def _new_tokens(a, cfg):
+    if a.graph != "decode":
+        return None
+    top = cfg.max_position_embeddings - a.prompt_len - 1
+    if not 0 <= a.new_tokens <= top:
+        return (f"must be in [0, {top}] with {_length(a)} {on(a, cfg)} "
+                f"(context limit {cfg.max_position_embeddings} tokens), got {a.new_tokens}")
+
+
+def _checkpoint(a, cfg):
+    if a.checkpoint is None:
+        return None
+    if not os.path.isdir(a.checkpoint):
+        found = "a file" if os.path.exists(a.checkpoint) else "nothing"
+        return f"{a.checkpoint}: expected a checkpoint folder, found {found}"
+    if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
+        return f"{os.path.join(a.checkpoint, 'config.json')}: expected the model config, found no file"
+
+
+def _prompt_file(a, cfg):
+    if a.prompt_file is not None and not os.path.isfile(a.prompt_file):
+        found = "a folder" if os.path.isdir(a.prompt_file) else "nothing"
+        return f"{a.prompt_file}: expected a file of prompts (one per line), found {found}"
+
+
+def _seed(a, cfg):
+    if not 0 <= a.seed <= MAX_SEED:
+        return f"must be in [0, {MAX_SEED}], got {a.seed}"
+
+
+def _hold(a, cfg):
+    if a.hold is not None and not (math.isfinite(a.hold) and a.hold >= 0):
+        return f"must be a number of seconds >= 0, got {a.hold:g}"
+
+
+def _connect_timeout(a, cfg):
+    if not (math.isfinite(a.connect_timeout) and 0 < a.connect_timeout <= MAX_CONNECT_TIMEOUT_S):
+        return f"must be in (0, {MAX_CONNECT_TIMEOUT_S:g}] seconds, got {a.connect_timeout:g}"
+
+
+def _address(a, cfg):
+    if a.address is not None:
+        from dsv41.cluster.connect import check_address
+        return check_address(a.address)
+
+
+def _show_graph(a, cfg):
+    if a.show_graph is None:
+        return None
+    if not FILE_NAME.fullmatch(a.show_graph) or not a.show_graph.endswith((".dot", ".svg")):
+        return (f"must be a plain file name ending in .dot or .svg (written as traces/NAME), "
+                f"got {a.show_graph!r}")
+    if a.show_graph.endswith(".svg") and shutil.which("dot") is None:
+        return "an .svg needs graphviz's 'dot' on PATH, which is missing; ask for a .dot file instead"
+    return traces_writable()
+
+
+def _backend(a, cfg):
+    if a.backend == "pypto-npu":
+        from dsv41.kernels.pypto.env import check_npu
+        try:
+            check_npu()
+        except RuntimeError as e:
+            return f"{e}; --backend pypto-sim runs the cost model on this CPU"
+    if a.backend == "pypto-sim":
+        import importlib.util
+        if importlib.util.find_spec("pypto") is None:
+            return "pypto-sim needs the pypto package (pip install pypto==0.2.0)"
+        return traces_writable()
+
+
+def _dashboard(a, cfg):
+    if a.dashboard and a.hold is None and not (sys.stdin is not None and not sys.stdin.closed and _isatty(sys.stdin)):
+        return "waits for Enter after the run, but stdin is not a terminal; add --hold SECONDS"
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def traces_writable() -> str | None:
+    """None when ./traces exists (or can be made) and is writable."""
+    folder = os.path.join(os.getcwd(), "traces")
+    probe = folder if os.path.isdir(folder) else os.getcwd()
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return f"{folder} exists and is not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"cannot write {folder}: {probe} is not writable"
+    return None
+
+
+def _budget(a, cfg):
+    from dsv41.cli.budget import check_budget
+    return check_budget(a, cfg)
+
+
+Check = tuple[str, Callable]
+FIRST: list[Check] = [("--checkpoint", _checkpoint), ("--prompt-file", _prompt_file)]
+CHECKS: list[Check] = [
+    ("--tp", _tp), ("--dp", _dp), ("--ep", _ep), ("--batch", _batch), ("--prompt-len", _prompt_len),
+    ("--new-tokens", _new_tokens), ("--seed", _seed), ("--hold", _hold), ("--connect-timeout", _connect_timeout),
+    ("--address", _address), ("--show-graph", _show_graph), ("--backend", _backend), ("--dashboard", _dashboard),
+]
+LAST: list[Check] = [("--config", _budget)]   # after every cheaper check: it sizes the model
+
+
+def run_checks(a, cfg, checks: list[Check], applies: dict) -> None:
+    m = mode(a)
+    for flag, fn in checks:
+        if m not in applies[flag][0]:
+            continue
+        problem = fn(a, cfg)
+        if problem:
+            raise UsageError(f"{shown(a, flag)}: {problem}")
+
+
+# ---- the parser ----------------------------------------------------------------------------------------
+
+def given_flags(p: argparse.ArgumentParser, argv) -> set[str]:
+    """The long flags the user typed (argparse keeps no record): a second parse with no defaults."""
+    saved = [(act, act.default) for act in p._actions]
+    try:
+        for act, _ in saved:
+            act.default = argparse.SUPPRESS
+        ns, _ = p.parse_known_args(argv)
+    finally:
+        for act, default in saved:
+            act.default = default
+    present = set(vars(ns))
+    return {next(o for o in act.option_strings if o.startswith("--"))
+            for act in p._actions if act.dest in present and act.option_strings}
+
+
+def unknown_rows(p, applies: dict) -> list[str]:
+    """Flags of the parser without an APPLIES row (kept empty by a test)."""
+    flags = {o for act in p._actions for o in act.option_strings if o.startswith("--")}
+    return sorted(flags - set(applies))

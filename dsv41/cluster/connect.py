@@ -1,0 +1,128 @@
+"""Reaching the cards' dask workers: start a LocalCluster or join ``--address``, then wait for one
+single-threaded worker per card, named 0..EP-1, all within one timeout.
+
+Every failure (malformed or unreachable address, workers missing, misnamed or multi-threaded) is a
+``ConnectError`` with one line saying what was expected and what the scheduler has.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+DEFAULT_TIMEOUT_S = 30.0
+POLL_S = 0.1
+
+
+class ConnectError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Startup:
+    """How to wait for the cluster and whom to tell: ``on_workers(ready, expected)`` while workers
+    join, ``on_ready(dashboard_link or None)`` once every card's worker is there."""
+    timeout: float = DEFAULT_TIMEOUT_S
+    on_workers: Callable[[int, int], None] | None = None
+    on_ready: Callable[[str | None], None] | None = None
+
+
+def check_address(address: str) -> str | None:
+    """What is wrong with a scheduler address (None when it parses as dask reads it)."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+    try:
+        scheme, loc = parse_address(address, strict=False)
+        if scheme in ("tcp", "tls"):
+            parse_host_port(loc)
+    except ValueError as e:
+        return f"not a scheduler address ({e}); expected e.g. tcp://127.0.0.1:8786"
+    return None
+
+
+def connect(cards: int, address: str | None, dashboard: bool, startup: Startup = Startup()):
+    """(LocalCluster or None, Client) once every card's worker is there."""
+    from distributed import Client, LocalCluster
+
+    deadline = time.monotonic() + startup.timeout
+    where = f"--address {address}" if address else "the LocalCluster"
+    cluster = client = None
+    try:
+        if address is None:
+            # started empty and scaled, so workers can be counted as they join
+            cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
+                                   dashboard_address=":8787" if dashboard else None, silence_logs=40)
+            cluster.scale(cards)
+            client = Client(cluster, timeout=startup.timeout)
+        else:
+            problem = check_address(address) or _probe(address, startup.timeout)
+            if problem:
+                raise ConnectError(f"{where}: {problem}")
+            try:
+                client = Client(address, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:   # refused, timed out, or something else listens there
+                raise ConnectError(f"{where}: no dask scheduler answered within {startup.timeout:g} s "
+                                   f"({type(e).__name__}: {e})") from None
+        _wait_for_cards(client, cards, deadline, where, startup)
+    except BaseException:
+        if client is not None:
+            client.close()
+        if cluster is not None:
+            cluster.close()
+        raise
+    if startup.on_ready is not None:
+        startup.on_ready(client.dashboard_link if dashboard else None)
+    return cluster, client
+
+
+def _probe(address: str, timeout: float) -> str | None:
+    """Fail fast on a TCP address nobody listens on, instead of dask retrying until the timeout."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+    scheme, loc = parse_address(address, strict=False)
+    if scheme != "tcp":
+        return None
+    host, port = parse_host_port(loc)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return "connection refused: no dask scheduler listens there"
+    except socket.gaierror as e:
+        return f"unknown host {host!r} ({e.strerror})"
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as e:
+        return f"unreachable ({e.strerror or e})"
+    return None
+
+
+def _wait_for_cards(client, cards: int, deadline: float, where: str, startup: Startup) -> None:
+    expected = {str(c) for c in range(cards)}
+    seen = -1
+    while True:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        by_name = {str(w.get("name")): w for w in workers.values()}
+        threaded = sorted(n for n in expected & set(by_name) if by_name[n].get("nthreads") != 1)
+        if threaded:
+            raise ConnectError(f"{where}: expected {_want(cards)}; {_have(workers)}")
+        ready = len(expected & set(by_name))
+        if ready != seen and startup.on_workers is not None:
+            startup.on_workers(ready, cards)
+        seen = ready
+        if ready == cards:
+            return
+        if time.monotonic() >= deadline:
+            raise ConnectError(f"{where}: expected {_want(cards)} within {startup.timeout:g} s; {_have(workers)}")
+        time.sleep(POLL_S)
+
+
+def _want(cards: int) -> str:
+    names = "0" if cards == 1 else f"0..{cards - 1}"
+    return f"{cards} worker(s) named {names} with one thread each"
+
+
+def _have(workers: dict) -> str:
+    if not workers:
+        return "the scheduler has no workers"
+    listed = ", ".join(f"'{w.get('name')}' ({w.get('nthreads')} thread{'s' if w.get('nthreads') != 1 else ''})"
+                       for w in sorted(workers.values(), key=lambda w: str(w.get("name"))))
+    return f"the scheduler has {len(workers)}: {listed}"
