@@ -243,10 +243,13 @@ def shape(cfg: ModelConfig, steps: dict) -> tuple:
 
 
 def feed(graph: Graph, topo: Topology, steps: dict):
-    """Give a graph built for steps of the same shape this step's inputs."""
+    """Give a graph built for steps of the same shape this step's inputs: the group's own cards
+    (``step@c{c}``) and the cards outside it that look up its Engram rows (``step@c{c}/g{grp}``)."""
     for grp, step in steps.items():
-        for c in topo.group_cards(grp):
-            graph.literals[f"step@c{c}"] = (step, c)
+        for c in topo.cards:
+            key = f"step@c{c}" if c in topo.group_cards(grp) else f"step@c{c}/g{grp}"
+            if key in graph.literals:
+                graph.literals[key] = (step, c)
 
 
 def build(cfg: ModelConfig, topo: Topology, steps: dict, wiring: str = SHARDED, phase: str = "decode") -> Graph:
