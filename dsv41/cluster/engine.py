@@ -109,7 +109,10 @@ class GraphEngine(StepModel):
         if self.runner is None:
             _install_here(*args, cards=cards)
         else:
-            self.runner.run_on_cards(_install_on_worker, *args, cards=cards)
+            try:
+                self.runner.run_on_cards(_install_on_worker, *args, cards=cards)
+            except OSError as e:             # the worker went away again
+                raise StateLost(cards, f"worker unreachable while installing State: {e}") from e
             if self.trace is not None:
                 self.trace.attach(cards)
         self.builds.update(dict.fromkeys(cards, build_id))
@@ -192,14 +195,17 @@ class GraphEngine(StepModel):
         if not self._finalizer.alive:
             raise RuntimeError(f"engine {self.id} is closed")
         self._recovered = []
+        lost = None                          # (StateLost, ms the failed attempt ran) to recover first
         for attempt in range(MAX_RECOVERIES + 1):
             t0 = time.perf_counter()
             try:
+                if lost is not None:
+                    self._recover(*lost)
                 return self._step(batch, phase)
-            except StateLost as e:
+            except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
-                self._recover(e, (time.perf_counter() - t0) * 1e3)
+                lost = (e, (time.perf_counter() - t0) * 1e3)
 
     def _step(self, batch, phase: str) -> torch.Tensor:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
