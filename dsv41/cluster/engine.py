@@ -132,7 +132,8 @@ class GraphEngine(StepModel):
         """Cards whose State is missing or not the one this engine expects (waits for workers)."""
         expect = {c: (self.builds[c], self.generation) for c in self.topo.cards}
         if self.runner is None:
-            return [c for c, e in expect.items() if registry.probe(self.id).get(c) != e]
+            found = registry.probe(self.id)
+            return [c for c, e in expect.items() if found.get(c) != e]
         self.runner.wait_for_cards(list(self.topo.cards), self.recovery_timeout)
         found = self.runner.run_on_cards(registry.probe, self.id, on_error="return")
         return [c for c, e in expect.items()
