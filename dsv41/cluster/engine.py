@@ -237,8 +237,9 @@ class GraphEngine(StepModel):
         self.last_request_ids = new_ids
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
-                           "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3,
-                           "host_ms": self._host_ms, "graph_reused": self._reused}
+                           "dask_tasks": plan.dask_tasks + len(graph.literals),
+                           "wall_ms": (time.perf_counter() - t0) * 1e3, "host_ms": self._host_ms,
+                           "graph_reused": self._reused}
         if self._recovered:
             self.last_stats["recovered"] = list(self._recovered)
         if self.backend != "torch":
