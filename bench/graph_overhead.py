@@ -8,11 +8,17 @@ Reports (median decode-step wall time over --steps steps after a prefill):
 - nodes, submissions and dask tasks per decode step for a multi-card layout, with and without
   submissions, and each executor's overhead per extra dask task (node granularity vs submissions;
   distributed node granularity is timed on one step);
-- distributed step time over threaded for the same layout.
+- distributed step time over threaded for the same layout, and scheduler messages per distributed
+  decode step (counted by the scheduler's own handlers: client requests and stream messages);
+- the multi-card sync step over the reference step (same math split over the cards);
+- host time building, validating and planning a repeated decode shape (reused graph) over the step,
+  and a FLASH decode graph (TP4/DP2/EP8, 32 requests per group) built, validated and planned.
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import statistics
 import time
@@ -20,20 +26,77 @@ import time
 import torch
 
 from dsv41.cluster.engine import GraphEngine
-from dsv41.config import PRESETS, Topology
+from dsv41.cluster.plan import make_plan
+from dsv41.config import FLASH, PRESETS, Topology
+from dsv41.graph.build import build
 from dsv41.ops.reference import ReferenceModel
+from dsv41.telemetry.plan import step_inputs
 
 
 def decode_ms(engine, prompts, steps: int) -> tuple[float, dict]:
+    """Median decode step; stats of the last step plus the median host_ms and scheduler messages."""
     logits = engine.prefill(prompts)
     rids = list(engine.last_request_ids)
-    times = []
+    times, host, messages = [], [], []
+    runner = getattr(engine, "runner", None)
+    if runner is not None:
+        runner.client.run_on_scheduler(_count_messages)
     for _ in range(steps):
         toks = torch.argmax(logits, -1).tolist()
+        before = runner.client.run_on_scheduler(_messages) if runner is not None else None
         t0 = time.perf_counter()
         logits = engine.decode(toks, rids)
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), dict(getattr(engine, "last_stats", {}))
+        if runner is not None:   # minus the one request that read the counters
+            after = runner.client.run_on_scheduler(_messages)
+            after["run_function"] -= 1
+            messages.append({op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)})
+        host.append(getattr(engine, "last_stats", {}).get("host_ms", 0.0))
+    stats = dict(getattr(engine, "last_stats", {}))
+    stats.update(host_ms=statistics.median(host), scheduler_messages=messages[-1] if messages else None)
+    return statistics.median(times), stats
+
+
+def _count_messages(dask_scheduler):
+    """Count, by op, every request and every client stream message the scheduler handles (wrapping its
+    own handler tables; worker heartbeats and worker stream messages are left out)."""
+    if getattr(dask_scheduler, "dsv41_ops", None) is not None:
+        return
+    ops = dask_scheduler.dsv41_ops = {}
+
+    def counted(op, fn, stream):
+        def count(kwargs):
+            if not stream or "client" in kwargs:
+                ops[op] = ops.get(op, 0) + 1
+
+        @functools.wraps(fn)   # distributed reads the handler's signature
+        def handler(*args, **kwargs):
+            count(kwargs)
+            return fn(*args, **kwargs)
+
+        @functools.wraps(fn)   # and awaits coroutine handlers only if they look like one
+        async def async_handler(*args, **kwargs):
+            count(kwargs)
+            return await fn(*args, **kwargs)
+        return async_handler if inspect.iscoroutinefunction(fn) else handler
+    for op in list(dask_scheduler.handlers):
+        if op != "heartbeat_worker":
+            dask_scheduler.handlers[op] = counted(op, dask_scheduler.handlers[op], False)
+    for op in list(dask_scheduler.stream_handlers):
+        dask_scheduler.stream_handlers[op] = counted(op, dask_scheduler.stream_handlers[op], True)
+
+
+def _messages(dask_scheduler) -> dict:
+    return dict(dask_scheduler.dsv41_ops)
+
+
+def flash_plan_s() -> float:
+    """FLASH decode graph, TP4/DP2/EP8, 32 one-row requests per group at 1024 tokens: build+validate+plan."""
+    topo = Topology(4, 2, 8)
+    steps = {g: step_inputs(FLASH, topo.tp, 32, 1, 1024, "decode") for g in range(topo.dp)}
+    t0 = time.perf_counter()
+    make_plan(build(FLASH, topo, steps, phase="decode"), topo, outputs=[f"final/argmax@g{g}" for g in steps])
+    return time.perf_counter() - t0
 
 
 def main():
@@ -75,10 +138,15 @@ def main():
         layout.update(nodes=sub["nodes"], dask_tasks_submission=sub["dask_tasks"], dask_tasks_node=node["dask_tasks"],
                       tasks_over_nodes=sub["dask_tasks"] / sub["nodes"])
         layout[ex] = {"submission_ms": sub_ms, "node_ms": node_ms,
-                      "overhead_us_per_task": (node_ms - sub_ms) * 1e3 / (node["dask_tasks"] - sub["dask_tasks"])}
+                      "overhead_us_per_task": (node_ms - sub_ms) * 1e3 / (node["dask_tasks"] - sub["dask_tasks"]),
+                      "host_ms_repeated_shape": sub["host_ms"], "host_over_step": sub["host_ms"] / sub_ms}
+        if sub["scheduler_messages"] is not None:
+            layout[ex]["scheduler_messages_last_step"] = sub["scheduler_messages"]
+    layout["sync_over_reference"] = layout["sync"]["submission_ms"] / ref_ms
     if "distributed" in layout:
         layout["distributed_over_threads"] = layout["distributed"]["submission_ms"] / layout["threads"]["submission_ms"]
     out[f"tp{topo.tp}dp{topo.dp}ep{topo.ep}"] = layout
+    out["flash_tp4dp2ep8_decode_plan_s"] = flash_plan_s()
     print(json.dumps(out, indent=1))
 
 

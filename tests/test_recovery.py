@@ -223,34 +223,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class ExternalCluster:
+    """``dask scheduler`` and named workers on fixed ports (a killed worker comes back at the same
+    address, with empty memory), each started with subprocess and stopped by PID."""
+
+    def __init__(self):
+        self.env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        port = _free_port()
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.ports = {name: (_free_port(), _free_port()) for name in ("0", "1")}
+        self.procs = {"scheduler": subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
+             "--dashboard-address", ":0"], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)}
+
+    def start_worker(self, name: str):
+        worker, nanny = self.ports[name]
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--name", name, "--nthreads", "1",
+             "--worker-port", str(worker), "--nanny-port", str(nanny), "--no-dashboard"],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self, name: str):
+        p = self.procs.pop(name)
+        p.terminate()
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 @pytest.fixture(scope="module")
 def external_cluster():
-    """``dask scheduler`` and two named workers on fixed ports (a killed worker comes back at the same
-    address, with empty memory), stopped by PID."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", str(port), "--dashboard-address", ":0"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    cluster = ExternalCluster()
     try:
         for name in ("0", "1"):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "distributed.cli.dask_worker", address, "--name", name, "--nthreads", "1",
-                 "--worker-port", str(_free_port()), "--nanny-port", str(_free_port()), "--no-dashboard"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            cluster.start_worker(name)
         from distributed import Client
-        with Client(address, timeout=60) as client:
+        with Client(cluster.address, timeout=60) as client:
             client.wait_for_workers(2, timeout=120)
-        yield address
+        yield cluster
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for name in [n for n in cluster.procs if n != "scheduler"] + ["scheduler"]:
+            cluster.stop(name)
 
 
 @pytest.mark.timeout(300)
@@ -260,7 +275,7 @@ def test_two_concurrent_cli_runs_on_one_scheduler_give_local_results(external_cl
     runs = []
     for _ in range(2):
         runs.append(subprocess.Popen([sys.executable, "-m", "dsv41.run", "--executor", "distributed", "--address",
-                                      external_cluster, *args], env=env, stdout=subprocess.PIPE,
+                                      external_cluster.address, *args], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True))
         time.sleep(2)
     try:
@@ -277,4 +292,24 @@ def test_two_concurrent_cli_runs_on_one_scheduler_give_local_results(external_cl
 
 @pytest.mark.timeout(300)
 def test_worker_killed_on_fixed_port_cluster_is_recovered(external_cluster):
-    _recovers_between_and_mid_step(external_cluster, same_address=True)
+    _recovers_between_and_mid_step(external_cluster.address, same_address=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_card_without_worker_fails_clearly_and_recovers_once_one_is_back(external_cluster):
+    from dsv41.cluster.executors import CardUnavailable
+    engine = engine_for(Topology(2, 1, 2), executor="distributed", address=external_cluster.address,
+                        recovery_timeout=2)
+    try:
+        logits, _ = next_tokens(engine)
+        tables = host_tables(engine)
+        external_cluster.stop("1")                        # worker and nanny gone
+        with pytest.raises(CardUnavailable, match=r"card\(s\) \[1\]: no worker named 1"):
+            next_tokens(engine, logits)
+        assert host_tables(engine) == tables and engine.generation == 1
+        external_cluster.start_worker("1")
+        engine.runner.client.wait_for_workers(2, timeout=120)
+        _, t1 = next_tokens(engine, logits)
+        assert t1 == reference_tokens(0, 1)[1] and engine.last_stats["recovered"][0]["lost_cards"] == [1]
+    finally:
+        engine.close()

@@ -125,7 +125,10 @@ class GraphEngine(StepModel):
         if self.runner is None:
             _install_here(*args, cards=cards)
         else:
-            self.runner.run_on_cards(_install_on_worker, *args, cards=cards)
+            try:
+                self.runner.run_on_cards(_install_on_worker, *args, cards=cards)
+            except OSError as e:             # the worker went away again
+                raise StateLost(cards, f"worker unreachable while installing State: {e}") from e
             if self.trace is not None:
                 self.trace.attach(cards)
         self.builds.update(dict.fromkeys(cards, build_id))
@@ -145,7 +148,8 @@ class GraphEngine(StepModel):
         """Cards whose State is missing or not the one this engine expects (waits for workers)."""
         expect = {c: (self.builds[c], self.generation) for c in self.topo.cards}
         if self.runner is None:
-            return [c for c, e in expect.items() if registry.probe(self.id).get(c) != e]
+            found = registry.probe(self.id)
+            return [c for c, e in expect.items() if found.get(c) != e]
         self.runner.wait_for_cards(list(self.topo.cards), self.recovery_timeout)
         found = self.runner.run_on_cards(registry.probe, self.id, on_error="return")
         return [c for c, e in expect.items()
@@ -208,14 +212,17 @@ class GraphEngine(StepModel):
         if not self._finalizer.alive:
             raise RuntimeError(f"engine {self.id} is closed")
         self._recovered = []
+        lost = None                          # (StateLost, ms the failed attempt ran) to recover first
         for attempt in range(MAX_RECOVERIES + 1):
             t0 = time.perf_counter()
             try:
+                if lost is not None:
+                    self._recover(*lost)
                 return self._step(batch, phase)
-            except StateLost as e:
+            except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
-                self._recover(e, (time.perf_counter() - t0) * 1e3)
+                lost = (e, (time.perf_counter() - t0) * 1e3)
 
     def _step(self, batch, phase: str) -> torch.Tensor:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
@@ -246,8 +253,9 @@ class GraphEngine(StepModel):
         self.last_request_ids = new_ids
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
-                           "dask_tasks": plan.dask_tasks + len(graph.literals), "wall_ms": (time.perf_counter() - t0) * 1e3,
-                           "cards": self.cards, "host_ms": self._host_ms, "graph_reused": self._reused}
+                           "dask_tasks": plan.dask_tasks + len(graph.literals),
+                           "wall_ms": (time.perf_counter() - t0) * 1e3, "cards": self.cards,
+                           "host_ms": self._host_ms, "graph_reused": self._reused}
         if self._recovered:
             self.last_stats["recovered"] = list(self._recovered)
         if self.backend != "torch":
