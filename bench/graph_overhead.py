@@ -34,7 +34,8 @@ from dsv41.telemetry.plan import step_inputs
 
 
 def decode_ms(engine, prompts, steps: int) -> tuple[float, dict]:
-    """Median decode step; stats of the last step plus the median host_ms and scheduler messages."""
+    """Median decode step; stats of the last step, the median host_ms of steps that reused their graph
+    and the scheduler messages of the last step."""
     logits = engine.prefill(prompts)
     rids = list(engine.last_request_ids)
     times, host, messages = [], [], []
@@ -51,9 +52,11 @@ def decode_ms(engine, prompts, steps: int) -> tuple[float, dict]:
             after = runner.client.run_on_scheduler(_messages)
             after["run_function"] -= 1
             messages.append({op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)})
-        host.append(getattr(engine, "last_stats", {}).get("host_ms", 0.0))
+        if getattr(engine, "last_stats", {}).get("graph_reused"):
+            host.append(engine.last_stats["host_ms"])
     stats = dict(getattr(engine, "last_stats", {}))
-    stats.update(host_ms=statistics.median(host), scheduler_messages=messages[-1] if messages else None)
+    stats.update(host_ms=statistics.median(host) if host else None,
+                 scheduler_messages=messages[-1] if messages else None)
     return statistics.median(times), stats
 
 
@@ -104,7 +107,7 @@ def main():
     p.add_argument("--config", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="decode steps; the first builds the decode graph")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--no-distributed", action="store_true")
@@ -139,7 +142,8 @@ def main():
                       tasks_over_nodes=sub["dask_tasks"] / sub["nodes"])
         layout[ex] = {"submission_ms": sub_ms, "node_ms": node_ms,
                       "overhead_us_per_task": (node_ms - sub_ms) * 1e3 / (node["dask_tasks"] - sub["dask_tasks"]),
-                      "host_ms_repeated_shape": sub["host_ms"], "host_over_step": sub["host_ms"] / sub_ms}
+                      "host_ms_repeated_shape": sub["host_ms"],
+                      "host_over_step": None if sub["host_ms"] is None else sub["host_ms"] / sub_ms}
         if sub["scheduler_messages"] is not None:
             layout[ex]["scheduler_messages_last_step"] = sub["scheduler_messages"]
     layout["sync_over_reference"] = layout["sync"]["submission_ms"] / ref_ms
