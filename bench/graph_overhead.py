@@ -30,7 +30,7 @@ from dsv41.cluster.plan import make_plan
 from dsv41.config import FLASH, PRESETS, Topology
 from dsv41.graph.build import build
 from dsv41.ops.reference import ReferenceModel
-from dsv41.telemetry.plan import step_inputs
+from dsv41.plan.step import step_inputs
 
 
 def decode_ms(engine, prompts, steps: int) -> tuple[float, dict]:

@@ -175,6 +175,6 @@ def main(conn, mode: str, root: str) -> None:
             return  # a failed call leaves pypto's global scope open ("function nested is not allowed")
 
 
-if __name__ == "__main__":  # started by pypto_sim.PyptoWorker: argv = fd mode root
+if __name__ == "__main__":  # started by sim.PyptoWorker: argv = fd mode root
     from multiprocessing.connection import Connection
     main(Connection(int(sys.argv[1])), sys.argv[2], sys.argv[3])
