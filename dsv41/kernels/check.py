@@ -23,9 +23,8 @@ import torch
 
 from dsv41.kernels.ties import tie_mismatch_rows
 from dsv41.kernels.torch_backend import KERNELS
+from dsv41.ops import moe
 from dsv41.ops.lm_head import select_rows
-from dsv41.ops.pointwise import softplus
-from dsv41.ops.projections import matmul_t
 
 EFFECTS = ("attn.publish", "cache.commit")   # write caches: running them again would stage twice
 RMS_BOUND, MAX_BOUND = 0.01, 0.05
@@ -113,7 +112,8 @@ def compare_node(st, node, actual, golden) -> Verdict:
         return compare(actual, golden)
     x, idx, w = golden
     v = compare(actual[0], x)
-    biased = router_scores(st, node, x) + st.weights[f"layers.{node.layer}.ffn.gate.bias"].float()
+    f = f"layers.{node.layer}.ffn.gate."
+    biased = moe.router_scores(x, st.weights[f + "weight"]) + st.weights[f + "bias"].float()
     bad = tie_mismatch_rows(actual[1], idx, biased)
     if bad:
         v.merge(Verdict(False, False, why=f"rows {bad[:4]} choose other experts beyond ties"), "[1]")
@@ -124,20 +124,6 @@ def compare_node(st, node, actual, golden) -> Verdict:
 
 
 # ---- pypto values for nodes that have a node-level pypto form -----------------------------------------
-
-def router_scores(st, node, x):
-    """The scoring line of ops.moe.route (the part pypto's router kernel computes)."""
-    return torch.sqrt(softplus(matmul_t(x, st.weights[f"layers.{node.layer}.ffn.gate.weight"])))
-
-
-def _route_from_scores(st, node, x, scores):
-    """ops.moe.route's selection and weights applied to given scores."""
-    cfg = st.cfg
-    biased = scores + st.weights[f"layers.{node.layer}.ffn.gate.bias"].float()
-    idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :cfg.num_experts_per_tok]
-    picked = torch.gather(scores, 1, idx)
-    return x, idx, cfg.routed_scaling_factor * picked / (picked.sum(-1, keepdim=True) + 1e-20)
-
 
 def _norm(st, node, x):
     return "norm.rms", {"x": x, "w": st.weights[node.attrs["weight"]]}, {"eps": st.cfg.rms_norm_eps}, {}, \
@@ -158,7 +144,8 @@ def _post(st, node, sub, x, mixes):
 def _gate(st, node, normed):
     x = normed[node.attrs["rows"]]
     return "moe.gate", {"x": x, "w": st.weights[f"layers.{node.layer}.ffn.gate.weight"]}, {}, {}, \
-        lambda o: _route_from_scores(st, node, x, o["scores"].float())
+        lambda o: (x, *moe.pick_experts(o["scores"].float(), st.weights[f"layers.{node.layer}.ffn.gate.bias"],
+                                         st.cfg.num_experts_per_tok, st.cfg.routed_scaling_factor))
 
 
 def _head(st, node, hidden, step):

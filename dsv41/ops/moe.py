@@ -19,7 +19,16 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int,
     Scores s = sqrt(softplus(x W^T)) in FP32; the bias only selects; weights come from s.
     Ties in the biased score go to the smaller expert id (stable sort).
     """
-    s = torch.sqrt(softplus(matmul_t(x, gate_w)))
+    return pick_experts(router_scores(x, gate_w), bias, top_k, scaling)
+
+
+def router_scores(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
+    """s = sqrt(softplus(x W^T)) in FP32 [T, E] (the part pypto's router kernel computes)."""
+    return torch.sqrt(softplus(matmul_t(x, gate_w)))
+
+
+def pick_experts(s: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """``route``'s selection and weights from given scores s [T, E]."""
     biased = s + bias.float()
     idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
     picked = torch.gather(s, 1, idx)
