@@ -30,7 +30,7 @@ def replay(path: str, rerun: bool = False) -> tuple[dict, check.Verdict]:
     node, args = saved["node"], saved["args"]
     actual = saved["actual"]
     if rerun:
-        mode = {"pypto-sim": "verify", "pypto-npu": "npu"}.get(saved["backend"])
+        mode = check.VALUE_MODES.get(saved["backend"])
         actual = (check.pypto_value(mode, st, node, args) if saved["source"] == "pypto"
                   else KERNELS[node.kernel](st, node, *args))
     golden = KERNELS[node.kernel](st, node, *args)

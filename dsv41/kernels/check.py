@@ -28,6 +28,8 @@ from dsv41.ops.lm_head import select_rows
 
 EFFECTS = ("attn.publish", "cache.commit")   # write caches: running them again would stage twice
 RMS_BOUND, MAX_BOUND = 0.01, 0.05
+# the pypto worker mode whose values stand for a backend's (its timing mode: pypto.sim.BACKEND_MODES)
+VALUE_MODES = {"pypto-sim": "verify", "pypto-npu": "npu"}
 
 
 # ---- comparing values -------------------------------------------------------------------------------
@@ -217,7 +219,7 @@ class NodeCheck:
 
     @property
     def pypto_mode(self) -> str | None:
-        return {"pypto-sim": "verify", "pypto-npu": "npu"}.get(self.backend)
+        return VALUE_MODES.get(self.backend)
 
     def __call__(self, st, node, args, value):
         if node.kernel in EFFECTS:
