@@ -1,7 +1,7 @@
 """``pypto.frontend.jit`` kernel factories, one per kernel spec; imported only inside pypto workers.
 
 Each factory takes normalized (shapes, dtypes, run_mode) and returns a jit function whose positional
-arguments follow ``pypto_specs`` layouts (outputs last, written with ``y[:] =`` or ``assemble``).
+arguments follow ``specs`` layouts (outputs last, written with ``y[:] =`` or ``assemble``).
 Shapes are closure constants that pypto resolves when it parses the body. No `from __future__ import
 annotations` here: the jit reads the annotations as objects to tell tensor from scalar parameters.
 Tile choices follow the measurements in shared/notes/pypto-on-cpu.md.
@@ -93,7 +93,7 @@ def rope_rows(s, d, run_mode):
 def rope_apply(s, d, run_mode):
     """Adjacent-pair rotation of the last 2*half channels of each [T*H, dim] row: y = x*C + swap(x)*S.
 
-    C and S are gathered per row from cos/sin [T, half] with the index tables of pypto_specs._rope_consts.
+    C and S are gathered per row from cos/sin [T, half] with the index tables of specs._rope_consts.
     """
     T, H, DIM, HALF = s["T"], s["H"], s["dim"], s["half"]
     NR, W, NOPE, ACT = T * H, 2 * HALF, DIM - 2 * HALF, DT[d["act"]]

@@ -323,7 +323,7 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
 
 @functools.lru_cache(maxsize=None)
 def kernel_digest(factory: str) -> str:
-    """Hash of one factory's code plus pypto_kernels.py's shared code (helpers, tile constants) and
+    """Hash of one factory's code plus kernels.py's shared code (helpers, tile constants) and
     the pypto version; comments and docstrings ignored.
 
     Read with ast, not imported (import pypto costs 3 s). A retiled kernel gets new cache keys; a
