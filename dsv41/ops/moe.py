@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.ops.pointwise import silu, softplus
-from dsv41.ops.projections import matmul_t, mx_linear
+from dsv41.ops.projections import matmul_t
 from dsv41.ops.quant import mxfp8_qdq, round_bf16
 
 
@@ -38,30 +38,27 @@ def pick_experts(s: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
 
 def expert(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU expert on BF16 rows -> BF16 output [T, D]; weight [T] (routed) scales h before w2."""
-    xq = mxfp8_qdq(round_bf16(x))   # mx_linear's input quantization, shared by w1 and w3
-    g = round_bf16(matmul_t(xq, w1)).clamp(max=limit)
-    u = round_bf16(matmul_t(xq, w3)).clamp(-limit, limit)
-    h = silu(g) * u
-    if weight is not None:
-        h = h * weight.unsqueeze(-1)
-    return round_bf16(mx_linear(round_bf16(h), w2))
+    ws = {"w1": w1, "w2": w2, "w3": w3}
+    return experts_grouped(x, weight, [None], [x.shape[0]], lambda _, name: ws[name], limit)
 
 
-def experts_grouped(x: torch.Tensor, weight: torch.Tensor, expert_ids: list[int], counts: list[int],
+def experts_grouped(x: torch.Tensor, weight: torch.Tensor | None, expert_ids: list, counts: list[int],
                     linear, limit: float) -> torch.Tensor:
     """``expert`` for rows grouped by expert, in one pass: rows [sum(counts), D] BF16 with routing
-    weights [n], consecutive ``counts[i]`` rows going to ``expert_ids[i]``; ``linear(e, name)`` gives
-    expert e's dequantized w1/w2/w3 when it is used. -> BF16 [n, D] in row order.
+    weights [n] (None: unweighted), consecutive ``counts[i]`` rows going to ``expert_ids[i]``;
+    ``linear(e, name)`` gives expert e's dequantized w1/w2/w3 when it is used. -> BF16 [n, D] in row order.
 
     The activation quantizations, the clamp/SwiGLU/weighting and the roundings act per row or per
     element, so they run once over every group's rows; only the matmuls go expert by expert. Each
-    row's bits are those ``expert`` gives it alone (matmul_t is independent of the row count).
+    row's bits are those its expert gives it alone (matmul_t is independent of the row count).
     """
     xq = mxfp8_qdq(round_bf16(x)).split(counts)
     g = torch.cat([matmul_t(a, linear(e, "w1")) for e, a in zip(expert_ids, xq)])
     u = torch.cat([matmul_t(a, linear(e, "w3")) for e, a in zip(expert_ids, xq)])
     h = silu(round_bf16(g).clamp(max=limit)) * round_bf16(u).clamp(-limit, limit)
-    hq = mxfp8_qdq(round_bf16(h * weight.unsqueeze(-1))).split(counts)
+    if weight is not None:
+        h = h * weight.unsqueeze(-1)
+    hq = mxfp8_qdq(round_bf16(h)).split(counts)
     return round_bf16(torch.cat([matmul_t(a, linear(e, "w2")) for e, a in zip(expert_ids, hq)]))
 
 
