@@ -12,8 +12,8 @@ import torch
 
 from dsv41.config import FULL, ModelConfig
 from dsv41.ops.engram import engram_table_rows
-from dsv41.ops.quant import (block_mxfp8_decode64, block_mxfp8_encode, e4m3_decode, e8m0_decode,
-                             expert_mxfp4_decode64, expert_mxfp4_encode, mxfp8_encode)
+from dsv41.ops.quant import (block_mxfp8_decode64, block_mxfp8_encode, expert_mxfp4_decode64, expert_mxfp4_encode,
+                             mxfp8_decode, mxfp8_encode)
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -146,10 +146,7 @@ def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tens
     if scale is None:
         v = t.float()
     elif key.endswith("engram.embed"):
-        codes = _codes(scale)
-        groups = codes.shape[1]
-        v = e4m3_decode(t).reshape(t.shape[0], groups, t.shape[1] // groups)
-        return (v * e8m0_decode(codes).unsqueeze(-1)).reshape(t.shape)
+        return mxfp8_decode(t, _codes(scale), t.shape[1] // scale.shape[1])
     elif t.dtype == torch.int8:
         v = expert_mxfp4_decode64(t, _codes(scale))
     else:
