@@ -164,7 +164,7 @@ def _rope_rows(st, node, step):
 
 
 # node kernel -> (state, node, *args) -> (pypto kernel, inputs, extra shapes, dtypes, outputs -> node value)
-PYPTO_FORMS = {"norm.rms": _norm, "norm.final": _norm, "hc.pre": _pre, "hc.head": lambda st, n, x, m: _pre(st, n, x, m),
+PYPTO_FORMS = {"norm.rms": _norm, "norm.final": _norm, "hc.pre": _pre, "hc.head": _pre,
                "hc.post": _post, "moe.gate": _gate, "lm_head.shard": _head, "rope.rows": _rope_rows}
 # pypto kernels with no node-level form: MX (FP8/FP4) linears are simulated as BF16 matmuls (pypto 0.2.0
 # has no FP8 matmul), and the attention leaf is a chain of per-tile kernels

@@ -214,8 +214,9 @@ def moe_experts(st, node, *dispatches):
     if not eids.numel():
         return out
     # rows sorted by (expert, source), stably: one group per expert, a run per source inside it
-    order = torch.argsort(eids * len(sources) + src, stable=True)
-    runs, run_counts = torch.unique_consecutive((eids * len(sources) + src)[order], return_counts=True)
+    run_key = eids * len(sources) + src
+    order = torch.argsort(run_key, stable=True)
+    runs, run_counts = torch.unique_consecutive(run_key[order], return_counts=True)
     experts, counts = torch.unique_consecutive(eids[order], return_counts=True)
     y = experts_grouped(x[order], w[order], experts.tolist(), counts.tolist(),
                         lambda e, name: st.weights[f"{p}{e}.{name}"], cfg.swiglu_limit)
