@@ -289,11 +289,12 @@ def _backend(a, cfg):
 
 
 def _dashboard(a, cfg):
-    if a.dashboard and a.hold is None and not (sys.stdin is not None and not sys.stdin.closed and _isatty(sys.stdin)):
+    if a.dashboard and a.hold is None and not (sys.stdin is not None and not sys.stdin.closed and isatty(sys.stdin)):
         return "waits for Enter after the run, but stdin is not a terminal; add --hold SECONDS"
 
 
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
+    """The stream's isatty(); False where it cannot answer (None, closed, a stand-in without a file)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError, OSError):
