@@ -297,10 +297,8 @@ def _refuse(e: ValueError) -> int:
 def _describe(stats: dict) -> str:
     if not stats:
         return ""
-    if "device_sim_us" in stats:
-        return (f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']} "
-                f"device_sim={stats['device_sim_us']:.1f} us")
-    return f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']}"
+    line = f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']}"
+    return line + (f" device_sim={stats['device_sim_us']:.1f} us" if "device_sim_us" in stats else "")
 
 
 if __name__ == "__main__":
