@@ -27,7 +27,7 @@ def add_arguments(p):
     g.add_argument("--device-profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
                    help="--plan or traced runs: the device whose cited constants time the plan and traced nodes "
                         "(dsv41/plan/profiles.py; default: %(default)s)")
-    g.add_argument("--dispatch", choices=DISPATCH, default=None,
+    g.add_argument("--dispatch", choices=DISPATCH, default="graph",
                    help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
 
 
