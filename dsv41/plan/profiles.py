@@ -135,8 +135,8 @@ _A5 = {
 _UB_A5 = Link(2.0 * T, 0.6, 2.0)
 
 
-def _profile(name, description, hbm, bw, rates, intra, inter, per_node, sources, efficiency=None) -> DeviceProfile:
-    return DeviceProfile(name, description, hbm, bw, rates, efficiency or _EFFICIENCY, intra, inter, per_node,
+def _profile(name, description, hbm, bw, rates, intra, inter, per_node, sources) -> DeviceProfile:
+    return DeviceProfile(name, description, hbm, bw, rates, _EFFICIENCY, intra, inter, per_node,
                          launch_us=2.0, host_launch_us=5.0, graph_launch_us=20.0, host_step_us=100.0,
                          sources=sources)
 
