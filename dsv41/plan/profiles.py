@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 T, P, G = 1e12, 1e15, 1e9
-KERNEL_CLASSES = ("matmul", "gather", "vector")
 CONSTANTS = ("hbm_bytes", "hbm_bytes_per_s", "flops_per_s", "efficiency", "intra", "inter", "cards_per_node",
              "launch_us", "host_launch_us", "graph_launch_us", "host_step_us")
 
