@@ -20,7 +20,7 @@ from dsv41.checkpoint.text import TextStream
 from dsv41.cli import args as rules
 from dsv41.cli.progress import Progress
 from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
-from dsv41.config import PRESETS, Topology
+from dsv41.config import PRESETS
 from dsv41.kernels.device_time import BACKENDS
 from dsv41.plan import cli as plan_cli
 from dsv41.telemetry import cli as telemetry
@@ -167,7 +167,7 @@ def run(args) -> int:
         except CheckpointError as e:
             return _refuse(e)
     cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
-    topo = Topology(1, 1, 1) if args.executor == "reference" else Topology(args.tp, args.dp, args.ep)
+    topo = rules.topology(args)
     progress = Progress(args.json)
     say = progress.say
     if args.plan:
@@ -297,10 +297,8 @@ def _refuse(e: ValueError) -> int:
 def _describe(stats: dict) -> str:
     if not stats:
         return ""
-    if "device_sim_us" in stats:
-        return (f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']} "
-                f"device_sim={stats['device_sim_us']:.1f} us")
-    return f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']}"
+    line = f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']}"
+    return line + (f" device_sim={stats['device_sim_us']:.1f} us" if "device_sim_us" in stats else "")
 
 
 if __name__ == "__main__":

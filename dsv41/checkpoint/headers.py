@@ -68,13 +68,13 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 
 def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
-    """Tensor name -> shard file of every tensor served, after checking them all."""
+    """Tensor name -> shard file of every tensor served, in layout order, after checking them all."""
     weight_map = read_index(folder)
     specs = checkpoint_specs(cfg)
     for name in specs:
         if name not in weight_map:
             fail(INDEX, name, "listed (the config implies it)", "missing")
-    served = {n: f for n, f in weight_map.items() if n in specs}
+    served = {n: weight_map[n] for n in specs}
     for name in weight_map:
         if name not in specs and not out_of_scope(name, cfg):
             fail(weight_map[name], name, "no such tensor (the config does not imply it)", "an unexpected tensor")

@@ -21,7 +21,6 @@ from dsv41.checkpoint.headers import check_headers, fail
 from dsv41.checkpoint.text import TextCodec
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
-from dsv41.weights import checkpoint_specs
 
 
 def _bad_values(t: torch.Tensor) -> tuple[torch.Tensor, str] | None:
@@ -87,7 +86,6 @@ def open_checkpoint(path) -> Checkpoint:
     path = Path(path)
     cfg = read_config(path)
     files = check_headers(path, cfg)
-    files = {name: files[name] for name in checkpoint_specs(cfg)}   # layout order
     codec = TextCodec.load(path)
     try:
         token_map, compressed = build_token_map(codec.tokenizer, cfg.vocab_size, cfg.engram_pad_token_id)

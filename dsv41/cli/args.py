@@ -22,6 +22,8 @@ import shutil
 import sys
 from typing import Callable
 
+from dsv41.config import Topology
+
 PLAN, REFERENCE = "plan", "reference"
 EXECUTOR_ORDER = ("reference", "sync", "threads", "distributed")
 GRAPH = frozenset(("sync", "threads", "distributed"))
@@ -120,6 +122,11 @@ def check_modes(a, given: set[str], applies: dict) -> None:
 
 
 # ---- values ------------------------------------------------------------------------------------------
+
+def topology(a) -> Topology:
+    """The cards of the run or plan; the reference is one card holding the whole model."""
+    return Topology(1, 1, 1) if mode(a) == REFERENCE else Topology(a.tp, a.dp, a.ep)
+
 
 def groups(a) -> int:
     """DP groups the run's requests are spread over (the reference is one group)."""
@@ -289,11 +296,12 @@ def _backend(a, cfg):
 
 
 def _dashboard(a, cfg):
-    if a.dashboard and a.hold is None and not (sys.stdin is not None and not sys.stdin.closed and _isatty(sys.stdin)):
+    if a.dashboard and a.hold is None and not (sys.stdin is not None and not sys.stdin.closed and isatty(sys.stdin)):
         return "waits for Enter after the run, but stdin is not a terminal; add --hold SECONDS"
 
 
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
+    """The stream's isatty(); False where it cannot answer (None, closed, a stand-in without a file)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError, OSError):

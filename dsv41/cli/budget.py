@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import psutil
 
-from dsv41.cli.args import PLAN, REFERENCE, max_context, mode, per_group
-from dsv41.config import Topology
+from dsv41.cli.args import PLAN, REFERENCE, max_context, mode, per_group, topology
 from dsv41.plan.sizing import request_cache_bytes, weights_by_kind
 
 GB = 1e9
@@ -25,8 +24,7 @@ def cards_here(a) -> int:
 
 def card_bytes(a, cfg) -> tuple[int, int]:
     """(weights, caches) of one card; every card holds the same under the sharding policy."""
-    topo = Topology(1, 1, 1) if mode(a) == REFERENCE else Topology(a.tp, a.dp, a.ep)
-    weights = sum(weights_by_kind(cfg, topo, 0).values())
+    weights = sum(weights_by_kind(cfg, topology(a), 0).values())
     return weights, per_group(a) * sum(request_cache_bytes(cfg, max_context(a)).values())
 
 

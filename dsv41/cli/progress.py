@@ -12,12 +12,14 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
+from dsv41.cli.args import isatty
+
 PYPTO_LOGGER = "dsv41.pypto"
 
 
 class Progress:
     def __init__(self, json_mode: bool):
-        self.bars = not json_mode and _isatty(sys.stderr)
+        self.bars = not json_mode and isatty(sys.stderr)
         self.out = sys.stderr if json_mode else sys.stdout
         self._bar = None
 
@@ -97,10 +99,3 @@ class _Compilations(logging.Handler):
             bar.set_postfix_str(f"pypto-sim compiled {self.count}")
         else:
             self.progress.say(f"  pypto-sim: {record.getMessage()} ({self.count} so far)")
-
-
-def _isatty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError, OSError):
-        return False

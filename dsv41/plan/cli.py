@@ -32,7 +32,7 @@ def _parts(breakdown: dict) -> str:
 def plan_report(args, cfg, topo, say) -> dict:
     context = cfg.max_position_embeddings if args.context is None else args.context
     report, planned = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
-                               args.device_profile, args.dispatch or "graph")
+                               args.device_profile, args.dispatch)
     records, resource = record_planned(planned, cfg, topo)
     report["traces"] = write_traces(args.trace or f"plan-{cfg.name}", records, resource)
     requests = report["requests_per_dp_group"]

@@ -172,7 +172,7 @@ def _card_breakdown(keys, parts, times, release, step_end: float) -> dict[str, f
         cats = {iv[2] for iv in active}
         cat = next((c for c in _PRIORITY if c in cats), None)
         if cat is None:
-            nxt = min((iv[0] for iv in by_start[i:]), default=None)
+            nxt = by_start[i][0] if i < len(by_start) else None     # sorted: the next interval to begin
             waited_on_host = nxt is not None and any(release[k] == nxt for k in starts_at[nxt])
             cat = "host" if waited_on_host else "idle"
         out[cat] += b - a

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 T, P, G = 1e12, 1e15, 1e9
-KERNEL_CLASSES = ("matmul", "gather", "vector")
 CONSTANTS = ("hbm_bytes", "hbm_bytes_per_s", "flops_per_s", "efficiency", "intra", "inter", "cards_per_node",
              "launch_us", "host_launch_us", "graph_launch_us", "host_step_us")
 
@@ -94,8 +93,7 @@ _IB_HOP = "assumption: 5 us per step across InfiniBand (RDMA write + completion 
 
 _HOPPER = {
     "efficiency": _EFFICIENCY_SRC, "inter": f"{_CX7}; hop: {_IB_HOP}", "cards_per_node": "8 GPUs per HGX board (NVIDIA HGX H100/H200 reference design)",
-    "launch_us": _CUDA_GRAPHS, "host_launch_us": _HOST_LAUNCH, "graph_launch_us": _GRAPH_LAUNCH,
-    "host_step_us": _HOST_STEP, "intra": f"{_NVLINK4}; efficiency: {_NVLINK_EFF}; hop: {_NVLINK_HOP}"}
+    "intra": f"{_NVLINK4}; efficiency: {_NVLINK_EFF}; hop: {_NVLINK_HOP}"}
 _NVLINK = Link(450 * G, 0.77, 3.0)
 _IB = Link(50 * G, 0.9, 5.0)
 
@@ -129,16 +127,16 @@ _A5 = {
     "intra": ("2 TB/s interconnect per chip (Huawei Connect 2025, above), taken as one direction; efficiency 0.6 "
               f"as Ascend A3 ({_SGL_NPU}); hop: {_UB_HOP}"),
     "inter": "assumption: the Atlas 950 SuperPoD extends the same UB fabric across nodes, so inter = intra",
-    "cards_per_node": "assumption: 8 per node, like the A2/A3 servers",
-    "launch_us": _CUDA_GRAPHS, "host_launch_us": _HOST_LAUNCH, "graph_launch_us": _GRAPH_LAUNCH,
-    "host_step_us": _HOST_STEP}
+    "cards_per_node": "assumption: 8 per node, like the A2/A3 servers"}
 _UB_A5 = Link(2.0 * T, 0.6, 2.0)
 
 
-def _profile(name, description, hbm, bw, rates, intra, inter, per_node, sources, efficiency=None) -> DeviceProfile:
-    return DeviceProfile(name, description, hbm, bw, rates, efficiency or _EFFICIENCY, intra, inter, per_node,
+def _profile(name, description, hbm, bw, rates, intra, inter, per_node, sources) -> DeviceProfile:
+    """Launch and host costs are the same assumptions on every device, cited here once."""
+    return DeviceProfile(name, description, hbm, bw, rates, _EFFICIENCY, intra, inter, per_node,
                          launch_us=2.0, host_launch_us=5.0, graph_launch_us=20.0, host_step_us=100.0,
-                         sources=sources)
+                         sources={**sources, "launch_us": _CUDA_GRAPHS, "host_launch_us": _HOST_LAUNCH,
+                                  "graph_launch_us": _GRAPH_LAUNCH, "host_step_us": _HOST_STEP})
 
 
 PROFILES = {p.name: p for p in (
@@ -147,9 +145,7 @@ PROFILES = {p.name: p for p in (
              Link(392 * G, 0.6, 3.0, "mesh"), Link(25 * G, 0.9, 5.0), 8,
              {"hbm_bytes": _A2, "hbm_bytes_per_s": _A2, "flops_per_s": f"{_A2}; vector: {_VEC_ASCEND}",
               "efficiency": _EFFICIENCY_ASCEND, "intra": _HCCS, "inter": _ROCE_A2,
-              "cards_per_node": "Atlas 800 A2: 8 NPUs (vLLM-Ascend DeepSeek-V4-Flash tutorial: 'Atlas 800 A2 (64G x 8)')",
-              "launch_us": _CUDA_GRAPHS, "host_launch_us": _HOST_LAUNCH, "graph_launch_us": _GRAPH_LAUNCH,
-              "host_step_us": _HOST_STEP}),
+              "cards_per_node": "Atlas 800 A2: 8 NPUs (vLLM-Ascend DeepSeek-V4-Flash tutorial: 'Atlas 800 A2 (64G x 8)')"}),
     _profile("a3", "Ascend 910C die (Atlas 800 A3 / CloudMatrix384: 8 cards, 16 dies per node)", 64 * G, 1.6 * T,
              {"mx": 752 * T, "dense": 376 * T, "vector": 23.5 * T},
              Link(196 * G, 0.6, 2.0), Link(196 * G, 0.6, 2.0), 16,
@@ -157,9 +153,7 @@ PROFILES = {p.name: p for p in (
               "flops_per_s": f"{_CLOUDMATRIX}; vector: {_VEC_ASCEND}", "efficiency": _EFFICIENCY_ASCEND,
               "intra": f"{_CLOUDMATRIX}; efficiency: {_SGL_NPU}; hop: {_UB_HOP}",
               "inter": "the UB plane spans the supernode (paper above), so inter-node = intra-node",
-              "cards_per_node": "8 Ascend 910C per node (paper above), two dies each",
-              "launch_us": _CUDA_GRAPHS, "host_launch_us": _HOST_LAUNCH, "graph_launch_us": _GRAPH_LAUNCH,
-              "host_step_us": _HOST_STEP}),
+              "cards_per_node": "8 Ascend 910C per node (paper above), two dies each"}),
     _profile("a5", "Ascend 950DT (A5-class, decode/training part)", 144 * G, 4.0 * T, _A5_RATES, _UB_A5, _UB_A5, 8,
              {"hbm_bytes": _HUAWEI_CONNECT_2025, "hbm_bytes_per_s": _HUAWEI_CONNECT_2025, **_A5}),
     _profile("a5-pr", "Ascend 950PR (A5-class, prefill part)", 128 * G, 1.6 * T, _A5_RATES, _UB_A5, _UB_A5, 8,

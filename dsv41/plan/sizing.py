@@ -27,7 +27,7 @@ import torch
 
 from dsv41.kernels.signatures import nbytes
 from dsv41.ops import kv_cache
-from dsv41.weights import checkpoint_specs
+from dsv41.weights import checkpoint_specs, runtime_key
 
 WEIGHT_KINDS = ("routed_experts", "engram_tables", "fp8_linears", "dense", "embed_head")
 CACHE_KINDS = ("window", "compressed", "index", "ring")
@@ -36,11 +36,8 @@ _TP_SPLIT = (".attn.wq_b", ".attn.wo_a", ".attn.wo_b", ".attn.attn_sink")
 
 def state_key(name: str, specs: dict) -> str:
     """The runtime weight key a checkpoint tensor feeds: quantized payload and scale fold into one."""
-    if name.endswith(".scale") and not name.endswith("_scale"):
-        return name[: -len(".scale")]
-    if name.endswith(".weight") and name[: -len(".weight")] + ".scale" in specs:
-        return name[: -len(".weight")]
-    return name
+    key = runtime_key(name, specs)
+    return name[: -len(".scale")] if key is None else key
 
 
 def _kind(name: str, key: str) -> str:

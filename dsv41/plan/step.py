@@ -22,7 +22,7 @@ from dsv41.graph.build import SHARDED, build
 from dsv41.kernels.signatures import SIGNATURES, nbytes
 from dsv41.ops import metadata as md_ops
 from dsv41.serving import StepInputs
-from dsv41.plan.latency import DISPATCH, StepLatency, step_latency
+from dsv41.plan.latency import StepLatency, step_latency
 from dsv41.plan.roofline import node_us, profile, simulate
 from dsv41.plan.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
 from dsv41.telemetry.hbm import CardLedger, annotate
@@ -129,8 +129,6 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     check(cfg, requests, context, phase)
     topo.check(cfg)
     dev = profile(device)
-    if dispatch not in DISPATCH:
-        raise ValueError(f"--dispatch: must be one of {list(DISPATCH)}, got {dispatch!r}")
     rows = rows_per_request(cfg, requests, phase)
     steps = {g: step_inputs(cfg, topo.tp, requests, rows, context, phase) for g in range(topo.dp)}
     graph = build(cfg, topo, steps, wiring, phase)

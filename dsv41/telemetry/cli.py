@@ -3,8 +3,6 @@
 the command line's rules (``dsv41.cli.args``)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 from dsv41.cli.args import ALL, DIST, FILE_NAME, GRAPH_OR_PLAN, PLAN, on, traces_writable
 from dsv41.telemetry.export import TRACES, write_traces
 from dsv41.plan.latency import DISPATCH
@@ -27,7 +25,7 @@ def add_arguments(p):
     g.add_argument("--device-profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
                    help="--plan or traced runs: the device whose cited constants time the plan and traced nodes "
                         "(dsv41/plan/profiles.py; default: %(default)s)")
-    g.add_argument("--dispatch", choices=DISPATCH, default=None,
+    g.add_argument("--dispatch", choices=DISPATCH, default="graph",
                    help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
 
 
@@ -80,16 +78,15 @@ class Tracing:
         self.keep = bool(args.trace)
         self.session = TraceSession(engine, args.device_profile, self.keep) if tracing_on(args) else None
         self.report_path = str(TRACES / f"{self.name}.dask-report.html") if args.report else None
-        self.report = nullcontext()
+        self.report = None
         if self.report_path:
             from distributed import performance_report
             TRACES.mkdir(exist_ok=True)
             self.report = performance_report(filename=self.report_path)
-        self.report.__enter__()
+            self.report.__enter__()
 
     def finish(self, result: dict, say):
-        self.report.__exit__(None, None, None)
-        self.report = None
+        self._end_report()     # the report ends with the steps, before the spans are gathered
         files = {}
         if self.session is not None:
             if self.keep:
@@ -102,15 +99,17 @@ class Tracing:
         for kind, path in files.items():
             say(f"  {kind}: {path}")
 
-
     def close(self):
         """Stop tracing, also when the run failed (idempotent)."""
-        if self.report is not None:
-            self.report.__exit__(None, None, None)
-            self.report = None
+        self._end_report()
         if self.session is not None:
             self.session.close()
             self.session = None
+
+    def _end_report(self):
+        if self.report is not None:
+            self.report.__exit__(None, None, None)
+            self.report = None
 
 
 def start(args, engine):

@@ -28,7 +28,7 @@ class TraceSession:
     OTEL_* variables name one (``spans.otlp_configured``), in this process and on every worker."""
 
     def __init__(self, engine, device: str = DEFAULT_PROFILE, keep: bool = True):
-        self.engine, self.device, self.device_name, self.keep = engine, profile(device), device, keep
+        self.engine, self.device, self.keep = engine, profile(device), keep
         self.resource = resource_attributes(engine.cfg, engine.topo, engine.executor, device)
         self.recorder = SpanRecorder(self.resource, keep)
         self.records: list[dict] = []
@@ -57,7 +57,7 @@ class TraceSession:
     def attach(self, cards):
         """A tracer on the workers that now serve these cards (after a recovery replaced them)."""
         if self.engine.runner is not None:
-            self.engine.runner.run_on_cards(_install, self.engine.id, self.resource, self.device_name, self.keep,
+            self.engine.runner.run_on_cards(_install, self.engine.id, self.resource, self.device.name, self.keep,
                                             cards=cards)
 
     def collect(self) -> list[dict]:

@@ -149,16 +149,17 @@ def _export_forever(stream) -> None:
 
 
 class SpanRecorder:
-    """keep: hold finished spans for ``drain`` (files); live: also export them over OTLP/HTTP."""
+    """keep: hold finished spans for ``drain`` (files); spans also go live over OTLP/HTTP when the OTEL_*
+    variables name a collector (``otlp_configured``)."""
 
-    def __init__(self, resource: dict, keep: bool = True, live: bool | None = None):
+    def __init__(self, resource: dict, keep: bool = True):
         self.resource = dict(resource)
         self._resource = otel_resource(self.resource)
         self._provider = TracerProvider(resource=self._resource)
         self._kept = _Kept() if keep else None
         if keep:
             self._provider.add_span_processor(self._kept)
-        if otlp_configured() if live is None else live:
+        if otlp_configured():
             self._provider.add_span_processor(_LiveExport(self.resource))
         self._tracer = self._provider.get_tracer(SCOPE)
         self._meters = None
