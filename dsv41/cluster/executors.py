@@ -107,9 +107,8 @@ class DistributedRunner:
         members = {c: self.members[c] for c in used if c in self.members}
         if len(members) < len(used):
             raise StateLost(sorted(used - set(members)), "no worker serves the card")
-        name = {sub.key: sub.task_key for sub in plan.submissions.values()}
-        suffix = next(iter(name.values()))[len(next(iter(name))):]
-        name.update({k: k + suffix for k in plan.graph.literals})
+        suffix = next(iter(plan.submissions.values())).task_suffix
+        name = {k: k + suffix for k in [*plan.submissions, *plan.graph.literals]}
         tasks: dict[int, dict] = {c: {} for c in used}
         for k, (value, card) in plan.graph.literals.items():
             tasks[card][name[k]] = value
