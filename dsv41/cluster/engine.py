@@ -413,8 +413,8 @@ def _card_bytes(engine: str):
 def _install_here(cfg, topo, seed, per_group, max_context, options, source, engine, build_id, generation, backend,
                   cards):
     device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
-    registry.install(engine, build_states(cfg, topo, seed, cards, per_group, max_context, options, source, engine,
-                                          build_id, generation), device_time)
+    registry.install(engine, build_states(cfg, topo, seed, cards, per_group, max_context, options, source, build_id,
+                                          generation), device_time)
     return_freed_memory()
 
 
