@@ -6,7 +6,7 @@
 Each worker holds one card's weight shard in checkpoint formats plus its caches; the rest of its
 RSS is the Python/Torch runtime and the step's transient tensors. Prints one JSON object: per card
 the worker's RSS, the State's weights_bytes + cache_bytes, and RSS / (weights + caches); the
-runtime's own RSS is shown by an idle worker-sized process (``baseline_rss``) for scale.
+runtime's own RSS is shown by idle workers with the project imported (``idle_worker_rss``) for scale.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def main():
                    for _ in range(args.batch)]
         logits = engine.prefill(prompts)
         engine.decode(torch.argmax(logits, -1).tolist(), list(engine.last_request_ids))
-        rss = engine.runner.run_on_workers(_rss)
+        rss = engine.runner.run_on_cards(_rss)
         card_of = {addr: card for card, addr in engine.runner.address_of.items()}
     finally:
         engine.close()

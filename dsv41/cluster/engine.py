@@ -102,7 +102,6 @@ class GraphEngine(StepModel):
             self.runner = DistributedRunner(topo.ep, address, dashboard, startup)
         self._finalizer = weakref.finalize(self, _free_everywhere, self.id, self.runner)
         self._finalizer.atexit = False       # a process that exits frees its own States
-        self._recovered: list[dict] = []     # recoveries during the current step
         try:
             self._install(list(topo.cards))
         except BaseException:                # e.g. a bad checkpoint value found as a card read it
@@ -172,7 +171,6 @@ class GraphEngine(StepModel):
                   "failed_step_ms": failed_step_ms, "wait_ms": (t[1] - t[0]) * 1e3,
                   "rebuild_ms": (t[2] - t[1]) * 1e3, "replay_ms": (t[3] - t[2]) * 1e3, "ms": (t[3] - t[0]) * 1e3}
         self.recoveries.append(record)
-        self._recovered.append(record)
         log.warning("dsv41 engine %s: recovered card(s) %s (%s): rebuilt DP group(s) %s, replayed %d token(s) of "
                     "%d request(s) in %d prefill step(s), %.0f ms", self.id, lost, err.reason, groups, tokens,
                     requests, steps, record["ms"])
@@ -211,20 +209,20 @@ class GraphEngine(StepModel):
             raise ValueError("batch: must contain at least one request, got an empty batch")
         if not self._finalizer.alive:
             raise RuntimeError(f"engine {self.id} is closed")
-        self._recovered = []
+        first = len(self.recoveries)         # this step's recoveries are the records from here on
         lost = None                          # (StateLost, ms the failed attempt ran) to recover first
         for attempt in range(MAX_RECOVERIES + 1):
             t0 = time.perf_counter()
             try:
                 if lost is not None:
                     self._recover(*lost)
-                return self._step(batch, phase)
+                return self._step(batch, phase, self.recoveries[first:])
             except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
                 lost = (e, (time.perf_counter() - t0) * 1e3)
 
-    def _step(self, batch, phase: str) -> torch.Tensor:
+    def _step(self, batch, phase: str, recovered: list[dict]) -> torch.Tensor:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         placed = []                          # (group, index within the group's batch) per request
         load = [len(t.requests) for t in self.tables]
@@ -256,8 +254,8 @@ class GraphEngine(StepModel):
                            "dask_tasks": plan.dask_tasks + len(graph.literals),
                            "wall_ms": (time.perf_counter() - t0) * 1e3, "cards": self.cards,
                            "host_ms": self._host_ms, "graph_reused": self._reused}
-        if self._recovered:
-            self.last_stats["recovered"] = list(self._recovered)
+        if recovered:
+            self.last_stats["recovered"] = recovered
         if self.backend != "torch":
             self.last_stats.update(self._device_summary())
         return torch.stack([values[f"final/argmax@g{grp}"][0][idx] for grp, idx in placed])
@@ -413,8 +411,8 @@ def _card_bytes(engine: str):
 def _install_here(cfg, topo, seed, per_group, max_context, options, source, engine, build_id, generation, backend,
                   cards):
     device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
-    registry.install(engine, build_states(cfg, topo, seed, cards, per_group, max_context, options, source, engine,
-                                          build_id, generation), device_time)
+    registry.install(engine, build_states(cfg, topo, seed, cards, per_group, max_context, options, source, build_id,
+                                          generation), device_time)
     return_freed_memory()
 
 

@@ -40,7 +40,11 @@ def run_local(plan: Plan, scheduler: str) -> dict:
     dsk = to_dask(plan)
     keys = sorted({plan.owner[k] for k in plan.outputs})
     get = dask.get if scheduler == "sync" else dask.threaded.get
-    results = get(dsk, keys)
+    return _outputs(plan, get(dsk, keys))
+
+
+def _outputs(plan: Plan, results) -> dict:
+    """plan.outputs from the export dicts of the submissions that own them."""
     merged = {}
     for r in results:
         merged.update(r)
@@ -103,9 +107,8 @@ class DistributedRunner:
         members = {c: self.members[c] for c in used if c in self.members}
         if len(members) < len(used):
             raise StateLost(sorted(used - set(members)), "no worker serves the card")
-        name = {sub.key: sub.task_key for sub in plan.submissions.values()}
-        suffix = next(iter(name.values()))[len(next(iter(name))):]
-        name.update({k: k + suffix for k in plan.graph.literals})
+        suffix = next(iter(plan.submissions.values())).task_suffix
+        name = {k: k + suffix for k in [*plan.submissions, *plan.graph.literals]}
         tasks: dict[int, dict] = {c: {} for c in used}
         for k, (value, card) in plan.graph.literals.items():
             tasks[card][name[k]] = value
@@ -137,10 +140,7 @@ class DistributedRunner:
         except BaseException:
             self.client.cancel(futures)
             raise
-        merged = {}
-        for r in results:
-            merged.update(r)
-        return {k: merged[k] for k in plan.outputs}
+        return _outputs(plan, results)
 
     def run_on_cards(self, fn, *args, cards=None, on_error: str = "raise") -> dict:
         """fn(*args) on the workers serving these cards (default: all served cards); results by address."""

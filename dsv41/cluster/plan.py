@@ -7,7 +7,7 @@ submission graph is acyclic. ``granularity="node"`` keeps one submission per nod
 
 A submission's key is ``<kernel>@L<layer>@c<card>-<n>`` after its first node, so dask's
 ``key_split`` (the dashboard's task-stream and progress grouping) reads ``kernel@Llayer@ccard``. A plan
-serves every step of its shape; its dask key (``task_key``) adds the engine id and the step, unique
+serves every step of its shape; its dask keys add the engine id and the step (``task_suffix``), unique
 across steps, retries and runs sharing one scheduler.
 """
 from __future__ import annotations
@@ -29,11 +29,12 @@ class Submission:
     phase: str = ""
     engine: str = ""                                   # whose State it runs against
     expect: tuple[str, int] = ("", 0)                  # that State's (build id, generation)
+    trace: object = None                               # telemetry's liveness and parent span, when tracing
 
     @property
-    def task_key(self) -> str:
-        return f"{self.key}-{self.engine}-{self.step}" if self.engine else f"{self.key}-{self.step}"
-    trace: object = None                               # telemetry's liveness and parent span, when tracing
+    def task_suffix(self) -> str:
+        """What the step's dask keys (its submissions' and literals') add to the plan's keys."""
+        return f"-{self.engine}-{self.step}" if self.engine else f"-{self.step}"
 
 
 @dataclass

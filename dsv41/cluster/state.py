@@ -3,8 +3,8 @@
 
 Weights and caches are never graph values; kernels get their card's State from the runtime, which
 finds it in the registry under the submission's engine id (``cluster/registry.py``). A State names
-its owner (engine id), its build and how many steps it has committed (generation), so a submission
-can tell the State it expects from a stale or rebuilt one.
+its build and how many steps it has committed (generation), so a submission can tell the State it
+expects from a stale or rebuilt one.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ class CardState:
     caches: StagedTensors
     rope_tables: dict
     options: Options
-    engine: str = ""
     build: str = ""
     generation: int = 0                      # steps committed into these caches
     capacity: tuple[int, int] = (1, 1)       # (max_batch, max_context) the caches are sized for
@@ -38,16 +37,16 @@ class CardState:
 
 
 def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: int, max_context: int,
-                 options: Options = Options(), source=None, engine: str = "", build: str = "",
+                 options: Options = Options(), source=None, build: str = "",
                  generation: int = 0) -> dict[int, CardState]:
-    """States of the given cards, owned by ``engine``, each reading its own weight slices from
-    ``source`` (a checkpoint reader, or by default one deterministic draw from ``seed``)."""
+    """States of the given cards, each reading its own weight slices from ``source`` (a checkpoint
+    reader, or by default one deterministic draw from ``seed``)."""
     if cfg.vocab_size % topo.tp:
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
     source = DrawnCheckpoint(cfg, seed) if source is None else source
     tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
     return {c: CardState(cfg, topo, c, read_card(source, topo, c), _empty(cfg, max_batch, max_context),
-                         tables, options, engine, build, generation, (max_batch, max_context)) for c in cards}
+                         tables, options, build, generation, (max_batch, max_context)) for c in cards}
 
 
 def renew(st: CardState, build: str, generation: int):
