@@ -65,7 +65,6 @@ def test_resident_bytes_tiny(drawn, topo):
     _check_resident(drawn, topo)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("topo", TOPOS, ids=["tp1", "tp2dp2"])
 def test_resident_bytes_small(topo):
     _check_resident(DrawnCheckpoint(SMALL, 0), topo)
