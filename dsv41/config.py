@@ -271,6 +271,11 @@ class Topology:
     def tp_rank(self, card: int) -> int:
         return card % self.tp
 
+    def vocab_rows(self, cfg: "ModelConfig", card: int) -> range:
+        """The vocabulary rows of embed and head this card's TP rank holds (vocab-parallel)."""
+        per = cfg.vocab_size // self.tp
+        return range(self.tp_rank(card) * per, (self.tp_rank(card) + 1) * per)
+
     def dp_group(self, card: int) -> int:
         return card // self.tp
 

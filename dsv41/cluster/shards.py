@@ -86,8 +86,8 @@ def card_index(cfg: ModelConfig, topo: Topology, card: int, name: str) -> tuple 
         n = gl * cfg.o_lora_rank
         return (slice(None), slice(r * n // div, (r + 1) * n // div))
     if name in ("head.weight", "embed.weight"):
-        n = cfg.vocab_size // tp
-        return _rows(r * n, (r + 1) * n)
+        rows = topo.vocab_rows(cfg, card)
+        return _rows(rows.start, rows.stop)
     if ".engram.embed." in name:
         first, count = table_slab(cfg, int(name.split(".")[1]), topo.ep, card)
         return _rows(first, first + count)

@@ -98,9 +98,9 @@ def rope_rows(ctx, node, step):
 def embed(ctx, node, step):
     """A vocabulary shard's share of every row of the group: only the ids in the shard read a row."""
     cfg, t = ctx.cfg, step.md.num_tokens
-    per = cfg.vocab_size // ctx.topo.tp
+    rows = ctx.topo.vocab_rows(cfg, ctx.card)
     ids = step.input_ids.long().clamp(0, cfg.vocab_size - 1)
-    mine = int(((ids >= ctx.tp_rank * per) & (ids < (ctx.tp_rank + 1) * per)).sum())
+    mine = int(((ids >= rows.start) & (ids < rows.stop)).sum())
     return Cost(meta(t, cfg.hidden_size), gathered=mine * cfg.hidden_size * BF16_BYTES, act_read=0)
 
 
