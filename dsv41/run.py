@@ -129,8 +129,8 @@ def logits_sha256(logits: torch.Tensor) -> str:
 def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
     max_context = rules.max_context(args)
     if args.executor == "reference":
-        from dsv41.ops.reference import ReferenceModel
-        return ReferenceModel(cfg, seed=args.seed, max_batch=args.batch, max_context=max_context,
+        from dsv41.engine.reference import ReferenceEngine
+        return ReferenceEngine(cfg, seed=args.seed, max_batch=args.batch, max_context=max_context,
                               checkpoint=checkpoint)
     from dsv41.cluster.engine import GraphEngine
     startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
@@ -183,8 +183,7 @@ def run(args) -> int:
         say(f"  built in {time.perf_counter() - t0:.2f} s")
         return _generate(args, cfg, topo, engine, progress)
     finally:
-        if args.executor != "reference":
-            engine.close()
+        engine.close()
 
 
 def _generate(args, cfg, topo, engine, progress: Progress) -> int:
@@ -210,13 +209,13 @@ def _steps(args, cfg, topo, engine, progress: Progress, tracing) -> int:
     with progress.steps(1 + max(0, steps - 1)), progress.compilations():
         progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens")
         t0 = time.perf_counter()
-        logits = engine.prefill(prompts)
+        out = engine.prefill(prompts)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         stats.append(getattr(engine, "last_stats", {}))
         progress.done(f"  prefill   {prefill_ms:9.1f} ms  {_describe(stats[-1])}")
         rids = list(engine.last_request_ids)
         for i in range(steps):
-            nxt = dict(zip(live, torch.argmax(logits, -1).tolist()))
+            nxt = dict(zip(live, out.tokens))
             for j, t in nxt.items():
                 tokens[j].append(t)
             if stream is not None:
@@ -225,19 +224,19 @@ def _steps(args, cfg, topo, engine, progress: Progress, tracing) -> int:
                 break
             progress.start(f"decode {i + 1}/{steps - 1}")
             t0 = time.perf_counter()
-            logits = engine.decode([nxt[j] for j in live], [rids[j] for j in live])
+            out = engine.decode([nxt[j] for j in live], [rids[j] for j in live])
             step_ms.append((time.perf_counter() - t0) * 1e3)
             stats.append(getattr(engine, "last_stats", {}))
             progress.done(f"  decode {i + 1:3d} {step_ms[-1]:9.1f} ms  {_describe(stats[-1])}")
     if stream is not None:
         stream.finish(say)
     if args.graph == "prefill":
-        tokens = [[t] for t in torch.argmax(logits, -1).tolist()]
+        tokens = [[t] for t in out.tokens]
     result = {
         "graph": args.graph, "config": cfg.name, "executor": args.executor,
         "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep},
         "tokens": tokens, "step_ms": step_ms, "prefill_ms": prefill_ms,
-        "last_logits_sha256": logits_sha256(logits),
+        "last_logits_sha256": logits_sha256(out.logits),
     }
     if codec is not None:
         result["text"] = [codec.decode(t) for t in tokens]

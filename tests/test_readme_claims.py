@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv41.config import TINY
-from dsv41.ops.reference import ReferenceModel
+from dsv41.engine.reference import ReferenceEngine
 from dsv41.run import main
 
 
@@ -24,11 +24,11 @@ def test_two_slot_carry_is_the_same_math_as_the_four_slot_ring():
     prompts = [_tokens(5, 1), _tokens(4, 2)]
     runs = []
     for cap in (2, 4):
-        m = ReferenceModel(replace(TINY, state_capacity=cap), seed=0, max_batch=2, max_context=16)
-        logits = [m.prefill(prompts)]
+        m = ReferenceEngine(replace(TINY, state_capacity=cap), seed=0, max_batch=2, max_context=16)
+        logits = [m.prefill(prompts).logits]
         rids = list(m.last_request_ids)
         for _ in range(2):
-            logits.append(m.decode(torch.argmax(logits[-1], -1).tolist(), rids))
+            logits.append(m.decode(torch.argmax(logits[-1], -1).tolist(), rids).logits)
         runs.append(torch.stack(logits))
     assert torch.equal(runs[0], runs[1])
 

@@ -17,7 +17,7 @@ from dsv41.config import FLASH, TINY, Topology
 from dsv41.graph.build import REPLICATED, SHARDED
 from dsv41.kernels.signatures import SIGNATURES
 from dsv41.kernels.torch_backend import KERNELS
-from dsv41.serving import StepInputs
+from dsv41.engine.requests import StepInputs
 from dsv41.telemetry.export import write_traces
 from dsv41.telemetry.session import TraceSession
 from dsv41.telemetry.tracer import NodeTracer
@@ -57,7 +57,7 @@ def to_meta(v):
 @pytest.fixture(scope="module")
 def engine():
     e = GraphEngine(TINY, TOPO, seed=0, executor="sync", max_batch=2, max_context=24)
-    logits = e.prefill([[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]])
+    logits = e.prefill([[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]]).logits
     e.tokens = torch.argmax(logits, -1).tolist()
     yield e
     e.close()
@@ -66,7 +66,7 @@ def engine():
 def decode(e, wiring=SHARDED):
     e.wiring = wiring   # the wiring is a per-step build choice; both read and write the same caches
     try:
-        e.tokens = torch.argmax(e.decode(e.tokens, e.active), -1).tolist()
+        e.tokens = torch.argmax(e.decode(e.tokens, e.active).logits, -1).tolist()
     finally:
         e.wiring = SHARDED
 
@@ -388,7 +388,7 @@ def test_distributed_trace_dashboard_and_report(tmp_path, monkeypatch):
     try:
         tracing = cli.start(SimpleNamespace(trace="dist", report=True, device_profile="a5"), e)
         with get_task_stream(e.runner.client) as ts:
-            logits = e.prefill([[1, 2, 3]])
+            logits = e.prefill([[1, 2, 3]]).logits
             e.decode(torch.argmax(logits, -1).tolist(), e.active)
         result = {}
         tracing.finish(result, say=lambda *_: None)

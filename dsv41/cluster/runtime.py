@@ -52,12 +52,6 @@ def run_node(st, hooks, node, values: dict):
         raise NodeError(f"node {node.key} (kernel {node.kernel}, card {node.card}) failed: {e}") from e
 
 
-def run_one(states: dict, node, *input_values):
-    """One node as a plain dask task against its card's State in ``states`` (card -> State); bind
-    states with ``functools.partial`` for ``Graph.to_dask``."""
-    return run_node(states[node.card], registry.Hooks(), node, dict(zip(node.inputs, input_values)))
-
-
 def run_submission(sub, *dep_values):
     """dep_values align with sub.deps: dicts of exported values (submissions) or literal values."""
     entry, st = card_state(sub)

@@ -31,7 +31,7 @@ from dsv41.ops import kv_cache
 from dsv41.kernels.registry import registrar
 from dsv41.ops.compressor import Compressed
 from dsv41.ops.engram import table_slab
-from dsv41.serving import StepInputs
+from dsv41.engine.requests import StepInputs
 
 F32, I64 = torch.float32, torch.int64
 BF16_BYTES, F32_BYTES = 2, 4
@@ -409,7 +409,8 @@ def lm_head_argmax(ctx, node, *shards):
     b = shards[0].shape[0]
     vocab = sum(s.shape[1] for s in shards)
     remote = (len(shards) - 1) * b * shards[0].shape[1] * F32_BYTES
-    return Cost((meta(b, vocab), meta(b, dtype=I64)), link=remote, flops={"vector": b * vocab})
+    # the ids leave the card; the logits stay on it (CardState.logits) until asked for
+    return Cost(meta(b, dtype=I64), link=remote, flops={"vector": b * vocab})
 
 
 @signature("cache.commit")

@@ -1,7 +1,8 @@
 """The Torch backend: one function per kernel name, ``fn(state, node, *inputs) -> value``.
 
-Every kernel calls the ``ops`` goldens (or the reference's stage helpers), so a graph run and the
-monolithic reference share their arithmetic. Inputs arrive in ``node.inputs`` order.
+Every kernel is a stage method of the card's model blocks (``state.model``, ``dsv41.model``) over the
+card's weight shards, so a graph run and the reference engine share one definition of the arithmetic.
+Inputs arrive in ``node.inputs`` order.
 """
 from __future__ import annotations
 
@@ -9,22 +10,18 @@ import torch
 
 from dsv41.config import slab
 from dsv41.kernels.registry import registrar
-from dsv41.ops import mhc, reference as ref
-from dsv41.ops.embed import embed_shard, pack_lanes, shard_rows
-from dsv41.ops.engram import engram_apply, sum_shares
-from dsv41.ops.lm_head import greedy, logits_shard, select_rows
-from dsv41.ops.moe import combine, experts_grouped
+from dsv41.model.hyper import HyperSite
+from dsv41.ops.moe import combine
 from dsv41.ops.norm import rms_norm
-from dsv41.ops.o_proj import o_proj_partial, reduce_partials
-from dsv41.ops.projections import kv_proj, q_proj
+from dsv41.ops.o_proj import reduce_partials
 from dsv41.ops.rope import materialize_rope_rows
 
 KERNELS = {}
 kernel = registrar(KERNELS)
 
 
-def _spec(st, node):
-    return st.cfg.layers[node.layer]
+def _block(st, node):
+    return st.model.blocks[node.layer]
 
 
 @kernel("rope.rows")
@@ -41,56 +38,51 @@ def rope_rows(st, node, step):
 @kernel("embed")
 def embed(st, node, step):
     """This card's vocabulary shard's share of every row of the DP group (-0.0 outside the shard)."""
-    table = st.weights["embed.weight"]
-    return embed_shard(step.input_ids, table, table.first, st.cfg.vocab_size)
+    return st.model.embed.shard(step.input_ids)
 
 
 @kernel("hc.pack")
 def hc_pack(st, node, rows):
-    return pack_lanes(rows, st.cfg.hc_mult)
+    return st.model.embed.pack(rows)
 
 
 @kernel("engram.lookup")
 def engram_lookup(st, node, step):
     """This card's table slab's share of a DP group's looked-up rows (-0.0 outside the slab)."""
-    table = st.weights[f"layers.{node.layer}.engram.embed"]
-    return shard_rows(step.hash_ids[node.layer], table, table.first)
+    return _block(st, node).engram.lookup_share(step.hash_ids[node.layer])
 
 
 @kernel("engram")
 def engram(st, node, x, step, *shares):
-    rows, e, w = node.attrs["rows"], f"layers.{node.layer}.engram.", st.weights
-    looked_up = sum_shares([s[rows] for s in shares])
-    return engram_apply(x, looked_up, w[e + "wkv"], w[e + "q_weight"], w[e + "k_weight"], st.cfg.rms_norm_eps)
+    rows = node.attrs["rows"]
+    return _block(st, node).engram.apply(x, [s[rows] for s in shares])
 
 
 @kernel("hc.mixes")
 def hc_mixes(st, node, x):
-    return ref.mixes(st.cfg, st.weights, node.layer, node.attrs["site"], x)
+    return _block(st, node).sites[node.attrs["site"]].mixes(x)
 
 
 @kernel("hc.pre")
 def hc_pre(st, node, x, *mixes):
-    pre = mhc.initial_pre(x.shape[0], st.cfg.hc_mult) if node.attrs["initial"] else mixes[0][0]
-    return mhc.hc_pre(x, pre)
+    pre = HyperSite.initial_pre(x.shape[0], st.cfg.hc_mult) if node.attrs["initial"] else mixes[0][0]
+    return HyperSite.pre(x, pre)
 
 
 @kernel("hc.post")
 def hc_post(st, node, sub, x, mixes):
     _, post, comb = mixes
-    return mhc.hc_post(sub, x, post, comb)
+    return HyperSite.post(sub, x, post, comb)
 
 
 @kernel("hc.head")
 def hc_head(st, node, x, mixes):
-    return mhc.hc_head(x, mixes[0])
+    return HyperSite.head(x, mixes[0])
 
 
 @kernel("norm.rms", "norm.final")
 def norm(st, node, x):
     return rms_norm(x, st.weights[node.attrs["weight"]], st.cfg.rms_norm_eps)
-
-
 # ---- TP transports ---------------------------------------------------------------------------------
 
 @kernel("tp.all_gather")
@@ -122,32 +114,29 @@ def all_reduce(st, node, *parts):
 
 @kernel("attn.q_proj")
 def attn_q_proj(st, node, x, rope):
-    p, cfg = f"layers.{node.layer}.attn.", st.cfg
-    heads = cfg.num_attention_heads // st.topo.tp
-    return q_proj(x, st.weights[p + "wq_a"], st.weights[p + "q_norm.weight"], st.weights[p + "wq_b"], *rope,
-                  cfg.rms_norm_eps, heads, cfg.head_dim)
+    return _block(st, node).attn.q_proj(x, *rope, heads=st.cfg.num_attention_heads // st.topo.tp)
 
 
 @kernel("attn.kv_proj")
 def attn_kv_proj(st, node, x, rope):
-    p = f"layers.{node.layer}.attn."
-    return kv_proj(x, st.weights[p + "wkv"], st.weights[p + "kv_norm.weight"], *rope, st.cfg.rms_norm_eps)
+    return _block(st, node).attn.kv_proj(x, *rope)
 
 
 @kernel("attn.compress")
 def attn_compress(st, node, x, step):
-    return ref.compress(st.cfg, st.weights, _spec(st, node), st.caches, step.md, x)
+    return _block(st, node).attn.compress(st.caches, step.md, x)
 
 
 @kernel("attn.publish")
 def attn_publish(st, node, value, *rest):
     """Stage the cache writes; the version token names what was published."""
+    attn = _block(st, node).attn
     if node.attrs["cache"] == "window":
         (step,) = rest
-        ref.publish(st.caches, f"window.{node.layer}", step.md.window_slots, value)
+        attn.publish_window(st.caches, step.md, value)
     else:
         rope, step = rest
-        ref.publish_compressed(st.cfg, st.weights, _spec(st, node), st.caches, step.md, value, rope)
+        attn.publish_compressed(st.caches, step.md, value, rope)
     return node.attrs["publishes"]
 
 
@@ -156,20 +145,17 @@ def attn_index(st, node, q, x, rope, step, _published, *candidates):
     qr, _ = q
     cand = candidates[0][1] if candidates else None
     a, b = node.attrs["rows"]
-    return ref.index_chunk(st.cfg, st.weights, _spec(st, node), st.caches, step.md, qr, x, rope, slice(a, b),
-                           cand, st.options)
+    return _block(st, node).attn.index_chunk(st.caches, step.md, qr, x, rope, slice(a, b), cand, st.options)
 
 
 @kernel("attn.topk")
 def attn_topk(st, node, *chunks):
-    top = torch.cat([c[0] for c in chunks]) if chunks else torch.zeros(0, st.cfg.index_topk, dtype=torch.long)
-    masks = [c[1] for c in chunks]
-    return top, (torch.cat(masks) if masks and masks[0] is not None else None)
+    return _block(st, node).attn.select(list(chunks))
 
 
 def _leaf(st, node, q, step, _window, *sources):
     topk = sources[1][0] if sources else None
-    return ref.attend(st.cfg, st.weights, _spec(st, node), st.caches, step.md, q[1], topk)
+    return _block(st, node).attn.attend(st.caches, step.md, q[1], topk)
 
 
 for _kind in ("swa", "c2a_full", "c2a_reuse", "c1a_full", "c1a_reindex", "c1a_reuse"):
@@ -178,8 +164,7 @@ for _kind in ("swa", "c2a_full", "c2a_reuse", "c1a_full", "c1a_reindex", "c1a_re
 
 @kernel("attn.o_proj")
 def attn_o_proj(st, node, attended, rope):
-    p = f"layers.{node.layer}.attn."
-    return o_proj_partial(attended, *rope, st.weights[p + "wo_a"], st.weights[p + "wo_b"])
+    return _block(st, node).attn.o_proj(attended, *rope)
 
 
 # ---- MoE ------------------------------------------------------------------------------------------------
@@ -187,10 +172,8 @@ def attn_o_proj(st, node, attended, rope):
 @kernel("moe.gate")
 def moe_gate(st, node, normed):
     x = normed[node.attrs["rows"]]
-    indices, weights = ref.gate(st.cfg, st.weights, node.layer, x)
+    indices, weights = _block(st, node).moe.gate(x)
     return x, indices, weights
-
-
 @kernel("moe.dispatch")
 def moe_dispatch(st, node, gate):
     """Per destination EP card: (token row, slot, expert id) triples in (t, k) order + their inputs."""
@@ -206,7 +189,7 @@ def moe_dispatch(st, node, gate):
 @kernel("moe.experts")
 def moe_experts(st, node, *dispatches):
     """This EP rank's experts on the rows every source sent: source -> expert -> (rows, BF16 out)."""
-    p, cfg, sources = f"layers.{node.layer}.ffn.experts.", st.cfg, node.attrs["sources"]
+    sources = node.attrs["sources"]
     parts = [d[st.card] for d in dispatches]
     src = torch.cat([torch.full_like(rows, i) for i, (rows, *_) in enumerate(parts)])
     rows, eids, x, w = (torch.cat(col) for col in zip(*parts))
@@ -218,8 +201,7 @@ def moe_experts(st, node, *dispatches):
     order = torch.argsort(run_key, stable=True)
     runs, run_counts = torch.unique_consecutive(run_key[order], return_counts=True)
     experts, counts = torch.unique_consecutive(eids[order], return_counts=True)
-    y = experts_grouped(x[order], w[order], experts.tolist(), counts.tolist(),
-                        lambda e, name: st.weights[f"{p}{e}.{name}"], cfg.swiglu_limit)
+    y = _block(st, node).moe.grouped(x[order], w[order], experts.tolist(), counts.tolist())
     for run, r, part in zip(runs.tolist(), rows[order].split(run_counts.tolist()), y.split(run_counts.tolist())):
         e, i = divmod(run, len(sources))
         out[sources[i]][e] = (r, part)
@@ -228,7 +210,7 @@ def moe_experts(st, node, *dispatches):
 
 @kernel("moe.shared")
 def moe_shared(st, node, gate):
-    return ref.shared_expert(st.cfg, st.weights, node.layer, gate[0])
+    return _block(st, node).moe.shared(gate[0])
 
 
 @kernel("moe.combine")
@@ -243,13 +225,15 @@ def moe_combine(st, node, gate, shared, *experts):
 
 @kernel("lm_head.shard")
 def lm_head_shard(st, node, hidden, step):
-    return logits_shard(select_rows(hidden, step.md.logit_row_indices), st.weights["head.weight"])
+    return st.model.head.logits(hidden, step.md.logit_row_indices)
 
 
 @kernel("lm_head.argmax")
 def lm_head_argmax(st, node, *shards):
+    """The group's tokens, made here; the logits stay on this card until asked for."""
     logits = torch.cat(shards, -1)
-    return logits, greedy(logits)
+    st.logits[node.attrs["dp_group"]] = (node.attrs.get("step"), logits)
+    return st.model.head.sample(logits)
 
 
 @kernel("cache.commit")
