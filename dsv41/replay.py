@@ -13,7 +13,7 @@ import torch
 
 from dsv41.cluster.state import CardState
 from dsv41.kernels import check
-from dsv41.kernels.torch_backend import KERNELS
+from dsv41.kernels.kinds import KINDS
 from dsv41.ops.staged import StagedTensors
 
 
@@ -32,8 +32,8 @@ def replay(path: str, rerun: bool = False) -> tuple[dict, check.Verdict]:
     if rerun:
         mode = check.VALUE_MODES.get(saved["backend"])
         actual = (check.pypto_value(mode, st, node, args) if saved["source"] == "pypto"
-                  else KERNELS[node.kernel](st, node, *args))
-    golden = KERNELS[node.kernel](st, node, *args)
+                  else KINDS[node.kernel].run(st, node, *args))
+    golden = KINDS[node.kernel].run(st, node, *args)
     return saved, check.compare_node(st, node, actual, golden)
 
 

@@ -1,5 +1,4 @@
 """LM head (spec 01 §5): row selection, FP32 logits, vocab shards, greedy argmax."""
-import pytest
 import torch
 
 from types import SimpleNamespace

@@ -15,8 +15,7 @@ from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster import registry
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.graph.build import REPLICATED, SHARDED
-from dsv41.kernels.signatures import SIGNATURES
-from dsv41.kernels.torch_backend import KERNELS
+from dsv41.kernels.kinds import KINDS
 from dsv41.engine.requests import StepInputs
 from dsv41.telemetry.export import write_traces
 from dsv41.telemetry.session import TraceSession
@@ -121,7 +120,7 @@ def test_signatures_predict_every_value_from_meta_inputs(engine):
         def run(self, st, node, fn, args, sim_us=None):
             value = fn(st, node, *args)
             real_routing = node.kernel == "moe.dispatch"   # how many rows go where is data, not shape
-            spec = SIGNATURES[node.kernel](st, node, *(args if real_routing else to_meta(args))).out
+            spec = KINDS[node.kernel].cost(st, node, *(args if real_routing else to_meta(args))).out
             seen.add(node.kernel)
             if tensor_bytes(spec) != tensor_bytes(value) or (node.kernel != "moe.experts" and shapes(spec) != shapes(value)):
                 wrong.append(node.key)
@@ -135,7 +134,7 @@ def test_signatures_predict_every_value_from_meta_inputs(engine):
     finally:
         hooks.tracer = None
     assert wrong == []
-    assert seen == set(KERNELS)
+    assert seen == set(KINDS)
 
 
 def _tensors(v):
@@ -155,7 +154,7 @@ def _tensors(v):
 def test_every_kernel_traced_with_its_attributes(traced):
     records, steps, *_ = traced
     nodes = nodes_of(records)
-    assert {r["attributes"]["dsv41.kernel"] for r in nodes} == set(KERNELS)   # the whole vocabulary
+    assert {r["attributes"]["dsv41.kernel"] for r in nodes} == set(KINDS)   # the whole vocabulary
     by_key = {(r["attributes"]["dsv41.step"], r["name"]): r for r in nodes}
     assert len(by_key) == len(nodes)
     for step, graph in steps:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dsv41.cluster import registry
 from dsv41.cluster.registry import StateLost
-from dsv41.kernels.torch_backend import KERNELS
+from dsv41.kernels.kinds import KINDS
 
 
 class NodeError(RuntimeError):
@@ -40,9 +40,9 @@ def run_node(st, hooks, node, values: dict):
             if sim_us is not None:
                 hooks.sim_log[node.key] = (node.card, node.kernel, sim_us)
         if hooks.tracer is not None:
-            value = hooks.tracer.run(st, node, KERNELS[node.kernel], args, sim_us)
+            value = hooks.tracer.run(st, node, KINDS[node.kernel].run, args, sim_us)
         else:
-            value = KERNELS[node.kernel](st, node, *args)
+            value = KINDS[node.kernel].run(st, node, *args)
         if hooks.check is not None:
             hooks.check(st, node, args, value)
         return value

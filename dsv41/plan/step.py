@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.cluster.plan import make_plan
-from dsv41.graph.build import SHARDED, build, step_outputs
-from dsv41.kernels.signatures import SIGNATURES, nbytes
 from dsv41.engine.requests import StepInputs
+from dsv41.graph.build import SHARDED, build, step_outputs
+from dsv41.kernels.cost import nbytes
+from dsv41.kernels.kinds import KINDS
 from dsv41.ops import metadata as md_ops
 from dsv41.plan.latency import StepLatency, step_latency
 from dsv41.plan.roofline import node_us, profile, simulate
@@ -84,7 +85,7 @@ def walk(graph, contexts) -> dict:
     for key in graph.topo_order():
         node = graph.nodes[key]
         args = [values[i] for i in node.inputs]
-        sig = SIGNATURES[node.kernel](contexts[node.card], node, *args)
+        sig = KINDS[node.kernel].cost(contexts[node.card], node, *args)
         values[key] = sig.out
         costs[key] = node_cost(held[node.card], sig, args, nbytes(sig.out))
     return costs
