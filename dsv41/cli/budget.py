@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import psutil
 
-from dsv41.cli.args import PLAN, REFERENCE, max_context, mode, per_group, topology
+from dsv41.cli.modes import PLAN, REFERENCE, max_context, mode, per_group, topology
 from dsv41.plan.sizing import request_cache_bytes, weights_by_kind
 
 GB = 1e9

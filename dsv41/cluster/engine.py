@@ -39,10 +39,10 @@ from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
 from dsv41.graph.build import SHARDED, build, feed, shape
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
+from dsv41.names import GRAPH_EXECUTORS as EXECUTORS
 from dsv41.ops.reference import Options
 from dsv41.serving import RequestTable, StepModel
 
-EXECUTORS = ("sync", "threads", "distributed")
 RECOVERY_TIMEOUT_S = 60.0    # how long a step waits for a worker to serve a lost card
 MAX_RECOVERIES = 2           # per step; a third loss in one step is raised
 GRAPH_CACHE = 16             # planned graphs kept, one per step shape (0: rebuild every step)

@@ -19,8 +19,8 @@ from dsv41.cluster.connect import Startup, connect
 from dsv41.cluster.plan import Plan
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import run_submission
+from dsv41.names import LOCAL_EXECUTORS as LOCAL
 
-LOCAL = ("sync", "threads")
 POLL_S = 1.0                 # membership check interval while a distributed step runs
 
 
