@@ -10,8 +10,8 @@ import torch
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import TINY, Topology
 from dsv41.kernels import check
+from dsv41.cli.replay import replay
 from dsv41.kernels.kinds import KINDS
-from dsv41.replay import replay
 from dsv41.run import main
 
 

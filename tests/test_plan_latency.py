@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.config import TINY, Topology
 from dsv41.graph.graph import Graph
 from dsv41.kernels.kinds import KINDS

@@ -18,7 +18,7 @@ import cloudpickle
 import pytest
 import torch
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import NodeError

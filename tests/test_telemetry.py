@@ -10,7 +10,7 @@ import pytest
 import torch
 from dask.utils import key_split
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster import registry
 from dsv41.config import FLASH, TINY, Topology
@@ -381,7 +381,7 @@ def test_cli_trace_writes_both_files_and_hbm(capsys, tmp_path, monkeypatch):
 
 def test_distributed_trace_dashboard_and_report(tmp_path, monkeypatch):
     from distributed import get_task_stream
-    from dsv41.telemetry import cli
+    from dsv41.cli import trace as cli
     monkeypatch.chdir(tmp_path)
     e = GraphEngine(TINY, TOPO, seed=0, executor="distributed", dashboard=True, max_batch=1, max_context=12)
     try:

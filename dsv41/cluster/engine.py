@@ -30,7 +30,7 @@ import torch
 
 from dsv41.cluster import registry
 from dsv41.cluster.connect import Startup
-from dsv41.cluster.executors import LOCAL, CardUnavailable, DistributedRunner, run_local
+from dsv41.cluster.executors import CardUnavailable, DistributedRunner, run_local
 from dsv41.cluster.plan import Plan, make_plan
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import NodeError
@@ -42,8 +42,8 @@ from dsv41.engine.requests import RequestTable
 from dsv41.graph.build import SHARDED, build, commit_key, feed, head_key, shape, step_outputs
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
 from dsv41.model.options import FULL_PREFILL, Options
+from dsv41.names import GRAPH_EXECUTORS, LOCAL_EXECUTORS
 
-EXECUTORS = ("sync", "threads", "distributed")
 RECOVERY_TIMEOUT_S = 60.0    # how long a step waits for a worker to serve a lost card
 MAX_RECOVERIES = 2           # per step; a third loss in one step is raised
 GRAPH_CACHE = 16             # planned graphs kept, one per step shape (0: rebuild every step)
@@ -66,8 +66,8 @@ class GraphEngine(Engine):
         if backend == "pypto-npu":
             from dsv41.kernels.pypto.backend import check_npu
             check_npu()
-        if executor not in EXECUTORS:
-            raise ValueError(f"executor: must be one of {EXECUTORS}, got {executor!r}")
+        if executor not in GRAPH_EXECUTORS:
+            raise ValueError(f"executor: must be one of {GRAPH_EXECUTORS}, got {executor!r}")
         if granularity not in ("submission", "node"):
             raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
         topo.check(cfg)
@@ -104,7 +104,7 @@ class GraphEngine(Engine):
         self.id = uuid.uuid4().hex[:8]
         self.builds: dict[int, str] = {}      # card -> build id of the State this engine expects
         self._state_args = (seed, per_group, max_context, options, checkpoint)
-        if executor not in LOCAL:
+        if executor not in LOCAL_EXECUTORS:
             self.runner = DistributedRunner(topo.ep, address, dashboard, startup)
         self._finalizer = weakref.finalize(self, _free_everywhere, self.id, self.runner)
         self._finalizer.atexit = False       # a process that exits frees its own States
@@ -470,4 +470,4 @@ def _sim_log(engine: str):
     return dict(registry.owned(engine).hooks.sim_log)
 
 
-__all__ = ["GraphEngine", "NodeError", "StateLost", "CardUnavailable", "EXECUTORS"]
+__all__ = ["GraphEngine", "NodeError", "StateLost", "CardUnavailable"]

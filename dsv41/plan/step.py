@@ -26,7 +26,7 @@ from dsv41.ops import metadata as md_ops
 from dsv41.plan.latency import StepLatency, step_latency
 from dsv41.plan.roofline import node_us, profile, simulate
 from dsv41.plan.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
-from dsv41.telemetry.hbm import CardLedger, annotate
+from dsv41.plan.hbm import CardLedger, annotate
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import time
 
 from dsv41.kernels.cost import nbytes
 from dsv41.kernels.kinds import KINDS
-from dsv41.telemetry.hbm import CardLedger, SubmissionTrace
+from dsv41.plan.hbm import CardLedger, SubmissionTrace
 from dsv41.plan.roofline import node_us
 from dsv41.plan.sizing import caches_by_kind, card_weights, node_cost, weights_by_kind
 
