@@ -1,6 +1,6 @@
 """Property: for any prompts, lengths, layout, wiring and executor, the graph's logits are the
 reference's logits byte for byte (every contraction and every size-sensitive pointwise function is
-partition-invariant, README "Numerics"). A handful of examples by default; `pytest -m slow` runs more."""
+partition-invariant, docs/numerics.md). A handful of examples by default; `pytest -m slow` runs more."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
