@@ -135,12 +135,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids,
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """FP64 probabilities after temperature, top-k, top-p and min-p (zeros outside the kept
-    set, renormalised). Ties at the top-k boundary are kept; top-p keeps the most probable
-    tokens (lowest id first among equals) until their mass reaches top_p."""
+    set, renormalised). Top-k keeps exactly k tokens and top-p the most probable tokens until
+    their mass reaches top_p, both taking the lower id first among equal values (as argmax does,
+    so top_k=1 is greedy)."""
     x = logits.to(torch.float64) / params.temperature
     if 0 < params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, -math.inf)
+        keep = torch.sort(x, descending=True, stable=True).indices[:params.top_k]
+        x = torch.full_like(x, -math.inf).index_copy_(0, keep, x[keep])
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
         order = torch.sort(probs, descending=True, stable=True).indices
@@ -162,7 +163,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGener
 
     ``history_token_ids``: the tokens generated so far (frequency/presence/repetition);
     ``prompt_token_ids``: the prompt (repetition only). Returns (token id, its logprob,
-    top alternatives as [(id, logprob)] best first); logprobs are those of the raw row, as
+    top alternatives as [(id, logprob)] best first, lower id first among equals); logprobs are those of the raw row, as
     vLLM reports them by default. Greedy needs no generator and draws nothing from it."""
     if logits.dim() != 1 or not logits.is_floating_point():
         raise ValueError(f"logits: expected one floating-point row, found "
@@ -181,6 +182,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGener
     raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
     top = []
     if params.logprobs:
-        values, ids = torch.topk(raw, params.logprobs)
-        top = [(int(i), float(v)) for i, v in zip(ids, values)]
+        ids = torch.sort(raw, descending=True, stable=True).indices[:params.logprobs]
+        top = [(int(i), float(raw[i])) for i in ids]
     return token, float(raw[token]), top
