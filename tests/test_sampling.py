@@ -51,11 +51,11 @@ def _softmax_restricted(keep, temperature):
 def test_draws_follow_the_filtered_softmax(params, keep):
     expected = _softmax_restricted(keep, params.temperature)
     assert torch.allclose(filtered_probs(LOGITS, params), expected, atol=1e-12)
-    n = 20000
+    n = 8000
     counts = torch.bincount(torch.tensor(draws(params, n)), minlength=8).double() / n
     assert counts[expected == 0].sum() == 0
-    # total variation of n draws from an 8-way distribution: ~ sqrt(8 / n) / 2 = 0.01
-    assert 0.5 * (counts - expected).abs().sum() < 0.02
+    # total variation of n draws from an 8-way distribution: about sqrt(8 / n) / 2 = 0.016
+    assert 0.5 * (counts - expected).abs().sum() < 0.035
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
