@@ -5,6 +5,11 @@ payloads with E8M0 32x32 block scales, packed MXFP4 experts with per-row group-3
 BF16 dense tensors, FP32 mHC/sink/bias). ``decode_checkpoint`` turns any such dict (drawn here or
 read from a checkpoint folder, ``dsv41.checkpoint``) into FP32 runtime tensors holding exactly the
 quantized values. Scales keep activations O(1) through all 40 layers.
+
+The tensors are the blocks' own (``model.Transformer.tensors``: name, logical shape, format, std,
+mean). Formats: ``bf16`` / ``f32`` dense tensors (the name is the tensor's); ``fp8`` a 32x32-block
+MXFP8 linear and ``fp4`` a packed MXFP4 routed-expert linear (the name is the base; ``.weight`` and
+``.scale`` are stored); ``rows8`` the Engram table (row-wise MXFP8, group 32).
 """
 from __future__ import annotations
 
