@@ -96,7 +96,7 @@ def _messages(dask_scheduler) -> dict:
 def flash_plan_s() -> float:
     """FLASH decode graph, TP4/DP2/EP8, 32 one-row requests per group at 1024 tokens: build+validate+plan."""
     topo = Topology(4, 2, 8)
-    steps = {g: step_inputs(FLASH, topo.tp, 32, 1, 1024, "decode") for g in range(topo.dp)}
+    steps = {g: step_inputs(FLASH, 32, 1, 1024, "decode") for g in range(topo.dp)}
     t0 = time.perf_counter()
     make_plan(build(FLASH, topo, steps, phase="decode"), topo, outputs=[head_key(g) for g in steps])
     return time.perf_counter() - t0

@@ -39,7 +39,7 @@ def main():
     topo = Topology(4, 2, 8) if a.config == "flash" else Topology(1, 1, 1)
     requests = cfg.max_batch_per_dp
     context = a.context or (1 << 20 if a.config == "flash" else 256)
-    steps = {g: step_inputs(cfg, topo.tp, requests, cfg.decode_rows_per_request, context, "decode")
+    steps = {g: step_inputs(cfg, requests, cfg.decode_rows_per_request, context, "decode")
              for g in range(topo.dp)}
     graph = build(cfg, topo, steps, REPLICATED, "decode")
     make_plan(graph, topo)

@@ -17,7 +17,7 @@ def _steps(topo, prompt_lens, phase="prefill"):
     steps = {}
     for grp, table in enumerate(tables):
         batch = [(None, torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist()) for n in prompt_lens]
-        steps[grp] = table.plan(batch, phase, topo.tp)
+        steps[grp] = table.plan(batch, phase)
     return steps
 
 

@@ -14,7 +14,7 @@ TOPO = Topology(2, 2, 4)
 def emitted(phase: str, rows: int) -> set[str]:
     kernels = set()
     for wiring in (SHARDED, REPLICATED):
-        steps = {g: step_inputs(TINY, TOPO.tp, 3, rows, 40, phase) for g in range(TOPO.dp)}
+        steps = {g: step_inputs(TINY, 3, rows, 40, phase) for g in range(TOPO.dp)}
         kernels |= {node.kernel for node in build(TINY, TOPO, steps, wiring, phase).nodes.values()}
     return kernels
 

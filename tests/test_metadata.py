@@ -26,8 +26,8 @@ def _inputs(**over):
     return d
 
 
-def _lower(tp_size=4, **over):
-    return lower(TINY, **_inputs(**over), tp_size=tp_size)
+def _lower(**over):
+    return lower(TINY, **_inputs(**over))
 
 
 def L(t):
@@ -40,10 +40,9 @@ def test_request_level_fields():
     assert L(md.query_lens) == [19, 1]
     assert L(md.logit_row_indices) == [18, 19]
     assert L(md.kv_seq_lens) == [0, 37]
-    assert L(md.new_kv_seq_lens) == [19, 38]
     assert md.num_tokens == 20 and md.num_requests == 2
-    for f in ("query_start_loc", "query_lens", "logit_row_indices", "kv_seq_lens", "new_kv_seq_lens",
-              "token_to_req_indices", "moe_token_owners", "position_ids", "window_lens", "window_indices"):
+    for f in ("query_start_loc", "query_lens", "logit_row_indices", "kv_seq_lens", "token_to_req_indices",
+              "position_ids", "window_lens", "window_indices"):
         assert getattr(md, f).dtype == I32, f
     assert md.window_slots.dtype == torch.int64
 
@@ -51,8 +50,6 @@ def test_request_level_fields():
 def test_token_level_fields():
     md = _lower()
     assert L(md.token_to_req_indices) == [0] * 19 + [1]
-    assert L(md.moe_token_owners) == [t % 4 for t in range(20)]
-    assert L(_lower(tp_size=1).moe_token_owners) == [0] * 20
     assert L(md.position_ids) == list(range(19)) + [37]
     # window table row 0 = [5, 9]: positions 0..15 -> block 5 (80 + p), 16..18 -> block 9 (144..146)
     # row 1 = [-, 3, 7]: position 37 -> page 2, offset 5 -> 7*16 + 5 = 117
@@ -77,14 +74,8 @@ def test_ratio2_source_fields():
         # table [[4], [2, 6]]; only odd positions publish row p // 2; position 37 -> row 18 -> 6*16 + 2
         want = [(64 + p // 2) if p % 2 else -1 for p in range(19)] + [98]
         assert L(md.compressed_slots[s]) == want
-        assert L(md.index_slots[s]) == want
         assert md.compressed_slots[s].dtype == torch.int64
-        assert L(md.compressed_seq_lens[s]) == [9, 19]
-        assert L(md.compressed_seq_remainders[s]) == [1, 0]
         assert L(md.compressed_lens[s]) == [(p + 1) // 2 for p in range(19)] + [19]
-        assert L(md.compressor_output_start_loc[s]) == [0, 9, 10]
-        assert L(md.compressor_source_token_indices[s]) == [1, 3, 5, 7, 9, 11, 13, 15, 17, 19]
-        assert L(md.compressor_position_ids[s]) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 36]
         assert L(md.compressed_rope_position_ids[s]) == [(p - 1) if p % 2 else -1 for p in range(19)] + [36]
         assert L(md.state_block_tables[s]) == [[1], [0]]
         assert L(md.compressed_block_tables[s]) == [[4, -1], [2, 6]]
@@ -95,13 +86,8 @@ def test_ratio1_source_fields():
     md = _lower()
     # table [[1, 8], [0, 3, 5]]: positions 0..15 -> 16 + p, 16..18 -> 128..130; 37 -> 5*16 + 5
     want = [16 + p for p in range(16)] + [128, 129, 130] + [85]
-    assert L(md.compressed_slots[R1]) == want and L(md.index_slots[R1]) == want
-    assert L(md.compressed_seq_lens[R1]) == [19, 38]
-    assert L(md.compressed_seq_remainders[R1]) == [0, 0]
+    assert L(md.compressed_slots[R1]) == want
     assert L(md.compressed_lens[R1]) == list(range(1, 20)) + [38]
-    assert L(md.compressor_output_start_loc[R1]) == [0, 19, 20]
-    assert L(md.compressor_source_token_indices[R1]) == list(range(19)) + [19]
-    assert L(md.compressor_position_ids[R1]) == list(range(19)) + [37]
     assert L(md.compressed_rope_position_ids[R1]) == list(range(19)) + [37]
 
 
@@ -110,15 +96,13 @@ def test_even_decode_position_publishes_nothing_for_ratio2():
     assert md.position_ids[-1].item() == 36
     assert md.compressed_slots[2][-1].item() == -1
     assert md.compressed_rope_position_ids[2][-1].item() == -1
-    assert L(md.compressed_seq_remainders[2]) == [1, 1]
-    assert L(md.compressor_output_start_loc[2]) == [0, 9, 9]          # request 1 completes no group
     assert md.compressed_slots[R1][-1].item() == 5 * 16 + 4
 
 
 def test_inactive_state_block_forces_ratio2_slots_to_minus_one():
     md = _lower(state_block_tables={s: torch.tensor([[1], [-1]], dtype=I32) for s in R2})
     for s in R2:
-        assert md.compressed_slots[s][-1].item() == -1 and md.index_slots[s][-1].item() == -1
+        assert md.compressed_slots[s][-1].item() == -1
         assert L(md.compressed_slots[s][:19]) == [(64 + p // 2) if p % 2 else -1 for p in range(19)]
     assert md.compressed_slots[R1][-1].item() == 85                   # ratio 1 has no state
 
@@ -131,8 +115,6 @@ def test_empty_request_gets_logit_row_minus_one():
     assert L(md.query_lens) == [3, 0]
     assert L(md.logit_row_indices) == [2, -1]
     assert L(md.token_to_req_indices) == [0, 0, 0]
-    assert L(md.new_kv_seq_lens) == [3, 5]
-    assert L(md.compressor_output_start_loc[2]) == [0, 1, 1]
 
 
 # ---- validation: every bad input raises ValueError naming the field -------------------------------

@@ -325,7 +325,7 @@ def test_submission_keys_read_as_kernel_layer_card():
     from dsv41.cluster.plan import make_plan, task_name
     from dsv41.graph.build import build
     from dsv41.plan.step import step_inputs
-    steps = {0: step_inputs(TINY, 2, 2, 1, 20, "decode")}
+    steps = {0: step_inputs(TINY, 2, 1, 20, "decode")}
     plan = make_plan(build(TINY, TOPO, steps), TOPO, step=7)
     assert len(set(plan.submissions)) == len(plan.submissions)
     for sub in plan.submissions.values():

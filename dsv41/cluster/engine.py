@@ -193,8 +193,8 @@ class GraphEngine(Engine):
         tokens = steps = 0
         while any(work.values()):
             take = {g: _pack(work[g], limit) for g in groups if work[g]}
-            plans = {g: fresh[g].plan([(renamed[g].get(local), chunk) for local, chunk in items], "prefill",
-                                      self.topo.tp) for g, items in take.items()}
+            plans = {g: fresh[g].plan([(renamed[g].get(local), chunk) for local, chunk in items], "prefill")
+                     for g, items in take.items()}
             self._execute(plans, "prefill")
             for g, items in take.items():
                 fresh[g].commit(plans[g])
@@ -243,7 +243,7 @@ class GraphEngine(Engine):
                 raise ValueError(f"request_ids: unknown or released request {rid}")
             placed.append((grp, len(per_group[grp])))
             per_group[grp].append((local, toks))
-        steps = {g: self.tables[g].plan(b, phase, self.topo.tp) for g, b in per_group.items() if b}
+        steps = {g: self.tables[g].plan(b, phase) for g, b in per_group.items() if b}
         t0 = time.perf_counter()
         values, graph, plan = self._execute(steps, phase)
         for g, s in steps.items():

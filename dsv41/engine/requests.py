@@ -67,7 +67,7 @@ class RequestTable:
         self.token_map = default_token_map(cfg) if token_map is None else token_map
 
     # ---- planning --------------------------------------------------------------------------
-    def plan(self, batch: list[tuple[int | None, list[int]]], phase: str, tp_size: int = 1) -> StepInputs:
+    def plan(self, batch: list[tuple[int | None, list[int]]], phase: str) -> StepInputs:
         """batch: (request id, new tokens) pairs; rid None starts a new request at position 0."""
         cfg = self.cfg
         if not batch:
@@ -110,7 +110,7 @@ class RequestTable:
         kv = torch.tensor([requests[r].kv_len for r in rids], dtype=torch.int32)
         md = md_ops.lower(cfg, qsl, kv, self._window_table(requests, rids), self._compressed_tables(requests, rids),
                           {s: torch.tensor([[requests[r].state_block] for r in rids], dtype=torch.int32)
-                           for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2}, tp_size)
+                           for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2})
         hashes = {layer: [] for layer in cfg.engram_layer_ids}
         for rid, (_, toks) in zip(rids, batch):
             req = requests[rid]

@@ -18,21 +18,13 @@ class ForwardMetadata:
     query_lens: torch.Tensor             # i32 [B]
     logit_row_indices: torch.Tensor      # i32 [B], -1 for an empty request
     token_to_req_indices: torch.Tensor   # i32 [T]
-    moe_token_owners: torch.Tensor       # i32 [T], t mod TP
     position_ids: torch.Tensor           # i32 [T]
     kv_seq_lens: torch.Tensor            # i32 [B]
-    new_kv_seq_lens: torch.Tensor        # i32 [B]
     window_slots: torch.Tensor           # i64 [T]
     window_lens: torch.Tensor            # i32 [T]
     window_indices: torch.Tensor         # i32 [T, W]
     compressed_slots: dict               # source -> i64 [T]
-    index_slots: dict                    # source -> i64 [T] (same slots, separate cache)
-    compressed_seq_lens: dict            # source -> i32 [B]
-    compressed_seq_remainders: dict      # source -> i32 [B]
     compressed_lens: dict                # source -> i32 [T], causal visible compressed rows
-    compressor_output_start_loc: dict    # source -> i32 [B+1]
-    compressor_source_token_indices: dict  # source -> i32 [N_out]
-    compressor_position_ids: dict        # source -> i32 [N_out]
     compressed_rope_position_ids: dict   # source -> i32 [T], group start or -1
     compressed_block_tables: dict        # source -> i32 [B, P']
     state_block_tables: dict             # ratio-2 source -> i32 [B, 1]
@@ -86,7 +78,7 @@ def _need_pages(table, first_row, end_row, active, block_size: int, field: str):
 
 
 def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_block_tables: dict,
-          state_block_tables: dict, tp_size: int = 1) -> ForwardMetadata:
+          state_block_tables: dict) -> ForwardMetadata:
     """Lower packed requests to ForwardMetadata (see spec 01 §2)."""
     qsl = _as_int(query_start_loc, "query_start_loc", 1)
     if qsl.numel() < 1 or int(qsl[0]) != 0:
@@ -104,8 +96,6 @@ def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_bloc
     if b and int(new_kv.max()) > cfg.max_position_embeddings:
         raise ValueError(f"position_ids: positions must be < max_position_embeddings "
                          f"{cfg.max_position_embeddings}, got {int(new_kv.max()) - 1}")
-    if tp_size < 1:
-        raise ValueError(f"tp_size: must be >= 1, got {tp_size}")
     wtab = _as_int(window_block_table, "window_block_table", 2)
     if wtab.shape[0] != b:
         raise ValueError(f"window_block_table: must have {b} rows, got {wtab.shape[0]}")
@@ -154,7 +144,7 @@ def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_bloc
     win_idx = paged_slots(win_pos.flatten(), req.repeat_interleave(w), wtab, bs,
                           field="window_block_table").reshape(t, w)
 
-    per_source = {k: {} for k in ("slots", "seq_lens", "rem", "lens", "out_start", "src_tok", "cmp_pos", "rope")}
+    per_source = {k: {} for k in ("slots", "lens", "rope")}
     for s in kv_sources:
         r = cfg.compress_ratios[s]
         cmp_len = new_kv // r
@@ -163,31 +153,17 @@ def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_bloc
                             field=f"compressed_block_tables[{s}]")
         if s in stabs:
             slots = torch.where(stabs[s][req, 0] < 0, torch.full_like(slots, -1), slots)
-        n_new = cmp_len - kv // r
-        out_start = torch.cat([torch.zeros(1, dtype=I64), torch.cumsum(n_new, 0)])
-        groups = [torch.arange(int(kv[i]) // r, int(cmp_len[i])) for i in range(b)]
-        g = torch.cat(groups) if groups else torch.zeros(0, dtype=I64)
-        g_req = torch.repeat_interleave(torch.arange(b), n_new)
         closes = (pos + 1) % r == 0
         per_source["slots"][s] = slots
-        per_source["seq_lens"][s] = cmp_len.to(I32)
-        per_source["rem"][s] = (new_kv % r).to(I32)
         per_source["lens"][s] = ((pos + 1) // r).to(I32)
-        per_source["out_start"][s] = out_start.to(I32)
-        per_source["src_tok"][s] = (qsl[:-1][g_req] + (g + 1) * r - 1 - kv[g_req]).to(I32)
-        per_source["cmp_pos"][s] = (g * r).to(I32)
         per_source["rope"][s] = torch.where(closes, pos + 1 - r, torch.full_like(pos, -1)).to(I32)
 
     return ForwardMetadata(
         query_start_loc=qsl.to(I32), query_lens=lens.to(I32),
         logit_row_indices=torch.where(lens > 0, qsl[1:] - 1, torch.full_like(lens, -1)).to(I32),
-        token_to_req_indices=req.to(I32), moe_token_owners=(row % tp_size).to(I32), position_ids=pos.to(I32),
-        kv_seq_lens=kv.to(I32), new_kv_seq_lens=new_kv.to(I32), window_slots=wslots.to(I64),
-        window_lens=wlens.to(I32), window_indices=win_idx.to(I32),
-        compressed_slots=per_source["slots"], index_slots=dict(per_source["slots"]),
-        compressed_seq_lens=per_source["seq_lens"], compressed_seq_remainders=per_source["rem"],
-        compressed_lens=per_source["lens"], compressor_output_start_loc=per_source["out_start"],
-        compressor_source_token_indices=per_source["src_tok"], compressor_position_ids=per_source["cmp_pos"],
+        token_to_req_indices=req.to(I32), position_ids=pos.to(I32), kv_seq_lens=kv.to(I32),
+        window_slots=wslots.to(I64), window_lens=wlens.to(I32), window_indices=win_idx.to(I32),
+        compressed_slots=per_source["slots"], compressed_lens=per_source["lens"],
         compressed_rope_position_ids=per_source["rope"],
         compressed_block_tables={s: ctabs[s].to(I32) for s in kv_sources}, state_block_tables=stabs,
     )
@@ -229,15 +205,10 @@ def replay_rows(md: ForwardMetadata, window: int) -> tuple[ForwardMetadata, torc
     return ForwardMetadata(
         query_start_loc=new_qsl.to(I32), query_lens=keep_n.to(I32),
         logit_row_indices=torch.where(keep_n > 0, new_qsl[1:] - 1, torch.full_like(keep_n, -1)).to(I32),
-        token_to_req_indices=req.to(I32), moe_token_owners=md.moe_token_owners[rows], position_ids=pos.to(I32),
-        kv_seq_lens=md.kv_seq_lens, new_kv_seq_lens=md.new_kv_seq_lens, window_slots=md.window_slots[rows],
-        window_lens=new_len.to(I32), window_indices=win.to(I32),
+        token_to_req_indices=req.to(I32), position_ids=pos.to(I32), kv_seq_lens=md.kv_seq_lens,
+        window_slots=md.window_slots[rows], window_lens=new_len.to(I32), window_indices=win.to(I32),
         compressed_slots={s: torch.full_like(v[rows], -1) for s, v in md.compressed_slots.items()},
-        index_slots={s: torch.full_like(v[rows], -1) for s, v in md.index_slots.items()},
-        compressed_seq_lens=md.compressed_seq_lens, compressed_seq_remainders=md.compressed_seq_remainders,
-        compressed_lens=per_token(md.compressed_lens), compressor_output_start_loc=md.compressor_output_start_loc,
-        compressor_source_token_indices=md.compressor_source_token_indices,
-        compressor_position_ids=md.compressor_position_ids,
+        compressed_lens=per_token(md.compressed_lens),
         compressed_rope_position_ids=per_token(md.compressed_rope_position_ids),
         compressed_block_tables=md.compressed_block_tables, state_block_tables=md.state_block_tables,
     ), rows

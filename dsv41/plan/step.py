@@ -45,7 +45,7 @@ def rows_per_request(cfg, requests: int, phase: str) -> int:
     return cfg.decode_rows_per_request if phase == "decode" else cfg.prefill_max_tokens // requests
 
 
-def step_inputs(cfg, tp: int, requests: int, rows: int, context: int, phase: str) -> StepInputs:
+def step_inputs(cfg, requests: int, rows: int, context: int, phase: str) -> StepInputs:
     """One DP group's step: ``requests`` requests each adding ``rows`` tokens and ending at ``context``."""
     bs, kv = cfg.block_size, context - rows
     pages = -(-context // bs)
@@ -58,7 +58,7 @@ def step_inputs(cfg, tp: int, requests: int, rows: int, context: int, phase: str
     states = {s: torch.arange(requests, dtype=torch.int32).reshape(requests, 1)
               for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2}
     qsl = torch.arange(requests + 1, dtype=torch.int32) * rows
-    md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states, tp)
+    md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states)
     t = requests * rows
     hashes = {layer: torch.zeros(t, cfg.engram_ids_per_token, dtype=torch.int64) for layer in cfg.engram_layer_ids}
     return StepInputs(list(range(requests)), torch.zeros(t, dtype=torch.int64), md, hashes, phase, {}, None)
@@ -131,7 +131,7 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     topo.check(cfg)
     dev = profile(device)
     rows = rows_per_request(cfg, requests, phase)
-    steps = {g: step_inputs(cfg, topo.tp, requests, rows, context, phase) for g in range(topo.dp)}
+    steps = {g: step_inputs(cfg, requests, rows, context, phase) for g in range(topo.dp)}
     graph = build(cfg, topo, steps, wiring, phase)
     plan = make_plan(graph, topo, outputs=step_outputs(topo, steps), step=1)
     annotate(plan)
