@@ -5,7 +5,7 @@
 
 Both come from one decode graph built with the plan machinery (meta tensors, nothing allocated):
 the roofline from the node's signature on --device-profile, the pypto time from
-dsv41.kernels.device_time for the node's actual row count (cached in ~/.cache/dsv41/pypto; a cold
+the node kind's record for the node's actual row count (cached in ~/.cache/dsv41/pypto; a cold
 FLASH moe.experts simulation takes minutes).
 """
 from __future__ import annotations
@@ -16,8 +16,9 @@ import json
 from dsv41.cluster.plan import make_plan
 from dsv41.config import PRESETS, Topology
 from dsv41.graph.build import REPLICATED, build
+from dsv41.kernels.cost import nbytes
 from dsv41.kernels.device_time import node_sim_us
-from dsv41.kernels.signatures import SIGNATURES, nbytes
+from dsv41.kernels.kinds import KINDS
 from dsv41.plan.step import CardContext, step_inputs
 from dsv41.plan.roofline import node_us, profile
 from dsv41.plan.sizing import card_weights, node_cost
@@ -50,7 +51,7 @@ def main():
     for key in graph.topo_order():
         node = graph.nodes[key]
         args = [values[i] for i in node.inputs]
-        sig = SIGNATURES[node.kernel](ctx[node.card], node, *args)
+        sig = KINDS[node.kernel].cost(ctx[node.card], node, *args)
         values[key] = sig.out
         if key in NODES:
             cost = node_cost(held[node.card], sig, args, nbytes(sig.out))

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.config import TINY, Topology
 from dsv41.graph.graph import Graph
-from dsv41.plan.latency import FIXED_TERMS, PARTS, kernel_class, step_latency
+from dsv41.kernels.kinds import KINDS
+from dsv41.plan.latency import FIXED_TERMS, PARTS, step_latency
 from dsv41.plan.launches import kernels
 from dsv41.plan.primitives import AlphaBeta, ByRanks
 from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
@@ -57,7 +58,7 @@ def test_kernel_at_the_compute_bound():
     p = one_node("moe.experts", cost(read=1_000_000, flops={"mx": 1e12})).parts["n"]
     assert p.bound == "compute" and p.body == pytest.approx(10_000.0)
     # the same bytes as a gather kernel (0.25 of bandwidth) take twice as long
-    assert kernel_class("attn.leaf.swa") == "gather"
+    assert KINDS["attn.leaf.swa"].latency == "gather"
     assert one_node("attn.leaf.swa", cost(read=1_000_000)).parts["n"].body == pytest.approx(4.0)
 
 
@@ -197,3 +198,26 @@ def test_cli_plan_json_carries_prediction_and_breakdown(capsys, tmp_path, monkey
         run.main(["--config", "tiny", "--dispatch", "eager"])      # a --plan option
     with pytest.raises(SystemExit):
         run.main(["--config", "tiny", "--plan", "--device-profile", "tpu-v5"])
+
+
+def test_cli_explain_and_a_profile_file(capsys, tmp_path, monkeypatch):
+    """--device-profile FILE times the plan with the user's constants; --explain prints and returns the
+    sensitivity of the step to every fixed cost; a bad field is one usage line naming it."""
+    monkeypatch.chdir(tmp_path)
+    base = ["--config", "tiny", "--plan", "--tp", "2", "--dp", "1", "--batch", "2", "--context", "256", "--json"]
+    assert run.main(base + ["--device-profile", "a3"]) == 0
+    builtin = json.loads(capsys.readouterr().out)["plan"]
+    (tmp_path / "slow.toml").write_text('base = "a3"\nlaunch_us = 40.0\n')
+    assert run.main(base + ["--device-profile", "slow.toml", "--explain"]) == 0
+    mine = json.loads(capsys.readouterr().out)["plan"]
+    assert mine["predicted_step_us"] > builtin["predicted_step_us"]   # a slower launch gap, nothing else
+    terms = {r["term"]: r for r in mine["sensitivity"]}
+    assert set(terms) == set(FIXED_TERMS)
+    assert terms["launch"]["half_us"] < mine["predicted_step_us"] < terms["launch"]["double_us"]
+    (tmp_path / "bad.toml").write_text('base = "a3"\nlaunch_us = -1\n')
+    with pytest.raises(SystemExit) as e:
+        run.main(base + ["--device-profile", "bad.toml"])
+    assert e.value.code == 2
+    assert "--device-profile: bad.toml: launch_us: must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run.main(["--config", "tiny", "--explain"])                 # a --plan option

@@ -4,7 +4,8 @@ Every node is a kernel group: the launch gaps of the kernels a serving stack run
 (``dsv41.plan.launches``), then, if it receives bytes from other cards, the fixed cost of that
 primitive (``sync``: its alpha, the device-side wait of the hand-off) and the time its bytes take
 (``collectives``: bytes / beta), then its body, max(bytes / achievable bandwidth, FLOPs / achievable
-rate), where "achievable" is the profile's fraction for the node's kernel class. The primitives are
+rate), where "achievable" is the profile's fraction for the node kind's latency class
+(``NodeKind.latency``). The primitives are
 fit to microbenchmarks (``dsv41.plan.primitives``, cited in the profiles):
 
 - ``tp.all_gather`` / ``tp.reduce_scatter`` (and the exact owner all-reduce, an all-gather), and
@@ -30,7 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from dsv41.graph.graph import COLLECTIVES
+from dsv41.kernels.kinds import KINDS
 from dsv41.plan.launches import kernels
 from dsv41.plan.roofline import critical_path, simulate
 
@@ -47,17 +48,6 @@ FIXED_TERMS = {
     "token_sync": "sampled-token sync per step",
     "imbalance": "MoE load imbalance (the excess over 1)",
 }
-_MATMUL = ("attn.q_proj", "attn.kv_proj", "attn.o_proj", "attn.compress", "attn.index", "moe.gate",
-           "moe.shared", "moe.experts", "lm_head.shard")
-_GATHER = ("embed", "engram")
-
-
-def kernel_class(kernel: str) -> str:
-    if kernel in _MATMUL:
-        return "matmul"
-    if kernel in _GATHER or kernel.startswith("attn.leaf."):
-        return "gather"
-    return "vector"
 
 
 @dataclass(frozen=True)
@@ -118,7 +108,7 @@ def node_parts(graph, costs, dev, imbalance: float = 1.0, scale: dict | None = N
     for key, node in graph.nodes.items():
         cost = costs[key]
         moe = node.kernel in ALL_TO_ALL
-        body, bound = body_us(cost, dev, kernel_class(node.kernel), load if node.kernel == "moe.experts" else 1.0)
+        body, bound = body_us(cost, dev, KINDS[node.kernel].latency, load if node.kernel == "moe.experts" else 1.0)
         sync, wire = link_us(node, cost.link * (load if moe else 1.0), peers(node, graph), dev, scale)
         parts[key] = Parts(gap * kernels(node.kernel) * per_node, wire, body, bound, sync)
     return parts

@@ -1,0 +1,119 @@
+"""Plan mode of ``python -m dsv41.run --plan``: its flags and their rows of the command line's rules
+(``dsv41.cli.args``), then HBM per card, the predicted step and where it goes.
+
+``--batch`` counts requests in total here as in a run; the plan spreads them evenly over the DP
+groups (``--batch 64 --dp 2``: 32 requests x 6 rows = 192 decode rows per group, the seed's
+capacity contract).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from dsv41.cli.args import on
+from dsv41.cli.modes import ALL, GRAPH_OR_PLAN, PLAN
+from dsv41.cli.trace import tracing_on
+from dsv41.plan.explain import explain_lines, sensitivity
+from dsv41.plan.latency import DISPATCH, PARTS
+from dsv41.plan.profiles import PROFILES
+from dsv41.plan.roofline import profile
+from dsv41.plan.step import rows_per_request, run_plan
+from dsv41.telemetry.export import write_traces
+from dsv41.telemetry.session import DEFAULT_PROFILE
+from dsv41.telemetry.simulated import record_planned
+
+
+def add_arguments(g):
+    g.add_argument("--plan", action="store_true",
+                   help="build the step's graph at full scale on meta tensors and report HBM and predicted latency; "
+                        "--batch requests are spread evenly over the DP groups")
+    g.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default: the config's max)")
+    g.add_argument("--device-profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
+                   help=f"--plan or traced runs: the device whose cited constants time the plan and traced nodes: "
+                        f"a built-in profile {sorted(PROFILES)} (dsv41/plan/profiles.py) or your own .json/.toml "
+                        f"profile file (docs/plan-validation.md; default: %(default)s)")
+    g.add_argument("--explain", action="store_true",
+                   help="--plan: the predicted step with each fixed cost halved and doubled (which assumption the "
+                        "answer rests on)")
+    g.add_argument("--dispatch", choices=DISPATCH, default="graph",
+                   help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
+
+
+APPLIES = {
+    "--plan": (ALL, None),
+    "--context": (frozenset({PLAN}), None),
+    "--dispatch": (frozenset({PLAN}), None),
+    "--explain": (frozenset({PLAN}), None),
+    "--device-profile": (GRAPH_OR_PLAN, ("needs --trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
+                                         lambda a: a.plan or tracing_on(a))),
+}
+
+
+def _context(a, cfg):
+    if a.context is None:
+        return None
+    low, top = rows_per_request(cfg, a.batch // a.dp, a.graph), cfg.max_position_embeddings
+    if not low <= a.context <= top:
+        return f"must be in [{low}, {top}] tokens per request {on(a, cfg)}, got {a.context}"
+
+
+def _device_profile(a, cfg):
+    """A built-in name or a profile file, loaded and validated field by field before any work."""
+    try:
+        profile(a.device_profile)
+    except ValueError as e:
+        return str(e).removeprefix("--device-profile").lstrip(": ")
+
+
+CHECKS = [("--context", _context), ("--device-profile", _device_profile)]
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+
+GB = 1e9
+
+
+def plan_command(args, cfg, topo, say) -> int:
+    say(f"dsv41 plan {args.graph}: config={cfg.name} tp={topo.tp} dp={topo.dp} ep={topo.ep} wiring={args.wiring}")
+    report = plan_report(args, cfg, topo, say)
+    if args.json:
+        print(json.dumps({"graph": args.graph, "config": cfg.name,
+                          "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep}, "plan": report}))
+    return 0
+
+
+def _parts(breakdown: dict) -> str:
+    return ", ".join(f"{k} {breakdown[k] / 1e3:.2f}" for k in PARTS)
+
+
+def plan_report(args, cfg, topo, say) -> dict:
+    context = cfg.max_position_embeddings if args.context is None else args.context
+    report, planned = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
+                               args.device_profile, args.dispatch)
+    records, resource = record_planned(planned, cfg, topo)
+    report["traces"] = write_traces(args.trace or f"plan-{cfg.name}", records, resource)
+    requests = report["requests_per_dp_group"]
+    say(f"  {requests} requests x {report['rows_per_dp_group'] // requests} rows per DP group at context {context}: "
+        f"nodes={report['nodes']} submissions={report['submissions']}")
+    say(f"  {'card':>4} {'weights GB':>11} {'caches GB':>10} {'transient GB':>13} {'total GB':>9}")
+    for c in report["cards"]:
+        say(f"  {c['card']:>4} {c['weights_bytes'] / GB:>11.2f} {c['cache_bytes'] / GB:>10.2f} "
+            f"{c['transient_peak_bytes'] / GB:>13.3f} {c['total_bytes'] / GB:>9.2f}")
+    kinds = report["cards"][0]["by_kind"]
+    say("  card 0 by kind (GB): " + ", ".join(f"{k} {v / GB:.3f}" for k, v in kinds.items()))
+    say(f"  cache per request: {report['cache_per_request_bytes'] / GB:.3f} GB "
+        f"(BF16 rows: {report['cache_per_request_bf16_bytes'] / GB:.3f} GB)")
+    say(f"  {report['device_profile']} ({report['dispatch']} dispatch): predicted step "
+        f"{report['predicted_step_us'] / 1e3:.2f} ms; {report['tokens_per_s_per_request']:.1f} tokens/s per request, "
+        f"{report['tokens_per_s']:.0f} tokens/s in total (one token per request per step)")
+    say(f"  roofline {report['roofline_step_us'] / 1e3:.2f} ms, memory-bound floor {report['floor_us'] / 1e3:.2f} ms")
+    say(f"  critical path (ms): {_parts(report['breakdown_us'])}")
+    if args.explain:
+        rows = sensitivity(planned)
+        for line in explain_lines(rows, report["predicted_step_us"]):
+            say(line)
+        report["sensitivity"] = [dataclasses.asdict(r) for r in rows]
+    for c in report["cards"]:
+        say(f"  card {c['card']} (ms): {_parts(c['breakdown_us'])}")
+    say(f"  simulated timeline: {report['traces']['perfetto']}")
+    return report
