@@ -25,24 +25,26 @@ from dsv41.plan.step import run_plan
 TOPO = Topology(4, 2, 8)
 SHAPES = ((2, 131072), (64, 1048576))     # (--batch, --context)
 ON_PATH = tuple(p for p in PARTS if p != "idle")   # the critical path waits on nothing
-GB = 1e9
+GB, T = 1e9, 1e12
+
+
+def _ms(us: float) -> float:
+    return us / 1e3
 
 
 def plan_row(batch: int, context: int, device: str) -> str:
     report, _ = run_plan(FLASH, TOPO, batch // TOPO.dp, context, device=device)
     dev = profile(device)
-    ms = lambda us: us / 1e3     # noqa: E731
     hbm = max(c["total_bytes"] for c in report["cards"])
     fits = f"{'yes' if hbm <= dev.hbm_bytes else 'no'} ({hbm / GB:.0f} of {dev.hbm_bytes / GB:.0f} GB)"
-    path = " / ".join(f"{ms(report['breakdown_us'][p]):.2f}" for p in ON_PATH)
-    largest = ", ".join(f"{k} {ms(v):.1f}" for k, v in list(report["critical_path_us_by_kernel"].items())[:2])
-    return (f"| {report['requests_per_dp_group']} x {context} | `{device}` | {ms(report['predicted_step_us']):.2f} ms "
+    path = " / ".join(f"{_ms(report['breakdown_us'][p]):.2f}" for p in ON_PATH)
+    largest = ", ".join(f"{k} {_ms(v):.1f}" for k, v in list(report["critical_path_us_by_kernel"].items())[:2])
+    return (f"| {report['requests_per_dp_group']} x {context} | `{device}` | {_ms(report['predicted_step_us']):.2f} ms "
             f"| {report['tokens_per_s_per_request']:.1f} / {report['tokens_per_s']:.0f} "
-            f"| {ms(report['roofline_step_us']):.2f} / {ms(report['floor_us']):.2f} ms | {path} | {fits} | {largest} |")
+            f"| {_ms(report['roofline_step_us']):.2f} / {_ms(report['floor_us']):.2f} ms | {path} | {fits} | {largest} |")
 
 
 def profile_tables() -> list[str]:
-    T = 1e12
     out = ["| profile | part | HBM | HBM BW | mx / dense / vector (TFLOPS) | cards per node |", "|" + "---|" * 6]
     for p in PROFILES.values():
         rates = " / ".join(f"{p.flops_per_s[k] / T:g}" for k in ("mx", "dense", "vector"))
