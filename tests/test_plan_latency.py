@@ -11,18 +11,23 @@ from dsv41.cli import run
 from dsv41.config import TINY, Topology
 from dsv41.graph.graph import Graph
 from dsv41.kernels.kinds import KINDS
-from dsv41.plan.latency import PARTS, step_latency
+from dsv41.plan.latency import FIXED_TERMS, PARTS, step_latency
+from dsv41.plan.launches import kernels
+from dsv41.plan.primitives import AlphaBeta, ByRanks
 from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
 from dsv41.plan.sizing import NodeCost
 from dsv41.plan.step import run_plan
 
 G, T = 1e9, 1e12
-# Round numbers so every case is worked by hand: 1 TB/s HBM at 50% (matmul), 100 TFLOPS dense at 50%.
+# Round numbers so every case is worked by hand: 1 TB/s HBM at 50% (matmul), 100 TFLOPS dense at 50%;
+# a collective costs 2 µs + bytes at 50 GB/s inside a node, 10 µs + bytes at 5 GB/s across nodes; an
+# all-to-all 30 µs (2 ranks) to 50 µs (8 ranks) + bytes at 50 / 5 GB/s.
+INTRA = Link(100 * G, 0.5, AlphaBeta(2.0, 50 * G), ByRanks(((2, AlphaBeta(30.0, 50 * G)), (8, AlphaBeta(50.0, 50 * G)))))
+INTER = Link(10 * G, 0.5, AlphaBeta(10.0, 5 * G), ByRanks(((2, AlphaBeta(40.0, 5 * G)),)))
 DEV = DeviceProfile(
     "test", "hand-worked", 64 * G, 1 * T, {"mx": 200 * T, "dense": 100 * T, "vector": 10 * T},
-    {"matmul": (0.5, 0.5), "gather": (0.25, 0.5), "vector": (0.5, 0.5)},
-    Link(100 * G, 0.5, 2.0), Link(10 * G, 0.5, 10.0), 2,
-    launch_us=1.0, host_launch_us=4.0, graph_launch_us=20.0, host_step_us=30.0)
+    {"matmul": (0.5, 0.5), "gather": (0.25, 0.5), "vector": (0.5, 0.5)}, INTRA, INTER, 2,
+    launch_us=1.0, host_launch_us=4.0, graph_launch_us=20.0, host_step_us=30.0, token_sync_us=0.0)
 
 
 def cost(read=0, written=0, flops=None, link=0) -> NodeCost:
@@ -37,12 +42,15 @@ def one_node(kernel: str, c: NodeCost):
 
 def test_kernel_at_the_bandwidth_bound():
     # 1 MB at 1 TB/s x 0.5 = 2 µs; 10 MFLOP dense at 100 TFLOPS x 0.5 = 0.2 µs: memory-bound
-    lat = one_node("attn.q_proj", cost(read=900_000, written=100_000, flops={"dense": 1e7}))
+    lat = one_node("norm.rms", cost(read=900_000, written=100_000, flops={"dense": 1e7}))
     p = lat.parts["n"]
     assert p.bound == "memory" and p.body == pytest.approx(2.0) and p.launch == 1.0 and p.collectives == 0
     assert lat.step_us == pytest.approx(30 + 20 + 1 + 2)      # host step, graph replay, launch, body
-    assert lat.on_path() == pytest.approx({"compute": 0, "memory": 2.0, "launch": 1.0, "collectives": 0,
+    assert lat.on_path() == pytest.approx({"compute": 0, "memory": 2.0, "launch": 1.0, "sync": 0, "collectives": 0,
                                            "host": 50.0, "idle": 0})
+    # a projection is several kernels in a real stack (quant + GEMM, norm, quant + GEMM): 5 launch gaps
+    assert kernels("attn.q_proj") == 5
+    assert one_node("attn.q_proj", cost(read=1)).parts["n"].launch == pytest.approx(5 * 1.0)
 
 
 def test_kernel_at_the_compute_bound():
@@ -65,20 +73,36 @@ def all_gather(cards, link_bytes):
 
 
 def test_all_gather_of_known_size_on_known_links():
-    # 4 cards each contributing 1 MB: a card receives 3 MB over a ring of 3 steps
     mb = 1_000_000
-    # cards 0, 1 share a node (2 per node), cards 2, 3 do not: the ring runs on the inter-node link
-    inter = all_gather([0, 1, 2, 3], 3 * mb).collectives
-    assert inter == pytest.approx(3 * 10.0 + 3 * mb / (10 * G * 0.5) * 1e6)      # 30 + 600 µs
-    intra = all_gather([0, 1], mb).collectives
-    assert intra == pytest.approx(1 * 2.0 + mb / (100 * G * 0.5) * 1e6)           # 2 + 20 µs
-    mesh = replace(DEV, intra=Link(100 * G, 0.5, 2.0, "mesh"), cards_per_node=4)
+    # cards 0, 1 share a node (2 per node), cards 2, 3 do not: the call runs on the inter-node link
+    inter = all_gather([0, 1, 2, 3], 3 * mb)
+    assert (inter.sync, inter.collectives) == pytest.approx((10.0, 3 * mb / (5 * G) * 1e6))      # 10 + 600 µs
+    intra = all_gather([0, 1], mb)
+    assert (intra.sync, intra.collectives) == pytest.approx((2.0, mb / (50 * G) * 1e6))           # 2 + 20 µs
+    g = Graph("decode")
+    for c in range(2):
+        g.add(f"x@c{c}", "norm.rms", (), c)
+    g.add("ar", "tp.all_reduce", ["x@c0", "x@c1"], 0)
+    lat = step_latency(g, {k: cost(link=mb if k == "ar" else 0) for k in g.nodes}, DEV)
+    assert lat.parts["ar"].sync == pytest.approx(2 * 2.0)      # reduce-scatter + all-gather: two calls
+
+
+def test_all_to_all_alpha_by_rank_count_and_imbalance():
+    # 4 intra-node cards (4 per node): 4 ranks sit halfway (log2) between the 2- and 8-rank fits
+    dev = replace(DEV, cards_per_node=4)
     g = Graph("decode")
     for c in range(4):
-        g.add(f"x@c{c}", "norm.rms", (), c)
-    g.add("ag", "tp.all_gather", [f"x@c{r}" for r in range(4)], 0)
-    lat = step_latency(g, {k: cost(link=3 * mb if k == "ag" else 0) for k in g.nodes}, mesh)
-    assert lat.parts["ag"].collectives == pytest.approx(2.0 + 3 * mb / (50 * G) * 1e6)   # one step on a mesh
+        g.add(f"d@c{c}", "moe.dispatch", (), c)
+    g.add("e", "moe.experts", [f"d@c{c}" for c in range(4)], 0)
+    mb = 1_000_000
+    costs = {k: cost(link=3 * mb if k == "e" else 0, flops={"mx": 1e9} if k == "e" else None) for k in g.nodes}
+    p = step_latency(g, costs, dev).parts["e"]
+    assert p.sync == pytest.approx(30.0 + (50.0 - 30.0) * (2 - 1) / (3 - 1))                 # 40 µs
+    assert p.collectives == pytest.approx(3 * mb / (50 * G) * 1e6)                             # 60 µs
+    assert p.body == pytest.approx(1e9 / (100 * T) * 1e6)                                      # 10 µs
+    heavy = step_latency(g, costs, dev, imbalance=1.5).parts["e"]
+    assert heavy.collectives == pytest.approx(1.5 * p.collectives) and heavy.body == pytest.approx(1.5 * p.body)
+    assert heavy.sync == p.sync
 
 
 def test_two_card_critical_path_with_a_wait():
@@ -109,11 +133,19 @@ def test_eager_dispatch_starves_short_kernels():
         prev = (g.add(f"n{i}", "norm.rms", prev, 0),)
     costs = dict.fromkeys(g.nodes, cost(read=500_000))     # 1 µs body + 1 µs launch < 4 µs host issue
     graph_mode, eager = step_latency(g, costs, DEV, "graph"), step_latency(g, costs, DEV, "eager")
+    synced = step_latency(g, costs, replace(DEV, token_sync_us=7.0))
+    assert synced.step_us == pytest.approx(graph_mode.step_us + 7.0) and synced.on_path()["sync"] == 7.0
     assert graph_mode.step_us == pytest.approx(50 + 10 * 2)
     assert eager.step_us == pytest.approx(30 + 10 * 4 + 2)     # the last issue at 70 µs, then its 2 µs
     assert eager.on_path()["host"] == pytest.approx(70.0)
     with pytest.raises(ValueError, match="--dispatch"):
         step_latency(g, costs, DEV, "lazy")
+    with pytest.raises(ValueError, match="unknown terms"):
+        step_latency(g, costs, DEV, scale={"hops": 2})
+    # every fixed cost scales the step in its own direction: halving never lengthens it
+    for term in FIXED_TERMS:
+        half, double = (step_latency(g, costs, DEV, "eager", 1.2, {term: k}).step_us for k in (0.5, 2))
+        assert half <= eager.step_us <= double
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +179,11 @@ def test_every_constant_cites_its_source():
         assert all(len(text) > 20 for text in p.sources.values())
         assert set(p.efficiency) == {"matmul", "gather", "vector"}
         assert all(0 < f <= 1 for pair in p.efficiency.values() for f in pair)
-        assert 0 < p.intra.efficiency <= 1 and 0 < p.inter.efficiency <= 1
+        for link in (p.intra, p.inter):
+            assert 0 < link.efficiency <= 1 and link.collective.alpha_us > 0
+            # the fitted beta is a bandwidth the link can carry, not more than its peak
+            assert 0 < link.collective.bytes_per_s <= link.bytes_per_s * 1.01
+            assert all(0 < ab.bytes_per_s <= max(link.bytes_per_s, 200 * G) for _, ab in link.a2a.fits)
 
 
 def test_cli_plan_json_carries_prediction_and_breakdown(capsys, tmp_path, monkeypatch):
@@ -162,3 +198,26 @@ def test_cli_plan_json_carries_prediction_and_breakdown(capsys, tmp_path, monkey
         run.main(["--config", "tiny", "--dispatch", "eager"])      # a --plan option
     with pytest.raises(SystemExit):
         run.main(["--config", "tiny", "--plan", "--device-profile", "tpu-v5"])
+
+
+def test_cli_explain_and_a_profile_file(capsys, tmp_path, monkeypatch):
+    """--device-profile FILE times the plan with the user's constants; --explain prints and returns the
+    sensitivity of the step to every fixed cost; a bad field is one usage line naming it."""
+    monkeypatch.chdir(tmp_path)
+    base = ["--config", "tiny", "--plan", "--tp", "2", "--dp", "1", "--batch", "2", "--context", "256", "--json"]
+    assert run.main(base + ["--device-profile", "a3"]) == 0
+    builtin = json.loads(capsys.readouterr().out)["plan"]
+    (tmp_path / "slow.toml").write_text('base = "a3"\nlaunch_us = 40.0\n')
+    assert run.main(base + ["--device-profile", "slow.toml", "--explain"]) == 0
+    mine = json.loads(capsys.readouterr().out)["plan"]
+    assert mine["predicted_step_us"] > builtin["predicted_step_us"]   # a slower launch gap, nothing else
+    terms = {r["term"]: r for r in mine["sensitivity"]}
+    assert set(terms) == set(FIXED_TERMS)
+    assert terms["launch"]["half_us"] < mine["predicted_step_us"] < terms["launch"]["double_us"]
+    (tmp_path / "bad.toml").write_text('base = "a3"\nlaunch_us = -1\n')
+    with pytest.raises(SystemExit) as e:
+        run.main(base + ["--device-profile", "bad.toml"])
+    assert e.value.code == 2
+    assert "--device-profile: bad.toml: launch_us: must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run.main(["--config", "tiny", "--explain"])                 # a --plan option

@@ -7,13 +7,16 @@ capacity contract).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from dsv41.cli.args import on
 from dsv41.cli.modes import ALL, GRAPH_OR_PLAN, PLAN
 from dsv41.cli.trace import tracing_on
+from dsv41.plan.explain import explain_lines, sensitivity
 from dsv41.plan.latency import DISPATCH, PARTS
 from dsv41.plan.profiles import PROFILES
+from dsv41.plan.roofline import profile
 from dsv41.plan.step import rows_per_request, run_plan
 from dsv41.telemetry.export import write_traces
 from dsv41.telemetry.session import DEFAULT_PROFILE
@@ -25,9 +28,13 @@ def add_arguments(g):
                    help="build the step's graph at full scale on meta tensors and report HBM and predicted latency; "
                         "--batch requests are spread evenly over the DP groups")
     g.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default: the config's max)")
-    g.add_argument("--device-profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                   help="--plan or traced runs: the device whose cited constants time the plan and traced nodes "
-                        "(dsv41/plan/profiles.py; default: %(default)s)")
+    g.add_argument("--device-profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
+                   help=f"--plan or traced runs: the device whose cited constants time the plan and traced nodes: "
+                        f"a built-in profile {sorted(PROFILES)} (dsv41/plan/profiles.py) or your own .json/.toml "
+                        f"profile file (docs/plan-validation.md; default: %(default)s)")
+    g.add_argument("--explain", action="store_true",
+                   help="--plan: the predicted step with each fixed cost halved and doubled (which assumption the "
+                        "answer rests on)")
     g.add_argument("--dispatch", choices=DISPATCH, default="graph",
                    help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
 
@@ -36,6 +43,7 @@ APPLIES = {
     "--plan": (ALL, None),
     "--context": (frozenset({PLAN}), None),
     "--dispatch": (frozenset({PLAN}), None),
+    "--explain": (frozenset({PLAN}), None),
     "--device-profile": (GRAPH_OR_PLAN, ("needs --trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
                                          lambda a: a.plan or tracing_on(a))),
 }
@@ -49,7 +57,15 @@ def _context(a, cfg):
         return f"must be in [{low}, {top}] tokens per request {on(a, cfg)}, got {a.context}"
 
 
-CHECKS = [("--context", _context)]
+def _device_profile(a, cfg):
+    """A built-in name or a profile file, loaded and validated field by field before any work."""
+    try:
+        profile(a.device_profile)
+    except ValueError as e:
+        return str(e).removeprefix("--device-profile").lstrip(": ")
+
+
+CHECKS = [("--context", _context), ("--device-profile", _device_profile)]
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -92,6 +108,11 @@ def plan_report(args, cfg, topo, say) -> dict:
         f"{report['tokens_per_s']:.0f} tokens/s in total (one token per request per step)")
     say(f"  roofline {report['roofline_step_us'] / 1e3:.2f} ms, memory-bound floor {report['floor_us'] / 1e3:.2f} ms")
     say(f"  critical path (ms): {_parts(report['breakdown_us'])}")
+    if args.explain:
+        rows = sensitivity(planned)
+        for line in explain_lines(rows, report["predicted_step_us"]):
+            say(line)
+        report["sensitivity"] = [dataclasses.asdict(r) for r in rows]
     for c in report["cards"]:
         say(f"  card {c['card']} (ms): {_parts(c['breakdown_us'])}")
     say(f"  simulated timeline: {report['traces']['perfetto']}")

@@ -1,55 +1,76 @@
 """What a deployment takes per step, not only its roofline: a latency model on the planned graph.
 
-Every node is a kernel: a fixed launch gap, then the time its bytes cross the links (collectives and
-all-to-all receives, alpha-beta), then its body, max(bytes / achievable bandwidth, FLOPs / achievable
+Every node is a kernel group: the launch gaps of the kernels a serving stack runs for it
+(``dsv41.plan.launches``), then, if it receives bytes from other cards, the fixed cost of that
+primitive (``sync``: its alpha, the device-side wait of the hand-off) and the time its bytes take
+(``collectives``: bytes / beta), then its body, max(bytes / achievable bandwidth, FLOPs / achievable
 rate), where "achievable" is the profile's fraction for the node kind's latency class
-(``NodeKind.latency``). Links:
+(``NodeKind.latency``). The primitives are
+fit to microbenchmarks (``dsv41.plan.primitives``, cited in the profiles):
 
-- ``tp.all_gather`` / ``tp.reduce_scatter`` (and the exact owner all-reduce, an all-gather): a ring of
-  p-1 steps, or one step on a full mesh; ``tp.all_reduce``: reduce-scatter then all-gather, twice that;
-- every other node that receives bytes from peers (``moe.experts`` dispatch, ``moe.combine``,
-  ``lm_head.argmax``): pairwise all-to-all, one step per peer; intra- and inter-node peers run on
-  their own links at once, the bytes split by the peer count on each.
+- ``tp.all_gather`` / ``tp.reduce_scatter`` (and the exact owner all-reduce, an all-gather), and
+  every other gather (``lm_head.argmax``): one collective call; ``tp.all_reduce``: two alphas
+  (reduce-scatter then all-gather);
+- ``moe.experts`` (the dispatch receive) and ``moe.combine``: one all-to-all call over the EP ranks
+  taking part, its alpha by that rank count; intra- and inter-node peers on their own links at once.
 
-Each step costs one hop latency; the bytes cross at the link's achievable bandwidth. The link is
-inter-node when any peer sits on another node (cards are numbered node by node).
+The link is inter-node when any peer sits on another node (cards are numbered node by node). MoE
+load imbalance: the busiest EP rank receives ``imbalance`` times the mean (token, expert) pairs, so
+every card's expert compute and dispatch/combine bytes are scaled by it (the step waits on the
+busiest at the combine).
 
 Host: a per-step cost before any kernel can start, then either one graph replay (``graph``: every
 kernel is queued ahead) or one issue per kernel in each card's order (``eager``: a kernel cannot
-start before the host has issued it). The step is the simulated makespan; its breakdown is taken
-along the critical path (which waits on nothing, so it has no idle), and per card along its own
-timeline (where idle is time spent waiting on peers).
+start before the host has issued it); after the last kernel, the sampled tokens' sync to the host.
+The step is the simulated makespan plus that sync; its breakdown is taken along the critical path
+(which waits on nothing, so it has no idle), and per card along its own timeline (where idle is time
+spent waiting on peers).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
 
-from dsv41.graph.graph import COLLECTIVES
 from dsv41.kernels.kinds import KINDS
+from dsv41.plan.launches import kernels
 from dsv41.plan.roofline import critical_path, simulate
 
-PARTS = ("compute", "memory", "launch", "collectives", "host", "idle")
+PARTS = ("compute", "memory", "launch", "sync", "collectives", "host", "idle")
 DISPATCH = ("graph", "eager")
+ALL_TO_ALL = ("moe.experts", "moe.combine")
+# Fixed costs the sensitivity table varies: what each scales.
+FIXED_TERMS = {
+    "launch": "device gap per kernel (launch_us)",
+    "kernels": "kernels per node (dsv41/plan/launches.py)",
+    "collective": "TP collective alpha (small-message floor)",
+    "a2a": "dispatch/combine alpha per call",
+    "host": "host work per step and graph replay / eager issue",
+    "token_sync": "sampled-token sync per step",
+    "imbalance": "MoE load imbalance (the excess over 1)",
+}
 
 
 @dataclass(frozen=True)
 class Parts:
-    """One node's time, in the order it is spent: launch, collectives, then the body."""
+    """One node's time, in the order it is spent: launch, the hand-off's fixed cost (sync), its
+    bytes (collectives), then the body."""
     launch: float
     collectives: float
     body: float
     bound: str            # "compute" or "memory": what limits the body
+    sync: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.launch + self.collectives + self.body
+        return self.launch + self.sync + self.collectives + self.body
 
 
-def body_us(cost, dev, klass: str) -> tuple[float, str]:
+def body_us(cost, dev, klass: str, load: float = 1.0) -> tuple[float, str]:
+    """``load`` scales the FLOPs (the busiest rank's share of the routed pairs); the weight bytes a
+    card reads do not grow with it."""
     bw_frac, rate_frac = dev.efficiency[klass]
     memory = (cost.bytes_read + cost.bytes_written) / (dev.hbm_bytes_per_s * bw_frac)
-    compute = sum(f / (dev.flops_per_s[kind] * rate_frac) for kind, f in cost.flops.items())
+    compute = load * sum(f / (dev.flops_per_s[kind] * rate_frac) for kind, f in cost.flops.items())
     return max(memory, compute) * 1e6, ("compute" if compute > memory else "memory")
 
 
@@ -59,47 +80,54 @@ def peers(node, graph) -> list[int]:
     return sorted(cards - {node.card})
 
 
-def link_us(node, link_bytes: int, others: list[int], dev) -> float:
-    """Alpha-beta time of the bytes a node receives from ``others``."""
+def link_us(node, link_bytes: float, others: list[int], dev, scale: dict | None = None) -> tuple[float, float]:
+    """(fixed cost, bytes time) in µs of what a node receives from ``others``."""
     if not link_bytes or not others:
-        return 0.0
+        return 0.0, 0.0
+    scale = scale or {}
     home = node.card // dev.cards_per_node
     remote = [c for c in others if c // dev.cards_per_node != home]
-    if node.kernel in COLLECTIVES:
-        link = dev.inter if remote else dev.intra
-        steps = len(others) if link.algorithm == "ring" else 1
-        if node.kernel == "tp.all_reduce" and "owners" not in node.attrs:
-            steps *= 2
-        return steps * link.hop_us + link_bytes / link.achievable * 1e6
+    if node.kernel not in ALL_TO_ALL:
+        prim = (dev.inter if remote else dev.intra).collective
+        calls = 2 if node.kernel == "tp.all_reduce" and "owners" not in node.attrs else 1
+        return calls * prim.alpha_us * scale.get("collective", 1.0), link_bytes / prim.bytes_per_s * 1e6
+    ranks = len(others) + 1
+    alpha = (dev.inter if remote else dev.intra).a2a.at(ranks).alpha_us * scale.get("a2a", 1.0)
     local = len(others) - len(remote)
-    times = [n * link.hop_us + link_bytes * n / len(others) / link.achievable * 1e6
+    times = [link_bytes * n / len(others) / link.a2a.at(ranks).bytes_per_s * 1e6
              for n, link in ((local, dev.intra), (len(remote), dev.inter)) if n]
-    return max(times)
+    return alpha, max(times)
 
 
-def node_parts(graph, costs, dev) -> dict[str, Parts]:
+def node_parts(graph, costs, dev, imbalance: float = 1.0, scale: dict | None = None) -> dict[str, Parts]:
+    scale = scale or {}
+    gap = dev.launch_us * scale.get("launch", 1.0)
+    per_node = scale.get("kernels", 1.0)
+    load = 1.0 + (imbalance - 1.0) * scale.get("imbalance", 1.0)
     parts = {}
     for key, node in graph.nodes.items():
         cost = costs[key]
-        body, bound = body_us(cost, dev, KINDS[node.kernel].latency)
-        parts[key] = Parts(dev.launch_us, link_us(node, cost.link, peers(node, graph), dev), body, bound)
+        moe = node.kernel in ALL_TO_ALL
+        body, bound = body_us(cost, dev, KINDS[node.kernel].latency, load if node.kernel == "moe.experts" else 1.0)
+        sync, wire = link_us(node, cost.link * (load if moe else 1.0), peers(node, graph), dev, scale)
+        parts[key] = Parts(gap * kernels(node.kernel) * per_node, wire, body, bound, sync)
     return parts
 
 
-def release_times(graph, dev, dispatch: str) -> dict[str, float]:
+def release_times(graph, dev, dispatch: str, host_scale: float = 1.0) -> dict[str, float]:
     """When the host has issued each node: after the step's host work, one graph replay, or one
-    eager issue per kernel in the card's order."""
+    eager issue per kernel the node launches, in the card's order."""
     if dispatch not in DISPATCH:
         raise ValueError(f"--dispatch: must be one of {list(DISPATCH)}, got {dispatch!r}")
     if dispatch == "graph":
-        start = dev.host_step_us + dev.graph_launch_us
+        start = (dev.host_step_us + dev.graph_launch_us) * host_scale
         return dict.fromkeys(graph.nodes, start)
-    issued = defaultdict(lambda: dev.host_step_us)
+    issued = defaultdict(lambda: dev.host_step_us * host_scale)
     release = {}
     for key in graph.topo_order():
-        card = graph.nodes[key].card
-        issued[card] += dev.host_launch_us
-        release[key] = issued[card]
+        node = graph.nodes[key]
+        issued[node.card] += dev.host_launch_us * host_scale * kernels(node.kernel)
+        release[key] = issued[node.card]
     return release
 
 
@@ -109,18 +137,26 @@ class StepLatency:
     times: dict            # node key -> (start, end) µs
     release: dict          # node key -> issue time µs
     path: list             # critical path, node keys
+    token_sync_us: float = 0.0   # after the last kernel: the sampled tokens reach the host
+
+    @property
+    def kernels_end_us(self) -> float:
+        return max(end for _, end in self.times.values())
 
     @property
     def step_us(self) -> float:
-        return max(end for _, end in self.times.values())
+        return self.kernels_end_us + self.token_sync_us
 
     def on_path(self) -> dict[str, float]:
-        """The step split along the critical path: host before its first node, then each node's parts."""
+        """The step split along the critical path: host before its first node, then each node's
+        parts, then the token sync (counted as sync)."""
         out = dict.fromkeys(PARTS, 0.0)
         out["host"] = self.times[self.path[0]][0]
+        out["sync"] = self.token_sync_us
         for key in self.path:
             p = self.parts[key]
             out["launch"] += p.launch
+            out["sync"] += p.sync
             out["collectives"] += p.collectives
             out[p.bound] += p.body
         return out
@@ -128,23 +164,26 @@ class StepLatency:
     def per_card(self, graph) -> dict[int, dict[str, float]]:
         """Each card's step time split by what it is doing: a moment counts once, for the most
         useful thing running (compute, memory, collectives, launch, in that order); a gap is host when
-        the next kernel waited for its issue, else idle (waiting on peers)."""
+        the next kernel waited for its issue, else idle (waiting on peers); every card waits out the
+        token sync at the end."""
         by_card = defaultdict(list)
         for key in self.times:
             by_card[graph.nodes[key].card].append(key)
-        end = self.step_us
-        return {c: _card_breakdown(keys, self.parts, self.times, self.release, end)
-                for c, keys in sorted(by_card.items())}
+        out = {}
+        for c, keys in sorted(by_card.items()):
+            out[c] = _card_breakdown(keys, self.parts, self.times, self.release, self.kernels_end_us)
+            out[c]["sync"] += self.token_sync_us
+        return out
 
 
-_PRIORITY = ("compute", "memory", "collectives", "launch")
+_PRIORITY = ("compute", "memory", "collectives", "sync", "launch")
 
 
 def _card_breakdown(keys, parts, times, release, step_end: float) -> dict[str, float]:
     intervals = []   # (start, end, category)
     for k in keys:
         p, t = parts[k], times[k][0]
-        for cat, d in (("launch", p.launch), ("collectives", p.collectives), (p.bound, p.body)):
+        for cat, d in (("launch", p.launch), ("sync", p.sync), ("collectives", p.collectives), (p.bound, p.body)):
             if d > 0:
                 intervals.append((t, t + d, cat))
             t += d
@@ -170,9 +209,16 @@ def _card_breakdown(keys, parts, times, release, step_end: float) -> dict[str, f
     return out
 
 
-def step_latency(graph, costs, dev, dispatch: str = "graph") -> StepLatency:
-    parts = node_parts(graph, costs, dev)
-    release = release_times(graph, dev, dispatch)
+def step_latency(graph, costs, dev, dispatch: str = "graph", imbalance: float = 1.0,
+                 scale: dict | None = None) -> StepLatency:
+    """``scale``: fixed-cost term (a key of FIXED_TERMS) -> multiplier, for the sensitivity table."""
+    scale = scale or {}
+    unknown = set(scale) - set(FIXED_TERMS)
+    if unknown:
+        raise ValueError(f"scale: unknown terms {sorted(unknown)}; allowed {list(FIXED_TERMS)}")
+    parts = node_parts(graph, costs, dev, imbalance, scale)
+    release = release_times(graph, dev, dispatch, scale.get("host", 1.0))
     times = simulate(graph, {k: p.total for k, p in parts.items()}, release)
-    return StepLatency(parts, times, release, critical_path(graph, times))
+    return StepLatency(parts, times, release, critical_path(graph, times),
+                       dev.token_sync_us * scale.get("token_sync", 1.0))
 

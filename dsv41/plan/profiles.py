@@ -15,21 +15,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsv41.plan.primitives import AlphaBeta, ByRanks, Point, fit
+
 T, P, G = 1e12, 1e15, 1e9
+MIB = 1 << 20
 CONSTANTS = ("hbm_bytes", "hbm_bytes_per_s", "flops_per_s", "efficiency", "intra", "inter", "cards_per_node",
-             "launch_us", "host_launch_us", "graph_launch_us", "host_step_us")
+             "launch_us", "host_launch_us", "graph_launch_us", "host_step_us", "token_sync_us")
 
 
 @dataclass(frozen=True)
 class Link:
-    """One class of link as a card sees it: peak bytes per second one direction, the fraction a
-    collective achieves, the latency of one step (hop), and how a TP collective runs on it:
-    ``ring`` (p-1 steps to one neighbour, switched fabrics) or ``mesh`` (every peer at once over
-    point-to-point links, one step)."""
+    """One class of link as a card sees it: peak bytes per second one direction (the roofline's
+    link) and the fraction a transfer achieves, then the two primitives fit to microbenchmarks on
+    it: one TP collective call (``collective``) and one MoE dispatch or combine call by the number
+    of EP ranks taking part (``a2a``)."""
     bytes_per_s: float
     efficiency: float
-    hop_us: float
-    algorithm: str = "ring"
+    collective: AlphaBeta
+    a2a: ByRanks
 
     @property
     def achievable(self) -> float:
@@ -50,7 +53,8 @@ class DeviceProfile:
     launch_us: float           # device-side gap per kernel
     host_launch_us: float      # host time to issue one kernel, eager launch
     graph_launch_us: float     # host time to replay one captured step graph
-    host_step_us: float        # host work per step the device waits for (scheduling, sampling sync)
+    host_step_us: float        # host work per step before the first kernel (scheduling, input copy)
+    token_sync_us: float       # the sampled tokens' copy to the host and its wait, at the end of a step
     sources: dict = field(default_factory=dict)   # constant -> where it comes from
 
     @property
@@ -81,21 +85,67 @@ _HOST_LAUNCH = ("assumption: 5 us of host time per eager launch from a Python se
 _GRAPH_LAUNCH = "assumption: 20 us to replay one captured decode graph (one host call per step)"
 _HOST_STEP = ("assumption: 100 us per step: with an overlap scheduler (SGLang v0.4 'zero-overhead batch scheduler', "
               "lmsys.org/blog/2024-12-04-sglang-v0-4; TensorRT-LLM overlap scheduler docs) step n+1 is scheduled "
-              "while step n runs, leaving the sampled-token sync and input copy")
+              "while step n runs, leaving the input copy and the metadata update before its first kernel")
+_TOKEN_SYNC = ("assumption: 20 us at the end of every step for the sampled tokens: a device-to-host copy of a few "
+               "bytes and the host's wait on it, which the next step's inputs depend on (the order of one small "
+               "cudaMemcpy plus an event synchronisation; no public microbenchmark of this pair found)")
 _NVLINK4 = "NVLink 4: 900 GB/s per GPU both directions together (NVIDIA H100/H200/H20 datasheets) -> 450 GB/s one way"
 _NVLINK_EFF = ("DeepEP README (github.com/deepseek-ai/DeepEP, legacy V1 table): intranode EP8 dispatch/combine reach "
                "153/158 GB/s on H800 NVLink (200 GB/s one way) -> 0.77")
-_NVLINK_HOP = ("assumption: 3 us per ring step (NCCL LL-protocol small-message latency on NVSwitch is a few us; "
-               "no single published per-hop figure)")
+_NCCL_NVSWITCH = ("nccl-tests alltoall_perf on one 8x H20 HGX node (NVLink 4 through NVSwitch), as posted in "
+                  "github.com/deepseek-ai/DeepEP/issues/303: 128 B 10.59 us, 1 KB 10.80 us, 4 KB 11.13 us; with a "
+                  "64 MiB point at the link's achievable bandwidth (above) the fit gives the small-message floor "
+                  "(alpha) and the bandwidth (beta). assumption: an all-gather or reduce-scatter call over the "
+                  "TP group has the same floor as this all-to-all on the same fabric (NCCL's LL protocol sets both)")
+_NVSWITCH_POINTS = (Point(128, 10.59), Point(1024, 10.80), Point(4096, 11.13))
+_DEEPEP_LL = ("DeepEP V1 low-latency kernels on H800 + CX7 400 Gb/s (github.com/deepseek-ai/DeepEP docs/legacy.md, "
+              "'Low-latency kernels with pure RDMA' table; 128 tokens per batch, 7168 hidden, top-8, FP8 dispatch, "
+              "BF16 combine): dispatch/combine per call 77/114 us at EP8, 118/195 at EP16, 155/273 at EP32, 173/314 "
+              "at EP64, 192/369 at EP128, 194/360 at EP256, with the bandwidth column giving each call's bytes "
+              "(time x bandwidth); per EP size, the dispatch and the combine point (about 2x the bytes) fit alpha "
+              "and beta")
+# EP -> (dispatch us, GB/s), (combine us, GB/s)
+_DEEPEP_LL_TABLE = {8: ((77, 98), (114, 127)), 16: ((118, 63), (195, 74)), 32: ((155, 48), (273, 53)),
+                    64: ((173, 43), (314, 46)), 128: ((192, 39), (369, 39)), 256: ((194, 39), (360, 40))}
+_NCCL_IB = ("NCCL's own latency model for a small all-reduce across H100 nodes (its tuner's predicted time, printed "
+            "in github.com/NVIDIA/nccl/issues/1453): 4 KB 25.87 us, 8 KB 26.55 us; with a 64 MiB point at the "
+            "link's achievable bandwidth")
+_IB_POINTS = (Point(4096, 25.87), Point(8192, 26.55))
 _CX7 = ("one ConnectX-7 400 Gb/s NIC per GPU (HGX reference design) = 50 GB/s; DeepEP legacy table: 46 GB/s of "
         "~50 GB/s achieved by its low-latency RDMA kernels on H800 + CX7 -> 0.9")
-_IB_HOP = "assumption: 5 us per step across InfiniBand (RDMA write + completion through one switch)"
 
+
+def _per_call(table: dict) -> tuple:
+    """EP -> the (bytes, us) points of one dispatch and one combine call, from time and bandwidth."""
+    return tuple((ep, tuple(Point(us * gbps * 1e3, us) for us, gbps in calls)) for ep, calls in sorted(table.items()))
+
+
+def _link(peak: float, efficiency: float, small_points: tuple, a2a_table: dict) -> Link:
+    """A link whose two primitives are fit to the cited points; the achievable bandwidth supplies the
+    large-message point of the collective and the fallback slope (see ``primitives.fit``)."""
+    achievable = peak * efficiency
+    big = Point(64 * MIB, 64 * MIB / achievable * 1e6)
+    a2a = ByRanks(tuple((ep, fit(pts, achievable)) for ep, pts in _per_call(a2a_table)))
+    return Link(peak, efficiency, fit(small_points + (big,), achievable), a2a)
+
+
+def _borrowed(link: Link, peak: float, efficiency: float) -> Link:
+    """Another part's fitted alphas (where this part has no table of its own), the bytes crossing at
+    this link's achievable bandwidth."""
+    beta = peak * efficiency
+    return Link(peak, efficiency, AlphaBeta(link.collective.alpha_us, beta),
+                ByRanks(tuple((ep, AlphaBeta(ab.alpha_us, beta)) for ep, ab in link.a2a.fits)))
+
+
+_LL_NOTE = ("; assumption: a decode dispatch or combine call on this link costs what DeepEP's low-latency call costs "
+            "at the same EP size (alpha), its bytes crossing at the fitted beta")
 _HOPPER = {
-    "efficiency": _EFFICIENCY_SRC, "inter": f"{_CX7}; hop: {_IB_HOP}", "cards_per_node": "8 GPUs per HGX board (NVIDIA HGX H100/H200 reference design)",
-    "intra": f"{_NVLINK4}; efficiency: {_NVLINK_EFF}; hop: {_NVLINK_HOP}"}
-_NVLINK = Link(450 * G, 0.77, 3.0)
-_IB = Link(50 * G, 0.9, 5.0)
+    "efficiency": _EFFICIENCY_SRC, "cards_per_node": "8 GPUs per HGX board (NVIDIA HGX H100/H200 reference design)",
+    "inter": f"{_CX7}; collective: {_NCCL_IB}; dispatch/combine: {_DEEPEP_LL}",
+    "intra": f"{_NVLINK4}; efficiency: {_NVLINK_EFF}; collective: {_NCCL_NVSWITCH}; dispatch/combine: {_DEEPEP_LL}"
+             + _LL_NOTE}
+_NVLINK = _link(450 * G, 0.77, _NVSWITCH_POINTS, _DEEPEP_LL_TABLE)
+_IB = _link(50 * G, 0.9, _IB_POINTS, _DEEPEP_LL_TABLE)
 
 _CLOUDMATRIX = ("Zuo et al., 'Serving Large Language Models on Huawei CloudMatrix384' (arXiv 2506.12708): Ascend 910C "
                 "= two dies, 752 TFLOPS BF16 and 128 GB HBM at 3.2 TB/s per package (so per die 376 TFLOPS, 64 GB, "
@@ -103,14 +153,22 @@ _CLOUDMATRIX = ("Zuo et al., 'Serving Large Language Models on Huawei CloudMatri
                 "non-blocking across the 384-NPU supernode")
 _SGL_NPU = ("sgl-kernel-npu README (DeepEP-style dispatch/combine on Ascend A3): intranode EP8 102/152 GB/s, "
             "internode EP16 87/121 GB/s, of 196 GB/s per die -> 0.6")
-_UB_HOP = ("assumption: 2 us per step; the CloudMatrix384 descriptions give sub-microsecond switch latency, "
-           "to which a collective step adds a synchronisation")
+_SGL_NPU_LL = ("sgl-kernel-npu README (github.com/sgl-project/sgl-kernel-npu), 'Low-Latency Kernels with Pure HCCS' "
+               "on an A3 384 SuperPOD (128 tokens per batch, 7168 hidden, top-8, INT8 dispatch, BF16 combine): "
+               "dispatch/combine per call 132/126 us at EP8, 139/135 at EP16, 153/151 at EP32, bytes = time x the "
+               "bandwidth column; the combine moves twice the bytes in less time (dispatch also quantises), so the "
+               "slope is not pinned and the link's achievable bandwidth is taken as beta, alpha fit")
+_SGL_NPU_LL_TABLE = {8: ((132, 58), (126, 116)), 16: ((139, 55), (135, 109)), 32: ((153, 49), (151, 97))}
+_HCCL_FLOOR = ("assumption: no public HCCL small-message table found; the collective's floor is taken from "
+               f"NVSwitch ({_NCCL_NVSWITCH})")
 _A2 = ("assumption: an Ascend 910B is taken as one 910C die (same generation; CloudMatrix384 paper above): "
        "376 TFLOPS BF16, INT8 twice that, 64 GB at 1.6 TB/s. Public 910B figures disagree (256-376 TFLOPS FP16)")
 _HCCS = ("assumption: Atlas 800 A2 full mesh of HCCS links, 7 peers x 56 GB/s = 392 GB/s one way (commonly reported "
-         "figure, no datasheet found); mesh collectives; efficiency 0.6 as the Ascend dispatch benchmark above "
-         f"({_SGL_NPU}); hop 3 us assumed like NVLink")
-_ROCE_A2 = "assumption: one 200 Gb/s RoCE port per NPU (25 GB/s), 0.9 achieved and 5 us per step as InfiniBand"
+         "figure, no datasheet found); efficiency 0.6 as the Ascend dispatch benchmark above "
+         f"({_SGL_NPU}); collective: {_HCCL_FLOOR}; dispatch/combine: assumption: as A3, {_SGL_NPU_LL}")
+_ROCE_A2 = ("assumption: one 200 Gb/s RoCE port per NPU (25 GB/s), 0.9 achieved; collective and dispatch/combine "
+            f"as InfiniBand ({_NCCL_IB}; {_DEEPEP_LL})")
+_UB_NOTE = f"collective: {_HCCL_FLOOR}; dispatch/combine: {_SGL_NPU_LL}"
 _VEC_ASCEND = ("assumption: FP32 vector rate not published; taken as 1/16 of the BF16 cube rate "
                "(the vector units are a small part of a Da Vinci core)")
 
@@ -125,33 +183,36 @@ _A5 = {
                     "half the FP8 rate; FP32 vector rate not published, taken as 64 TFLOPS (an H200 has 67)"),
     "efficiency": _EFFICIENCY_ASCEND,
     "intra": ("2 TB/s interconnect per chip (Huawei Connect 2025, above), taken as one direction; efficiency 0.6 "
-              f"as Ascend A3 ({_SGL_NPU}); hop: {_UB_HOP}"),
+              f"as Ascend A3 ({_SGL_NPU}); assumption: the A3 primitives' alphas hold on A5; {_UB_NOTE}"),
     "inter": "assumption: the Atlas 950 SuperPoD extends the same UB fabric across nodes, so inter = intra",
     "cards_per_node": "assumption: 8 per node, like the A2/A3 servers"}
-_UB_A5 = Link(2.0 * T, 0.6, 2.0)
+_UB_A3 = _link(196 * G, 0.6, _NVSWITCH_POINTS, _SGL_NPU_LL_TABLE)
+_UB_A5 = _borrowed(_UB_A3, 2.0 * T, 0.6)
 
 
 def _profile(name, description, hbm, bw, rates, intra, inter, per_node, sources) -> DeviceProfile:
-    """Launch and host costs are the same assumptions on every device, cited here once."""
+    """Launch, host and token-sync costs are the same assumptions on every device, cited here once."""
     return DeviceProfile(name, description, hbm, bw, rates, _EFFICIENCY, intra, inter, per_node,
                          launch_us=2.0, host_launch_us=5.0, graph_launch_us=20.0, host_step_us=100.0,
+                         token_sync_us=20.0,
                          sources={**sources, "launch_us": _CUDA_GRAPHS, "host_launch_us": _HOST_LAUNCH,
-                                  "graph_launch_us": _GRAPH_LAUNCH, "host_step_us": _HOST_STEP})
+                                  "graph_launch_us": _GRAPH_LAUNCH, "host_step_us": _HOST_STEP,
+                                  "token_sync_us": _TOKEN_SYNC})
 
 
 PROFILES = {p.name: p for p in (
     _profile("a2", "Ascend 910B (Atlas 800 A2, 8 per node)", 64 * G, 1.6 * T,
              {"mx": 752 * T, "dense": 376 * T, "vector": 23.5 * T},
-             Link(392 * G, 0.6, 3.0, "mesh"), Link(25 * G, 0.9, 5.0), 8,
+             _borrowed(_UB_A3, 392 * G, 0.6), _link(25 * G, 0.9, _IB_POINTS, _DEEPEP_LL_TABLE), 8,
              {"hbm_bytes": _A2, "hbm_bytes_per_s": _A2, "flops_per_s": f"{_A2}; vector: {_VEC_ASCEND}",
               "efficiency": _EFFICIENCY_ASCEND, "intra": _HCCS, "inter": _ROCE_A2,
               "cards_per_node": "Atlas 800 A2: 8 NPUs (vLLM-Ascend DeepSeek-V4-Flash tutorial: 'Atlas 800 A2 (64G x 8)')"}),
     _profile("a3", "Ascend 910C die (Atlas 800 A3 / CloudMatrix384: 8 cards, 16 dies per node)", 64 * G, 1.6 * T,
              {"mx": 752 * T, "dense": 376 * T, "vector": 23.5 * T},
-             Link(196 * G, 0.6, 2.0), Link(196 * G, 0.6, 2.0), 16,
+             _UB_A3, _UB_A3, 16,
              {"hbm_bytes": _CLOUDMATRIX, "hbm_bytes_per_s": _CLOUDMATRIX,
               "flops_per_s": f"{_CLOUDMATRIX}; vector: {_VEC_ASCEND}", "efficiency": _EFFICIENCY_ASCEND,
-              "intra": f"{_CLOUDMATRIX}; efficiency: {_SGL_NPU}; hop: {_UB_HOP}",
+              "intra": f"{_CLOUDMATRIX}; efficiency: {_SGL_NPU}; {_UB_NOTE}",
               "inter": "the UB plane spans the supernode (paper above), so inter-node = intra-node",
               "cards_per_node": "8 Ascend 910C per node (paper above), two dies each"}),
     _profile("a5", "Ascend 950DT (A5-class, decode/training part)", 144 * G, 4.0 * T, _A5_RATES, _UB_A5, _UB_A5, 8,
@@ -171,7 +232,8 @@ PROFILES = {p.name: p for p in (
               "flops_per_s": "NVIDIA H100 SXM datasheet: FP8 3,958 / BF16 1,979 TFLOPS with sparsity (half dense); "
                              "FP32 67", **_HOPPER}),
     _profile("b200", "NVIDIA B200 (HGX, 8 per node)", 180 * G, 8.0 * T,
-             {"mx": 4500 * T, "dense": 2250 * T, "vector": 75 * T}, Link(900 * G, 0.77, 3.0), _IB, 8,
+             {"mx": 4500 * T, "dense": 2250 * T, "vector": 75 * T},
+             _link(900 * G, 0.77, _NVSWITCH_POINTS, _DEEPEP_LL_TABLE), _IB, 8,
              {"hbm_bytes": "NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 1,440 GB HBM3e and "
                            "64 TB/s over 8 GPUs -> 180 GB at 8 TB/s per GPU",
               "hbm_bytes_per_s": "NVIDIA DGX B200 datasheet (above)",
@@ -181,7 +243,8 @@ PROFILES = {p.name: p for p in (
               **_HOPPER, "efficiency": _EFFICIENCY_SRC + "; assumption: the Hopper fractions hold on Blackwell",
               "intra": "NVLink 5: 1.8 TB/s per GPU both directions (DGX B200 datasheet) -> 900 GB/s one way; "
                        "DeepEP V2 README: EP8 NVLink dispatch/combine 726/740 GB/s on SM100 -> 0.8, 0.77 kept as "
-                       f"Hopper; hop: {_NVLINK_HOP}"}),
+                       f"Hopper; collective: {_NCCL_NVSWITCH}; dispatch/combine: {_DEEPEP_LL}{_LL_NOTE}; "
+                       "assumption: NVLink 5 has NVLink 4's small-message floor and DeepEP's Hopper call costs"}),
     _profile("h20", "NVIDIA H20 (HGX, 8 per node)", 96 * G, 4.0 * T,
              {"mx": 296 * T, "dense": 148 * T, "vector": 44 * T}, _NVLINK, _IB, 8,
              {"hbm_bytes": "NVIDIA H20 product brief as reported by willitrunai.com/gpus/h20-96gb and "

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from dsv41.graph.graph import COLLECTIVES
+from dsv41.plan.profile_file import load_profile
 from dsv41.plan.profiles import PROFILES, DeviceProfile
 from dsv41.plan.sizing import NodeCost
 
@@ -19,9 +20,13 @@ STREAMS = ("compute", "comm")
 
 
 def profile(name: str) -> DeviceProfile:
-    if name not in PROFILES:
-        raise ValueError(f"--device-profile: must be one of {sorted(PROFILES)}, got {name!r}")
-    return PROFILES[name]
+    """A built-in profile by name, or an operator's own from a ``.json`` / ``.toml`` file."""
+    if name in PROFILES:
+        return PROFILES[name]
+    if name.endswith((".json", ".toml")):
+        return load_profile(name)
+    raise ValueError(f"--device-profile: must be one of {sorted(PROFILES)} or a .json / .toml profile file, "
+                     f"got {name!r}")
 
 
 def stream(kernel: str) -> str:

@@ -24,6 +24,7 @@ from dsv41.kernels.cost import nbytes
 from dsv41.kernels.kinds import KINDS
 from dsv41.ops import metadata as md_ops
 from dsv41.plan.latency import StepLatency, step_latency
+from dsv41.plan.primitives import moe_imbalance
 from dsv41.plan.roofline import node_us, profile, simulate
 from dsv41.plan.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
 from dsv41.plan.hbm import CardLedger, annotate
@@ -122,6 +123,8 @@ class PlannedStep:
     latency: StepLatency
     live_at: dict          # node key -> the card's (live, peak) HBM bytes when the node ends
     device: object
+    dispatch: str = "graph"
+    imbalance: float = 1.0
 
 
 def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiring: str = SHARDED,
@@ -137,7 +140,8 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     annotate(plan)
     costs = walk(graph, {c: CardContext(cfg, topo, c) for c in topo.cards})
     roofline = simulate(graph, {k: node_us(c, dev) for k, c in costs.items()})
-    latency = step_latency(graph, costs, dev, dispatch)
+    imbalance = moe_imbalance(topo.dp * requests * rows * cfg.num_experts_per_tok, topo.ep)
+    latency = step_latency(graph, costs, dev, dispatch, imbalance)
 
     per_request = request_cache_bytes(cfg, context)
     weights = {c: weights_by_kind(cfg, topo, c) for c in topo.cards}
@@ -165,7 +169,7 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
         "requests_per_dp_group": requests, "rows_per_dp_group": requests * rows, "context": context,
         "wiring": wiring, "cache_per_request_bytes": sum(per_request.values()),
         "cache_per_request_bf16_bytes": sum(request_cache_bytes(cfg, context, bf16=True).values()),
-        "device_profile": dev.name, "dispatch": dispatch, "predicted_step_us": step_us,
+        "device_profile": dev.name, "dispatch": dispatch, "predicted_step_us": step_us, "moe_imbalance": imbalance,
         "breakdown_us": latency.on_path(),
         "tokens_per_s_per_request": (tokens_per_step / requests) * 1e6 / step_us,
         "tokens_per_s": tokens_per_step * topo.dp * 1e6 / step_us,
@@ -173,4 +177,4 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
         "floor_us": max(moved.values()) / dev.hbm_bytes_per_s * 1e6,
         "critical_path_us_by_kernel": dict(on_path.most_common()),
     }
-    return report, PlannedStep(plan, costs, latency, live_at, dev)
+    return report, PlannedStep(plan, costs, latency, live_at, dev, dispatch, imbalance)

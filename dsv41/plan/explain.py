@@ -1,0 +1,36 @@
+"""Which assumption a predicted step rests on (``--plan --explain``): the step with each fixed cost
+halved and doubled, on the same planned graph and costs (only the latency model is rerun)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv41.plan.latency import FIXED_TERMS, step_latency
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    term: str
+    what: str
+    half_us: float
+    double_us: float
+
+
+def sensitivity(planned) -> list[Sensitivity]:
+    """One row per fixed-cost term, largest swing first."""
+    g, costs, dev = planned.plan.graph, planned.costs, planned.device
+    rows = []
+    for term, what in FIXED_TERMS.items():
+        half, double = (step_latency(g, costs, dev, planned.dispatch, planned.imbalance, {term: k}).step_us
+                        for k in (0.5, 2.0))
+        rows.append(Sensitivity(term, what, half, double))
+    return sorted(rows, key=lambda r: r.half_us - r.double_us)
+
+
+def explain_lines(rows: list[Sensitivity], step_us: float) -> list[str]:
+    """The sensitivity table as printed lines (ms and the change against the predicted step)."""
+    out = [f"  sensitivity of the predicted step ({step_us / 1e3:.2f} ms) to each fixed cost:",
+           f"  {'term':<11} {'x0.5 (ms)':>10} {'change':>8} {'x2 (ms)':>9} {'change':>8}  what it scales"]
+    for r in rows:
+        out.append(f"  {r.term:<11} {r.half_us / 1e3:>10.2f} {(r.half_us / step_us - 1) * 100:>+7.1f}% "
+                   f"{r.double_us / 1e3:>9.2f} {(r.double_us / step_us - 1) * 100:>+7.1f}%  {r.what}")
+    return out

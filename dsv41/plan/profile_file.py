@@ -1,0 +1,146 @@
+"""An operator's own device profile from a JSON or TOML file (``--device-profile FILE``).
+
+The file names the same constants as ``DeviceProfile`` (see ``docs/plan-validation.md`` for an
+example). With ``base = "<built-in profile>"`` it overrides only what it gives, field by field (a
+link table merges key by key); without one every constant is required. Every value is checked
+against a plausible range and a bad one is refused with the field's dotted name and the range, so a
+calibration file cannot silently produce a nonsense plan. ``sources`` (optional) says where the
+operator's numbers come from; a constant the file sets without a source is cited as the file.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+from dsv41.plan.primitives import AlphaBeta, ByRanks
+from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
+
+_US = (0.0, 1e5)
+_SCALARS = {                       # field -> (low, high, integer)
+    "hbm_bytes": (1e9, 1e13, False), "hbm_bytes_per_s": (1e10, 1e14, False), "cards_per_node": (1, 1024, True),
+    "launch_us": (*_US, False), "host_launch_us": (*_US, False), "graph_launch_us": (*_US, False),
+    "host_step_us": (*_US, False), "token_sync_us": (*_US, False),
+}
+_RATES = ("mx", "dense", "vector")
+_CLASSES = ("matmul", "gather", "vector")
+_LINK_KEYS = ("bytes_per_s", "efficiency", "collective", "a2a")
+_TOP = {"base", "name", "description", "sources", "flops_per_s", "efficiency", "intra", "inter", *_SCALARS}
+
+
+class _Check:
+    def __init__(self, path):
+        self.path = path
+
+    def fail(self, name: str, rule: str, got) -> ValueError:
+        return ValueError(f"--device-profile {self.path}: {name}: {rule}, got {got!r}")
+
+    def number(self, name: str, v, lo: float, hi: float, integer: bool = False, open_low: bool = False):
+        kind = int if integer else (int, float)
+        ok = isinstance(v, kind) and not isinstance(v, bool) and (lo < v if open_low else lo <= v) and v <= hi
+        if not ok:
+            what = "an integer" if integer else "a number"
+            raise self.fail(name, f"must be {what} in {'(' if open_low else '['}{lo:g}, {hi:g}]", v)
+        return v
+
+    def table(self, name: str, v, keys, required: bool = True) -> dict:
+        if not isinstance(v, dict):
+            raise self.fail(name, f"must be a table with keys {list(keys)}", v)
+        extra = set(v) - set(keys)
+        if extra:
+            raise self.fail(name, f"unknown keys {sorted(extra)}; allowed {list(keys)}", v)
+        missing = [k for k in keys if k not in v]
+        if required and missing:
+            raise self.fail(name, f"missing keys {missing}", v)
+        return v
+
+
+def _read(path: Path) -> dict:
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"--device-profile {path}: cannot read ({e.strerror})") from None
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text.decode())
+        if path.suffix == ".json":
+            return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"--device-profile {path}: not valid {path.suffix[1:].upper()}: {e}") from None
+    raise ValueError(f"--device-profile {path}: must end in .json or .toml, or name a built-in profile "
+                     f"{sorted(PROFILES)}")
+
+
+def _alpha_beta(chk: _Check, name: str, v) -> AlphaBeta:
+    chk.table(name, v, ("alpha_us", "bytes_per_s"))
+    return AlphaBeta(float(chk.number(f"{name}.alpha_us", v["alpha_us"], 0.0, 1e4)),
+                     float(chk.number(f"{name}.bytes_per_s", v["bytes_per_s"], 1e8, 1e14)))
+
+
+def _link(chk: _Check, name: str, v, base: Link | None) -> Link:
+    chk.table(name, v, _LINK_KEYS, required=base is None)
+    peak = chk.number(f"{name}.bytes_per_s", v["bytes_per_s"], 1e8, 1e14) if "bytes_per_s" in v else base.bytes_per_s
+    eff = (chk.number(f"{name}.efficiency", v["efficiency"], 0.0, 1.0, open_low=True)
+           if "efficiency" in v else base.efficiency)
+    coll = _alpha_beta(chk, f"{name}.collective", v["collective"]) if "collective" in v else base.collective
+    if "a2a" not in v:
+        return Link(float(peak), float(eff), coll, base.a2a)
+    rows = v["a2a"]
+    if not isinstance(rows, list) or not rows:
+        raise chk.fail(f"{name}.a2a", "must be a non-empty list of {ranks, alpha_us, bytes_per_s}", rows)
+    fits = []
+    for i, row in enumerate(rows):
+        chk.table(f"{name}.a2a[{i}]", row, ("ranks", "alpha_us", "bytes_per_s"))
+        ranks = chk.number(f"{name}.a2a[{i}].ranks", row["ranks"], 2, 4096, integer=True)
+        if fits and ranks <= fits[-1][0]:
+            raise chk.fail(f"{name}.a2a[{i}].ranks", f"must ascend (greater than {fits[-1][0]})", ranks)
+        fits.append((ranks, _alpha_beta(chk, f"{name}.a2a[{i}]", {k: row[k] for k in ("alpha_us", "bytes_per_s")})))
+    return Link(float(peak), float(eff), coll, ByRanks(tuple(fits)))
+
+
+def load_profile(path) -> DeviceProfile:
+    """A ``DeviceProfile`` from a JSON or TOML file, validated field by field."""
+    path = Path(path)
+    chk = _Check(path)
+    raw = _read(path)
+    chk.table("(top level)", raw, sorted(_TOP), required=False)
+    base = None
+    if "base" in raw:
+        if raw["base"] not in PROFILES:
+            raise chk.fail("base", f"must be one of {sorted(PROFILES)}", raw["base"])
+        base = PROFILES[raw["base"]]
+    given = {k for k in raw if k in CONSTANTS}
+    if base is None:
+        missing = [k for k in ("name", *CONSTANTS) if k not in raw]
+        if missing:
+            raise chk.fail("(top level)", f"missing {missing} (or give base = one of {sorted(PROFILES)})", sorted(raw))
+    name = raw.get("name", f"{base.name}+{path.stem}" if base else None)
+    if not isinstance(name, str) or not name:
+        raise chk.fail("name", "must be a non-empty string", name)
+    values = {}
+    for k, (lo, hi, integer) in _SCALARS.items():
+        values[k] = chk.number(k, raw[k], lo, hi, integer) if k in raw else getattr(base, k)
+    rates = dict(base.flops_per_s) if base else {}
+    if "flops_per_s" in raw:
+        for k, v in chk.table("flops_per_s", raw["flops_per_s"], _RATES, required=base is None).items():
+            rates[k] = float(chk.number(f"flops_per_s.{k}", v, 1e11, 1e17))
+    eff = dict(base.efficiency) if base else {}
+    if "efficiency" in raw:
+        for k, v in chk.table("efficiency", raw["efficiency"], _CLASSES, required=base is None).items():
+            if not isinstance(v, (list, tuple)) or len(v) != 2:
+                raise chk.fail(f"efficiency.{k}", "must be [fraction of HBM bandwidth, fraction of the FLOP rate]", v)
+            eff[k] = tuple(float(chk.number(f"efficiency.{k}[{i}]", f, 0.0, 1.0, open_low=True))
+                           for i, f in enumerate(v))
+    links = {k: _link(chk, k, raw[k], getattr(base, k) if base else None) if k in raw else getattr(base, k)
+             for k in ("intra", "inter")}
+    notes = raw.get("sources", {})
+    if not isinstance(notes, dict) or not all(isinstance(v, str) for v in notes.values()):
+        raise chk.fail("sources", "must be a table of constant -> text", notes)
+    chk.table("sources", notes, CONSTANTS, required=False)
+    sources = dict(base.sources) if base else {}
+    sources.update({k: notes.get(k, f"user profile file {path}") for k in given})
+    return DeviceProfile(name, raw.get("description", f"user profile from {path}"), float(values["hbm_bytes"]),
+                         float(values["hbm_bytes_per_s"]), rates, eff, links["intra"], links["inter"],
+                         int(values["cards_per_node"]), float(values["launch_us"]), float(values["host_launch_us"]),
+                         float(values["graph_launch_us"]), float(values["host_step_us"]),
+                         float(values["token_sync_us"]), sources)
