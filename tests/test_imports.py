@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "dsv41"
 OWNED = ("dsv41.cli", "dsv41.telemetry", "dsv41.plan")     # packages whose circles must be gone now
