@@ -10,6 +10,7 @@ from __future__ import annotations
 from dsv41.cluster import registry
 from dsv41.cluster.registry import StateLost
 from dsv41.kernels.kinds import KINDS
+from dsv41.model.finite import NonFiniteError
 
 
 class NodeError(RuntimeError):
@@ -46,7 +47,7 @@ def run_node(st, hooks, node, values: dict):
         if hooks.check is not None:
             hooks.check(st, node, args, value)
         return value
-    except NodeError:
+    except (NodeError, NonFiniteError):   # a NaN/Inf step names its own place (the engine adds the step)
         raise
     except Exception as e:
         raise NodeError(f"node {node.key} (kernel {node.kernel}, card {node.card}) failed: {e}") from e
