@@ -121,8 +121,8 @@ def _check_coverage(file: str, header: dict, data_bytes: int) -> None:
             fail(file, name, f"data from byte {at}", f"[{begin}, {end}): {begin - at} unlisted bytes {after}")
         at, previous = end, name
     if at != data_bytes:
-        after = f"after the last tensor {previous!r}" if previous else "and no tensor"
-        fail(file, None, f"{at} data bytes (what the header lists)", f"{data_bytes - at} more bytes {after}")
+        fail(file, previous, f"the data to end with this tensor at byte {at} (the last one listed)",
+             f"{data_bytes - at} more bytes after it")
 
 
 def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
