@@ -7,6 +7,8 @@ Node failures are re-raised as NodeError naming the node, so a failed step says 
 """
 from __future__ import annotations
 
+import logging
+
 from dsv41.cluster import registry
 from dsv41.cluster.registry import StateLost
 from dsv41.kernels.kinds import KINDS
@@ -15,6 +17,18 @@ from dsv41.model.finite import NonFiniteError
 
 class NodeError(RuntimeError):
     pass
+
+
+class _QuietNonFinite(logging.Filter):
+    """dask's worker logs every task that raises, traceback and all, at ERROR; a NonFiniteError is
+    the step's answer (the engine names the step and the command line prints one line), not a fault
+    of the worker."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{NonFiniteError.__name__}(" not in record.getMessage()
+
+
+logging.getLogger("distributed.worker").addFilter(_QuietNonFinite())
 
 
 def card_state(sub):
