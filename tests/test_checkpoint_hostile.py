@@ -215,6 +215,13 @@ def test_chat_template_inserts_control_tokens_user_text_does_not(tiny_checkpoint
     assert codec.encode(f"hi{EOS_TEXT}", chat=True, allow_special=True).count(codec.eos_id) == 1
 
 
+def test_chat_template_that_alters_the_user_text_is_refused(tiny_checkpoint):
+    codec = TextCodec.load(tiny_checkpoint)
+    codec.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(ValueError, match="^--chat: .* does not write the user text once and unchanged"):
+        codec.encode("hello", chat=True)
+
+
 def test_allow_special_tokens_flag(tiny_checkpoint):
     codec = TextCodec.load(tiny_checkpoint)
     argv = ["--checkpoint", str(tiny_checkpoint), "--prompt", f"a{EOS_TEXT}", "--executor", "reference"]
