@@ -5,9 +5,9 @@ its shard's header with its exact shape and dtype, and lie inside the shard's by
 unexpected may be listed. Every shard the index names must resolve inside the folder (no absolute
 path, no ``..``, no symlink that leads out), and each shard's header must describe its data region
 exactly: entries are objects, ``__metadata__`` maps strings to strings, and the data offsets tile
-the region with no gap, no overlap and nothing after the last tensor (safetensors' own rule). Tensors of parts this project does not serve (the image-token gate
-bias, draft layers numbered past the backbone, the draft/vision modules, ``hc_head``) are
-recognised and skipped. The first problem raises ``CheckpointError``.
+the region with no gap, no overlap and nothing after the last tensor (safetensors' own rule).
+Tensors of parts this project does not serve (the image-token gate bias, draft layers numbered
+past the backbone, the draft/vision modules, ``hc_head``) are recognised and skipped. The first problem raises ``CheckpointError``.
 """
 from __future__ import annotations
 
