@@ -5,10 +5,21 @@ of the released checkpoint; nothing per layer is typed in.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 SWA, FULL, REINDEX, REUSE = "SWA", "FULL", "REINDEX", "REUSE"
+# a dimension past this is a typo, not a model (Torch sizes and the byte counts here are 64-bit)
+MAX_DIM = 2 ** 31 - 1
+
+
+class ConfigError(ValueError):
+    """A config field out of its range; ``field`` names it (config.json maps it to its key)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         def need(ok: bool, name: str, rule: str):
             if not ok:
-                raise ValueError(f"{self.name}.{name}: {rule}")
+                raise ConfigError(f"{self.name}.{name}: {rule}", name)
 
         positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                     "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window", "n_routed_experts",
@@ -153,8 +164,17 @@ class ModelConfig:
                     "index_topk", "candidate_topk_blocks", "candidate_block_size", "hc_mult",
                     "hc_sinkhorn_iters", "block_size", "state_capacity", "max_batch_per_dp",
                     "max_position_embeddings"]
-        for name in positive:
-            need(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        for name in positive + ["engram_vocab_size", "engram_n_heads", "engram_head_dim",
+                                "original_max_position_embeddings", "decode_rows_per_request",
+                                "prefill_max_tokens", "index_score_budget_bytes", "index_score_leaf"]:
+            need(0 < getattr(self, name) <= MAX_DIM, name, f"must be in [1, {MAX_DIM}], got {getattr(self, name)}")
+        # a zero, negative or non-finite eps, theta or factor gives NaN/Inf on every step
+        for name in ["rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "rope_factor",
+                     "routed_scaling_factor", "swiglu_limit"]:
+            v = getattr(self, name)
+            need(math.isfinite(v) and v > 0, name, f"must be a finite number > 0, got {v}")
+        need(0 < self.beta_slow < self.beta_fast, "beta_fast",
+             f"YaRN needs 0 < beta_slow < beta_fast, got beta_slow={self.beta_slow}, beta_fast={self.beta_fast}")
         g = self.mx_group
         for name in ["hidden_size", "q_lora_rank", "o_lora_rank", "head_dim", "moe_intermediate_size",
                      "index_head_dim", "engram_head_dim"]:

@@ -13,9 +13,12 @@ MXFP8 linear and ``fp4`` a packed MXFP4 routed-expert linear (the name is the ba
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dsv41.config import ModelConfig
+from dsv41.model.head import Head
 from dsv41.model.transformer import Transformer
 from dsv41.ops.quant import (block_mxfp8_decode64, block_mxfp8_encode, expert_mxfp4_decode64, expert_mxfp4_encode,
                              mxfp8_decode, mxfp8_encode)
@@ -111,3 +114,17 @@ def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str
             out[key] = decode_tensor(cfg, key, t, ck.get(key + ".scale") if key != name else None)
     return out
 
+
+# checkpoint-name prefixes of what feeds each site of layer L (the head: its norm and matrix)
+_FEEDS = {"attn": ("layers.{L}.hc_attn_", "layers.{L}.attn_norm.", "layers.{L}.attn.", "layers.{L}.engram."),
+          "ffn": ("layers.{L}.hc_ffn_", "layers.{L}.ffn_norm.", "layers.{L}.ffn.")}
+
+
+def site_tensors(cfg: ModelConfig, layer: int | None, site: str) -> list[str]:
+    """Checkpoint tensors that feed one site (``model.finite``: attn, ffn, or the logits), the
+    routed experts' names folded to ``experts.*``."""
+    if site not in _FEEDS:
+        return [Head.NORM, Head.HEAD]
+    prefixes = tuple(p.format(L=layer) for p in _FEEDS[site])
+    names = (re.sub(r"\.experts\.\d+\.", ".experts.*.", n) for n in checkpoint_specs(cfg) if n.startswith(prefixes))
+    return list(dict.fromkeys(names))

@@ -115,8 +115,98 @@ def config_disagrees(folder):   # config.json says a wider expert than the tenso
     return _shard_of(folder, name), name, "shape [96, 32]"
 
 
+def _edit_header(folder, file, edit):
+    """Rewrite one shard's JSON header with edit(header), keeping its data bytes as they are."""
+    path = folder / file
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+
+def _neighbours(folder, file):
+    """Two tensors of a shard stored one after the other, the first at least 4 bytes long."""
+    header, _ = read_header(folder / file)
+    ordered = sorted(header, key=lambda n: header[n]["data_offsets"])
+    return next((a, b) for a, b in zip(ordered, ordered[1:])
+                if header[a]["data_offsets"][1] - header[a]["data_offsets"][0] >= 4)
+
+
+def junk_appended(folder):
+    file = _shard_of(folder, "head.weight")
+    header, _ = read_header(folder / file)
+    last = max(header, key=lambda n: header[n]["data_offsets"][1])
+    with open(folder / file, "ab") as f:
+        f.write(b"\0" * 100)
+    return file, last, "100 more bytes after it"
+
+
+def overlapping_offsets(folder):   # b moved 2 bytes into a: both keep their sizes
+    file = _shard_of(folder, "head.weight")
+    a, b = _neighbours(folder, file)
+
+    def edit(h):
+        begin, end = h[b]["data_offsets"]
+        start = h[a]["data_offsets"][0] + 2
+        h[b]["data_offsets"] = [start, start + end - begin]
+    _edit_header(folder, file, edit)
+    return file, b, f"overlapping {a!r}"
+
+
+def gap_between(folder):   # a shortened by 2 bytes (its shape with it) leaves unlisted bytes before b
+    file = _shard_of(folder, "head.weight")
+    a, b = _neighbours(folder, file)
+
+    def edit(h):
+        h[a]["data_offsets"][1] -= 2
+    _edit_header(folder, file, edit)
+    return file, b, f"2 unlisted bytes after {a!r}"
+
+
+def metadata_not_string(folder):
+    file = _shard_of(folder, "head.weight")
+    _edit_header(folder, file, lambda h: h.update(__metadata__={"format": "pt", "step": 7}))
+    return file, "__metadata__", "int 7"
+
+
+def entry_not_object(folder):
+    file = _shard_of(folder, "head.weight")
+    _edit_header(folder, file, lambda h: h.update({"head.weight": [1, 2]}))
+    return file, "head.weight", "found list"
+
+
+def _point_index(folder, name, target):
+    index = _index(folder)
+    index["weight_map"][name] = target
+    (folder / INDEX).write_text(json.dumps(index))
+
+
+def index_leaves_folder(folder):   # the shard moved next to the folder, the index pointing at it
+    file = _shard_of(folder, "head.weight")
+    shutil.copy(folder / file, folder.parent / "outside.safetensors")
+    _point_index(folder, "head.weight", "../outside.safetensors")
+    return INDEX, "head.weight", "'../outside.safetensors', which is outside it"
+
+
+def index_absolute_path(folder):
+    file = _shard_of(folder, "head.weight")
+    _point_index(folder, "head.weight", str((folder / file).resolve()))
+    return INDEX, "head.weight", "which is outside it"
+
+
+def symlink_leaves_folder(folder):   # a name inside the folder, a file outside it
+    file = _shard_of(folder, "head.weight")
+    shutil.copy(folder / file, folder.parent / "outside.safetensors")
+    (folder / "linked.safetensors").symlink_to(folder.parent / "outside.safetensors")
+    _point_index(folder, "head.weight", "linked.safetensors")
+    return INDEX, "head.weight", "'linked.safetensors', which is outside it"
+
+
 DAMAGES = [missing, extra, wrong_shape, uint8_for_fp8, bf16_for_fp4, truncated, shard_gone, random_bytes,
-           nan_scale, config_disagrees]
+           nan_scale, config_disagrees, junk_appended, overlapping_offsets, gap_between, metadata_not_string,
+           entry_not_object, index_leaves_folder, index_absolute_path, symlink_leaves_folder]
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=[d.__name__ for d in DAMAGES])
@@ -144,6 +234,17 @@ def _config_doc(folder):
     (lambda t: t.update(scoring_func="softmax"), "text_config.scoring_func"),
     (lambda t: t["rope_scaling"].pop("factor"), "text_config.rope_scaling.factor"),
     (lambda t: t.update(o_groups=3), "o_groups: must divide num_attention_heads"),
+    # numbers in range: each of these ran before and served NaN/Inf logits as tokens
+    (lambda t: t.update(rms_norm_eps=-1), "text_config.rms_norm_eps: must be a finite number > 0, got -1.0"),
+    (lambda t: t.update(rms_norm_eps=0), "text_config.rms_norm_eps: must be a finite number > 0, got 0.0"),
+    (lambda t: t.update(rope_theta=float("nan")), "text_config.rope_theta: expected a finite number, found nan"),
+    (lambda t: t.update(compress_rope_theta=float("inf")), "text_config.compress_rope_theta: expected a finite"),
+    (lambda t: t.update(compress_rope_theta=-5), "text_config.compress_rope_theta: must be a finite number > 0"),
+    (lambda t: t["rope_scaling"].update(factor=0), "text_config.rope_scaling.factor: must be a finite number > 0"),
+    (lambda t: t["rope_scaling"].update(beta_slow=40), "text_config.rope_scaling.beta_fast: YaRN needs 0 < beta_slow"),
+    (lambda t: t.update(hc_eps=-1e-6), "text_config.hc_eps: must be a finite number > 0"),
+    (lambda t: t.update(hidden_size=2 ** 40), "text_config.hidden_size: must be in [1, 2147483647]"),
+    (lambda t: t.update(engram_n_heads=0), "text_config.engram_n_heads: must be in [1, 2147483647], got 0"),
 ])
 def test_config_json_must_agree_with_itself(tiny_checkpoint, edit, field):
     doc = _config_doc(tiny_checkpoint)

@@ -30,6 +30,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from dsv41.checkpoint.text import plain_tokenizer
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -351,18 +353,12 @@ def encode_messages(messages, thinking: bool = False, add_generation_prompt: boo
 
 class ChatTokenizer:
     """Token ids of a chat: control pieces as their single ids, all other text through a copy of
-    the tokenizer that has no added tokens, so text can never become a control token.
-
-    (``Tokenizer.encode(text, add_special_tokens=False)`` only skips the post-processor's
-    BOS/EOS; added tokens in the text are still matched, special or not, so text must not go
-    through the tokenizer that knows them.)"""
+    the tokenizer that has no added tokens (``text.plain_tokenizer``), so text can never become a
+    control token."""
 
     def __init__(self, tokenizer):
-        from tokenizers import Tokenizer
         self.tokenizer = tokenizer
-        spec = json.loads(tokenizer.to_str())
-        spec["added_tokens"] = []
-        self.plain = Tokenizer.from_str(json.dumps(spec))
+        self.plain = plain_tokenizer(tokenizer)
 
     def control_id(self, token: str) -> int:
         tid = self.tokenizer.token_to_id(token)

@@ -8,10 +8,11 @@ checkpoints written here keep theirs under a ``dsv41`` section so they run as th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import fields, replace
 
 from dsv41.checkpoint.errors import CheckpointError
-from dsv41.config import FLASH, ModelConfig
+from dsv41.config import FLASH, ConfigError, ModelConfig
 from dsv41.ops.engram import engram_table_rows
 
 FILE = "config.json"
@@ -44,6 +45,15 @@ def to_json(cfg: ModelConfig) -> dict:
             "dsv41": {"name": cfg.name, **{k: getattr(cfg, k) for k in ENGINE}}}
 
 
+def _key(field: str) -> str:
+    """Where a ModelConfig field is written in config.json."""
+    if field in ENGINE:
+        return f"dsv41.{field}"
+    if field in ROPE_SCALING:
+        return "text_config.rope_scaling." + ("factor" if field == "rope_factor" else field)
+    return f"text_config.{RENAMED.get(field, field)}"
+
+
 def _fail(key: str, expected, found):
     raise CheckpointError(f"{FILE}: {key}: expected {expected}, found {found!r}")
 
@@ -57,6 +67,8 @@ def _typed(key: str, value, kind):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(key, "a number", value)
         value = float(value)
+        if not math.isfinite(value):    # Python's JSON reader takes NaN and Infinity
+            _fail(key, "a finite number", value)
     else:  # tuple[int, ...]
         if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
             _fail(key, "a list of integers", value)
@@ -117,6 +129,9 @@ def from_json(doc, name: str) -> ModelConfig:
             values[key] = _typed(f"dsv41.{key}", engine[key], int)
     try:
         cfg = replace(FLASH, name=engine.get("name", name), **values).validate()
+    except ConfigError as e:
+        rule = str(e).split(": ", 1)[1]
+        raise CheckpointError(f"{FILE}: {_key(e.field)}: {rule}") from None
     except ValueError as e:
         raise CheckpointError(f"{FILE}: {e}") from None
     rows = text.get("engram_num_embeddings")

@@ -2,9 +2,12 @@
 
 Every tensor the config implies must be listed in ``model.safetensors.index.json``, present in
 its shard's header with its exact shape and dtype, and lie inside the shard's bytes; nothing
-unexpected may be listed. Tensors of parts this project does not serve (the image-token gate
-bias, draft layers numbered past the backbone, the draft/vision modules, ``hc_head``) are
-recognised and skipped. The first problem raises ``CheckpointError``.
+unexpected may be listed. Every shard the index names must resolve inside the folder (no absolute
+path, no ``..``, no symlink that leads out), and each shard's header must describe its data region
+exactly: entries are objects, ``__metadata__`` maps strings to strings, and the data offsets tile
+the region with no gap, no overlap and nothing after the last tensor (safetensors' own rule).
+Tensors of parts this project does not serve (the image-token gate bias, draft layers numbered
+past the backbone, the draft/vision modules, ``hc_head``) are recognised and skipped. The first problem raises ``CheckpointError``.
 """
 from __future__ import annotations
 
@@ -46,7 +49,19 @@ def read_index(folder: Path) -> dict[str, str]:
         fail(path, None, "a JSON object with a weight_map", f"unreadable JSON ({e})")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         fail(path, None, "weight_map: an object of tensor name -> shard file", type(weight_map).__name__)
+    root = folder.resolve()
+    for name, file in weight_map.items():
+        if not inside(root, file):
+            fail(INDEX, name, "a shard file inside the checkpoint folder", f"{file!r}, which is outside it")
     return weight_map
+
+
+def inside(root: Path, file: str) -> bool:
+    """Whether ``file`` names a path under ``root`` (resolved, so a symlink that leads out is caught)."""
+    rel = Path(file)
+    if not file or rel.is_absolute() or ".." in rel.parts:
+        return False
+    return (root / rel).resolve().is_relative_to(root)
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -63,8 +78,51 @@ def read_header(path: Path) -> tuple[dict, int]:
             fail(path.name, None, "a JSON safetensors header", f"unreadable header ({e})")
     if not isinstance(header, dict):
         fail(path.name, None, "a JSON object as the safetensors header", type(header).__name__)
-    header.pop("__metadata__", None)
-    return header, size - 8 - n
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict):
+        fail(path.name, "__metadata__", "an object of string -> string", type(meta).__name__)
+    for key, value in meta.items():
+        if not isinstance(value, str):
+            fail(path.name, "__metadata__", f"string values, {key!r} too", f"{type(value).__name__} {value!r}")
+    for name, entry in header.items():
+        _check_entry(path.name, name, entry)
+    data_bytes = size - 8 - n
+    _check_coverage(path.name, header, data_bytes)
+    return header, data_bytes
+
+
+def _check_entry(file: str, name: str, entry) -> None:
+    """One header entry: {"dtype": str, "shape": [int >= 0], "data_offsets": [begin, end]}."""
+    if not isinstance(entry, dict):
+        fail(file, name, "a header entry object with dtype, shape and data_offsets", type(entry).__name__)
+    if not isinstance(entry.get("dtype"), str):
+        fail(file, name, "a dtype string", entry.get("dtype"))
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        fail(file, name, "a shape of integers >= 0", shape)
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        fail(file, name, "data_offsets [begin, end] with 0 <= begin <= end", offsets)
+
+
+def _check_coverage(file: str, header: dict, data_bytes: int) -> None:
+    """The tensors' byte ranges tile the data region: no gap, no overlap, no bytes after the last."""
+    at, previous = 0, None
+    for name, entry in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        begin, end = entry["data_offsets"]
+        if end > data_bytes:
+            fail(file, name, f"data bytes [{begin}, {end}) inside the shard's {data_bytes}", "a truncated shard")
+        if begin < at:
+            fail(file, name, f"data from byte {at} (where {previous!r} ends)",
+                 f"[{begin}, {end}), overlapping {previous!r}")
+        if begin > at:
+            after = f"after {previous!r}" if previous else "at the start"
+            fail(file, name, f"data from byte {at}", f"[{begin}, {end}): {begin - at} unlisted bytes {after}")
+        at, previous = end, name
+    if at != data_bytes:
+        fail(file, previous, f"the data to end with this tensor at byte {at} (the last one listed)",
+             f"{data_bytes - at} more bytes after it")
 
 
 def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
@@ -82,7 +140,7 @@ def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
     for name, file in served.items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
-        path = folder / file
+        path = folder / file   # inside the folder: read_index confined it
         if not path.is_file():
             fail(file, names[0], f"shard file {file} on disk (listed in {INDEX})", "no file")
         header, data_bytes = read_header(path)
@@ -95,11 +153,8 @@ def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
                 fail(file, name, f"dtype {DTYPES[dtype]}", entry.get("dtype"))
             if tuple(entry.get("shape", ())) != tuple(shape):
                 fail(file, name, f"shape {list(shape)}", entry.get("shape"))
-            begin, end = entry.get("data_offsets", (0, -1))
+            begin, end = entry["data_offsets"]
             want = torch.Size(shape).numel() * dtype.itemsize
             if end - begin != want:
                 fail(file, name, f"{want} data bytes", f"{end - begin}")
-            if end > data_bytes:
-                fail(file, name, f"data bytes [{begin}, {end}) inside the shard's {data_bytes}",
-                     "a truncated shard")
     return served

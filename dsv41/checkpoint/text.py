@@ -3,7 +3,10 @@
 Prompts are encoded without the tokenizer's own post-processing; BOS is prepended when
 ``tokenizer_config.json`` names one (unless ``add_bos_token`` is false), and with ``--chat`` the
 config's Jinja ``chat_template`` renders the prompt as one user turn (BOS then comes from the
-template). Generated ids are streamed as text: a request's new text is what decoding all its ids
+template). User text never becomes a control token: it is encoded by a copy of the tokenizer that
+knows no added tokens (:func:`plain_tokenizer`), so typing the text of EOS gives those characters;
+only the template's own text (or ``allow_special=True``, the ``--allow-special-tokens`` flag) is
+parsed for them. Generated ids are streamed as text: a request's new text is what decoding all its ids
 adds to what was already shown, held back while it ends in a partial UTF-8 sequence.
 """
 from __future__ import annotations
@@ -16,19 +19,46 @@ from tokenizers import Tokenizer
 from dsv41.checkpoint.errors import CheckpointError
 
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+# stands for the user text while the chat template renders, so the template's text and the user's
+# can be encoded apart (NUL and a private-use character: no template writes them)
+_USER_TEXT = "\x00\ue000dsv41-user-text\ue000\x00"
 
 
-def _token(value) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
-    return value.get("content") if isinstance(value, dict) else value
+def plain_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of ``tokenizer`` without its added tokens, for text that must never become one.
+
+    (``encode(text, add_special_tokens=False)`` only skips the post-processor's BOS/EOS; added
+    tokens in the text are still matched, special or not.)"""
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def _token(value, source: str, key: str) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": str}."""
+    token = value.get("content") if isinstance(value, dict) else value
+    if token is not None and not isinstance(token, str):
+        raise CheckpointError(f"{source}: {key}: expected a token string or {{\"content\": string}}, "
+                              f"found {value!r}")
+    return token
 
 
 class TextCodec:
     def __init__(self, tokenizer: Tokenizer, config: dict, source: str = TOKENIZER_CONFIG):
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, found {type(config).__name__}")
         self.tokenizer = tokenizer
-        self.bos, self.eos = _token(config.get("bos_token")), _token(config.get("eos_token"))
-        self.add_bos = self.bos is not None and config.get("add_bos_token", True)
+        self.plain = plain_tokenizer(tokenizer)
+        self.bos = _token(config.get("bos_token"), source, "bos_token")
+        self.eos = _token(config.get("eos_token"), source, "eos_token")
+        add_bos = config.get("add_bos_token", True)
+        if not isinstance(add_bos, bool):
+            raise CheckpointError(f"{source}: add_bos_token: expected true or false, found {add_bos!r}")
+        self.add_bos = self.bos is not None and add_bos
         self.chat_template = config.get("chat_template")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise CheckpointError(f"{source}: chat_template: expected a Jinja template string, "
+                                  f"found {type(self.chat_template).__name__}")
         self.bos_id = self._id(self.bos, source, "bos_token")
         self.eos_id = self._id(self.eos, source, "eos_token")
 
@@ -62,18 +92,32 @@ class TextCodec:
     def size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+    def encode_text(self, text: str, allow_special: bool = False) -> list[int]:
+        """User text as ids: control tokens in it are plain characters unless ``allow_special``."""
+        return (self.tokenizer if allow_special else self.plain).encode(text, add_special_tokens=False).ids
+
+    def encode(self, prompt: str, chat: bool = False, allow_special: bool = False) -> list[int]:
         if chat:
-            if not self.chat_template:
-                raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} has no chat_template")
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            text = env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-                bos_token=self.bos or "", eos_token=self.eos or "")
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            return self._encode_chat(prompt, allow_special)
+        ids = self.encode_text(prompt, allow_special)
         return [self.bos_id] + ids if self.add_bos else ids
+
+    def _encode_chat(self, prompt: str, allow_special: bool) -> list[int]:
+        """The template's text with its control tokens, the user's text as plain text."""
+        if not self.chat_template:
+            raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} has no chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": _USER_TEXT}], add_generation_prompt=True,
+            bos_token=self.bos or "", eos_token=self.eos or "")
+        parts = text.split(_USER_TEXT)
+        if len(parts) != 2:
+            raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} chat_template does not write the "
+                             f"user text once and unchanged (found {len(parts) - 1} copies), so it cannot be kept "
+                             "apart from the template's control tokens")
+        before, after = (self.tokenizer.encode(t, add_special_tokens=False).ids for t in parts)
+        return before + self.encode_text(prompt, allow_special) + after
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

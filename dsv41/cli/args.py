@@ -70,6 +70,8 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--prompt-file": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)",
                             lambda a: a.checkpoint)),
     "--chat": (RUN, ("needs --prompt or --prompt-file", lambda a: not _no_prompts(a))),
+    "--allow-special-tokens": (RUN, ("needs --checkpoint and --prompt or --prompt-file",
+                                     lambda a: a.checkpoint and not _no_prompts(a))),
     "--batch": (ALL, (FROM_PROMPTS + "the batch is the number of prompts", _no_prompts)),
     "--prompt-len": (RUN, (FROM_PROMPTS + "the prompts set their lengths", _no_prompts)),
     "--new-tokens": (RUN, ("needs --graph decode", lambda a: a.graph == "decode")),
@@ -139,7 +141,8 @@ def model_config(a):
     try:
         cfg = read_config(a.checkpoint)
         if mode(a) != PLAN:
-            a.codec, a.prompt_ids = encode_prompts(a.checkpoint, a.prompt, a.prompt_file, a.chat)
+            a.codec, a.prompt_ids = encode_prompts(a.checkpoint, a.prompt, a.prompt_file, a.chat,
+                                                   a.allow_special_tokens)
     except ValueError as e:    # CheckpointError included
         raise UsageError(str(e) if str(e).startswith("--") else f"--checkpoint: {e}") from None
     if a.prompt_ids:

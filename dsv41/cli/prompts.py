@@ -13,13 +13,14 @@ def prompts_for(cfg, batch: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(0, cfg.vocab_size, (batch, length), generator=g).tolist()
 
 
-def encode_prompts(path, prompts: list[str] | None, prompt_file: str | None, chat: bool = False
-                   ) -> tuple[TextCodec, list[list[int]]]:
-    """(codec, encoded prompts); no prompts given: []. Raises ValueError (CheckpointError for the
-    folder's tokenizer files)."""
+def encode_prompts(path, prompts: list[str] | None, prompt_file: str | None, chat: bool = False,
+                   allow_special: bool = False) -> tuple[TextCodec, list[list[int]]]:
+    """(codec, encoded prompts); no prompts given: []. The prompts' text is never parsed for control
+    tokens unless ``allow_special`` (--allow-special-tokens). Raises ValueError (CheckpointError for
+    the folder's tokenizer files)."""
     texts = read_prompts(prompts, prompt_file)
     codec = TextCodec.load(path)
-    encoded = [codec.encode(t, chat) for t in texts]
+    encoded = [codec.encode(t, chat, allow_special) for t in texts]
     for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"--prompt: prompt {i} ({texts[i]!r}) encodes to no tokens")

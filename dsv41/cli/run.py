@@ -27,6 +27,7 @@ from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
 from dsv41.config import PRESETS
 from dsv41.engine.protocol import StepOutput
 from dsv41.kernels.device_time import BACKENDS
+from dsv41.model.finite import NonFiniteError
 from dsv41.names import DEFAULT_EXECUTOR, EXECUTORS, REFERENCE
 from dsv41.telemetry.export import TRACES
 
@@ -35,7 +36,7 @@ EPILOG = """\
 modes and the flags that go with them:
   every mode        --graph --config --checkpoint --batch --json --debug
   a run             --prompt-len --seed --new-tokens (--graph decode only)
-                    --prompt --prompt-file (with --checkpoint) --chat (with a prompt)
+                    --prompt --prompt-file (with --checkpoint) --chat --allow-special-tokens (with a prompt)
   graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
   sync, threads     --check
   distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
@@ -88,6 +89,9 @@ def build_parser() -> rules.Parser:
                    help="with --checkpoint; repeatable (the batch is the number of prompts)")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="with --checkpoint: one prompt per line")
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt")
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="parse the prompts' text for control tokens (by default the text of EOS, <｜User｜>... "
+                        "stays plain text; only the chat template inserts them)")
     g = p.add_argument_group("telemetry")
     trace.add_arguments(g)
     plan.add_arguments(g)
@@ -162,6 +166,10 @@ def run(args) -> int:
     try:
         progress.say(f"  built in {time.perf_counter() - t0:.2f} s")
         return generate(args, cfg, topo, engine, progress)
+    except NonFiniteError as e:   # the checkpoint's numbers overflow: its fault, like a bad value read
+        if ckpt is None:
+            raise
+        return _refuse(e)
     finally:
         engine.close()
 

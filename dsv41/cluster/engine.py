@@ -41,8 +41,10 @@ from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
 from dsv41.graph.build import SHARDED, build, commit_key, feed, head_key, shape, step_outputs
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
+from dsv41.model.finite import NonFiniteError
 from dsv41.model.options import FULL_PREFILL, Options
 from dsv41.names import GRAPH_EXECUTORS, LOCAL_EXECUTORS
+from dsv41.weights import site_tensors
 
 RECOVERY_TIMEOUT_S = 60.0    # how long a step waits for a worker to serve a lost card
 MAX_RECOVERIES = 2           # per step; a third loss in one step is raised
@@ -227,6 +229,8 @@ class GraphEngine(Engine):
                 if attempt == MAX_RECOVERIES:
                     raise
                 lost = (e, (time.perf_counter() - t0) * 1e3)
+            except NonFiniteError as e:      # the cards found NaN/Inf: the step is aborted; say which step
+                raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
 
     def _step(self, batch, phase: str, recovered: list[dict]) -> StepOutput:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}

@@ -7,13 +7,28 @@ Node failures are re-raised as NodeError naming the node, so a failed step says 
 """
 from __future__ import annotations
 
+import logging
+
 from dsv41.cluster import registry
 from dsv41.cluster.registry import StateLost
 from dsv41.kernels.kinds import KINDS
+from dsv41.model.finite import NonFiniteError
 
 
 class NodeError(RuntimeError):
     pass
+
+
+class _QuietNonFinite(logging.Filter):
+    """dask's worker logs every task that raises, traceback and all, at ERROR; a NonFiniteError is
+    the step's answer (the engine names the step and the command line prints one line), not a fault
+    of the worker."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{NonFiniteError.__name__}(" not in record.getMessage()
+
+
+logging.getLogger("distributed.worker").addFilter(_QuietNonFinite())
 
 
 def card_state(sub):
@@ -46,7 +61,7 @@ def run_node(st, hooks, node, values: dict):
         if hooks.check is not None:
             hooks.check(st, node, args, value)
         return value
-    except NodeError:
+    except (NodeError, NonFiniteError):   # a NaN/Inf step names its own place (the engine adds the step)
         raise
     except Exception as e:
         raise NodeError(f"node {node.key} (kernel {node.kernel}, card {node.card}) failed: {e}") from e

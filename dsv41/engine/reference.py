@@ -7,12 +7,13 @@ from dsv41.config import ModelConfig
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
 from dsv41.model.caches import empty_caches
+from dsv41.model.finite import LOGITS, NonFiniteError, ensure_finite
 from dsv41.model.head import Head
 from dsv41.model.options import Options
 from dsv41.model.transformer import Transformer
 from dsv41.ops.rope import COMPRESSED, PLAIN, precompute_rope_tables
 from dsv41.ops.staged import StagedTensors
-from dsv41.weights import decode_checkpoint, init_checkpoint
+from dsv41.weights import decode_checkpoint, init_checkpoint, site_tensors
 
 
 class ReferenceEngine(Engine):
@@ -48,7 +49,10 @@ class ReferenceEngine(Engine):
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> StepOutput:
         step = self.table.plan(batch, phase)
         try:
-            logits = self.model.forward(self.caches, self.rope_tables, step, self.options)
+            logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options), None, LOGITS)
+        except NonFiniteError as e:
+            self.caches.abort()
+            raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
         except BaseException:
             self.caches.abort()
             raise

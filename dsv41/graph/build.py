@@ -185,7 +185,7 @@ class _Builder:
             reduced = self.collective(lambda c: f"{p}/all_reduce@c{c}", "tp.all_reduce", group,
                                       lambda c: [partial[r] for r in group], f"{p}/all_reduce@g{grp}", layer=L)
         for c in group:
-            out[c] = g.add(f"{p}/post@c{c}", "hc.post", [reduced[c], x[c], mixes[c]], c, L,
+            out[c] = g.add(f"{p}/post@c{c}", "hc.post", [reduced[c], x[c], mixes[c]], c, L, site="attn",
                            rows=local_rows(t, tp, self.topo.tp_rank(c), self.wiring))
         return out
 
@@ -218,7 +218,7 @@ class _Builder:
             else:
                 merged = {c: combined[c] for c in group}
             for c in group:
-                x[c] = g.add(f"L{L}/ffn/post@c{c}", "hc.post", [merged[c], x[c], ffn_mixes[c]], c, L)
+                x[c] = g.add(f"L{L}/ffn/post@c{c}", "hc.post", [merged[c], x[c], ffn_mixes[c]], c, L, site="ffn")
                 mixes[c] = ffn_mixes[c]
 
     def _moe_local(self, t: int, rank: int) -> list[int]:

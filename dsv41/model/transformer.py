@@ -7,6 +7,7 @@ import torch
 from dsv41.config import LayerSpec, ModelConfig
 from dsv41.model.attention import Attention
 from dsv41.model.embedding import Embedding, Engram
+from dsv41.model.finite import ATTN, FFN, ensure_finite
 from dsv41.model.head import Head
 from dsv41.model.hyper import SITES, HyperSite
 from dsv41.model.moe import MoE
@@ -48,16 +49,18 @@ class Block:
         return rms_norm(x, self.weights[self.norm_key(self.layer, site)], self.cfg.rms_norm_eps)
 
     def forward(self, x, pre, caches, md, rope, selections: dict, hash_ids, opts: Options):
-        """(stream after the layer, its FFN site's pre mix: the next collapse's)."""
+        """(stream after the layer, its FFN site's pre mix: the next collapse's); NonFiniteError when
+        either site hands on NaN/Inf."""
         if self.engram is not None:
             x = self.engram.forward(x, hash_ids[self.layer])
         a, f = self.sites["attn"], self.sites["ffn"]
         a_pre, a_post, a_comb = a.mixes(x)
         h = a.post(self.attn.forward(caches, md, self.norm("attn", a.pre(x, pre)), rope, selections, opts),
                    x, a_post, a_comb)
+        ensure_finite(h, self.layer, ATTN)
         f_pre, f_post, f_comb = f.mixes(h)
         x = f.post(self.moe.forward(self.norm("ffn", f.pre(h, a_pre))), h, f_post, f_comb)
-        return x, f_pre
+        return ensure_finite(x, self.layer, FFN), f_pre
 
 
 class Transformer:

@@ -5,6 +5,7 @@ import torch
 
 from dsv41.kernels.cost import F32_BYTES, I64, Cost, meta, reads
 from dsv41.kernels.record import NodeKind, at_rows
+from dsv41.model.finite import LOGITS, ensure_finite
 from dsv41.model.head import Head
 from dsv41.ops.lm_head import select_rows
 
@@ -26,8 +27,8 @@ def shard_pypto(st, node, hidden, step):
 
 
 def argmax(st, node, *shards):
-    """The group's tokens, made here; the logits stay on this card until asked for."""
-    logits = torch.cat(shards, -1)
+    """The group's tokens, made here from finite logits only; the logits stay on this card until asked for."""
+    logits = ensure_finite(torch.cat(shards, -1), None, LOGITS)
     st.logits[node.attrs["dp_group"]] = (node.attrs.get("step"), logits)
     return st.model.head.sample(logits)
 

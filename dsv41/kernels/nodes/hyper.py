@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dsv41.kernels.cost import Cost, meta, reads
 from dsv41.kernels.record import NodeKind, at_rows
+from dsv41.model.finite import ensure_finite
 from dsv41.model.hyper import HyperSite
 from dsv41.ops.norm import rms_norm
 
@@ -42,8 +43,9 @@ def hc_pre_pypto(st, node, x, *mixes):
 
 
 def hc_post(st, node, sub, x, mixes):
+    """The stream handed to the next site, checked finite here (one reduction: model.finite)."""
     _, post, comb = mixes
-    return HyperSite.post(sub, x, post, comb)
+    return ensure_finite(HyperSite.post(sub, x, post, comb), node.layer, node.attrs["site"])
 
 
 def hc_post_cost(ctx, node, sub, x, mixes):

@@ -1,0 +1,44 @@
+"""The non-finite guard: a step whose residual stream or logits hold NaN/Inf stops there.
+
+A zero or negative eps, a NaN theta or an overflowing weight (finite in the file, Inf once
+multiplied) turns every later value into NaN/Inf, and a greedy argmax over NaN logits still
+returns a token (id 0). So the stream is checked where each layer's sites hand it on (one
+``isfinite().all()`` reduction per site) and the logits where they are made; the first place it
+fails raises ``NonFiniteError`` and the engine aborts the step (nothing is committed or served).
+"""
+from __future__ import annotations
+
+import torch
+
+ATTN, FFN, LOGITS = "attn", "ffn", "logits"   # where: a layer's attention or FFN site, or the head
+_WHERE = {ATTN: "attention site", FFN: "FFN site"}
+
+
+class NonFiniteError(RuntimeError):
+    """NaN/Inf in a step. Raised where it is found with (layer, site, counts); the engine adds the
+    step, its phase and the checkpoint tensors that feed the site (``at``). Pickles by its args, so
+    it crosses from a dask worker unchanged."""
+
+    def __init__(self, layer: int | None, site: str, counts: str, step: int | None = None,
+                 phase: str | None = None, tensors: tuple[str, ...] = ()):
+        super().__init__(layer, site, counts, step, phase, tuple(tensors))
+        self.layer, self.site, self.counts = layer, site, counts
+        self.step, self.phase, self.tensors = step, phase, tuple(tensors)
+
+    def at(self, step: int, phase: str, tensors) -> "NonFiniteError":
+        return NonFiniteError(self.layer, self.site, self.counts, step, phase, tuple(tensors))
+
+    def __str__(self) -> str:
+        where = "the logits" if self.site == LOGITS else \
+            f"the residual stream after layer {self.layer}'s {_WHERE.get(self.site, self.site)}"
+        step = f"step {self.step} ({self.phase})" if self.step is not None else "a step"
+        fed = f"; the tensors that feed it: {', '.join(self.tensors)}" if self.tensors else ""
+        return f"{step}: non-finite values first in {where} ({self.counts}); nothing of this step is kept{fed}"
+
+
+def ensure_finite(x: torch.Tensor, layer: int | None, site: str) -> torch.Tensor:
+    """x, or NonFiniteError naming where it was found."""
+    if not bool(torch.isfinite(x).all()):
+        raise NonFiniteError(layer, site, f"{int(torch.isnan(x).sum())} NaN, {int(torch.isinf(x).sum())} Inf "
+                                          f"of {x.numel()} values")
+    return x
