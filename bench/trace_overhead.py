@@ -5,7 +5,10 @@
     python bench/trace_overhead.py --otlp           # spans live over OTLP/HTTP to a local receiver, no file
 
 Decode steps alternate tracing off and on over one engine (so both see the same context lengths
-and machine load) and the medians are compared. Tracing off leaves only two ``is None`` checks per
+and machine load) and the medians are compared. A traced step only notes its events; turning them
+into spans (signatures, HBM ledger, span records, the live export's hand-off) happens after it, in
+``session.collect()`` here (in a run: before the next step starts), and is reported apart as
+``encode_ms_per_step``. Tracing off leaves only two ``is None`` checks per
 node and per submission on the hot path; their cost is timed separately and reported as a share of
 an untraced step.
 """
@@ -46,15 +49,19 @@ def main():
                          max_context=prompt + 2 * a.steps + 2)
     logits = engine.prefill(torch.randint(0, cfg.vocab_size, (2 * a.dp, prompt)).tolist()).logits
     rids = list(engine.last_request_ids)
-    ms = {"off": [], "on": []}
+    ms = {"off": [], "on": [], "encode": []}
+    cpu = {"off": [], "on": []}     # process CPU time: steadier than wall time on a shared machine
     for i in range(2 * a.steps):
         mode = "on" if i % 2 else "off"
         session = TraceSession(engine, keep=not a.otlp) if mode == "on" else None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = engine.decode(torch.argmax(logits, -1).tolist(), rids).logits
         ms[mode].append((time.perf_counter() - t0) * 1e3)
+        cpu[mode].append((time.process_time() - c0) * 1e3)
         if session is not None:
+            t0 = time.perf_counter()
             session.collect()
+            ms["encode"].append((time.perf_counter() - t0) * 1e3)
             session.close()
     nodes, subs = engine.last_stats["nodes"], engine.last_stats["submissions"]
     check_ns = timeit.timeit("hooks.tracer is not None", globals={"hooks": Hooks()}, number=200_000) / 200_000 * 1e9
@@ -66,6 +73,8 @@ def main():
         "nodes": nodes, "submissions": subs, "steps_each": a.steps,
         "step_ms_tracing_off": round(off, 2), "step_ms_tracing_on": round(on, 2), "on_over_off": round(on / off, 3),
         "tracing_us_per_node": round((on - off) * 1e3 / nodes, 1),
+        "cpu_on_over_off": round(statistics.median(cpu["on"]) / statistics.median(cpu["off"]), 3),
+        "encode_ms_per_step": round(statistics.median(ms["encode"]), 2),
         "off_path_checks_us_per_step": round(off_path_us, 2),
         "off_path_share_of_step": f"{off_path_us / (off * 1e3):.2e}",
     }, indent=1))
