@@ -384,7 +384,7 @@ def test_submission_keys_read_as_kernel_layer_card():
 def test_plan_flash_reproduces_the_seed_figures(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run.main(["--graph", "decode", "--config", "flash", "--plan", "--tp", "4", "--dp", "2", "--ep", "8",
-                     "--batch", "64", "--context", "1048576", "--json"]) == 0
+                     "--batch", "64", "--context", "1048576", "--trace", "plan-flash", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["plan"]
     assert len(out["cards"]) == 8 and out["rows_per_dp_group"] == 192 and out["nodes"] > out["submissions"] > 0
 
