@@ -5,7 +5,8 @@
     python bench/trace_overhead.py --otlp           # spans live over OTLP/HTTP to a local receiver, no file
 
 Decode steps alternate tracing off and on over one engine (so both see the same context lengths
-and machine load) and the medians are compared. A traced step only notes its events; turning them
+and machine load) and the medians are compared, of wall time and of the process's CPU time (the steadier figure when
+other work shares the machine). A traced step only notes its events; turning them
 into spans (signatures, HBM ledger, span records, the live export's hand-off) happens after it, in
 ``session.collect()`` here (in a run: before the next step starts), and is reported apart as
 ``encode_ms_per_step``. Tracing off leaves only two ``is None`` checks per
@@ -67,13 +68,16 @@ def main():
     check_ns = timeit.timeit("hooks.tracer is not None", globals={"hooks": Hooks()}, number=200_000) / 200_000 * 1e9
     off_path_us = (2 * nodes + 2 * subs) * check_ns / 1e3
     off, on = statistics.median(ms["off"]), statistics.median(ms["on"])
+    cpu_off, cpu_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
     print(json.dumps({
         "config": cfg.name, "topology": f"tp{topo.tp}-dp{topo.dp}-ep{topo.ep}", "executor": a.executor,
         "tracing": "live OTLP/HTTP" if a.otlp else "kept for files",
         "nodes": nodes, "submissions": subs, "steps_each": a.steps,
         "step_ms_tracing_off": round(off, 2), "step_ms_tracing_on": round(on, 2), "on_over_off": round(on / off, 3),
         "tracing_us_per_node": round((on - off) * 1e3 / nodes, 1),
-        "cpu_on_over_off": round(statistics.median(cpu["on"]) / statistics.median(cpu["off"]), 3),
+        "step_cpu_ms_tracing_off": round(cpu_off, 2), "step_cpu_ms_tracing_on": round(cpu_on, 2),
+        "cpu_on_over_off": round(cpu_on / cpu_off, 3),
+        "tracing_cpu_us_per_node": round((cpu_on - cpu_off) * 1e3 / nodes, 1),
         "encode_ms_per_step": round(statistics.median(ms["encode"]), 2),
         "off_path_checks_us_per_step": round(off_path_us, 2),
         "off_path_share_of_step": f"{off_path_us / (off * 1e3):.2e}",
