@@ -1,5 +1,6 @@
 """Predicted decode step and HBM per card of FLASH against batch and context, on two layouts.
 
+    pip install -e ".[bench]"      # matplotlib, for the plot
     python bench/plan_sweep.py [--device-profile a5] [--grid]
 
 Layouts: the seed's TP4/DP2/EP8 and TP8/EP8 (DP1). By default two lines through the space: batch
@@ -55,10 +56,18 @@ def row(layout: str, topo, batch: int, context: int, report: dict, dev) -> dict:
     return out
 
 
-def draw(rows: list[dict], batch: int, context: int, dev, path: Path) -> None:
-    import matplotlib
+def pyplot(p: argparse.ArgumentParser):
+    """matplotlib's pyplot (headless), checked before the sweep spends its minutes."""
+    try:
+        import matplotlib
+    except ImportError:
+        p.error('the plot needs matplotlib: pip install -e ".[bench]"')
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def draw(plt, rows: list[dict], batch: int, context: int, dev, path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for col, (axis, fixed, value, label) in enumerate((("requests_per_dp_group", "context", context, "requests per DP group"),
                                                        ("context", "requests_per_dp_group", batch, "context (tokens)"))):
@@ -97,6 +106,7 @@ def main():
     a = p.parse_args()
     if a.jobs < 1:
         p.error("--jobs must be >= 1")
+    plt = pyplot(p)
     dev = profile(a.device_profile)
     todo = [(layout, b, c, dev.name) for layout in LAYOUTS for b, c in points(a.batch, a.context, a.grid)]
     t0 = time.perf_counter()
@@ -113,7 +123,7 @@ def main():
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    draw(rows, a.batch, a.context, dev, out.with_suffix(".png"))
+    draw(plt, rows, a.batch, a.context, dev, out.with_suffix(".png"))
     print(f"{len(rows)} plans in {elapsed:.1f} s with {a.jobs} processes: "
           f"{out.with_suffix('.csv')}, {out.with_suffix('.png')}")
 

@@ -128,3 +128,34 @@ def test_inputs_validated_before_any_node_runs():
         GraphEngine(TINY, Topology(8, 1, 8))
     with pytest.raises(ValueError, match="Topology.ep: must equal tp\\*dp"):
         Topology(2, 2, 2)
+
+
+def test_a_closed_dashboard_tab_leaves_no_traceback(caplog):
+    """The record asyncio writes when a Bokeh write task fails on a closed websocket is dropped; any
+    other task's failure is still logged."""
+    import asyncio
+    import gc
+    from tornado.websocket import WebSocketClosedError
+    from dsv41.cluster.connect import quiet_closed_tabs
+
+    async def fails(e):
+        raise e
+
+    def never_retrieved(e):
+        loop = asyncio.new_event_loop()
+        try:
+            task = loop.create_task(fails(e))
+            loop.run_until_complete(asyncio.sleep(0))
+            assert task.done()
+            del task
+            gc.collect()
+        finally:
+            loop.close()
+
+    quiet_closed_tabs()
+    with caplog.at_level("ERROR", logger="asyncio"):
+        never_retrieved(WebSocketClosedError())
+        never_retrieved(ValueError("something else"))
+    logged = [r for r in caplog.records if r.name == "asyncio"]
+    assert [type(r.exc_info[1]) for r in logged] == [ValueError]
+    assert "Task exception was never retrieved" in logged[0].getMessage()

@@ -191,6 +191,7 @@ def test_cli_plan_json_carries_prediction_and_breakdown(capsys, tmp_path, monkey
     assert run.main(["--config", "tiny", "--plan", "--tp", "2", "--dp", "1", "--batch", "2", "--context", "256",
                      "--device-profile", "a3", "--dispatch", "eager", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["plan"]
+    assert "traces" not in out and not (tmp_path / "traces").exists()     # files only with --trace
     assert out["device_profile"] == "a3" and out["dispatch"] == "eager"
     assert out["predicted_step_us"] > 0 and set(out["breakdown_us"]) == set(PARTS)
     assert [c["card"] for c in out["cards"]] == [0, 1] and all("breakdown_us" in c for c in out["cards"])

@@ -2,6 +2,8 @@
 import dataclasses
 import json
 import re
+import statistics
+import time
 import urllib.request
 from collections import defaultdict
 from types import SimpleNamespace
@@ -74,11 +76,15 @@ class Capturing(NodeTracer):
     """The real tracer, also keeping each node's value bytes as the test counts them."""
     def __init__(self, tracer):
         super().__init__(tracer.recorder, tracer.device)
-        self.values = {}
+        self.values, self.step = {}, None
+
+    def begin_submission(self, sub, st):
+        super().begin_submission(sub, st)
+        self.step = sub.step
 
     def run(self, st, node, kernel_fn, args, sim_us=None):
         value = super().run(st, node, kernel_fn, args, sim_us)
-        self.values[(self.ledgers[node.card].step, node.key)] = (node.card, tensor_bytes(value))
+        self.values[(self.step, node.key)] = (node.card, tensor_bytes(value))
         return value
 
 
@@ -303,6 +309,48 @@ def test_otlp_and_perfetto_files(traced, tmp_path):
         {r["attributes"]["dsv41.hbm.live_bytes"] for r in nodes_of(records) if r["attributes"]["dsv41.card"] == 0}
 
 
+class Stopwatch:
+    """The least a tracer can do: time each kernel call and keep nothing else (the untraced reference)."""
+    def __init__(self):
+        self.us = defaultdict(list)   # kernel -> µs per node
+
+    def begin_submission(self, sub, st): pass
+    def end_submission(self, sub): pass
+
+    def run(self, st, node, fn, args, sim_us=None):
+        t0 = time.perf_counter_ns()
+        value = fn(st, node, *args)
+        self.us[node.kernel].append((time.perf_counter_ns() - t0) / 1e3)
+        return value
+
+
+def test_a_node_span_lasts_what_the_untraced_kernel_takes(engine):
+    """Per kernel kind, the median node span of traced decode steps against the median kernel time
+    of the same steps timed bare, alternated so both see the same load. The recorder's own cost
+    must stay outside the spans: its notes come after the stamps."""
+    hooks = registry.find(engine.id).hooks
+    bare, spans = Stopwatch(), defaultdict(list)
+    for _ in range(2):
+        hooks.tracer = bare
+        try:
+            decode(engine)
+        finally:
+            hooks.tracer = None
+        session = TraceSession(engine)
+        try:
+            decode(engine)
+            for r in nodes_of(session.collect()):
+                spans[r["attributes"]["dsv41.kernel"]].append((r["end_ns"] - r["start_ns"]) / 1e3)
+        finally:
+            session.close()
+    kinds = [k for k in bare.us if len(bare.us[k]) >= 40 and statistics.median(bare.us[k]) >= 20]
+    assert len(kinds) >= 5
+    ratios = {k: statistics.median(spans[k]) / statistics.median(bare.us[k]) for k in kinds}
+    assert all(len(spans[k]) == len(bare.us[k]) for k in kinds)
+    assert 0.67 <= statistics.median(ratios.values()) <= 1.5, ratios
+    assert all(0.4 <= r <= 2.5 for r in ratios.values()), ratios
+
+
 def test_a_failed_step_is_marked_in_its_spans(engine, tmp_path):
     from dsv41.cluster.runtime import NodeError
     session = TraceSession(engine)
@@ -336,7 +384,7 @@ def test_submission_keys_read_as_kernel_layer_card():
 def test_plan_flash_reproduces_the_seed_figures(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run.main(["--graph", "decode", "--config", "flash", "--plan", "--tp", "4", "--dp", "2", "--ep", "8",
-                     "--batch", "64", "--context", "1048576", "--json"]) == 0
+                     "--batch", "64", "--context", "1048576", "--trace", "plan-flash", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["plan"]
     assert len(out["cards"]) == 8 and out["rows_per_dp_group"] == 192 and out["nodes"] > out["submissions"] > 0
 

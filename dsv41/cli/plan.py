@@ -90,8 +90,8 @@ def plan_report(args, cfg, topo, say) -> dict:
     context = cfg.max_position_embeddings if args.context is None else args.context
     report, planned = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
                                args.device_profile, args.dispatch)
-    records, resource = record_planned(planned, cfg, topo)
-    report["traces"] = write_traces(args.trace or f"plan-{cfg.name}", records, resource)
+    if args.trace:     # files only when asked, as in every other mode
+        report["traces"] = write_traces(args.trace, *record_planned(planned, cfg, topo))
     requests = report["requests_per_dp_group"]
     say(f"  {requests} requests x {report['rows_per_dp_group'] // requests} rows per DP group at context {context}: "
         f"nodes={report['nodes']} submissions={report['submissions']}")
@@ -115,5 +115,6 @@ def plan_report(args, cfg, topo, say) -> dict:
         report["sensitivity"] = [dataclasses.asdict(r) for r in rows]
     for c in report["cards"]:
         say(f"  card {c['card']} (ms): {_parts(c['breakdown_us'])}")
-    say(f"  simulated timeline: {report['traces']['perfetto']}")
+    if args.trace:
+        say(f"  simulated timeline: {report['traces']['perfetto']}")
     return report

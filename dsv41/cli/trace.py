@@ -32,7 +32,7 @@ def _trace(a, cfg):
     if a.trace is not None and not FILE_NAME.fullmatch(a.trace):
         return (f"must be a plain file name (letters, digits, '.', '_', '-'; written as traces/NAME.*), "
                 f"got {a.trace!r}")
-    return traces_writable() if (a.trace or a.plan) else None
+    return traces_writable() if a.trace else None
 
 
 def _report(a, cfg):

@@ -6,6 +6,7 @@ Every failure (malformed or unreachable address, workers missing, misnamed or mu
 """
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from dataclasses import dataclass
@@ -26,6 +27,28 @@ class Startup:
     timeout: float = DEFAULT_TIMEOUT_S
     on_workers: Callable[[int, int], None] | None = None
     on_ready: Callable[[str | None], None] | None = None
+
+
+class _ClosedTab(logging.Filter):
+    """Drops the one known record of a dashboard tab closed while Bokeh was sending to it: tornado's
+    write task ends in WebSocketClosedError, nobody awaits it, and asyncio ("Task exception was never
+    retrieved") or tornado's IOLoop ("Exception in callback") logs it with a traceback. Bokeh already
+    ends that session; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from tornado.websocket import WebSocketClosedError
+        return not (record.exc_info and isinstance(record.exc_info[1], WebSocketClosedError))
+
+
+CLOSED_TAB_LOGGERS = ("asyncio", "tornado.application")
+
+
+def quiet_closed_tabs() -> None:
+    """Keep a closed dashboard tab's traceback out of the run's output (once per process)."""
+    for name in CLOSED_TAB_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _ClosedTab) for f in log.filters):
+            log.addFilter(_ClosedTab())
 
 
 def check_address(address: str) -> str | None:
@@ -49,6 +72,8 @@ def connect(cards: int, address: str | None, dashboard: bool, startup: Startup =
     cluster = client = None
     try:
         if address is None:
+            if dashboard:     # the dashboard's Bokeh server runs in this process, with the scheduler
+                quiet_closed_tabs()
             # started empty and scaled, so workers can be counted as they join
             cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
                                    dashboard_address=":8787" if dashboard else None, silence_logs=40)

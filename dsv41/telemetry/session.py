@@ -2,15 +2,18 @@
 
 Each step is one trace: a root span on the engine, its submissions as children (recorded where they
 run) and their nodes as grandchildren. Under ``distributed`` every worker keeps its own recorder and
-ledger; ``collect`` gathers their finished spans with ``client.run``.
+ledger; ``collect`` gathers their finished spans with ``client.run``. What the cards noted during a
+step becomes spans before the next step starts (outside every span) and on collect, hbm and close.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from time import perf_counter_ns
 
 from dsv41.cluster import registry
 from dsv41.plan.hbm import annotate
 from dsv41.plan.roofline import profile
+from dsv41.telemetry.buffer import unix_ns
 from dsv41.telemetry.spans import SpanRecorder
 from dsv41.telemetry.tracer import NodeTracer
 
@@ -40,8 +43,9 @@ class TraceSession:
 
     @contextmanager
     def step(self, plan):
+        self.encode(on_error="ignore")    # a worker lost since takes its notes with it; recovery follows
         step, phase = next(iter(plan.submissions.values())).step, plan.graph.phase
-        span = self.recorder.start(f"{phase} step {step}", attrs={
+        span = self.recorder.start(f"{phase} step {step}", start_ns=unix_ns(perf_counter_ns()), attrs={
             "dsv41.span": "step", "dsv41.phase": phase, "dsv41.step": step,
             "dsv41.nodes": len(plan.graph.nodes), "dsv41.submissions": len(plan.submissions)})
         annotate(plan, self.recorder.ids(span))
@@ -52,7 +56,7 @@ class TraceSession:
             error = repr(e)
             raise
         finally:
-            self.recorder.end(span, error=error)
+            self.recorder.end(span, end_ns=unix_ns(perf_counter_ns()), error=error)
 
     def attach(self, cards):
         """A tracer on the workers that now serve these cards (after a recovery replaced them)."""
@@ -60,8 +64,16 @@ class TraceSession:
             self.engine.runner.run_on_cards(_install, self.engine.id, self.resource, self.device.name, self.keep,
                                             cards=cards)
 
+    def encode(self, on_error: str = "raise"):
+        """Spans of what every card noted so far (on their workers under ``distributed``)."""
+        if self.engine.runner is None:
+            _encode(self.engine.id)
+        else:
+            self.engine.runner.run_on_cards(_encode, self.engine.id, on_error=on_error)
+
     def collect(self) -> list[dict]:
         """Every span recorded so far (here and on the workers), by start time."""
+        self.encode()
         self.records += self.recorder.drain()
         if self.engine.runner is not None:
             for recs in self.engine.runner.run_on_cards(_drain, self.engine.id).values():
@@ -71,6 +83,7 @@ class TraceSession:
 
     def hbm(self) -> list[dict]:
         """Per card: weights, caches, transient peak and total peak bytes seen so far."""
+        self.encode()
         if self.engine.runner is None:
             rows = _ledger_rows(self.engine.id)
         else:
@@ -102,6 +115,12 @@ def _tracer(engine: str):
     return None if entry is None else entry.hooks.tracer
 
 
+def _encode(engine: str):
+    tracer = _tracer(engine)
+    if tracer is not None:
+        tracer.encode()
+
+
 def _drain(engine: str) -> list[dict]:
     tracer = _tracer(engine)
     return [] if tracer is None else tracer.recorder.drain()
@@ -115,5 +134,6 @@ def _ledger_rows(engine: str) -> list[dict]:
 def _uninstall(engine: str):
     entry = registry.find(engine)
     if entry is not None and entry.hooks.tracer is not None:
+        entry.hooks.tracer.encode()     # the last step's spans still go live
         entry.hooks.tracer.recorder.shutdown()
         entry.hooks.tracer = None

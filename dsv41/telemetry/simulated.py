@@ -7,7 +7,7 @@ import time
 
 from dsv41.telemetry.session import resource_attributes
 from dsv41.telemetry.spans import SpanRecorder
-from dsv41.telemetry.tracer import node_attributes
+from dsv41.telemetry.buffer import node_attributes
 
 
 def record_planned(planned, cfg, topo) -> tuple[list[dict], dict]:

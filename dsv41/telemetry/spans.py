@@ -63,6 +63,7 @@ class _Kept(SpanProcessor):
 
     def __init__(self):
         self.spans: list[ReadableSpan] = []
+        self.records: list[dict] = []     # spans that never were SDK spans (``SpanRecorder.add``)
 
     def on_end(self, span: ReadableSpan) -> None:
         self.spans.append(span)
@@ -107,6 +108,19 @@ class _LiveExport(SpanProcessor):
             self._batch.append(_record(span))
             if len(self._batch) >= LIVE_BATCH:
                 batch, self._batch = self._batch, []
+                try:
+                    self._send(batch)
+                except OSError:
+                    self._stop()
+
+    def add(self, records: list[dict]) -> None:
+        """Span records built off the hot path (``SpanRecorder.add``), in batches of LIVE_BATCH."""
+        if self._proc is None:
+            return
+        with self._lock:
+            self._batch += records
+            while len(self._batch) >= LIVE_BATCH and self._proc is not None:
+                batch, self._batch = self._batch[:LIVE_BATCH], self._batch[LIVE_BATCH:]
                 try:
                     self._send(batch)
                 except OSError:
@@ -159,8 +173,9 @@ class SpanRecorder:
         self._kept = _Kept() if keep else None
         if keep:
             self._provider.add_span_processor(self._kept)
-        if otlp_configured():
-            self._provider.add_span_processor(_LiveExport(self.resource))
+        self._live = _LiveExport(self.resource) if otlp_configured() else None
+        if self._live is not None:
+            self._provider.add_span_processor(self._live)
         self._tracer = self._provider.get_tracer(SCOPE)
         self._meters = None
 
@@ -188,12 +203,20 @@ class SpanRecorder:
         ctx = span.get_span_context()
         return ctx.trace_id, ctx.span_id
 
+    def add(self, records: list[dict]) -> None:
+        """Spans recorded without the SDK, as records (``telemetry.buffer``): kept and sent live like its spans."""
+        if self._kept is not None:
+            self._kept.records += records
+        if self._live is not None:
+            self._live.add(records)
+
     def drain(self) -> list[dict]:
-        """Finished spans as records, oldest first; the recorder forgets them."""
+        """Finished spans as records; the recorder forgets them."""
         if self._kept is None:
             return []
         spans, self._kept.spans = self._kept.spans, []    # called between steps: nothing ends meanwhile
-        return [_record(s) for s in spans]
+        records, self._kept.records = self._kept.records, []
+        return [_record(s) for s in spans] + records
 
     def observe_hbm(self, read: Callable[[], dict[int, tuple[int, int]]]) -> None:
         """Export ``read()`` (card -> (live, peak) bytes) as two gauges when OTLP metrics are configured;
