@@ -63,11 +63,6 @@ class Checkpoint:
         return t
 
 
-def read_all(checkpoint) -> dict[str, torch.Tensor]:
-    """Every served tensor, whole (the monolithic reference and whole-model builds)."""
-    return {name: checkpoint.get(name) for name in checkpoint.names()}
-
-
 def read_config(path) -> ModelConfig:
     """The folder's validated ``config.json`` alone (what sizing a run needs); raises CheckpointError."""
     path = Path(path)
