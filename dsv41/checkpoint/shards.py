@@ -102,7 +102,8 @@ def card_index(cfg: ModelConfig, topo: Topology, card: int, name: str) -> tuple 
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
-    """t in storage of its own: a view of a larger tensor would keep the whole parent alive."""
+    """t in storage of its own: a view of a larger tensor would keep the whole parent alive (a
+    checkpoint's mapped slice is already one: its storage is the slice's pages of the file)."""
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return t.clone(memory_format=torch.contiguous_format)
