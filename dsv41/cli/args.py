@@ -22,8 +22,8 @@ import shutil
 import sys
 from typing import Callable
 
-from dsv41.cli.modes import (ALL, DIST, EXECUTOR_ORDER, GRAPH, GRAPH_OR_PLAN, LOCAL, PLAN, RUN, groups, mode,
-                             mode_flag, per_group, topology)
+from dsv41.cli.modes import (ALL, DIST, EXECUTOR_ORDER, GRAPH, GRAPH_OR_PLAN, LOCAL, PLAN, REFERENCE, RUN, groups,
+                             mode, mode_flag, per_group)
 
 MAX_SEED = 2 ** 32 - 1
 MAX_CONNECT_TIMEOUT_S = 600.0
@@ -178,7 +178,7 @@ def _dp(a, cfg):
 
 
 def _experts(a, cfg):
-    ep = topology(a).ep
+    ep = 1 if mode(a) == REFERENCE else a.tp * a.dp    # what --ep must be; --tp and --dp are checked next
     if a.experts is not None and a.experts % ep:
         return f"must be a multiple of EP = {ep} (each card holds n_routed_experts / EP experts), got {a.experts}"
 
