@@ -149,7 +149,9 @@ class ModelConfig:
         else:
             mode = REUSE
         cand = self.candidate_source_layer_id
-        candidate = cand if (mode == REINDEX and ratio == self.compress_ratios[cand] and i > cand) else None
+        present = cand < self.num_hidden_layers       # a layer prefix may end before it (no readers then)
+        candidate = cand if (present and mode == REINDEX and ratio == self.compress_ratios[cand] and i > cand) \
+            else None
         return LayerSpec(i, ratio, mode, self._source(i, self.kv_source_layer_ids),
                          self._source(i, self.index_source_layer_ids), candidate)
 
@@ -203,10 +205,55 @@ class ModelConfig:
                 need(spec.kv_source is not None and spec.index_source is not None, "compress_ratios",
                      f"compressed layer {spec.layer} needs a KV and an index source of its ratio")
         c = self.candidate_source_layer_id
-        need(c in self.kv_source_layer_ids and c in self.index_source_layer_ids, "candidate_source_layer_id",
-             "must be both a KV and an index source")
+        need(c >= self.num_hidden_layers or (c in self.kv_source_layer_ids and c in self.index_source_layer_ids),
+             "candidate_source_layer_id", "must be both a KV and an index source (or past the last layer: none)")
         need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
         return self
+
+    def reduced(self, layers: int | None = None, experts: int | None = None,
+                engram_rows: int | None = None) -> "ModelConfig":
+        """This model with only what memory forces made smaller, every per-layer dimension kept: the
+        first ``layers`` of the schedule (the head after the last), ``experts`` routed experts (top-k
+        kept), Engram tables of ``engram_rows`` rows (each table the smallest unused prime >= that).
+        The name says what was reduced (``flash-L40-E8-R4099``). A reduction that breaks the schedule
+        raises ValueError naming the option (``--layers``, ``--experts``, ``--engram-rows``) and the rule."""
+        changes, tags = {}, []
+        if layers is not None:
+            n = self.num_hidden_layers
+            if not 1 <= layers <= n:
+                raise ValueError(f"--layers: must be in [1, {n}] (a prefix of {self.name}'s {n}-layer schedule), "
+                                 f"got {layers}")
+            keep = lambda ids: tuple(i for i in ids if i < layers)
+            changes.update(num_hidden_layers=layers, compress_ratios=self.compress_ratios[:layers],
+                           kv_source_layer_ids=keep(self.kv_source_layer_ids),
+                           index_source_layer_ids=keep(self.index_source_layer_ids),
+                           engram_layer_ids=keep(self.engram_layer_ids))
+            for spec in self.layers[:layers]:
+                # a source is never later than its reader, so no prefix can cut one off; a schedule
+                # whose rules picked a later source would be refused here
+                for what, src in (("KV", spec.kv_source), ("index", spec.index_source),
+                                  ("candidate", spec.candidate_source)):
+                    if src is not None and src >= layers:
+                        raise ValueError(f"--layers: must keep every cache source of the layers kept; layer "
+                                         f"{spec.layer} reads the {what} cache of layer {src}, got {layers}")
+            tags.append(f"L{layers}")
+        if experts is not None:
+            k, n = self.num_experts_per_tok, self.n_routed_experts
+            if not k <= experts <= n:
+                raise ValueError(f"--experts: must be in [{k}, {n}] (top-{k} routing keeps {k} experts per "
+                                 f"token; at most {self.name}'s {n}), got {experts}")
+            changes["n_routed_experts"] = experts
+            tags.append(f"E{experts}")
+        if engram_rows is not None:
+            top = self.engram_vocab_size
+            if not 2 <= engram_rows <= top:
+                raise ValueError(f"--engram-rows: must be in [2, {top}] (each table takes the smallest unused "
+                                 f"prime >= it as its hash modulus; at most {self.name}'s {top}), got {engram_rows}")
+            changes["engram_vocab_size"] = engram_rows
+            tags.append(f"R{engram_rows}")
+        if not tags:
+            return self
+        return replace(self, name="-".join([self.name, *tags]), **changes).validate()
 
 
 def _schedule(n_swa: int, n_r2: int, n_r1: int) -> tuple[int, ...]:

@@ -58,12 +58,16 @@ def _spec(name: str, fmt: str, shape: tuple[int, ...], g: int) -> dict[str, tupl
     return {f"{name}.weight": payload, f"{name}.scale": (scale, E8M0)}
 
 
-def init_checkpoint(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+def draw_checkpoint(cfg: ModelConfig, seed: int = 0):
+    """(name, tensor) of the checkpoint one by one, in drawing order: a consumer that keeps only what
+    it needs never holds the whole draw (FLASH's 40 layers are ~9 GB even reduced)."""
     g = torch.Generator().manual_seed(seed)
-    ck: dict[str, torch.Tensor] = {}
     for name, shape, fmt, std, mean in Transformer.tensors(cfg):
-        ck.update(_encode(name, fmt, torch.randn(*shape, generator=g) * std + mean))
-    return ck
+        yield from _encode(name, fmt, torch.randn(*shape, generator=g) * std + mean).items()
+
+
+def init_checkpoint(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    return dict(draw_checkpoint(cfg, seed))
 
 
 def checkpoint_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -78,6 +78,14 @@ MATRIX = [
     ("--plan --checkpoint ck --prompt hi", "--prompt", ["--plan"]),
     ("--checkpoint /no/such/ck", "--checkpoint", ["/no/such/ck", "expected a checkpoint folder, found nothing"]),
     ("--device-profile h200", "--device-profile", ["needs --trace"]),
+    # reductions of the model (ModelConfig.reduced): each refused naming its option and the rule
+    ("--config flash --layers 0 --plan", "--layers", ["[1, 40]", "prefix"]),
+    ("--config flash --experts 5 --plan", "--experts", ["[6, 384]", "top-6"]),
+    ("--config flash --experts 12 --plan --tp 4 --dp 2", "--experts", ["multiple of EP = 8"]),
+    ("--config flash --engram-rows 1 --plan", "--engram-rows", ["[2, 16000000]", "prime"]),
+    ("--checkpoint ck --layers 2", "--layers", ["does not apply with --checkpoint"]),
+    ("--config flash --layers 40 --experts 8 --executor threads --tp 4 --dp 2", "--config",
+     ["flash-L40-E8 needs at least", "available"]),
     # cost before commitment
     ("--config flash", "--config", ["GB", "available", "--plan --config flash"]),
     ("--config flash --executor reference", "--config", ["GB", "--plan --config flash --tp 1 --dp 1"]),

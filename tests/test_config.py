@@ -189,3 +189,43 @@ def test_topology_check_rules():
         Topology(tp=1, dp=3, ep=3).check(TINY)                      # 16 experts over 3 cards
     with pytest.raises(ValueError, match="Topology.ep"):
         Topology(tp=1, dp=5, ep=5).check(FLASH)                     # 384 % 5
+
+
+# ---- reductions: what memory forces smaller, every per-layer dimension kept ----------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 20, 21, 25, 40])
+def test_a_layer_prefix_keeps_the_schedule_of_its_layers(n):
+    cfg = FLASH.reduced(layers=n)
+    assert cfg.layers == FLASH.layers[:n]              # every layer's mode and sources as in the whole model
+    assert cfg.engram_layer_ids == tuple(i for i in FLASH.engram_layer_ids if i < n)
+    assert cfg.name == f"flash-L{n}"
+    assert (cfg.hidden_size, cfg.head_dim, cfg.index_topk, cfg.candidate_topk_blocks) == \
+        (FLASH.hidden_size, FLASH.head_dim, FLASH.index_topk, FLASH.candidate_topk_blocks)
+
+
+def test_experts_and_engram_rows_reduce_only_themselves():
+    cfg = FLASH.reduced(experts=8, engram_rows=4099)
+    assert cfg.name == "flash-E8-R4099"
+    assert replace(cfg, name=FLASH.name, n_routed_experts=384, engram_vocab_size=16000000) == FLASH
+    from dsv41.ops.engram import engram_primes
+    primes = [p for ps in engram_primes(cfg).values() for p in ps]
+    assert min(primes) == 4099 and len(set(primes)) == len(primes)    # 4099 is prime
+    assert FLASH.reduced() is FLASH
+
+
+@pytest.mark.parametrize("kw,flag", [(dict(layers=0), "--layers"), (dict(layers=41), "--layers"),
+                                     (dict(experts=5), "--experts"), (dict(experts=385), "--experts"),
+                                     (dict(engram_rows=1), "--engram-rows"),
+                                     (dict(engram_rows=16000001), "--engram-rows")])
+def test_bad_reductions_name_their_option(kw, flag):
+    with pytest.raises(ValueError, match=f"^{flag}: must be in"):
+        FLASH.reduced(**kw)
+
+
+def test_a_prefix_that_would_cut_a_source_from_its_reader_is_refused():
+    """This schedule's sources are never later than their readers; one whose were is refused."""
+    late = replace(TINY, kv_source_layer_ids=(2, 8, 14, 20), index_source_layer_ids=(2, 8, 14, 20, 24))
+    object.__setattr__(late, "layers", tuple(replace(s, index_source=24) if s.layer == 22 else s
+                                             for s in late.layers))
+    with pytest.raises(ValueError, match="^--layers: must keep every cache source.*layer 22 reads the index"):
+        late.reduced(layers=23)

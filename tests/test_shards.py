@@ -8,7 +8,7 @@ import torch
 
 from dsv41.checkpoint.reader import open_checkpoint
 from dsv41.cluster.engine import GraphEngine
-from dsv41.cluster.shards import DrawnCheckpoint, RowLookup, card_index, read_card
+from dsv41.checkpoint.shards import DrawnCheckpoint, RowLookup, card_index, read_card, read_cards
 from dsv41.config import SMALL, TINY, Topology
 from dsv41.ops.embed import embed_rows, embed_shard, shard_rows
 from dsv41.ops.engram import engram_primes, sum_shares
@@ -16,7 +16,7 @@ from dsv41.ops.moe import expert
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.projections import q_proj
 from dsv41.plan.sizing import weights_by_kind
-from dsv41.weights import checkpoint_specs, decode_checkpoint
+from dsv41.weights import checkpoint_specs, decode_checkpoint, init_checkpoint
 
 TOPOS = [Topology(1, 1, 1), Topology(2, 2, 4)]
 
@@ -138,7 +138,7 @@ def _by_hand(payload, codes, fp4: bool):
 def test_decoded_per_use_equals_whole_decode_and_hand_decode(drawn, card):
     cfg, topo = TINY, Topology(2, 2, 4)
     mine = read_card(drawn, topo, card)
-    old = _old_shard(cfg, topo, card, decode_checkpoint(cfg, drawn.tensors))
+    old = _old_shard(cfg, topo, card, decode_checkpoint(cfg, init_checkpoint(cfg, 0)))
     assert set(mine) == set(old)
     ids = torch.tensor([[0, 5, 2], [7, 7, 1]])
     for k in old:
@@ -178,7 +178,7 @@ def test_decoded_per_use_equals_whole_decode_and_hand_decode(drawn, card):
 
 def test_lookup_shares_sum_to_the_whole_lookup(drawn):
     cfg, topo = TINY, Topology(2, 2, 4)
-    whole = decode_checkpoint(cfg, drawn.tensors)
+    whole = decode_checkpoint(cfg, init_checkpoint(cfg, 0))
     cards = [read_card(drawn, topo, c) for c in topo.cards]
     ids = torch.tensor([[-1, 0, 3], [cfg.vocab_size - 1, cfg.vocab_size + 5, 17]])
     for grp in range(topo.dp):   # embed: the TP ranks of a group, summed by the group's transport
@@ -209,12 +209,30 @@ def test_shares_keep_negative_zero_and_every_value():
 def test_slices_read_from_a_folder_equal_slices_of_the_whole(tiny_checkpoint):
     folder = open_checkpoint(tiny_checkpoint)
     drawn = DrawnCheckpoint(folder.cfg, 0)      # the writer draws seed 0 of the folder's config
+    whole = init_checkpoint(folder.cfg, 0)
     topo = Topology(2, 2, 4)
     for card in (1, 2):
         got = read_card(folder, topo, card)
         for name, t in got.held.items():
-            want = drawn.tensors[name][card_index(folder.cfg, topo, card, name)]
+            want = whole[name][card_index(folder.cfg, topo, card, name)]
             assert t.dtype == want.dtype and t.shape == want.shape, name
             assert torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t,
                                want.view(torch.uint8) if want.element_size() == 1 else want), name
         assert got.nbytes() == read_card(drawn, topo, card).nbytes()
+
+
+def test_cards_read_together_share_each_slice_and_hold_what_one_card_reads():
+    """One pass over the draw for all cards: DP replicas of a TP slice (and replicated tensors) are one
+    storage; each card holds exactly the slices it reads alone."""
+    topo = Topology(2, 2, 4)
+    together = read_cards(DrawnCheckpoint(TINY, 0), topo, list(topo.cards))
+    for card in topo.cards:
+        alone = read_card(DrawnCheckpoint(TINY, 0), topo, card)
+        assert together[card].held.keys() == alone.held.keys()
+        for name, t in alone.held.items():
+            assert torch.equal(together[card].held[name].view(torch.uint8),
+                               t.contiguous().view(torch.uint8)), name
+        assert together[card].nbytes() == alone.nbytes()
+    a, b = together[0].held, together[2].held          # TP rank 0 of DP groups 0 and 1
+    assert a["layers.3.attn.wq_b.weight"].data_ptr() == b["layers.3.attn.wq_b.weight"].data_ptr()
+    assert a["layers.3.attn.wq_b.weight"].data_ptr() != together[1].held["layers.3.attn.wq_b.weight"].data_ptr()

@@ -2,14 +2,17 @@
 
 ``open_checkpoint`` checks ``config.json``, the index and every shard header, and builds the
 Engram token map from ``tokenizer.json`` (its size must be the config's compressed vocabulary),
-before anything is served. ``get`` reads only the requested slice of one tensor through
-``safe_open(...).get_slice`` and checks its values as read: BF16/FP32 finite, FP8 E4M3 payload
+before anything is served. ``get`` serves a whole tensor or a block of its leading rows straight
+from the shard's memory map (pages of the file, which the OS may drop and read again: a checkpoint
+larger than free memory still serves), any other slice as a copy read through
+``safe_open(...).get_slice``, and checks its values as read: BF16/FP32 finite, FP8 E4M3 payload
 codes not NaN (E4M3FN has no infinities), E8M0 scale codes not 0xFF (NaN). Packed FP4 bytes are
 always finite values.
 """
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import torch
@@ -17,7 +20,7 @@ from safetensors import safe_open
 
 from dsv41.checkpoint import config_json
 from dsv41.checkpoint.errors import CheckpointError
-from dsv41.checkpoint.headers import check_headers, fail
+from dsv41.checkpoint.headers import DTYPES, check_headers, fail
 from dsv41.checkpoint.text import TextCodec
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
@@ -40,9 +43,10 @@ class Checkpoint:
     def __init__(self, path: Path, cfg: ModelConfig, files: dict[str, str], token_map: torch.Tensor):
         self.path, self.cfg, self.files, self.token_map = path, cfg, files, token_map
         self._open: dict[str, object] = {}
+        self._maps: dict[str, tuple] = {}
 
     def __getstate__(self):
-        return {**self.__dict__, "_open": {}}
+        return {**self.__dict__, "_open": {}, "_maps": {}}
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -51,9 +55,11 @@ class Checkpoint:
         file = self.files.get(name)
         if file is None:
             raise CheckpointError(f"{self.path}: tensor {name!r}: expected a served tensor, found no such name")
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.path / file), framework="pt")
-        t = self._open[file].get_slice(name)[index]
+        t = self._mapped(file, name, index)
+        if t is None:
+            if file not in self._open:
+                self._open[file] = safe_open(str(self.path / file), framework="pt")
+            t = self._open[file].get_slice(name)[index]
         check = _bad_values(t)
         if check is not None and bool(check[0].any()):
             bad, allowed = check
@@ -63,9 +69,38 @@ class Checkpoint:
         return t
 
 
-def read_all(checkpoint) -> dict[str, torch.Tensor]:
-    """Every served tensor, whole (the monolithic reference and whole-model builds)."""
-    return {name: checkpoint.get(name) for name in checkpoint.names()}
+    def _mapped(self, file: str, name: str, index: tuple) -> torch.Tensor | None:
+        """The rows [a, b) (or all) of a tensor as a view of the shard's map, None for other slices."""
+        rows = index[0] if len(index) == 1 and isinstance(index[0], slice) and index[0].step is None else None
+        if index != () and rows is None:
+            return None
+        if file not in self._maps:
+            self._maps[file] = _map_shard(self.path / file)
+        mapped, header, start = self._maps[file]
+        entry = header[name]
+        dtype, shape = TORCH_DTYPES[entry["dtype"]], list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if rows is not None and shape:
+            a, b, _ = rows.indices(shape[0])
+            row = (end - begin) // shape[0] if shape[0] else 0
+            begin, shape[0] = begin + a * row, max(0, b - a)
+            end = begin + shape[0] * row
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(mapped, dtype=torch.uint8, offset=start + begin,
+                                count=end - begin).view(dtype).reshape(shape)
+
+
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+
+
+def _map_shard(path: Path):
+    """(copy-on-write map of the file, its header, where the data starts): the map is private, so a
+    tensor viewing it can never write the file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), header, 8 + n
 
 
 def read_config(path) -> ModelConfig:

@@ -1,6 +1,6 @@
 """Test checkpoints in the released layout (written by ``python -m dsv41.checkpoint.write DIR``).
 
-Random weights of a preset (``weights.init_checkpoint``) in sharded safetensors with
+Random weights of a preset (``weights.draw_checkpoint``, written as drawn) in sharded safetensors with
 ``model.safetensors.index.json``, ``config.json``, a byte-level BPE ``tokenizer.json`` trained on a
 few paragraphs (aiming at the config's vocab_size; a small corpus can fall short for larger
 vocabularies, leaving spare embedding rows as the released model has), and a
@@ -14,7 +14,6 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsv41.checkpoint import config_json
@@ -22,7 +21,7 @@ from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
-from dsv41.weights import init_checkpoint
+from dsv41.weights import draw_checkpoint
 
 BOS, EOS, PAD, USER, ASSISTANT = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>",
                                   "<｜Assistant｜>")
@@ -64,25 +63,32 @@ def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Tokenizer:
     return tok
 
 
-def save_tensors(ck: dict[str, torch.Tensor], path: Path, shard_bytes: int):
-    """Sharded safetensors (a new shard when the next tensor would pass shard_bytes) and the index."""
+def save_tensors(tensors, path: Path, shard_bytes: int):
+    """Sharded safetensors from (name, tensor) pairs, written as each shard fills (a new shard when
+    the next tensor would pass shard_bytes, so only one shard is held), then the index."""
     from safetensors.torch import save_file
 
-    shards, cur, size = [], {}, 0
-    for name, t in ck.items():
+    shards, cur, size, total = [], {}, 0, 0
+
+    def flush():
+        fname = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(cur, str(path / fname))
+        shards.append((fname, list(cur)))
+
+    for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         if cur and size + nbytes > shard_bytes:
-            shards.append(cur)
+            flush()
             cur, size = {}, 0
         cur[name] = t.contiguous()
         size += nbytes
-    shards.append(cur)
+        total += nbytes
+    flush()
     weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname))
-        weight_map.update({n: fname for n in shard})
-    total = sum(t.numel() * t.element_size() for t in ck.values())
+    for i, (fname, names) in enumerate(shards):     # the released names: model-0000i-of-0000n
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(path / fname, path / final)
+        weight_map.update(dict.fromkeys(names, final))
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
@@ -94,7 +100,7 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0, s
     tok = train_tokenizer(cfg.vocab_size)
     _, compressed = build_token_map(tok, cfg.vocab_size, cfg.engram_pad_token_id)
     cfg = replace(cfg, engram_compressed_vocab_size=compressed).validate()
-    save_tensors(init_checkpoint(cfg, seed), path, shard_bytes)
+    save_tensors(draw_checkpoint(cfg, seed), path, shard_bytes)
     (path / config_json.FILE).write_text(json.dumps(config_json.to_json(cfg), indent=1))
     tok.save(str(path / TOKENIZER))
     (path / TOKENIZER_CONFIG).write_text(json.dumps(

@@ -22,8 +22,8 @@ import shutil
 import sys
 from typing import Callable
 
-from dsv41.cli.modes import (ALL, DIST, EXECUTOR_ORDER, GRAPH, GRAPH_OR_PLAN, LOCAL, PLAN, RUN, groups, mode,
-                             mode_flag, per_group)
+from dsv41.cli.modes import (ALL, DIST, EXECUTOR_ORDER, GRAPH, GRAPH_OR_PLAN, LOCAL, PLAN, REFERENCE, RUN, groups,
+                             mode, mode_flag, per_group)
 
 MAX_SEED = 2 ** 32 - 1
 MAX_CONNECT_TIMEOUT_S = 600.0
@@ -66,6 +66,12 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--config": (ALL, ("does not apply with --checkpoint: its config.json is the config",
                        lambda a: a.checkpoint is None)),
     "--checkpoint": (ALL, None),
+    "--layers": (ALL, ("does not apply with --checkpoint: its config.json says what was reduced",
+                       lambda a: a.checkpoint is None)),
+    "--experts": (ALL, ("does not apply with --checkpoint: its config.json says what was reduced",
+                        lambda a: a.checkpoint is None)),
+    "--engram-rows": (ALL, ("does not apply with --checkpoint: its config.json says what was reduced",
+                            lambda a: a.checkpoint is None)),
     "--prompt": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)", lambda a: a.checkpoint)),
     "--prompt-file": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)",
                             lambda a: a.checkpoint)),
@@ -128,14 +134,23 @@ def shown(a, flag: str) -> str:
     return flag
 
 
+def preset(a):
+    """The --config preset with --layers/--experts/--engram-rows applied; a reduction that breaks
+    the schedule is a usage error naming its option."""
+    from dsv41.config import PRESETS
+    try:
+        return PRESETS[a.config].reduced(a.layers, a.experts, a.engram_rows)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def model_config(a):
-    """The model to check against: the --config preset, or --checkpoint's config.json. With a
+    """The model to check against: the --config preset (reduced as asked), or --checkpoint's config.json. With a
     checkpoint the prompts are encoded here (``a.codec``, ``a.prompt_ids``); their count and longest
     length become --batch and --prompt-len."""
-    from dsv41.config import PRESETS
     a.codec, a.prompt_ids = None, []
     if a.checkpoint is None:
-        return PRESETS[a.config]
+        return preset(a)
     from dsv41.cli.prompts import encode_prompts
     from dsv41.checkpoint.reader import read_config
     try:
@@ -163,6 +178,12 @@ def _dp(a, cfg):
     if a.dp not in ok:
         return (f"must be one of {', '.join(map(str, ok))} with --tp {a.tp} {on(a, cfg)} "
                 f"(tp x dp cards split its {e} routed experts), got {a.dp}")
+
+
+def _experts(a, cfg):
+    ep = 1 if mode(a) == REFERENCE else a.tp * a.dp    # what --ep must be; --tp and --dp are checked next
+    if a.experts is not None and a.experts % ep:
+        return f"must be a multiple of EP = {ep} (each card holds n_routed_experts / EP experts), got {a.experts}"
 
 
 def _ep(a, cfg):
@@ -295,7 +316,7 @@ def _budget(a, cfg):
 Check = tuple[str, Callable]
 FIRST: list[Check] = [("--checkpoint", _checkpoint), ("--prompt-file", _prompt_file)]
 CHECKS: list[Check] = [
-    ("--tp", _tp), ("--dp", _dp), ("--ep", _ep), ("--batch", _batch), ("--prompt-len", _prompt_len),
+    ("--experts", _experts), ("--tp", _tp), ("--dp", _dp), ("--ep", _ep), ("--batch", _batch), ("--prompt-len", _prompt_len),
     ("--new-tokens", _new_tokens), ("--seed", _seed), ("--hold", _hold), ("--connect-timeout", _connect_timeout),
     ("--address", _address), ("--show-graph", _show_graph), ("--backend", _backend), ("--dashboard", _dashboard),
 ]
@@ -313,6 +334,16 @@ def run_checks(a, cfg, checks: list[Check], applies: dict) -> None:
 
 
 # ---- the parser ----------------------------------------------------------------------------------------
+
+def add_reductions(p):
+    """What memory may force smaller (``ModelConfig.reduced``); run, --plan, the budget check and the
+    checkpoint writer take the same three."""
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="keep the first N layers of the schedule (the head after the last)")
+    p.add_argument("--experts", type=int, default=None, metavar="E", help="routed experts per layer (top-k kept)")
+    p.add_argument("--engram-rows", type=int, default=None, metavar="R",
+                   help="rows per Engram table (each the smallest unused prime >= R)")
+
 
 def given_flags(p: argparse.ArgumentParser, argv) -> set[str]:
     """The long flags the user typed (argparse keeps no record): a second parse with no defaults."""

@@ -35,6 +35,7 @@ PROG = "python -m dsv41.run"
 EPILOG = """\
 modes and the flags that go with them:
   every mode        --graph --config --checkpoint --batch --json --debug
+                    --layers --experts --engram-rows (reduce --config's model)
   a run             --prompt-len --seed --new-tokens (--graph decode only)
                     --prompt --prompt-file (with --checkpoint) --chat --allow-special-tokens (with a prompt)
   graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
@@ -53,6 +54,7 @@ def build_parser() -> rules.Parser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
     p.add_argument("--config", choices=sorted(PRESETS), default="tiny")
+    rules.add_reductions(p)
     p.add_argument("--batch", type=int, default=4,
                    help="requests in total (spread over the DP groups; --plan: evenly)")
     p.add_argument("--prompt-len", type=int, default=48)
@@ -151,7 +153,7 @@ def run(args) -> int:
             ckpt = open_checkpoint(args.checkpoint)   # every header checked: nothing is served from a bad folder
         except CheckpointError as e:
             return _refuse(e)
-    cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
+    cfg = rules.preset(args) if ckpt is None else ckpt.cfg
     topo = topology(args)
     progress = Progress(args.json)
     if args.plan:

@@ -34,7 +34,7 @@ from dsv41.cluster.executors import CardUnavailable, DistributedRunner, run_loca
 from dsv41.cluster.plan import Plan, make_plan
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import NodeError
-from dsv41.cluster.shards import card_bytes, return_freed_memory
+from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput

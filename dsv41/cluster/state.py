@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from dsv41.cluster.shards import CardWeights, DrawnCheckpoint, read_card
+from dsv41.checkpoint.shards import CardWeights, DrawnCheckpoint, read_cards
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.requests import RequestTable
 from dsv41.model.caches import empty_caches
@@ -55,7 +55,8 @@ def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: 
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
     source = DrawnCheckpoint(cfg, seed) if source is None else source
     tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
-    return {c: CardState(cfg, topo, c, read_card(source, topo, c), _empty(cfg, max_batch, max_context),
+    weights = read_cards(source, topo, cards)
+    return {c: CardState(cfg, topo, c, weights[c], _empty(cfg, max_batch, max_context),
                          tables, options, build, generation, (max_batch, max_context)) for c in cards}
 
 

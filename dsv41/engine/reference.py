@@ -2,8 +2,8 @@
 continuous batching; the token is the head's sample of the logits it just made."""
 from __future__ import annotations
 
-from dsv41.checkpoint.reader import read_all
-from dsv41.config import ModelConfig
+from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
+from dsv41.config import ModelConfig, Topology
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
 from dsv41.model.caches import empty_caches
@@ -13,7 +13,7 @@ from dsv41.model.options import Options
 from dsv41.model.transformer import Transformer
 from dsv41.ops.rope import COMPRESSED, PLAIN, precompute_rope_tables
 from dsv41.ops.staged import StagedTensors
-from dsv41.weights import decode_checkpoint, init_checkpoint, site_tensors
+from dsv41.weights import site_tensors
 
 
 class ReferenceEngine(Engine):
@@ -21,16 +21,16 @@ class ReferenceEngine(Engine):
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, max_batch: int | None = None,
                  max_context: int | None = None, checkpoint=None, options: Options = Options()):
-        """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; read whole here."""
+        """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; None draws from seed."""
         self.cfg = cfg
         self.options = options
         self.seed = seed
-        if checkpoint is None:
-            self.weights = decode_checkpoint(cfg, init_checkpoint(cfg, seed))
-        else:
-            if checkpoint.cfg != cfg:
-                raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
-            self.weights = decode_checkpoint(cfg, read_all(checkpoint))
+        if checkpoint is not None and checkpoint.cfg != cfg:
+            raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
+        # held in checkpoint formats and decoded per use, as a card holds them: decoded whole, FLASH's
+        # FP64 matrices would be 8x the checkpoint bytes
+        source = DrawnCheckpoint(cfg, seed) if checkpoint is None else checkpoint
+        self.weights = read_card(source, Topology(1, 1, 1), 0)
         self.model = Transformer(cfg, self.weights)
         self.table = RequestTable(cfg, max_batch or cfg.max_batch_per_dp,
                                   max_context or min(cfg.max_position_embeddings, 1024),

@@ -10,6 +10,7 @@ from dsv41.ops.norm import rms_norm
 
 class Head:
     NORM, HEAD = "norm.weight", "head.weight"
+    VOCAB_BLOCK = 16384     # head rows decoded at once: FLASH's whole head in FP64 would be 5.3 GB
 
     def __init__(self, cfg: ModelConfig, weights):
         self.cfg, self.weights = cfg, weights
@@ -25,7 +26,12 @@ class Head:
 
     def logits(self, hidden, logit_rows) -> torch.Tensor:
         """FP32 logits of the selected rows over this card's vocabulary rows (all of them at TP=1)."""
-        return logits_shard(select_rows(hidden, logit_rows), self.weights[self.HEAD])
+        rows = select_rows(hidden, logit_rows)
+        blocks = getattr(self.weights, "row_blocks", None)     # weights decoded per use decode a block at a time
+        if blocks is None:
+            return logits_shard(rows, self.weights[self.HEAD])
+        # FP64 accumulation makes each logit independent of the block it is computed in
+        return torch.cat([logits_shard(rows, w) for w in blocks(self.HEAD, self.VOCAB_BLOCK)], dim=1)
 
     @staticmethod
     def sample(logits) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Bytes of values, of a card's weight shards (checkpoint formats) and of its caches.
 
 Weights are sized as a device would hold them, and as a card's State holds them
-(``dsv41.cluster.shards``): the checkpoint's own formats (FP8 payload + E8M0 block scales, packed
+(``dsv41.checkpoint.shards``): the checkpoint's own formats (FP8 payload + E8M0 block scales, packed
 FP4 experts + scales, BF16 dense, FP32 mHC/bias/sinks). Sharding policy per card:
 
 | tensors                                        | held by a card                                  |
@@ -79,6 +79,11 @@ def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int]]:
             by_key[key] += held
             by_kind[_kind(name, key)] += held
     return dict(by_key), by_kind
+
+
+def checkpoint_bytes(cfg) -> int:
+    """Bytes of every checkpoint tensor (the safetensors payloads of a test checkpoint)."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in _specs(cfg).values())
 
 
 def card_weights(cfg, topo, card: int) -> dict[str, int]:

@@ -36,25 +36,32 @@ import torch
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.config import ModelConfig, Topology
 from dsv41.ops.engram import table_slab
-from dsv41.weights import decode_tensor, init_checkpoint, runtime_key
+from dsv41.weights import checkpoint_specs, decode_tensor, draw_checkpoint, runtime_key
 
 
 class DrawnCheckpoint:
-    """Weight source of deterministic random weights (``weights.init_checkpoint``). The draw is the
-    whole model; a card keeps only its slices (copies), so the draw is freed with this object."""
+    """Weight source of deterministic random weights (``weights.draw_checkpoint``), drawn as asked:
+    only the tensor last asked for is held, so readers that go through ``names()`` in order (as
+    ``read_cards`` does) never hold the whole draw; asking for an earlier tensor draws again."""
     token_map = None          # random weights have no tokenizer: the identity Engram map
 
     def __init__(self, cfg: ModelConfig, seed: int = 0):
-        self.cfg = cfg
-        self.tensors = init_checkpoint(cfg, seed)
+        self.cfg, self.seed = cfg, seed
+        self._order = {name: i for i, name in enumerate(checkpoint_specs(cfg))}
+        self._draw, self._at = None, None      # the draw in progress and its (name, tensor) last drawn
 
     def names(self) -> list[str]:
-        return list(self.tensors)
+        return list(self._order)
 
     def get(self, name: str, index: tuple = ()) -> torch.Tensor:
-        if name not in self.tensors:
+        if name not in self._order:
             raise CheckpointError(f"drawn checkpoint: no tensor {name!r}")
-        return self.tensors[name][index]
+        if self._at is None or self._order[self._at[0]] > self._order[name]:
+            self._draw = draw_checkpoint(self.cfg, self.seed)
+        while self._at is None or self._at[0] != name:
+            self._at = None              # let the previous tensor go before the next is drawn
+            self._at = next(self._draw)
+        return self._at[1][index]
 
 
 def _rows(a: int, b: int) -> tuple:
@@ -95,7 +102,8 @@ def card_index(cfg: ModelConfig, topo: Topology, card: int, name: str) -> tuple 
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
-    """t in storage of its own: a view of a larger tensor would keep the whole parent alive."""
+    """t in storage of its own: a view of a larger tensor would keep the whole parent alive (a
+    checkpoint's mapped slice is already one: its storage is the slice's pages of the file)."""
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return t.clone(memory_format=torch.contiguous_format)
@@ -155,6 +163,12 @@ class CardWeights(Mapping):
             return decode_tensor(self.cfg, key, self.held[key + ".weight"], self.held[key + ".scale"])
         return decode_tensor(self.cfg, key, self.held[key])
 
+    def row_blocks(self, key: str, rows: int):
+        """An unscaled weight decoded ``rows`` rows at a time (the LM head: never decoded whole)."""
+        t = self.held[key]
+        for a in range(0, t.shape[0], rows):
+            yield decode_tensor(self.cfg, key, t[a:a + rows])
+
     def __iter__(self):
         return iter(self.keys_)
 
@@ -169,16 +183,30 @@ class CardWeights(Mapping):
         return resident_bytes(self.held.values())
 
 
+def read_cards(source, topo: Topology, cards) -> dict[int, CardWeights]:
+    """The cards' shards, read from ``source`` in one pass over its tensors. Cards holding the same
+    slice (replicated tensors, DP replicas of a TP rank's slice) share one copy: in one process the
+    weights of a topology cost what one replica of it costs, while each card's ``nbytes`` still
+    counts everything it holds."""
+    held, firsts = {c: {} for c in cards}, {c: {} for c in cards}
+    for name in source.names():
+        read = {}
+        for card in cards:
+            index = card_index(source.cfg, topo, card, name)
+            if index is None:
+                continue
+            key = repr(index)
+            if key not in read:
+                read[key] = _owned(source.get(name, index))
+            held[card][name] = read[key]
+            if name == "embed.weight" or ".engram.embed." in name:
+                firsts[card][name if name == "embed.weight" else name.rpartition(".")[0]] = index[0].start
+    return {c: CardWeights(source.cfg, held[c], firsts[c]) for c in cards}
+
+
 def read_card(source, topo: Topology, card: int) -> CardWeights:
     """The card's shard, read slice by slice from ``source``."""
-    held, firsts = {}, {}
-    for name in source.names():
-        index = card_index(source.cfg, topo, card, name)
-        if index is not None:
-            held[name] = _owned(source.get(name, index))
-            if name == "embed.weight" or ".engram.embed." in name:
-                firsts[name if name == "embed.weight" else name.rpartition(".")[0]] = index[0].start
-    return CardWeights(source.cfg, held, firsts)
+    return read_cards(source, topo, [card])[card]
 
 
 def card_bytes(st) -> dict:

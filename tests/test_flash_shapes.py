@@ -1,0 +1,44 @@
+"""The released widths run for real (slow): graph executors equal the reference bit for bit at FLASH
+width, TP1 and TP4/DP2/EP8, on a reduced FLASH checkpoint, and each card holds the plan's weight bytes.
+
+Three layers (SWA, SWA with Engram, the first ratio-2 FULL layer), 8 experts and Engram tables of
+4,099 rows keep it to a few GB; the hidden size, heads, LoRA ranks, indexer, window and vocabulary
+are FLASH's. ``bench/flash_shapes.py`` runs the same comparison on any reduced model.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv41.checkpoint.writer import write_checkpoint
+from dsv41.config import FLASH, Topology
+from dsv41.plan.sizing import weights_by_kind
+from dsv41.run import main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("flash-L3")
+    cfg = write_checkpoint(FLASH.reduced(layers=3, experts=8, engram_rows=4099), path, seed=0)
+    return path, cfg
+
+
+def _run(capsys, path, *layout) -> dict:
+    assert main(["--checkpoint", str(path), "--batch", "2", "--prompt-len", "8", "--new-tokens", "2", "--json",
+                 *layout]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_graph_equals_reference_at_flash_width(capsys, folder):
+    path, cfg = folder
+    want = _run(capsys, path, "--executor", "reference")
+    for executor, tp, dp in (("sync", 1, 1), ("threads", 4, 2)):
+        got = _run(capsys, path, "--executor", executor, "--tp", str(tp), "--dp", str(dp))
+        assert got["tokens"] == want["tokens"], (executor, tp, dp)
+        assert got["last_logits_sha256"] == want["last_logits_sha256"], (executor, tp, dp)
+        topo = Topology(tp, dp, tp * dp)
+        for card in got["cards"]:
+            assert card["weights_bytes"] == sum(weights_by_kind(cfg, topo, card["card"]).values())
