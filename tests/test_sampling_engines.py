@@ -9,7 +9,7 @@ from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import TINY, Topology
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.stopping import Stops
+from dsv41.ops.stopping import Stops
 from dsv41.ops.sampling import RequestGenerator, SamplingParams, sample
 
 PROMPTS = [[5, 9, 100, 7, 300, 2], [11, 2, 3]]

@@ -1,10 +1,13 @@
 """Text in, text out: a checkpoint's ``tokenizer.json`` (+ optional ``tokenizer_config.json``).
 
 Prompts are encoded without the tokenizer's own post-processing; BOS is prepended when
-``tokenizer_config.json`` names one (unless ``add_bos_token`` is false), and with ``--chat`` the
-config's Jinja ``chat_template`` renders the prompt as one user turn (BOS then comes from the
-template). Generated ids are streamed as text: a request's new text is what decoding all its ids
-adds to what was already shown, held back while it ends in a partial UTF-8 sequence.
+``tokenizer_config.json`` names one (unless ``add_bos_token`` is false). A chat (``--chat``: the
+prompt as one user turn; the server: the request's messages) is rendered by the config's Jinja
+``chat_template`` when it has one (BOS then comes from the template), else by the DeepSeek-V4
+chat encoding (``checkpoint/chat.py``), as the V4 releases, which ship no template, are. Generated
+ids are streamed as text through ``ops.stopping.Stops``: a request's new text is what decoding
+all its ids adds to what was already shown, held back while it ends in a partial UTF-8 sequence
+or could still become a stop string.
 """
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from dsv41.checkpoint.chat import ChatTokenizer
 from dsv41.checkpoint.errors import CheckpointError
+from dsv41.ops.stopping import Stops
+from dsv41.ops.sampling import SamplingParams
 
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 
@@ -31,6 +37,7 @@ class TextCodec:
         self.chat_template = config.get("chat_template")
         self.bos_id = self._id(self.bos, source, "bos_token")
         self.eos_id = self._id(self.eos, source, "eos_token")
+        self._chat: ChatTokenizer | None = None    # made on first use (it copies the tokenizer)
 
     def _id(self, token: str | None, source: str, key: str) -> int | None:
         if token is None:
@@ -64,57 +71,71 @@ class TextCodec:
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
-            if not self.chat_template:
-                raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} has no chat_template")
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return [self.bos_id] + ids if self.add_bos else ids
+
+    def encode_chat(self, messages: list[dict], thinking: bool = False, tools=None) -> list[int]:
+        """A chat's prompt ids, ending in the generation prompt: the Jinja chat_template when the
+        config has one, else the DeepSeek-V4 encoding (raises ValueError naming a bad field)."""
+        if self.chat_template:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             text = env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                messages=messages, add_generation_prompt=True, tools=tools, thinking=thinking,
                 bos_token=self.bos or "", eos_token=self.eos or "")
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        return [self.bos_id] + ids if self.add_bos else ids
+        if self._chat is None:
+            self._chat = ChatTokenizer(self.tokenizer)
+        return self._chat.encode(messages, thinking=thinking, tools=tools)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class TextStream:
-    """Per request: generated ids, the text shown so far, and whether EOS ended it."""
+    """Per request of a run: its ``Stops`` (EOS, the stop strings, the token limit) and the text
+    shown so far."""
 
-    def __init__(self, codec: TextCodec, requests: int):
+    def __init__(self, codec: TextCodec, requests: int, params: SamplingParams = SamplingParams(),
+                 limit: int | None = None):
         self.codec = codec
-        self.ids = [[] for _ in range(requests)]
-        self.shown = [""] * requests
-        self.done = [False] * requests
+        self.stops = [Stops(params, limit if limit is not None else 1 << 62, codec.eos_id, codec.decode)
+                      for _ in range(requests)]
+
+    @property
+    def done(self) -> list[bool]:
+        return [s.finish is not None for s in self.stops]
+
+    @property
+    def shown(self) -> list[str]:
+        return [s.text[:s.shown] for s in self.stops]
+
+    @property
+    def texts(self) -> list[str]:
+        return [s.text for s in self.stops]
 
     def push(self, request: int, token: int) -> str:
-        """Take one generated token; returns the text it adds (EOS ends the request, adds none)."""
-        if token == self.codec.eos_id:
-            self.done[request] = True
-            return ""
-        self.ids[request].append(token)
-        text = self.codec.decode(self.ids[request])
-        if text.endswith("\ufffd") or not text.startswith(self.shown[request]):
-            return ""
-        delta, self.shown[request] = text[len(self.shown[request]):], text
-        return delta
+        """Take one generated token; returns the text it lets through."""
+        return self.stops[request].push(token)
 
     def step(self, tokens: dict[int, int], say) -> list[int]:
-        """One decode step's token per live request: prints each request's new text, returns the
+        """One step's token per live request: prints each request's new text, returns the
         requests still live."""
         for request, token in tokens.items():
             delta = self.push(request, token)
-            if delta or self.done[request]:
-                say(f"    [{request}] {delta!r}" + (" <eos>" if self.done[request] else ""))
-        return [r for r in tokens if not self.done[r]]
+            ended = self.stops[request].finish == "stop"
+            if delta or ended:
+                mark = (" <eos>" if token == self.codec.eos_id else " <stop>") if ended else ""
+                say(f"    [{request}] {delta!r}{mark}")
+        return [r for r in tokens if self.stops[r].finish is None]
 
     def finish(self, say):
-        """Show what was held back (generation ended inside a partial UTF-8 sequence)."""
-        for request, ids in enumerate(self.ids):
-            rest = self.codec.decode(ids)[len(self.shown[request]):]
+        """Show what was held back (generation ended before a held-back tail was settled)."""
+        for request, s in enumerate(self.stops):
+            rest = s.text[s.shown:]
             if rest:
-                self.shown[request] += rest
+                s.shown = len(s.text)
                 say(f"    [{request}] {rest!r}")
 
 

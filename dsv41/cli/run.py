@@ -19,7 +19,7 @@ import torch
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.text import TextStream
 from dsv41.cli import args as rules
-from dsv41.cli import plan, trace
+from dsv41.cli import plan, sampling, trace
 from dsv41.cli.modes import max_context, topology
 from dsv41.cli.progress import Progress
 from dsv41.cli.prompts import prompts_for
@@ -36,6 +36,7 @@ modes and the flags that go with them:
   every mode        --graph --config --checkpoint --batch --json --debug
   a run             --prompt-len --seed --new-tokens (--graph decode only)
                     --prompt --prompt-file (with --checkpoint) --chat (with a prompt)
+                    --temperature; with it --top-p --top-k --min-p --sample-seed; --stop (with --checkpoint)
   graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
   sync, threads     --check
   distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
@@ -87,16 +88,19 @@ def build_parser() -> rules.Parser:
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="with --checkpoint; repeatable (the batch is the number of prompts)")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="with --checkpoint: one prompt per line")
-    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt as one user turn of a chat: the checkpoint's chat_template, or the "
+                        "DeepSeek-V4 chat encoding when it has none")
+    sampling.add_arguments(p.add_argument_group("sampling"))
     g = p.add_argument_group("telemetry")
     trace.add_arguments(g)
     plan.add_arguments(g)
     return p
 
 
-APPLIES = {**rules.APPLIES, **trace.APPLIES, **plan.APPLIES}
+APPLIES = {**rules.APPLIES, **sampling.APPLIES, **trace.APPLIES, **plan.APPLIES}
 FIRST = rules.FIRST     # before the config is known (it may come from --checkpoint)
-CHECKS = rules.CHECKS + trace.CHECKS + plan.CHECKS + rules.LAST
+CHECKS = rules.CHECKS + sampling.CHECKS + trace.CHECKS + plan.CHECKS + rules.LAST
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
@@ -212,6 +216,7 @@ class Steps:
     """What the steps gave: tokens per request, wall time per step, the engine's stats per step, and
     the latest step's output (a token per request still generating; its logits stay on the cards)."""
     tokens: list[list[int]]
+    texts: list[str] | None = None     # with a checkpoint: each request's text, cut before a stop string
     prefill_ms: float = 0.0
     step_ms: list[float] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -227,15 +232,17 @@ class Steps:
 
 
 def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Steps:
-    """Prefill, then (decode) up to --new-tokens greedy tokens per request; with a checkpoint's text,
-    a request ends at its EOS and its text streams as it grows."""
+    """Prefill, then (decode) up to --new-tokens tokens per request (greedy, or drawn on the card with
+    the sampling flags); with a checkpoint's text, a request ends at its EOS or a --stop string and
+    its text streams as it grows."""
     n = args.new_tokens if args.graph == "decode" else 0
-    stream = TextStream(args.codec, len(prompts)) if args.codec is not None else None
+    stream = TextStream(args.codec, len(prompts), sampling.params(args), n) if args.codec is not None else None
     done = Steps(tokens=[[] for _ in prompts])
+    params = [sampling.params(args, j) for j in range(len(prompts))]
     live = list(range(len(prompts)))      # requests still generating (EOS ends one)
     with progress.steps(1 + max(0, n - 1)), progress.compilations():
         progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens")
-        done.prefill_ms = done.timed(engine, engine.prefill, prompts)
+        done.prefill_ms = done.timed(engine, engine.prefill, prompts, params)
         progress.done(f"  prefill   {done.prefill_ms:9.1f} ms  {_describe(done.stats[-1])}")
         rids = list(done.last.request_ids)
         for i in range(n):
@@ -251,8 +258,10 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
             progress.done(f"  decode {i + 1:3d} {done.step_ms[-1]:9.1f} ms  {_describe(done.stats[-1])}")
     if stream is not None:
         stream.finish(progress.say)
+        done.texts = stream.texts
     if args.graph == "prefill":
         done.tokens = [[t] for t in done.last.tokens]
+        done.texts = None if stream is None else [args.codec.decode(t) for t in done.tokens]
     return done
 
 
@@ -263,8 +272,8 @@ def summary(args, cfg, topo, done: Steps) -> dict:
         "tokens": done.tokens, "step_ms": done.step_ms, "prefill_ms": done.prefill_ms,
         "last_logits_sha256": logits_sha256(done.last.logits),   # the only logits that come home
     }
-    if args.codec is not None:
-        result["text"] = [args.codec.decode(t) for t in done.tokens]
+    if done.texts is not None:
+        result["text"] = done.texts
     return result
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from dsv41.engine.stopping import Stops
+from dsv41.ops.stopping import Stops
 from dsv41.ops.sampling import SamplingParams
 
 
