@@ -48,15 +48,11 @@ the config (no --config); with --prompt/--prompt-file the batch is the prompts (
 """
 
 
-def build_parser() -> rules.Parser:
-    p = rules.Parser(prog=PROG, description=__doc__.splitlines()[0], epilog=EPILOG,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
+def add_model_arguments(p) -> None:
+    """The flags that say which model runs where: shared with ``python -m dsv41.serve``."""
     p.add_argument("--config", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--batch", type=int, default=4,
-                   help="requests in total (spread over the DP groups; --plan: evenly)")
-    p.add_argument("--prompt-len", type=int, default=48)
-    p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
                    help="threads (default) was the fastest in most measured runs; on a quiet machine try sync "
@@ -74,17 +70,30 @@ def build_parser() -> rules.Parser:
     p.add_argument("--connect-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="distributed: give up when the scheduler and every card's worker are not there "
                         "within this time (default: %(default)g s)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+MODEL_FLAGS = ("--config", "--checkpoint", "--seed", "--executor", "--tp", "--dp", "--ep", "--granularity",
+               "--backend", "--wiring", "--address", "--connect-timeout", "--debug", "--help")
+
+
+def build_parser() -> rules.Parser:
+    p = rules.Parser(prog=PROG, description=__doc__.splitlines()[0], epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
+    add_model_arguments(p)
+    p.add_argument("--batch", type=int, default=4,
+                   help="requests in total (spread over the DP groups; --plan: evenly)")
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
     p.add_argument("--dashboard", action="store_true",
                    help="distributed: print the dashboard link when the cluster is up and wait after the run")
     p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
     p.add_argument("--show-graph", default=None, metavar="NAME",
                    help="write the last step's graph as traces/NAME (NAME.dot, or NAME.svg with graphviz)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout (progress goes to stderr)")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--check", action="store_true",
                    help="check every node against the Torch golden on its inputs (sync/threads executors)")
-    p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="with --checkpoint; repeatable (the batch is the number of prompts)")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="with --checkpoint: one prompt per line")
