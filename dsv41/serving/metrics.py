@@ -2,7 +2,7 @@
 as in the tests, keep theirs apart)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -24,6 +24,7 @@ class Metrics:
         self.blocks_in_use = Gauge("dsv41_cache_blocks_in_use", "Paged-cache blocks held by requests", registry=r)
         self.blocks_total = Gauge("dsv41_cache_blocks_total", "Paged-cache blocks in all pools", registry=r)
         self.errors = Counter("dsv41_errors", "Requests that ended in an error, by kind", ["kind"], registry=r)
+        ProcessCollector(registry=r)          # process_resident_memory_bytes and friends
         self.cancelled = Counter("dsv41_cancelled_requests", "Requests whose client went away", registry=r)
 
     def text(self) -> bytes:
