@@ -5,8 +5,8 @@ Each turn of the loop frees the requests whose client went away, admits waiting 
 the batch has slots and the prefill step has rows (one prefill step for all of them), then runs
 one decode step over every running request that has a token to feed. A request ends through its
 ``ops.stopping.Stops`` (stop ids, EOS, stop strings, its max tokens) and its blocks go back at
-once. Requests past the batch wait in a bounded queue; a full queue refuses at once (the server
-answers 429). A failed step changes nothing in the engine (steps are atomic): its requests get the
+once. Requests past the batch's free slots wait in a bounded queue; a full queue refuses at once
+(the server answers 429). A failed step changes nothing in the engine (steps are atomic): its requests get the
 error and leave, the others carry on.
 """
 from __future__ import annotations
@@ -85,7 +85,8 @@ class Batcher:
 
     def submit(self, job: Job):
         with self.cond:
-            if len(self.waiting) >= self.max_queue:
+            free = max(0, self.max_batch - len(self.running))     # slots the next turn fills
+            if len(self.waiting) >= self.max_queue + free:
                 raise QueueFull(f"{len(self.running)} requests running and {len(self.waiting)} waiting "
                                 f"(the queue holds {self.max_queue}); retry later")
             self.waiting.append(job)
