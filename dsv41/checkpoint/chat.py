@@ -30,7 +30,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from dsv41.checkpoint.text import plain_tokenizer
+from dsv41.checkpoint.plain import plain_tokenizer
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -353,7 +353,7 @@ def encode_messages(messages, thinking: bool = False, add_generation_prompt: boo
 
 class ChatTokenizer:
     """Token ids of a chat: control pieces as their single ids, all other text through a copy of
-    the tokenizer that has no added tokens (``text.plain_tokenizer``), so text can never become a
+    the tokenizer that has no added tokens (``plain.plain_tokenizer``), so text can never become a
     control token."""
 
     def __init__(self, tokenizer):

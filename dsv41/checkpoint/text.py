@@ -1,13 +1,16 @@
 """Text in, text out: a checkpoint's ``tokenizer.json`` (+ optional ``tokenizer_config.json``).
 
 Prompts are encoded without the tokenizer's own post-processing; BOS is prepended when
-``tokenizer_config.json`` names one (unless ``add_bos_token`` is false), and with ``--chat`` the
-config's Jinja ``chat_template`` renders the prompt as one user turn (BOS then comes from the
-template). User text never becomes a control token: it is encoded by a copy of the tokenizer that
-knows no added tokens (:func:`plain_tokenizer`), so typing the text of EOS gives those characters;
-only the template's own text (or ``allow_special=True``, the ``--allow-special-tokens`` flag) is
-parsed for them. Generated ids are streamed as text: a request's new text is what decoding all its ids
-adds to what was already shown, held back while it ends in a partial UTF-8 sequence.
+``tokenizer_config.json`` names one (unless ``add_bos_token`` is false). A chat (``--chat``: the
+prompt as one user turn; the server: the request's messages) is rendered by the config's Jinja
+``chat_template`` when it has one (BOS then comes from the template), else by the DeepSeek-V4
+chat encoding (``checkpoint/chat.py``), as the V4 releases, which ship no template, are. User text
+never becomes a control token: it is encoded by a copy of the tokenizer that knows no added tokens
+(:func:`plain_tokenizer`), so typing the text of EOS gives those characters; only the template's
+own text (or ``allow_special=True``, the ``--allow-special-tokens`` flag) is parsed for them.
+Generated ids are streamed as text through ``ops.stopping.Stops``: a request's new text is what
+decoding all its ids adds to what was already shown, held back while it ends in a partial UTF-8
+sequence or could still become a stop string.
 """
 from __future__ import annotations
 
@@ -16,22 +19,16 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from dsv41.checkpoint.chat import ChatTokenizer
 from dsv41.checkpoint.errors import CheckpointError
+from dsv41.checkpoint.plain import plain_tokenizer
+from dsv41.ops.stopping import Stops
+from dsv41.ops.sampling import SamplingParams
 
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 # stands for the user text while the chat template renders, so the template's text and the user's
 # can be encoded apart (NUL and a private-use character: no template writes them)
 _USER_TEXT = "\x00\ue000dsv41-user-text\ue000\x00"
-
-
-def plain_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
-    """A copy of ``tokenizer`` without its added tokens, for text that must never become one.
-
-    (``encode(text, add_special_tokens=False)`` only skips the post-processor's BOS/EOS; added
-    tokens in the text are still matched, special or not.)"""
-    spec = json.loads(tokenizer.to_str())
-    spec["added_tokens"] = []
-    return Tokenizer.from_str(json.dumps(spec))
 
 
 def _token(value, source: str, key: str) -> str | None:
@@ -61,6 +58,7 @@ class TextCodec:
                                   f"found {type(self.chat_template).__name__}")
         self.bos_id = self._id(self.bos, source, "bos_token")
         self.eos_id = self._id(self.eos, source, "eos_token")
+        self._chat: ChatTokenizer | None = None    # made on first use (it copies the tokenizer)
 
     def _id(self, token: str | None, source: str, key: str) -> int | None:
         if token is None:
@@ -98,67 +96,90 @@ class TextCodec:
 
     def encode(self, prompt: str, chat: bool = False, allow_special: bool = False) -> list[int]:
         if chat:
-            return self._encode_chat(prompt, allow_special)
+            return self.encode_chat([{"role": "user", "content": prompt}], allow_special=allow_special)
         ids = self.encode_text(prompt, allow_special)
         return [self.bos_id] + ids if self.add_bos else ids
 
-    def _encode_chat(self, prompt: str, allow_special: bool) -> list[int]:
-        """The template's text with its control tokens, the user's text as plain text."""
-        if not self.chat_template:
-            raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} has no chat_template")
+    def encode_chat(self, messages: list[dict], thinking: bool = False, tools=None,
+                    allow_special: bool = False) -> list[int]:
+        """A chat's prompt ids, ending in the generation prompt: the Jinja chat_template when the
+        config has one, else the DeepSeek-V4 encoding (raises ValueError naming a bad field)."""
+        if self.chat_template:
+            return self._encode_template(messages, thinking, tools, allow_special)
+        if self._chat is None:
+            self._chat = ChatTokenizer(self.tokenizer)
+        return self._chat.encode(messages, thinking=thinking, tools=tools)
+
+    def _encode_template(self, messages: list[dict], thinking: bool, tools, allow_special: bool) -> list[int]:
+        """The template's text with its control tokens, each message's text as plain text: the
+        messages render with stand-ins, which must each come out once and unchanged."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
+        texts = [m.get("content") if isinstance(m, dict) else None for m in messages]
+        stand_in = [_USER_TEXT.replace("user-text", f"text-{i}") if isinstance(t, str) else t
+                    for i, t in enumerate(texts)]
+        shown = [{**m, "content": c} if isinstance(m, dict) else m for m, c in zip(messages, stand_in)]
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": _USER_TEXT}], add_generation_prompt=True,
+        rendered = env.from_string(self.chat_template).render(
+            messages=shown, add_generation_prompt=True, tools=tools, thinking=thinking,
             bos_token=self.bos or "", eos_token=self.eos or "")
-        parts = text.split(_USER_TEXT)
-        if len(parts) != 2:
-            raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} chat_template does not write the "
-                             f"user text once and unchanged (found {len(parts) - 1} copies), so it cannot be kept "
-                             "apart from the template's control tokens")
-        before, after = (self.tokenizer.encode(t, add_special_tokens=False).ids for t in parts)
-        return before + self.encode_text(prompt, allow_special) + after
+        ids = []
+        for marker, text in ((c, t) for c, t in zip(stand_in, texts) if isinstance(t, str)):
+            parts = rendered.split(marker)
+            if len(parts) != 2:
+                raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} chat_template does not write each "
+                                 f"message's text once and unchanged (found {len(parts) - 1} copies), so it cannot "
+                                 "be kept apart from the template's control tokens")
+            ids += self.tokenizer.encode(parts[0], add_special_tokens=False).ids + self.encode_text(text, allow_special)
+            rendered = parts[1]
+        return ids + self.tokenizer.encode(rendered, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class TextStream:
-    """Per request: generated ids, the text shown so far, and whether EOS ended it."""
+    """Per request of a run: its ``Stops`` (EOS, the stop strings, the token limit) and the text
+    shown so far."""
 
-    def __init__(self, codec: TextCodec, requests: int):
+    def __init__(self, codec: TextCodec, requests: int, params: SamplingParams = SamplingParams(),
+                 limit: int | None = None):
         self.codec = codec
-        self.ids = [[] for _ in range(requests)]
-        self.shown = [""] * requests
-        self.done = [False] * requests
+        self.stops = [Stops(params, limit if limit is not None else 1 << 62, codec.eos_id, codec.decode)
+                      for _ in range(requests)]
+
+    @property
+    def done(self) -> list[bool]:
+        return [s.finish is not None for s in self.stops]
+
+    @property
+    def shown(self) -> list[str]:
+        return [s.text[:s.shown] for s in self.stops]
+
+    @property
+    def texts(self) -> list[str]:
+        return [s.text for s in self.stops]
 
     def push(self, request: int, token: int) -> str:
-        """Take one generated token; returns the text it adds (EOS ends the request, adds none)."""
-        if token == self.codec.eos_id:
-            self.done[request] = True
-            return ""
-        self.ids[request].append(token)
-        text = self.codec.decode(self.ids[request])
-        if text.endswith("\ufffd") or not text.startswith(self.shown[request]):
-            return ""
-        delta, self.shown[request] = text[len(self.shown[request]):], text
-        return delta
+        """Take one generated token; returns the text it lets through."""
+        return self.stops[request].push(token)
 
     def step(self, tokens: dict[int, int], say) -> list[int]:
-        """One decode step's token per live request: prints each request's new text, returns the
+        """One step's token per live request: prints each request's new text, returns the
         requests still live."""
         for request, token in tokens.items():
             delta = self.push(request, token)
-            if delta or self.done[request]:
-                say(f"    [{request}] {delta!r}" + (" <eos>" if self.done[request] else ""))
-        return [r for r in tokens if not self.done[r]]
+            ended = self.stops[request].finish == "stop"
+            if delta or ended:
+                mark = (" <eos>" if token == self.codec.eos_id else " <stop>") if ended else ""
+                say(f"    [{request}] {delta!r}{mark}")
+        return [r for r in tokens if self.stops[r].finish is None]
 
     def finish(self, say):
-        """Show what was held back (generation ended inside a partial UTF-8 sequence)."""
-        for request, ids in enumerate(self.ids):
-            rest = self.codec.decode(ids)[len(self.shown[request]):]
+        """Show what was held back (generation ended before a held-back tail was settled)."""
+        for request, s in enumerate(self.stops):
+            rest = s.text[s.shown:]
             if rest:
-                self.shown[request] += rest
+                s.shown = len(s.text)
                 say(f"    [{request}] {rest!r}")
 
 

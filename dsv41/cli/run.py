@@ -19,7 +19,7 @@ import torch
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.text import TextStream
 from dsv41.cli import args as rules
-from dsv41.cli import plan, trace
+from dsv41.cli import plan, sampling, trace
 from dsv41.cli.modes import max_context, topology
 from dsv41.cli.progress import Progress
 from dsv41.cli.prompts import prompts_for
@@ -38,6 +38,7 @@ modes and the flags that go with them:
                     --layers --experts --engram-rows (reduce --config's model)
   a run             --prompt-len --seed --new-tokens (--graph decode only)
                     --prompt --prompt-file (with --checkpoint) --chat --allow-special-tokens (with a prompt)
+                    --temperature; with it --top-p --top-k --min-p --sample-seed; --stop (with --checkpoint)
   graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
   sync, threads     --check
   distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
@@ -49,16 +50,12 @@ the config (no --config); with --prompt/--prompt-file the batch is the prompts (
 """
 
 
-def build_parser() -> rules.Parser:
-    p = rules.Parser(prog=PROG, description=__doc__.splitlines()[0], epilog=EPILOG,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
+def add_model_arguments(p) -> None:
+    """The flags that say which model runs where: shared with ``python -m dsv41.serve``."""
     p.add_argument("--config", choices=sorted(PRESETS), default="tiny")
     rules.add_reductions(p)
-    p.add_argument("--batch", type=int, default=4,
-                   help="requests in total (spread over the DP groups; --plan: evenly)")
-    p.add_argument("--prompt-len", type=int, default=48)
-    p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
                    help="threads (default) was the fastest in most measured runs; on a quiet machine try sync "
@@ -76,33 +73,49 @@ def build_parser() -> rules.Parser:
     p.add_argument("--connect-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="distributed: give up when the scheduler and every card's worker are not there "
                         "within this time (default: %(default)g s)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+MODEL_FLAGS = ("--config", "--layers", "--experts", "--engram-rows", "--checkpoint", "--seed", "--executor", "--tp",
+               "--dp", "--ep", "--granularity", "--backend", "--wiring", "--address", "--connect-timeout", "--debug", "--help")
+
+
+def build_parser() -> rules.Parser:
+    p = rules.Parser(prog=PROG, description=__doc__.splitlines()[0], epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
+    add_model_arguments(p)
+    p.add_argument("--batch", type=int, default=4,
+                   help="requests in total (spread over the DP groups; --plan: evenly)")
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
     p.add_argument("--dashboard", action="store_true",
                    help="distributed: print the dashboard link when the cluster is up and wait after the run")
     p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
     p.add_argument("--show-graph", default=None, metavar="NAME",
                    help="write the last step's graph as traces/NAME (NAME.dot, or NAME.svg with graphviz)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout (progress goes to stderr)")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--check", action="store_true",
                    help="check every node against the Torch golden on its inputs (sync/threads executors)")
-    p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="with --checkpoint; repeatable (the batch is the number of prompts)")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="with --checkpoint: one prompt per line")
-    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt as one user turn of a chat: the checkpoint's chat_template, or the "
+                        "DeepSeek-V4 chat encoding when it has none")
     p.add_argument("--allow-special-tokens", action="store_true",
                    help="parse the prompts' text for control tokens (by default the text of EOS, <｜User｜>... "
                         "stays plain text; only the chat template inserts them)")
+    sampling.add_arguments(p.add_argument_group("sampling"))
     g = p.add_argument_group("telemetry")
     trace.add_arguments(g)
     plan.add_arguments(g)
     return p
 
 
-APPLIES = {**rules.APPLIES, **trace.APPLIES, **plan.APPLIES}
+APPLIES = {**rules.APPLIES, **sampling.APPLIES, **trace.APPLIES, **plan.APPLIES}
 FIRST = rules.FIRST     # before the config is known (it may come from --checkpoint)
-CHECKS = rules.CHECKS + trace.CHECKS + plan.CHECKS + rules.LAST
+CHECKS = rules.CHECKS + sampling.CHECKS + trace.CHECKS + plan.CHECKS + rules.LAST
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
@@ -222,6 +235,7 @@ class Steps:
     """What the steps gave: tokens per request, wall time per step, the engine's stats per step, and
     the latest step's output (a token per request still generating; its logits stay on the cards)."""
     tokens: list[list[int]]
+    texts: list[str] | None = None     # with a checkpoint: each request's text, cut before a stop string
     prefill_ms: float = 0.0
     step_ms: list[float] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -237,15 +251,17 @@ class Steps:
 
 
 def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Steps:
-    """Prefill, then (decode) up to --new-tokens greedy tokens per request; with a checkpoint's text,
-    a request ends at its EOS and its text streams as it grows."""
+    """Prefill, then (decode) up to --new-tokens tokens per request (greedy, or drawn on the card with
+    the sampling flags); with a checkpoint's text, a request ends at its EOS or a --stop string and
+    its text streams as it grows."""
     n = args.new_tokens if args.graph == "decode" else 0
-    stream = TextStream(args.codec, len(prompts)) if args.codec is not None else None
+    stream = TextStream(args.codec, len(prompts), sampling.params(args), n) if args.codec is not None else None
     done = Steps(tokens=[[] for _ in prompts])
+    params = [sampling.params(args, j) for j in range(len(prompts))]
     live = list(range(len(prompts)))      # requests still generating (EOS ends one)
     with progress.steps(1 + max(0, n - 1)), progress.compilations():
         progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens")
-        done.prefill_ms = done.timed(engine, engine.prefill, prompts)
+        done.prefill_ms = done.timed(engine, engine.prefill, prompts, params)
         progress.done(f"  prefill   {done.prefill_ms:9.1f} ms  {_describe(done.stats[-1])}")
         rids = list(done.last.request_ids)
         for i in range(n):
@@ -261,8 +277,10 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
             progress.done(f"  decode {i + 1:3d} {done.step_ms[-1]:9.1f} ms  {_describe(done.stats[-1])}")
     if stream is not None:
         stream.finish(progress.say)
+        done.texts = stream.texts
     if args.graph == "prefill":
         done.tokens = [[t] for t in done.last.tokens]
+        done.texts = None if stream is None else [args.codec.decode(t) for t in done.tokens]
     return done
 
 
@@ -273,8 +291,8 @@ def summary(args, cfg, topo, done: Steps) -> dict:
         "tokens": done.tokens, "step_ms": done.step_ms, "prefill_ms": done.prefill_ms,
         "last_logits_sha256": logits_sha256(done.last.logits),   # the only logits that come home
     }
-    if args.codec is not None:
-        result["text"] = [args.codec.decode(t) for t in done.tokens]
+    if done.texts is not None:
+        result["text"] = done.texts
     return result
 
 

@@ -207,12 +207,15 @@ class GraphEngine(Engine):
         for rid, (g, local) in self.where.items():
             if g in groups:
                 self.where[rid] = (g, renamed[g][local])
-        for g in groups:
+        for g in groups:   # the replay drew nothing: each request keeps its settings, draw count and prompt
+            for local, old in self.tables[g].requests.items():
+                new = fresh[g].requests[renamed[g][local]]
+                new.sampling, new.seed, new.drawn, new.prompt_len = old.sampling, old.seed, old.drawn, old.prompt_len
             self.tables[g] = fresh[g]
         return tokens, sum(len(r) for r in renamed.values()), steps
 
     # ---- steps -------------------------------------------------------------------------------------
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> StepOutput:
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None) -> StepOutput:
         if not batch:
             raise ValueError("batch: must contain at least one request, got an empty batch")
         if not self._finalizer.alive:
@@ -224,7 +227,7 @@ class GraphEngine(Engine):
             try:
                 if lost is not None:
                     self._recover(*lost)
-                return self._step(batch, phase, self.recoveries[first:])
+                return self._step(batch, phase, self.recoveries[first:], sampling)
             except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
@@ -232,8 +235,12 @@ class GraphEngine(Engine):
             except NonFiniteError as e:      # the cards found NaN/Inf: the step is aborted; say which step
                 raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
 
-    def _step(self, batch, phase: str, recovered: list[dict]) -> StepOutput:
+    def _step(self, batch, phase: str, recovered: list[dict], sampling=None) -> StepOutput:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
+        params: dict[int, list] = {g: [] for g in range(self.topo.dp)}
+        sampling = [None] * len(batch) if sampling is None else list(sampling)
+        if len(sampling) != len(batch):
+            raise ValueError(f"sampling: expected one entry per request ({len(batch)}), found {len(sampling)}")
         placed = []                          # (group, index within the group's batch) per request
         load = [len(t.requests) for t in self.tables]
         for rid, toks in batch:
@@ -247,7 +254,9 @@ class GraphEngine(Engine):
                 raise ValueError(f"request_ids: unknown or released request {rid}")
             placed.append((grp, len(per_group[grp])))
             per_group[grp].append((local, toks))
-        steps = {g: self.tables[g].plan(b, phase) for g, b in per_group.items() if b}
+        for (grp, _), sp in zip(placed, sampling):
+            params[grp].append(sp)
+        steps = {g: self.tables[g].plan(b, phase, params[g]) for g, b in per_group.items() if b}
         t0 = time.perf_counter()
         values, graph, plan = self._execute(steps, phase)
         for g, s in steps.items():
@@ -269,9 +278,13 @@ class GraphEngine(Engine):
         if self.backend != "torch":
             self.last_stats.update(self._device_summary())
         self._heads = {g: self.topo.group_cards(g)[0] for g in steps}
-        tokens = [int(values[head_key(grp)][idx]) for grp, idx in placed]
+        heads = {g: values[head_key(g)] if isinstance(values[head_key(g)], tuple) else (values[head_key(g)], None)
+                 for g in steps}
+        tokens = [int(heads[grp][0][idx]) for grp, idx in placed]
+        logprobs = [heads[grp][1][idx] if heads[grp][1] is not None else None for grp, idx in placed]
         step = self.step_id
-        return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, placed)))
+        return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, placed)),
+                          logprobs if any(x is not None for x in logprobs) else None)
 
     def _logits(self, step: int, placed: list[tuple[int, int]]) -> torch.Tensor:
         """A step's logits from the cards that made them, in batch order."""
@@ -351,6 +364,10 @@ class GraphEngine(Engine):
         for result in self.runner.run_on_cards(registry.abort, *args, on_error="return").values():
             if isinstance(result, Exception) and not isinstance(result, OSError):
                 raise result
+
+    def blocks_in_use(self) -> tuple[int, int]:
+        used = [t.blocks_in_use() for t in self.tables]
+        return sum(u for u, _ in used), sum(t for _, t in used)
 
     def release(self, rid: int):
         if rid not in self.where:

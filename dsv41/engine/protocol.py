@@ -1,8 +1,9 @@
 """The engine protocol: what the command line, the server and the tests drive.
 
-An engine runs steps over a batch of ``(request id, new tokens)`` pairs (``None`` starts a request)
-and answers each step with the next token of every request, made where the logits are (the head).
-The logits themselves stay there; ``StepOutput.logits`` fetches them, for the step just run only.
+An engine runs steps over a batch of ``(request id, new tokens)`` pairs (``None`` starts a request,
+with its ``SamplingParams``) and answers each step with the next token of every request, drawn
+where the logits are (the head) from the request's own generator. The logits themselves stay
+there; ``StepOutput.logits`` fetches them, for the step just run only.
 """
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from typing import Callable
 
 import torch
 
+from dsv41.ops.stopping import Stops
+from dsv41.ops.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class StepOutput:
     request_ids: list[int]
     tokens: list[int]                           # the next token of each request, in batch order
     fetch: Callable[[], torch.Tensor] = field(repr=False, compare=False)
+    logprobs: list | None = None                # per request (logprob, [(id, logprob)] top) or None; None: nobody asked
 
     @property
     def logits(self) -> torch.Tensor:
@@ -37,8 +42,10 @@ class Engine(ABC):
     last_stats: dict
 
     @abstractmethod
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> StepOutput:
-        """Run one step; it commits whole or leaves every request and cache as it was."""
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str,
+             sampling: list[SamplingParams | None] | None = None) -> StepOutput:
+        """Run one step; it commits whole or leaves every request and cache as it was. sampling: per
+        pair, the settings of the request it starts (None: greedy)."""
 
     @property
     @abstractmethod
@@ -49,12 +56,19 @@ class Engine(ABC):
     def release(self, rid: int):
         """Free a finished request's blocks."""
 
+    @abstractmethod
+    def blocks_in_use(self) -> tuple[int, int]:
+        """(cache blocks held by live requests, blocks in all pools), over every DP group."""
+
     def close(self):
         """Free what the engine holds (its cards' States, its cluster)."""
 
-    def prefill(self, prompts: list[list[int]]) -> StepOutput:
-        """Start one request per prompt (positions from 0)."""
-        return self.step([(None, list(p)) for p in prompts], "prefill")
+    def prefill(self, prompts: list[list[int]], sampling=None) -> StepOutput:
+        """Start one request per prompt (positions from 0); sampling: one SamplingParams for all,
+        or one per prompt (default greedy)."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        return self.step([(None, list(p)) for p in prompts], "prefill", sampling)
 
     def decode(self, token_ids: list[int], request_ids: list[int] | None = None) -> StepOutput:
         """One token per request (default: every active request, in admission order)."""
@@ -63,19 +77,30 @@ class Engine(ABC):
             raise ValueError(f"token_ids: expected one token per request ({len(rids)}), got {len(token_ids)}")
         return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode")
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuation of each prompt; its requests are released at the end."""
-        out = self.prefill(prompts)
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, sampling=None,
+                 decode_text: Callable[[list[int]], str] | None = None) -> list[list[int]]:
+        """The continuation of each prompt (greedy unless sampling says otherwise: one SamplingParams
+        or one per prompt). A request ends at max_new_tokens (default: its params' max_tokens), at
+        one of its stop token ids (not returned) or, with decode_text, at one of its stop strings;
+        every request is released at the end, also when a step fails."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        stops = [Stops(p or SamplingParams(), max_new_tokens, decode_text=decode_text) for p in sampling]
+        out = self.prefill(prompts, sampling)
         rids = list(out.request_ids)
-        tokens = [[] for _ in prompts]
-        for i in range(max_new_tokens):
-            for got, t in zip(tokens, out.tokens):
-                got.append(t)
-            if i + 1 < max_new_tokens:
-                out = self.decode(out.tokens, rids)
-        for r in rids:
-            self.release(r)
-        return tokens
+        try:
+            live = list(range(len(prompts)))
+            while True:
+                for j, t in zip(live, out.tokens):
+                    stops[j].push(t)
+                live = [j for j in live if stops[j].finish is None]
+                if not live:
+                    break
+                out = self.decode([stops[j].tokens[-1] for j in live], [rids[j] for j in live])
+        finally:
+            for r in rids:
+                self.release(r)
+        return [s.tokens for s in stops]
 
 
 class StepCounter:

@@ -1,5 +1,5 @@
 """The reference engine: the blocks composed in one process (``model.Transformer``), paged caches,
-continuous batching; the token is the head's sample of the logits it just made."""
+continuous batching; the token is the head's draw from the logits it just made."""
 from __future__ import annotations
 
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
@@ -46,10 +46,11 @@ class ReferenceEngine(Engine):
     def active(self) -> list[int]:
         return list(self.table.requests)
 
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> StepOutput:
-        step = self.table.plan(batch, phase)
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None) -> StepOutput:
+        step = self.table.plan(batch, phase, sampling=sampling)
         try:
             logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options), None, LOGITS)
+            ids, logprobs = Head.sample(logits, step.draws)     # made before anything commits, as on a card
         except NonFiniteError as e:
             self.caches.abort()
             raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
@@ -59,7 +60,10 @@ class ReferenceEngine(Engine):
         self.caches.commit()
         self.table.commit(step)
         self.last_request_ids = step.rids
-        return StepOutput(step.rids, Head.sample(logits).tolist(), self._steps.guard(self._steps.next(), lambda: logits))
+        return StepOutput(step.rids, ids.tolist(), self._steps.guard(self._steps.next(), lambda: logits), logprobs)
 
     def release(self, rid: int):
         self.table.release(rid)
+
+    def blocks_in_use(self) -> tuple[int, int]:
+        return self.table.blocks_in_use()

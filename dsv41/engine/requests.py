@@ -15,6 +15,9 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.ops import metadata as md_ops
 from dsv41.ops.engram import default_token_map, hash_ids
+from dsv41.ops.sampling import RequestGenerator, RowDraw, SamplingParams
+
+GREEDY = SamplingParams()
 
 
 @dataclass
@@ -25,6 +28,18 @@ class Request:
     window_pages: dict[int, int] = field(default_factory=dict)      # logical page -> physical block
     compressed_pages: dict[int, list[int]] = field(default_factory=dict)  # ratio -> physical blocks
     state_block: int = -1
+    sampling: SamplingParams = GREEDY
+    seed: int = 0                           # the request's generator: draw n is seeded by (seed, n)
+    drawn: int = 0                          # draws made so far (temperature > 0 rows draw once a step)
+    prompt_len: int = 0                     # tokens of the first step (the rest were generated)
+
+    def row_draw(self) -> RowDraw:
+        """This step's draw: its index, and the history the penalties read (only when one is set)."""
+        p = self.sampling
+        out = tuple(self.tokens[self.prompt_len:]) if p.frequency_penalty or p.presence_penalty \
+            or p.repetition_penalty != 1.0 else ()
+        prompt = tuple(self.tokens[:self.prompt_len]) if p.repetition_penalty != 1.0 else ()
+        return RowDraw(p, self.seed, self.drawn, out, prompt)
 
 
 @dataclass
@@ -43,6 +58,7 @@ class StepInputs:
     phase: str
     requests: dict[int, Request]            # host state after commit
     pools: Pools
+    draws: list[RowDraw] | None = None      # per request, for the head; None: every row greedy argmax
 
 
 class RequestTable:
@@ -67,16 +83,22 @@ class RequestTable:
         self.token_map = default_token_map(cfg) if token_map is None else token_map
 
     # ---- planning --------------------------------------------------------------------------
-    def plan(self, batch: list[tuple[int | None, list[int]]], phase: str) -> StepInputs:
-        """batch: (request id, new tokens) pairs; rid None starts a new request at position 0."""
+    def plan(self, batch: list[tuple[int | None, list[int]]], phase: str,
+             sampling: list[SamplingParams | None] | None = None) -> StepInputs:
+        """batch: (request id, new tokens) pairs; rid None starts a new request at position 0.
+        sampling: per pair, the settings of a request it starts (None: greedy; ignored for running
+        requests, which keep their own)."""
         cfg = self.cfg
         if not batch:
             raise ValueError("batch: must contain at least one request")
+        sampling = [None] * len(batch) if sampling is None else list(sampling)
+        if len(sampling) != len(batch):
+            raise ValueError(f"sampling: expected one entry per request ({len(batch)}), found {len(sampling)}")
         requests = copy.deepcopy(self.requests)
         pools = copy.deepcopy(self.pools)
         next_rid = self.next_rid
         rids = []
-        for rid, toks in batch:
+        for (rid, toks), params in zip(batch, sampling):
             if not toks:
                 raise ValueError("token_ids: every request in a step needs at least one token")
             bad = [t for t in toks if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
@@ -88,7 +110,10 @@ class RequestTable:
                 if not pools.state:
                     raise ValueError("batch: no free compressor state block")
                 rid, next_rid = next_rid, next_rid + 1
-                requests[rid] = Request(rid, [], state_block=pools.state.pop(0))
+                params = params or GREEDY
+                seed = RequestGenerator(params.seed).seed if not params.greedy else 0
+                requests[rid] = Request(rid, [], state_block=pools.state.pop(0), sampling=params, seed=seed,
+                                        prompt_len=len(toks))
             elif rid not in requests:
                 raise ValueError(f"request_ids: unknown or released request {rid}")
             if rid in rids:
@@ -120,8 +145,12 @@ class RequestTable:
                 hashes[layer].append(hash_ids(cfg, layer, req.tokens, range(start, len(req.tokens)), self.token_map))
             req.kv_len += len(toks)
             self._release_stale_window(req, pools)
+        draws = [requests[r].row_draw() for r in rids]
+        for r in rids:
+            requests[r].drawn += not requests[r].sampling.greedy
         ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.int64)
-        return StepInputs(rids, ids, md, {k: torch.cat(v) for k, v in hashes.items()}, phase, requests, pools)
+        return StepInputs(rids, ids, md, {k: torch.cat(v) for k, v in hashes.items()}, phase, requests, pools,
+                          None if all(d.plain for d in draws) else draws)
 
     def _allocate(self, req: Request, n_new: int, pools: Pools):
         bs, w = self.cfg.block_size, self.cfg.sliding_window
@@ -164,6 +193,12 @@ class RequestTable:
                 t[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
             tables[r_] = t
         return {s: tables[self.cfg.compress_ratios[s]] for s in self.cfg.kv_source_layer_ids}
+
+    def blocks_in_use(self) -> tuple[int, int]:
+        """(cache blocks held by requests, blocks in all pools): window, compressed and state."""
+        total = self.window_blocks + sum(self.compressed_blocks.values()) + self.state_blocks
+        free = len(self.pools.window) + sum(map(len, self.pools.compressed.values())) + len(self.pools.state)
+        return total - free, total
 
     # ---- state transitions -----------------------------------------------------------------
     def commit(self, step: StepInputs):

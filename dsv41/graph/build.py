@@ -25,7 +25,8 @@ REPLICATED, SHARDED = "replicated", "sharded"
 
 
 def head_key(grp: int) -> str:
-    """The node that makes a DP group's tokens (its value: the ids, in the group's batch order)."""
+    """The node that makes a DP group's tokens (its value: the ids, in the group's batch order, or
+    (ids, logprobs) when a request of the group asked for logprobs)."""
     return f"final/argmax@g{grp}"
 
 
@@ -243,7 +244,7 @@ class _Builder:
                                          counts=[slab(t, topo.tp, topo.tp_rank(r))[1] for r in group])
             shards = [g.add(f"final/lm_head.shard@c{c}", "lm_head.shard", [normed[c], step_key[c]], c,
                             tp_rank=topo.tp_rank(c)) for c in group]
-            g.add(head_key(grp), "lm_head.argmax", shards, group[0], dp_group=grp)
+            g.add(head_key(grp), "lm_head.argmax", shards + [step_key[group[0]]], group[0], dp_group=grp)
 
 
 def shape(cfg: ModelConfig, steps: dict) -> tuple:

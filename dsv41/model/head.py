@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.ops.lm_head import greedy, logits_shard, select_rows
+from dsv41.ops.lm_head import logits_shard, select_rows
 from dsv41.ops.norm import rms_norm
+from dsv41.ops.sampling import sample_rows
 
 
 class Head:
@@ -34,6 +35,8 @@ class Head:
         return torch.cat([logits_shard(rows, w) for w in blocks(self.HEAD, self.VOCAB_BLOCK)], dim=1)
 
     @staticmethod
-    def sample(logits) -> torch.Tensor:
-        """The next token of each row: greedy (lowest id on ties)."""
-        return greedy(logits)
+    def sample(logits, draws=None):
+        """The next token of each row ([B] i64) and the rows' logprobs (None unless a row asked):
+        each row drawn with its request's settings (``ops.sampling.RowDraw``); draws None is greedy,
+        the lowest id on ties."""
+        return sample_rows(logits, draws)

@@ -53,6 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0     # [-2, 2]
     repetition_penalty: float = 1.0    # > 0; 1 = off
     logprobs: int = 0                  # top-n alternatives to report, [0, 20]
+    logprob: bool = False              # report the drawn token's logprob (implied by logprobs > 0)
     stop_token_ids: tuple = ()
     stop: tuple = ()                   # stop strings
     max_tokens: int = 16
@@ -70,6 +71,9 @@ class SamplingParams:
         set_("repetition_penalty", _number("repetition_penalty", self.repetition_penalty,
                                            0.0, math.inf, low_open=True))
         _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.logprob, bool):
+            raise ValueError(f"logprob: expected true or false, found {self.logprob!r}")
+        set_("logprob", self.logprob or self.logprobs > 0)
         _integer("max_tokens", self.max_tokens, 1)
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
@@ -185,3 +189,37 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGener
         ids = torch.sort(raw, descending=True, stable=True).indices[:params.logprobs]
         top = [(int(i), float(raw[i])) for i in ids]
     return token, float(raw[token]), top
+
+
+@dataclass(frozen=True)
+class RowDraw:
+    """What drawing one row's token needs besides its logits: the request's settings, its seed and
+    the index of this draw, and (for the penalties) its generated and prompt token ids."""
+    params: SamplingParams
+    seed: int
+    draw: int
+    output_ids: tuple = ()
+    prompt_ids: tuple = ()
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with neutral penalties and no logprobs: exactly the row's argmax."""
+        p = self.params
+        return p.greedy and not p.logprob and p.repetition_penalty == 1.0 \
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowDraw] | None):
+    """Each row's token ([B] i64) and, when any row asks for logprobs, a list of (logprob, top)
+    per row (None for rows that did not ask; see ``sample``). ``rows`` None, or every row plain:
+    one batched argmax, bit for bit the greedy path."""
+    if rows is None or all(r.plain for r in rows):
+        return torch.argmax(logits, dim=-1), None
+    if len(rows) != logits.shape[0]:
+        raise ValueError(f"rows: expected one RowDraw per logits row ({logits.shape[0]}), found {len(rows)}")
+    ids, logprobs = [], []
+    for row, r in zip(logits, rows):
+        token, lp, top = sample(row, r.params, RequestGenerator(r.seed, r.draw), r.output_ids, r.prompt_ids)
+        ids.append(token)
+        logprobs.append((lp, top) if r.params.logprob else None)
+    return torch.tensor(ids, dtype=torch.int64), (logprobs if any(x is not None for x in logprobs) else None)

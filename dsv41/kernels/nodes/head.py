@@ -1,4 +1,5 @@
-"""The LM head: each TP rank's vocabulary shard of the logits, then the full row and its greedy token."""
+"""The LM head: each TP rank's vocabulary shard of the logits, then the full row and its token, drawn
+with each request's sampling settings (greedy by default)."""
 from __future__ import annotations
 
 import torch
@@ -26,14 +27,19 @@ def shard_pypto(st, node, hidden, step):
     return "lm_head.shard", {"x": x, "w": st.weights[Head.HEAD]}, {}, {"out": "fp32"}, lambda o: o["y"].float()
 
 
-def argmax(st, node, *shards):
-    """The group's tokens, made here from finite logits only; the logits stay on this card until asked for."""
+def argmax(st, node, *inputs):
+    """The group's tokens ([B] i64; with (ids, logprobs) when a request asked for logprobs), made
+    here from the full rows, finite ones only; the logits stay on this card until asked for. (The name is kept from
+    the greedy-only head: traces and records know the node by it.)"""
+    *shards, step = inputs
     logits = ensure_finite(torch.cat(shards, -1), None, LOGITS)
     st.logits[node.attrs["dp_group"]] = (node.attrs.get("step"), logits)
-    return st.model.head.sample(logits)
+    ids, logprobs = st.model.head.sample(logits, step.draws)
+    return ids if logprobs is None else (ids, logprobs)
 
 
-def argmax_cost(ctx, node, *shards):
+def argmax_cost(ctx, node, *inputs):
+    *shards, _ = inputs
     b = shards[0].shape[0]
     vocab = sum(s.shape[1] for s in shards)
     remote = (len(shards) - 1) * b * shards[0].shape[1] * F32_BYTES

@@ -1,0 +1,157 @@
+"""``python -m dsv41.serve``: the OpenAI-compatible HTTP server over one engine.
+
+The model flags are ``python -m dsv41.run``'s (``run.add_model_arguments``, with the same rows of
+``dsv41.cli.args``); TINY random weights by default, ``--checkpoint DIR`` for a folder (and its
+tokenizer: without one the server takes and returns token ids). Every argument is checked before
+the engine is built.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from dsv41.checkpoint.errors import CheckpointError
+from dsv41.cli import args as rules
+from dsv41.cli import run
+from dsv41.cli.modes import RUN, groups, topology
+from dsv41.cli.progress import Progress
+from dsv41.cluster.connect import ConnectError
+from dsv41.config import PRESETS
+
+PROG = "python -m dsv41.serve"
+DEFAULT_CONTEXT = 512
+MIN_BODY_BYTES = 1024
+
+SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS},
+                 **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
+                                  "--max-body-bytes", "--served-model-name"), (RUN, None))}
+
+
+def build_parser() -> rules.Parser:
+    p = rules.Parser(prog=PROG, description=__doc__.splitlines()[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_model_arguments(p)
+    g = p.add_argument_group("serving")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together (default: the model's capacity per DP group x DP groups)")
+    g.add_argument("--max-context", type=int, default=None,
+                   help=f"tokens one request reaches, prompt and answer (default: {DEFAULT_CONTEXT} or the "
+                        "model's limit)")
+    g.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a batch slot; one more is answered 429 (default: %(default)s)")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name requests must name (default: the config's name, or the checkpoint "
+                        "folder's)")
+    # what the shared checks read from a run that a server does not have
+    p.set_defaults(plan=False, graph="decode", prompt=None, prompt_file=None, chat=False, dashboard=False,
+                   hold=None, show_graph=None, check=False, trace=None, report=False, new_tokens=0)
+    return p
+
+
+def _port(a, cfg):
+    if not 0 <= a.port <= 65535:
+        return f"must be in [0, 65535], got {a.port}"
+
+
+def _max_batch(a, cfg):
+    cap = cfg.max_batch_per_dp * groups(a)
+    if not 1 <= a.max_batch <= cap:
+        return f"must be in [1, {cap}] ({cfg.max_batch_per_dp} per DP group {rules.on(a, cfg)}), got {a.max_batch}"
+
+
+def _max_context(a, cfg):
+    top = cfg.max_position_embeddings
+    if not 2 <= a.max_context <= top:
+        return f"must be in [2, {top}] tokens {rules.on(a, cfg)}, got {a.max_context}"
+
+
+def _max_queue(a, cfg):
+    if a.max_queue < 0:
+        return f"must be >= 0, got {a.max_queue}"
+
+
+def _max_body_bytes(a, cfg):
+    if a.max_body_bytes < MIN_BODY_BYTES:
+        return f"must be >= {MIN_BODY_BYTES}, got {a.max_body_bytes}"
+
+
+def _sizes(a, cfg):
+    """The capacity defaults, and the run fields the budget check sizes (a batch of max-context requests)."""
+    if a.max_batch is None:
+        a.max_batch = cfg.max_batch_per_dp * groups(a)
+    if a.max_context is None:
+        a.max_context = min(DEFAULT_CONTEXT, cfg.max_position_embeddings)
+    a.batch, a.prompt_len = a.max_batch, a.max_context - 1
+
+
+CHECKS = [(f, c) for f, c in rules.CHECKS if f in SERVE_APPLIES] + [
+    ("--port", _port), ("--max-batch", _max_batch), ("--max-context", _max_context), ("--max-queue", _max_queue),
+    ("--max-body-bytes", _max_body_bytes)] + rules.LAST
+
+
+def parse_args(argv=None, parser: rules.Parser | None = None):
+    p = parser or build_parser()
+    a = p.parse_args(argv)
+    if a.ep is None:
+        a.ep = a.tp * a.dp
+    try:
+        rules.check_modes(a, rules.given_flags(p, argv), SERVE_APPLIES)
+        rules.run_checks(a, None, [c for c in rules.FIRST if c[0] in SERVE_APPLIES], SERVE_APPLIES)
+        cfg = rules.model_config(a)
+        _sizes(a, cfg)
+        rules.run_checks(a, cfg, CHECKS, SERVE_APPLIES)
+    except rules.UsageError as e:
+        if a.debug:
+            raise
+        p.error(str(e))
+    return a
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    try:
+        return serve(args)
+    except (ConnectError, CheckpointError) as e:
+        if args.debug:
+            raise
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        return 130
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from dsv41.serving.app import Server
+    from dsv41.serving.batcher import Batcher
+    from dsv41.serving.metrics import Metrics
+    from dsv41.serving.schema import Limits
+
+    ckpt = None
+    if args.checkpoint is not None:
+        from dsv41.checkpoint.reader import open_checkpoint
+        ckpt = open_checkpoint(args.checkpoint)
+    cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
+    progress = Progress(json_mode=True)       # every line to stderr
+    engine = run.make_engine(args, cfg, topology(args), progress, ckpt)
+    name = args.served_model_name or (cfg.name if ckpt is None else os.path.basename(os.path.abspath(args.checkpoint)))
+    limits = Limits(max_context=args.max_context, max_prompt=min(cfg.prefill_max_tokens, args.max_context - 1),
+                    vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes)
+    metrics = Metrics()
+    batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, cfg.prefill_max_tokens)
+    batcher.start()
+    try:
+        server = Server(batcher, args.codec, name, limits, metrics)
+        progress.say(f"dsv41 serve: model {name!r} ({cfg.name}, executor {args.executor}), "
+                     f"{'text' if args.codec is not None else 'token ids only (no --checkpoint)'}, "
+                     f"max_batch={args.max_batch} max_context={args.max_context}; "
+                     f"listening on http://{args.host}:{args.port}")
+        uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    finally:
+        batcher.stop()
+        engine.close()
+    return 0

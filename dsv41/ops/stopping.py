@@ -1,0 +1,61 @@
+"""When one request's generation ends, and how much of its text may be shown so far.
+
+A request ends at a stop token id (EOS among them; the token is not part of the output), at a
+stop string in its text (the text is cut before it) or at its token limit. Text is shown as it
+grows, holding back a partial UTF-8 sequence and any tail that could still become a stop string,
+so what was shown never has to be taken back. The command line, ``Engine.generate`` and the
+server all end requests through this one class.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from dsv41.ops.sampling import SamplingParams
+
+STOP, LENGTH = "stop", "length"          # OpenAI's finish reasons
+
+
+class Stops:
+    def __init__(self, params: SamplingParams, max_tokens: int | None = None, eos_id: int | None = None,
+                 decode_text: Callable[[list[int]], str] | None = None):
+        """max_tokens: the limit (default params.max_tokens); eos_id: a stop token besides
+        params.stop_token_ids; decode_text: ids -> text, needed for stop strings and text."""
+        if params.stop and decode_text is None:
+            raise ValueError("stop: stop strings need text, and there is no tokenizer to make it")
+        self.params = params
+        self.limit = params.max_tokens if max_tokens is None else max_tokens
+        self.stop_ids = set(params.stop_token_ids) | ({eos_id} if eos_id is not None else set())
+        self.decode_text = decode_text
+        self.tokens: list[int] = []      # generated ids, a stop token left out
+        self.text = ""                   # their text, cut before a stop string
+        self.shown = 0                   # characters of text handed out by push
+        self.finish: str | None = None   # STOP or LENGTH once ended
+
+    def push(self, token: int) -> str:
+        """Take the next generated token; returns the text it lets through (all of the rest once
+        the request ends)."""
+        if self.finish is not None:
+            raise ValueError("token: the request has already ended")
+        if token in self.stop_ids:
+            self.finish = STOP
+        else:
+            self.tokens.append(token)
+            if self.decode_text is not None:
+                self.text = self.decode_text(self.tokens)
+                cut = min((i for i in (self.text.find(s) for s in self.params.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    self.text, self.finish = self.text[:cut], STOP
+            if self.finish is None and len(self.tokens) >= self.limit:
+                self.finish = LENGTH
+        end = len(self.text) if self.finish is not None else self._safe_end()
+        if self.finish is not None and self.text.endswith("\ufffd"):
+            end = len(self.text)         # a partial sequence at the end stays what it is
+        delta, self.shown = self.text[self.shown:max(end, self.shown)], max(end, self.shown)
+        return delta
+
+    def _safe_end(self) -> int:
+        """How much of the text cannot change or turn into a stop string with more tokens."""
+        text = self.text.rstrip("\ufffd")
+        hold = max((k for s in self.params.stop for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        return len(text) - hold

@@ -1,0 +1,206 @@
+"""The HTTP endpoints (Starlette): ``/v1/completions`` and ``/v1/chat/completions`` (server-sent
+events with ``"stream": true``), ``/v1/models``, ``/health`` and ``/metrics``.
+
+A request is read (up to the body limit), checked (``schema.generation``) and only then queued for
+the engine loop (``batcher.Batcher``); its handler turns the loop's events into the answer. A client
+that goes away mid-answer is cancelled: the loop frees its slot and blocks before its next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dsv41.ops.stopping import Stops
+from dsv41.serving import schema
+from dsv41.serving.batcher import Batcher, Job, QueueFull
+from dsv41.serving.metrics import Metrics
+from dsv41.serving.schema import ApiError, Limits
+
+POLL_S = 0.25      # how often a non-streaming handler looks whether its client is still there
+
+
+class Server:
+    """What the endpoints share: the batcher (and through it the engine), the codec (None: token
+    ids only), the served model's name, the limits and the metrics."""
+
+    def __init__(self, batcher: Batcher, codec, model: str, limits: Limits, metrics: Metrics):
+        self.batcher, self.codec, self.model, self.limits, self.metrics = batcher, codec, model, limits, metrics
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ])
+
+    # ---- small endpoints ------------------------------------------------------------------------------
+    async def health(self, request: Request):
+        used, total = self.batcher.engine.blocks_in_use()
+        return JSONResponse({"status": "ok", "running": len(self.batcher.running),
+                             "waiting": len(self.batcher.waiting), "cache_blocks_in_use": used,
+                             "cache_blocks_total": total})
+
+    async def metrics_text(self, request: Request):
+        return Response(self.metrics.text(), media_type=self.metrics.content_type)
+
+    async def models(self, request: Request):
+        self.metrics.requests.labels("/v1/models", "200").inc()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "dsv41",
+             "max_model_len": self.limits.max_context}]})
+
+    # ---- generation ------------------------------------------------------------------------------------
+    async def completions(self, request: Request):
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request):
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool):
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        try:
+            body = schema.parse_body(await self._read(request), self.limits)
+            schema.check_model(body, self.model)
+            gen = schema.generation(body, chat, self.codec, self.limits)
+            job = Job(gen.prompt, gen.params, Stops(gen.params, eos_id=None if self.codec is None else self.codec.eos_id,
+                                                    decode_text=None if self.codec is None else self.codec.decode),
+                      asyncio.get_running_loop())
+            self.batcher.submit(job)
+        except ApiError as e:
+            self.metrics.errors.labels("bad_request" if e.status < 429 else "server").inc()
+            self.metrics.requests.labels(endpoint, str(e.status)).inc()
+            return JSONResponse(e.body(), status_code=e.status)
+        except QueueFull as e:
+            self.metrics.errors.labels("queue_full").inc()
+            self.metrics.requests.labels(endpoint, "429").inc()
+            return JSONResponse(ApiError(429, str(e), kind="rate_limit_error", code="queue_full").body(),
+                                status_code=429)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        answer = Answer(self, job, gen, chat)
+        if gen.stream:
+            self.metrics.requests.labels(endpoint, "200").inc()
+            return StreamingResponse(answer.events(), media_type="text/event-stream")
+        status, body = await answer.whole(request)
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    async def _read(self, request: Request) -> bytes:
+        """The body, refused as soon as it passes the limit (a lying Content-Length too)."""
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"body: {declared} bytes is over the limit of {limit}", "body")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"body: over the limit of {limit} bytes", "body")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+class Answer:
+    """One request's answer built from the engine loop's events: whole, or as server-sent events."""
+
+    def __init__(self, server: Server, job: Job, gen: schema.Generation, chat: bool):
+        self.server, self.job, self.gen, self.chat = server, job, gen, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.logprobs: list = []         # (token, (logprob, top)) per generated token
+
+    def _take(self, event):
+        if self.gen.top_logprobs is not None and event.logprob is not None:
+            self.logprobs.append((event.token, event.logprob))
+
+    def _logprobs(self, entries):
+        if self.gen.top_logprobs is None:
+            return None
+        codec = self.server.codec
+        return schema.chat_logprobs(entries, codec) if self.chat else schema.completion_logprobs(entries, codec)
+
+    def _usage(self) -> dict:
+        return schema.usage(len(self.job.prompt), self.job.generated)
+
+    def _choice(self, text: str, tokens: list[int], entries, finish):
+        c = {"index": 0, "logprobs": self._logprobs(entries), "finish_reason": finish}
+        if self.chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        if self.server.codec is None:
+            c["token_ids"] = tokens          # no tokenizer: the answer is token ids
+        return c
+
+    async def whole(self, request: Request) -> tuple[int, dict]:
+        while True:
+            try:
+                event = await asyncio.wait_for(self.job.events.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.server.batcher.cancel(self.job)
+                    return 499, {}
+                continue
+            if event.kind == "token":
+                self._take(event)
+            elif event.kind == "error":
+                return 500, ApiError(500, f"generation failed: {event.error}", kind="server_error").body()
+            else:
+                body = schema.envelope("chat.completion" if self.chat else "text_completion", self.id,
+                                       self.server.model)
+                body["choices"] = [self._choice(self.job.stops.text, self.job.stops.tokens, self.logprobs,
+                                                event.finish)]
+                body["usage"] = self._usage()
+                return 200, body
+
+    async def events(self):
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        try:
+            if self.chat:
+                yield self._sse(kind, {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None})
+            while True:
+                event = await self.job.events.get()
+                if event.kind == "error":
+                    yield f"data: {json.dumps(ApiError(500, event.error, kind='server_error').body())}\n\n"
+                    break
+                if event.kind == "token":
+                    self._take(event)
+                    tokens = [event.token] if event.kept else []
+                    entries = self.logprobs[-1:] if event.logprob is not None else []
+                    if not event.text and self.server.codec is not None and not entries:
+                        continue
+                    yield self._sse(kind, self._delta(event.text, tokens, entries, None))
+                    continue
+                yield self._sse(kind, self._delta("", [], [], event.finish))
+                if self.gen.include_usage:
+                    body = schema.envelope(kind, self.id, self.server.model)
+                    body["choices"], body["usage"] = [], self._usage()
+                    yield f"data: {json.dumps(body)}\n\n"
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not self.job.finished:        # the client went away (or the server is stopping)
+                self.server.batcher.cancel(self.job)
+
+    def _delta(self, text: str, tokens: list[int], entries, finish) -> dict:
+        c = {"index": 0, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish}
+        if self.chat:
+            c["delta"] = {"content": text} if (text or finish is None) else {}
+        else:
+            c["text"] = text
+        if self.server.codec is None:
+            c["token_ids"] = tokens
+        return c
+
+    def _sse(self, kind: str, choice: dict) -> str:
+        body = schema.envelope(kind, self.id, self.server.model)
+        body["choices"] = [choice]
+        return f"data: {json.dumps(body)}\n\n"

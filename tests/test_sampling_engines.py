@@ -1,0 +1,139 @@
+"""Sampling on the card: the head's draws equal the golden ``ops.sampling.sample`` applied on the
+host to the same logits with the request's (seed, draw index) generator, on the reference engine
+and on every executor and layout; a recovery replay leaves the draws where they were; requests end
+at their stop ids and limits."""
+import pytest
+import torch
+
+from dsv41.cluster import registry
+from dsv41.cluster.engine import GraphEngine
+from dsv41.config import TINY, Topology
+from dsv41.engine.reference import ReferenceEngine
+from dsv41.ops.stopping import Stops
+from dsv41.ops.sampling import RequestGenerator, SamplingParams, sample
+
+PROMPTS = [[5, 9, 100, 7, 300, 2], [11, 2, 3]]
+STEPS = 5
+CTX = 16
+PARAMS = [SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=STEPS),
+          SamplingParams(temperature=1.3, top_p=0.9, min_p=0.01, seed=12, presence_penalty=0.5,
+                         frequency_penalty=0.3, repetition_penalty=1.2, logprobs=2, max_tokens=STEPS)]
+
+
+def drive(engine, between=None):
+    """STEPS tokens per request, the logits of each step kept; between(step) runs before each decode."""
+    out = engine.prefill(PROMPTS, PARAMS)
+    rids = list(out.request_ids)
+    tokens, logits, logprobs = [out.tokens], [out.logits], [out.logprobs]
+    for i in range(STEPS - 1):
+        if between is not None:
+            between(i)
+        out = engine.decode(tokens[-1], rids)
+        tokens.append(out.tokens)
+        logits.append(out.logits)
+        logprobs.append(out.logprobs)
+    for r in rids:
+        engine.release(r)
+    return tokens, logits, logprobs
+
+
+def host_draws(logits):
+    """The golden: each step's rows sampled on the host, draw n of a request seeded by (seed, n)."""
+    gens = [RequestGenerator(p.seed) for p in PARAMS]
+    rows, history = [], [[] for _ in PARAMS]
+    for step in logits:
+        row = [sample(step[j], p, gens[j], history[j], PROMPTS[j]) for j, p in enumerate(PARAMS)]
+        for j, r in enumerate(row):
+            history[j].append(r[0])
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return drive(ReferenceEngine(TINY, seed=0, max_batch=2, max_context=CTX))
+
+
+def test_reference_draws_are_the_golden_sample_of_its_logits(reference):
+    tokens, logits, logprobs = reference
+    golden = host_draws(logits)
+    assert tokens == [[r[0] for r in row] for row in golden]
+    for step, row in zip(logprobs, golden):
+        assert step[0] is None                                   # request 0 asked for none
+        assert step[1] == (row[1][1], row[1][2])
+    # the draws are not greedy: at these temperatures some token differs from the argmax
+    assert any(t != int(torch.argmax(l[j])) for ts, l in zip(tokens, logits) for j, t in enumerate(ts))
+
+
+@pytest.mark.parametrize("tp,dp,executor", [(1, 1, "threads"), (2, 2, "sync"), (2, 1, "threads")])
+def test_graph_draws_equal_the_reference(reference, tp, dp, executor):
+    engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), seed=0, executor=executor, max_batch=2, max_context=CTX)
+    try:
+        tokens, _, logprobs = drive(engine)
+    finally:
+        engine.close()
+    assert tokens == reference[0] and logprobs == reference[2]
+
+
+@pytest.mark.timeout(300)
+def test_distributed_draws_equal_the_reference(reference):
+    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="distributed", max_batch=2, max_context=CTX)
+    try:
+        tokens, _, logprobs = drive(engine)
+    finally:
+        engine.close()
+    assert tokens == reference[0] and logprobs == reference[2]
+
+
+@pytest.mark.timeout(300)
+def test_recovery_replay_keeps_the_draw_index(reference):
+    """A lost card's group is replayed as prefills of its histories; those replays draw nothing,
+    so the next draw is the one an undisturbed run makes."""
+    engine = GraphEngine(TINY, Topology(1, 2, 2), seed=0, executor="threads", max_batch=2, max_context=CTX)
+
+    def lose(i):
+        if i in (1, 2):
+            registry.find(engine.id).states.pop(i - 1)        # card 0, then card 1
+    try:
+        tokens, _, _ = drive(engine, lose)
+        assert len(engine.recoveries) == 2
+    finally:
+        engine.close()
+    assert tokens == reference[0]
+
+
+def test_greedy_with_logprobs_keeps_the_argmax():
+    engine = ReferenceEngine(TINY, seed=0, max_batch=2, max_context=CTX)
+    plain = engine.prefill(PROMPTS)
+    logits = plain.logits
+    for r in plain.request_ids:
+        engine.release(r)
+    asked = engine.prefill(PROMPTS, SamplingParams(logprobs=3))
+    assert asked.tokens == plain.tokens == torch.argmax(logits, -1).tolist() and plain.logprobs is None
+    for row, (lp, top) in zip(logits, asked.logprobs):
+        raw = torch.log_softmax(row, -1)
+        assert lp == float(raw.max()) and [i for i, _ in top] == torch.topk(raw, 3).indices.tolist()
+
+
+def test_generate_ends_at_stop_ids_and_limits():
+    engine = ReferenceEngine(TINY, seed=0, max_batch=2, max_context=CTX)
+    free = engine.generate(PROMPTS, sampling=PARAMS)
+    assert [len(t) for t in free] == [STEPS, STEPS]
+    stop_at = free[0][2]
+    first = free[0].index(stop_at)
+    params = [SamplingParams(**{**PARAMS[0].__dict__, "stop_token_ids": (stop_at,)}), PARAMS[1]]
+    got = engine.generate(PROMPTS, sampling=params)
+    assert got[0] == free[0][:first] and got[1] == free[1]      # the stop id ends it and is left out
+    assert engine.generate(PROMPTS, 2, sampling=PARAMS) == [t[:2] for t in free]
+    assert engine.active == [] and engine.blocks_in_use()[0] == 0
+
+
+def test_stops_hold_back_what_could_become_a_stop_string():
+    text = {1: "ab", 2: "c", 3: "X", 4: "Yz"}
+    s = Stops(SamplingParams(stop=("XY",), max_tokens=10), decode_text=lambda ids: "".join(text[i] for i in ids))
+    assert [s.push(t) for t in (1, 2, 3)] == ["ab", "c", ""]     # "X" might start "XY"
+    assert s.push(4) == "" and s.finish == "stop" and s.text == "abc" and s.tokens == [1, 2, 3, 4]
+    s = Stops(SamplingParams(stop=("XY",), max_tokens=3), decode_text=lambda ids: "".join(text[i] for i in ids))
+    assert [s.push(t) for t in (1, 3, 2)] == ["ab", "", "Xc"] and s.finish == "length"
+    with pytest.raises(ValueError, match="^stop: "):
+        Stops(SamplingParams(stop=("x",)))

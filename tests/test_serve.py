@@ -1,0 +1,239 @@
+"""The OpenAI-compatible server with real clients: the official ``openai`` package against
+``python -m dsv41.serve`` started in a subprocess (killed by its PID at the end), bad input
+refused with an error object naming the field, a full queue answered 429, hung-up clients' blocks
+returned, and a bounded load (``bench/serve_load.py``) whose every answer equals its solo run.
+
+Oracle for the answers: ``ReferenceEngine`` in this process with the same weights, capacity and
+sampling settings (the server's head draws from (seed, draw index) alone)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsv41.config import TINY
+from dsv41.engine.reference import ReferenceEngine
+from dsv41.ops.sampling import SamplingParams
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CTX, BATCH = 64, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A server subprocess; stop() kills it by PID."""
+
+    def __init__(self, *extra):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        self.proc = subprocess.Popen([sys.executable, "-m", "dsv41.serve", "--executor", "reference",
+                                      "--max-context", str(CTX), "--max-batch", str(BATCH),
+                                      "--port", str(self.port), *extra],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 180
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError("server did not come up in 180 s")
+            time.sleep(0.5)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health").json()
+
+    def settled(self, timeout=30.0) -> dict:
+        """Health once no request runs or waits (or the timeout passes)."""
+        end = time.time() + timeout
+        while True:
+            h = self.health()
+            if (h["running"] == 0 and h["waiting"] == 0) or time.time() > end:
+                return h
+            time.sleep(0.2)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, 9)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ids_server():
+    server = Served("--max-queue", "2")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def text_server(tiny_checkpoint):
+    server = Served("--checkpoint", str(tiny_checkpoint), "--served-model-name", "tiny-text")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ReferenceEngine(TINY, seed=0, max_batch=BATCH, max_context=CTX)
+
+
+PROMPT = [5, 9, 100, 7, 300, 2]
+
+
+@pytest.mark.timeout(600)
+def test_openai_completions_equal_the_reference(ids_server, reference):
+    client = openai.OpenAI(base_url=ids_server.url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0)
+    assert greedy.choices[0].token_ids == reference.generate([PROMPT], 5)[0]
+    assert greedy.choices[0].finish_reason == "length" and greedy.usage.completion_tokens == 5
+    kw = dict(temperature=0.9, top_p=0.95, seed=7, max_tokens=5)
+    want = reference.generate([PROMPT], sampling=SamplingParams(**kw))[0]
+    sampled = client.completions.create(model="tiny", prompt=PROMPT, **kw)
+    assert sampled.choices[0].token_ids == want != greedy.choices[0].token_ids
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True, logprobs=2, **kw))
+    assert [t for c in chunks for t in c.choices[0].token_ids] == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+    lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert len(lps) == 5 and all(len(lp.top_logprobs[0]) == 2 for lp in lps)
+    # a stop token id ends the answer and is left out of it
+    stopped = client.completions.create(model="tiny", prompt=PROMPT, extra_body={"stop_token_ids": [want[2]]}, **kw)
+    assert stopped.choices[0].token_ids == want[:want.index(want[2])]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.timeout(600)
+def test_openai_chat_and_text_completions(text_server, tiny_checkpoint):
+    from dsv41.checkpoint.text import TextCodec
+    codec = TextCodec.load(tiny_checkpoint)
+    client = openai.OpenAI(base_url=text_server.url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "The river runs past"}]
+    kw = dict(model="tiny-text", temperature=0.8, seed=3, max_tokens=6)
+    whole = client.chat.completions.create(messages=messages, **kw)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(codec.encode_chat(messages))
+    parts = list(client.chat.completions.create(messages=messages, stream=True,
+                                                stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == whole.choices[0].message.content
+    assert parts[-1].usage.completion_tokens == whole.usage.completion_tokens
+    text = client.completions.create(prompt="The river runs past", **kw)
+    assert isinstance(text.choices[0].text, str) and text.usage.prompt_tokens == len(codec.encode("The river runs past"))
+
+
+BAD = [
+    ({"prompt": [1]}, 400, "model"),
+    ({"model": "other", "prompt": [1]}, 404, "model"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": 5}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "text"}, 400, "prompt"),            # no tokenizer here
+    ({"model": "tiny", "prompt": [1, 99999]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": list(range(CTX))}, 400, "prompt"),   # longer than the model takes
+    ({"model": "tiny", "prompt": [1], "max_tokens": CTX}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": [1], "max_tokens": "8"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": [1], "temperature": -0.1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": [1], "temperature": "hot"}, 400, "temperature"),
+    ({"model": "tiny", "prompt": [1], "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": [1], "top_p": 1.5}, 400, "top_p"),
+    ({"model": "tiny", "prompt": [1], "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": [1], "stream": "yes"}, 400, "stream"),
+    ({"model": "tiny", "prompt": [1], "stop": "x"}, 400, "stop"),
+    ({"model": "tiny", "prompt": [1], "logprobs": 21}, 400, "logprobs"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_bad_input_is_refused_naming_the_field(ids_server):
+    before = ids_server.settled()
+    with httpx.Client(base_url=ids_server.url) as c:
+        for body, status, param in BAD:
+            r = c.post("/v1/completions", json=body)
+            err = r.json()["error"]
+            assert (r.status_code, err["param"]) == (status, param), body
+            assert err["message"].startswith(param) and err["type"]
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "messages")  # chat needs a tokenizer
+        for raw, status in ((b'{"model": "tiny", "prompt": [1]\xff}', 400), (b"{not json", 400), (b"[1]", 400),
+                            (b" " * (2 << 20), 413)):
+            r = c.post("/v1/completions", content=raw)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, "body")
+        metrics = c.get("/metrics").text
+    assert 'dsv41_requests_total{endpoint="/v1/completions",status="400"}' in metrics
+    after = ids_server.health()
+    assert after["cache_blocks_in_use"] == before["cache_blocks_in_use"] == 0   # nothing reached the engine
+
+
+@pytest.mark.timeout(300)
+def test_full_queue_is_429_and_hung_up_clients_free_their_blocks(ids_server):
+    """BATCH running and 2 waiting (--max-queue 2): one more is refused; once every client hangs up
+    the server holds no request and no block."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": CTX - len(PROMPT), "temperature": 0, "stream": True}
+    with httpx.Client(base_url=ids_server.url, timeout=120) as c:
+        streams = [c.stream("POST", "/v1/completions", json=body) for _ in range(BATCH + 2)]
+        opened = [s.__enter__() for s in streams]
+        try:
+            assert [r.status_code for r in opened] == [200] * (BATCH + 2)
+            lines = [r.iter_lines() for r in opened]
+            for it in lines[:BATCH]:               # the running ones have answered a first token
+                assert next(line for line in it if line.startswith("data: "))
+            h = ids_server.health()
+            assert (h["running"], h["waiting"]) == (BATCH, 2) and h["cache_blocks_in_use"] > 0
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    h = ids_server.settled()
+    assert (h["running"], h["waiting"], h["cache_blocks_in_use"]) == (0, 0, 0)
+
+
+def _load(server, *args):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "serve_load.py"), "--url", server.url, *args],
+                         capture_output=True, text=True, timeout=3000)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, result
+    return result
+
+
+def _check_load(result, requests):
+    assert not result["errors"] and not result["mismatches"]
+    assert result["completed"] + result["cancelled"] + result["rejected_429"] == requests
+    assert result["cancelled"] > 0 and result["cancellations_seen_by_server"] > 0
+    assert result["blocks_in_use_end"] == 0 and result["running_end"] == 0
+    rss = result["rss_mb"]
+    assert rss["after_load"] < rss["after_solo_runs"] * 1.1 + 20      # memory flat
+
+
+@pytest.mark.timeout(600)
+def test_small_load_answers_equal_solo_runs(ids_server):
+    _check_load(_load(ids_server, "--clients", "6", "--requests", "16", "--specs", "4", "--max-tokens", "4",
+                      "--cancel", "0.3"), 16)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_load_32_clients_answers_equal_solo_runs(tmp_path):
+    server = Served("--max-batch", "8", "--max-queue", "64")
+    try:
+        _check_load(_load(server, "--clients", "32", "--requests", "300"), 300)
+    finally:
+        server.stop()
