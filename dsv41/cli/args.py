@@ -66,9 +66,10 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--config": (ALL, ("does not apply with --checkpoint: its config.json is the config",
                        lambda a: a.checkpoint is None)),
     "--checkpoint": (ALL, None),
-    "--prompt": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)", lambda a: a.checkpoint)),
+    "--prompt": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)",
+                       lambda a: a.checkpoint is not None)),
     "--prompt-file": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)",
-                            lambda a: a.checkpoint)),
+                            lambda a: a.checkpoint is not None)),
     "--chat": (RUN, ("needs --prompt or --prompt-file", lambda a: not _no_prompts(a))),
     "--batch": (ALL, (FROM_PROMPTS + "the batch is the number of prompts", _no_prompts)),
     "--prompt-len": (RUN, (FROM_PROMPTS + "the prompts set their lengths", _no_prompts)),
@@ -129,22 +130,35 @@ def shown(a, flag: str) -> str:
 def model_config(a):
     """The model to check against: the --config preset, or --checkpoint's config.json. With a
     checkpoint the prompts are encoded here (``a.codec``, ``a.prompt_ids``); their count and longest
-    length become --batch and --prompt-len."""
+    length become --batch and --prompt-len. A file that cannot be read or decoded is a UsageError
+    naming the flag and the file."""
     from dsv41.config import PRESETS
     a.codec, a.prompt_ids = None, []
     if a.checkpoint is None:
         return PRESETS[a.config]
-    from dsv41.cli.prompts import encode_prompts
     from dsv41.checkpoint.reader import read_config
+    from dsv41.cli.prompts import PromptError, encode_prompts
     try:
         cfg = read_config(a.checkpoint)
         if mode(a) != PLAN:
             a.codec, a.prompt_ids = encode_prompts(a.checkpoint, a.prompt, a.prompt_file, a.chat)
-    except ValueError as e:    # CheckpointError included
-        raise UsageError(str(e) if str(e).startswith("--") else f"--checkpoint: {e}") from None
+    except PromptError as e:
+        raise UsageError(str(e)) from e
+    except OSError as e:          # permissions, a folder where a file should be: the folder's files
+        raise UsageError(f"--checkpoint: {unreadable(e)}") from e
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--checkpoint: {a.checkpoint}: a JSON file of the folder is not UTF-8 text "
+                         f"({e.reason} at byte {e.start})") from e
+    except ValueError as e:       # CheckpointError, and the codec's own '--chat: ...' refusal
+        raise UsageError(str(e) if str(e).startswith("--") else f"--checkpoint: {e}") from e
     if a.prompt_ids:
         a.batch, a.prompt_len = len(a.prompt_ids), max(map(len, a.prompt_ids))
     return cfg
+
+
+def unreadable(e: OSError) -> str:
+    """An OSError as 'FILE: cannot read (reason)'."""
+    return f"{e.filename}: cannot read ({e.strerror or e})" if e.filename else f"cannot read ({e.strerror or e})"
 
 
 def _tp(a, cfg):
@@ -201,6 +215,8 @@ def _new_tokens(a, cfg):
 def _checkpoint(a, cfg):
     if a.checkpoint is None:
         return None
+    if not a.checkpoint:
+        return "got an empty path; expected a checkpoint folder"
     if not os.path.isdir(a.checkpoint):
         found = "a file" if os.path.exists(a.checkpoint) else "nothing"
         return f"{a.checkpoint}: expected a checkpoint folder, found {found}"
@@ -243,7 +259,7 @@ def _show_graph(a, cfg):
                 f"got {a.show_graph!r}")
     if a.show_graph.endswith(".svg") and shutil.which("dot") is None:
         return "an .svg needs graphviz's 'dot' on PATH, which is missing; ask for a .dot file instead"
-    return traces_writable()
+    return outputs_writable([a.show_graph])
 
 
 def _backend(a, cfg):
@@ -281,6 +297,21 @@ def traces_writable() -> str | None:
         return f"{folder} exists and is not a folder"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"cannot write {folder}: {probe} is not writable"
+    return None
+
+
+def outputs_writable(names: list[str]) -> str | None:
+    """None when ./traces is writable and each traces/NAME can be written (absent, or a writable file):
+    checked before the run so that nothing computed is lost to a file that cannot be written."""
+    problem = traces_writable()
+    if problem:
+        return problem
+    for name in names:
+        path = os.path.join("traces", name)
+        if os.path.isdir(path):
+            return f"{path} is a folder; the run writes a file there"
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            return f"cannot write {path}: permission denied"
     return None
 
 

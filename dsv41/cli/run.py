@@ -146,7 +146,9 @@ def run(args) -> int:
         try:
             ckpt = open_checkpoint(args.checkpoint)   # every header checked: nothing is served from a bad folder
         except CheckpointError as e:
-            return _refuse(e)
+            return _refuse(e, args)
+        except OSError as e:      # a file of the folder that cannot be read (permissions)
+            return _refuse(rules.unreadable(e), args)
     cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
     topo = topology(args)
     progress = Progress(args.json)
@@ -158,7 +160,9 @@ def run(args) -> int:
     try:
         engine = make_engine(args, cfg, topo, progress, ckpt)
     except CheckpointError as e:   # a value found bad as the weights were read, before any step
-        return _refuse(e)
+        return _refuse(e, args)
+    except OSError as e:
+        return _refuse(rules.unreadable(e), args)
     try:
         progress.say(f"  built in {time.perf_counter() - t0:.2f} s")
         return generate(args, cfg, topo, engine, progress)
@@ -178,9 +182,12 @@ def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
                        max_context=context, backend=args.backend, checkpoint=checkpoint, startup=startup)
 
 
-def _refuse(e: ValueError) -> int:
-    """A checkpoint found bad past the up-front checks: the usage-error line, exit status 2."""
-    print(f"{PROG}: error: --checkpoint: {e}", file=sys.stderr)
+def _refuse(problem, args) -> int:
+    """A checkpoint found bad past the up-front checks: the usage-error line, exit status 2
+    (--debug: the exception being handled)."""
+    if args.debug:
+        raise
+    print(f"{PROG}: error: --checkpoint: {problem}", file=sys.stderr)
     return 2
 
 
