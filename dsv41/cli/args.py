@@ -25,6 +25,7 @@ from typing import Callable
 from dsv41.cli.modes import (ALL, DIST, EXECUTOR_ORDER, GRAPH, GRAPH_OR_PLAN, LOCAL, PLAN, RUN, groups, mode,
                              mode_flag, per_group)
 
+PROG = "python -m dsv41.run"
 MAX_SEED = 2 ** 32 - 1
 MAX_CONNECT_TIMEOUT_S = 600.0
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
@@ -328,6 +329,14 @@ CHECKS: list[Check] = [
     ("--address", _address), ("--show-graph", _show_graph), ("--backend", _backend), ("--dashboard", _dashboard),
 ]
 LAST: list[Check] = [("--config", _budget)]   # after every cheaper check: it sizes the model
+
+
+def check_environment() -> None:
+    """The OTEL_* variables that name a collector (a malformed address would lose every span silently)."""
+    from dsv41.telemetry.spans import endpoint_problem
+    problem = endpoint_problem()
+    if problem:
+        raise UsageError(problem)
 
 
 def run_checks(a, cfg, checks: list[Check], applies: dict) -> None:

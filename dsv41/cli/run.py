@@ -30,7 +30,7 @@ from dsv41.kernels.device_time import BACKENDS
 from dsv41.names import DEFAULT_EXECUTOR, EXECUTORS, REFERENCE
 from dsv41.telemetry.export import TRACES
 
-PROG = "python -m dsv41.run"
+PROG = rules.PROG
 EPILOG = """\
 modes and the flags that go with them:
   every mode        --graph --config --checkpoint --batch --json --debug
@@ -113,6 +113,8 @@ def parse_args(argv=None, parser: rules.Parser | None = None):
         rules.check_modes(a, rules.given_flags(p, argv), APPLIES)
         rules.run_checks(a, None, FIRST, APPLIES)
         rules.run_checks(a, rules.model_config(a), CHECKS, APPLIES)
+        if a.executor != REFERENCE or a.plan:
+            rules.check_environment()
     except rules.UsageError as e:
         if a.debug:
             raise

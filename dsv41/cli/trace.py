@@ -2,11 +2,13 @@
 line's rules (``dsv41.cli.args``) and what a traced run holds open while it works."""
 from __future__ import annotations
 
-from dsv41.cli.args import FILE_NAME, outputs_writable
+import sys
+
+from dsv41.cli.args import FILE_NAME, PROG, outputs_writable
 from dsv41.cli.modes import DIST, GRAPH_OR_PLAN
 from dsv41.telemetry.export import TRACES, write_traces
 from dsv41.telemetry.session import TraceSession
-from dsv41.telemetry.spans import otlp_configured
+from dsv41.telemetry.spans import collector, otlp_configured
 
 
 def add_arguments(g):
@@ -82,11 +84,16 @@ class Tracing:
             say(f"  {kind}: {path}")
 
     def close(self):
-        """Stop tracing, also when the run failed (idempotent)."""
+        """Stop tracing, also when the run failed (idempotent); one warning line when the collector did
+        not get every span."""
         self._end_report()
         if self.session is not None:
-            self.session.close()
+            lost = self.session.close()
             self.session = None
+            if lost:
+                print(f"{PROG}: warning: {lost} span(s) not delivered to the OTLP collector at {collector()} "
+                      f"(down or not answering; each exporter gave up after its first failed export)",
+                      file=sys.stderr)
 
     def _end_report(self):
         if self.report is not None:
