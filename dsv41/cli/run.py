@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -122,23 +124,39 @@ def parse_args(argv=None, parser: rules.Parser | None = None):
     return a
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is so that it closes what it started, as Ctrl-C does."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parse_args(argv, parser)
+    main_thread = threading.current_thread() is threading.main_thread()   # where signals are handled
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return run(args)
     except ConnectError as e:
         if args.debug:
             raise
         parser.error(str(e))
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        if args.debug:
+            raise
+        terminated = isinstance(e, Terminated)
+        print(f"{parser.prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
     except Exception as e:   # a failure past the checks: one line, the traceback only with --debug
         if args.debug:
             raise
         print(f"{parser.prog}: error: {type(e).__name__}: {e} (--debug shows the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run(args) -> int:

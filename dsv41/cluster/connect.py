@@ -52,8 +52,11 @@ def check_address(address: str) -> str | None:
     return None
 
 
-def connect(cards: int, address: str | None, dashboard: bool, startup: Startup = Startup()):
-    """(LocalCluster or None, Client) once every card's worker is there."""
+def connect(cards: int, address: str | None, dashboard: bool, startup: Startup = Startup(),
+            scratch: str | None = None):
+    """(LocalCluster or None, Client) once every card's worker is there. scratch: the LocalCluster's
+    workers keep their files there (the caller removes it)."""
+    import dask
     from distributed import Client, LocalCluster
 
     deadline = time.monotonic() + startup.timeout
@@ -61,9 +64,12 @@ def connect(cards: int, address: str | None, dashboard: bool, startup: Startup =
     cluster = client = None
     try:
         if address is None:
-            # started empty and scaled, so workers can be counted as they join
-            cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
-                                   dashboard_address=":8787" if dashboard else None, silence_logs=40)
+            # started empty and scaled, so workers can be counted as they join; the scheduler's scratch
+            # space follows dask's temporary-directory, the workers' their local_directory
+            with dask.config.set({"temporary-directory": scratch} if scratch else {}):
+                cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
+                                       dashboard_address=":8787" if dashboard else None, silence_logs=40,
+                                       local_directory=scratch, preload=["dsv41.cluster.quiet_worker"])
             cluster.scale(cards)
             client = Client(cluster, timeout=startup.timeout)
         else:

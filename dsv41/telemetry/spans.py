@@ -196,8 +196,12 @@ def _export_forever(stream) -> None:
     """The exporter process: span records from ``stream`` into a BatchSpanProcessor(OTLPSpanExporter);
     at the end, the number of spans not delivered on stdout (the parent warns once for the run)."""
     import logging
+    import signal
 
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    # a Ctrl-C or SIGTERM to the run's process group is the run's to handle: it closes our stdin
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)   # a line per retry; the count says it all
     resource = otel_resource(pickle.load(stream))
     scope = InstrumentationScope(SCOPE)
