@@ -265,3 +265,92 @@ def test_a_peer_that_is_not_a_scheduler_is_named_within_the_deadline(tmp_path, p
     assert rest.strip() == (PROG + f"--address tcp://127.0.0.1:{server.port}: no answer to dask's handshake "
                             "within 3 s: not a dask scheduler, or a stuck one"), rest
     assert p.stdout.read() == "" and list(tmp_path.iterdir()) == []
+
+
+# ---- a collector that is down or silent ---------------------------------------------------------------
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]     # closed again when the test uses it: nobody listens
+
+
+def _after_last_step(p: subprocess.Popen) -> tuple[list[str], float]:
+    """The stderr lines of a --json run and the seconds from its last step's line to its exit."""
+    lines, last = [], None
+    for line in p.stderr:
+        lines.append(line.rstrip("\n"))
+        if line.rstrip().endswith("ms") or " ms " in line:
+            last = time.monotonic()
+    p.wait(60)
+    return lines, time.monotonic() - last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("down", ["closed-port", "silent"])
+def test_a_dead_collector_costs_seconds_and_one_line(tmp_path, down):
+    silent = _Silent() if down == "silent" else None
+    port = silent.port if silent else _closed_port()
+    p = _cli("--graph", "prefill", "--json", cwd=tmp_path, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"})
+    try:
+        lines, tail = _after_last_step(p)
+        out = p.stdout.read()
+    finally:
+        _kill(p)
+        if silent:
+            silent.close()
+    assert p.returncode == 0, lines
+    assert json.loads(out)["tokens"]
+    # before: 40.6 s (closed port) with 29 lines of retries and "shutdown can only be called once"
+    assert tail < 12, tail    # the span exporter's 2 s and the metrics exporter's 2 s, and a loaded machine
+    warnings = [line for line in lines if not (line.startswith(("dsv41 prefill:", "  built in")) or " ms" in line)]
+    assert len(warnings) == 1, lines
+    assert warnings[0].startswith("python -m dsv41.run: warning: ") and "span(s) not delivered to the OTLP " \
+        f"collector at http://127.0.0.1:{port}" in warnings[0], warnings
+    assert int(warnings[0].split(": warning: ")[1].split()[0]) > 0
+
+
+# ---- Ctrl-C and SIGTERM on a distributed run ----------------------------------------------------------
+
+def _still_running(session: int, wait_s: float = 5.0) -> list[str]:
+    """Processes of the session still running (zombies aside: their parent is gone and init reaps them)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        ps = subprocess.run(["ps", "-s", str(session), "-o", "pid=,stat=,args="], capture_output=True, text=True)
+        alive = [line for line in ps.stdout.splitlines() if line.split()[1][0] != "Z"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("signum,status,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_signal_ends_a_distributed_run_quickly_and_cleanly(tmp_path, signum, status, word):
+    temp = tmp_path / "tmp"         # the run's TMPDIR: dask's scratch space and semaphores go there
+    temp.mkdir()
+    p = _cli("--executor", "distributed", "--json", "--tp", "1", "--dp", "2", "--new-tokens", "200", cwd=tmp_path,
+             env={"TMPDIR": str(temp)})
+    try:
+        before = []
+        for line in p.stderr:        # the cluster is up and a step ran: the next ones are under way
+            before.append(line)
+            if line.startswith("  prefill "):
+                break
+        assert before and before[-1].startswith("  prefill "), before
+        time.sleep(1)
+        os.killpg(p.pid, signum)    # the whole group, as a terminal sends Ctrl-C
+        t0 = time.monotonic()
+        p.wait(60)
+        elapsed = time.monotonic() - t0
+        rest = p.stderr.read()
+        left = _still_running(p.pid)
+    finally:
+        _kill(p)
+    assert p.returncode == status, rest
+    assert elapsed < 5, elapsed
+    assert rest == f"python -m dsv41.run: {word}\n", rest   # no worker tracebacks, no leaked-semaphore warning
+    assert left == []
+    assert list(temp.rglob("*")) == []
