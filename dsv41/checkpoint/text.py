@@ -182,16 +182,3 @@ class TextStream:
                 s.shown = len(s.text)
                 say(f"    [{request}] {rest!r}")
 
-
-def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str]:
-    """--prompt values then --prompt-file lines (blank lines skipped)."""
-    out = list(prompts or [])
-    if prompt_file is not None:
-        try:
-            lines = Path(prompt_file).read_text().splitlines()
-        except OSError as e:
-            raise ValueError(f"--prompt-file: cannot read {prompt_file}: {e.strerror}") from None
-        out += [line for line in lines if line.strip()]
-        if not out:
-            raise ValueError(f"--prompt-file: {prompt_file} holds no prompt")
-    return out

@@ -25,6 +25,7 @@ from typing import Callable
 from dsv41.cli.modes import (ALL, DIST, EXECUTOR_ORDER, GRAPH, GRAPH_OR_PLAN, LOCAL, PLAN, REFERENCE, RUN, groups,
                              mode, mode_flag, per_group)
 
+PROG = "python -m dsv41.run"
 MAX_SEED = 2 ** 32 - 1
 MAX_CONNECT_TIMEOUT_S = 600.0
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
@@ -72,12 +73,13 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
                         lambda a: a.checkpoint is None)),
     "--engram-rows": (ALL, ("does not apply with --checkpoint: its config.json says what was reduced",
                             lambda a: a.checkpoint is None)),
-    "--prompt": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)", lambda a: a.checkpoint)),
+    "--prompt": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)",
+                       lambda a: a.checkpoint is not None)),
     "--prompt-file": (RUN, ("needs --checkpoint (the tokenizer comes from the checkpoint)",
-                            lambda a: a.checkpoint)),
+                            lambda a: a.checkpoint is not None)),
     "--chat": (RUN, ("needs --prompt or --prompt-file", lambda a: not _no_prompts(a))),
     "--allow-special-tokens": (RUN, ("needs --checkpoint and --prompt or --prompt-file",
-                                     lambda a: a.checkpoint and not _no_prompts(a))),
+                                     lambda a: a.checkpoint is not None and not _no_prompts(a))),
     "--batch": (ALL, (FROM_PROMPTS + "the batch is the number of prompts", _no_prompts)),
     "--prompt-len": (RUN, (FROM_PROMPTS + "the prompts set their lengths", _no_prompts)),
     "--new-tokens": (RUN, ("needs --graph decode", lambda a: a.graph == "decode")),
@@ -147,22 +149,35 @@ def preset(a):
 def model_config(a):
     """The model to check against: the --config preset (reduced as asked), or --checkpoint's config.json. With a
     checkpoint the prompts are encoded here (``a.codec``, ``a.prompt_ids``); their count and longest
-    length become --batch and --prompt-len."""
+    length become --batch and --prompt-len. A file that cannot be read or decoded is a UsageError
+    naming the flag and the file."""
     a.codec, a.prompt_ids = None, []
     if a.checkpoint is None:
         return preset(a)
-    from dsv41.cli.prompts import encode_prompts
     from dsv41.checkpoint.reader import read_config
+    from dsv41.cli.prompts import PromptError, encode_prompts
     try:
         cfg = read_config(a.checkpoint)
         if mode(a) != PLAN:
             a.codec, a.prompt_ids = encode_prompts(a.checkpoint, a.prompt, a.prompt_file, a.chat,
                                                    a.allow_special_tokens)
-    except ValueError as e:    # CheckpointError included
-        raise UsageError(str(e) if str(e).startswith("--") else f"--checkpoint: {e}") from None
+    except PromptError as e:
+        raise UsageError(str(e)) from e
+    except OSError as e:          # permissions, a folder where a file should be: the folder's files
+        raise UsageError(f"--checkpoint: {unreadable(e)}") from e
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--checkpoint: {a.checkpoint}: a JSON file of the folder is not UTF-8 text "
+                         f"({e.reason} at byte {e.start})") from e
+    except ValueError as e:       # CheckpointError, and the codec's own '--chat: ...' refusal
+        raise UsageError(str(e) if str(e).startswith("--") else f"--checkpoint: {e}") from e
     if a.prompt_ids:
         a.batch, a.prompt_len = len(a.prompt_ids), max(map(len, a.prompt_ids))
     return cfg
+
+
+def unreadable(e: OSError) -> str:
+    """An OSError as 'FILE: cannot read (reason)'."""
+    return f"{e.filename}: cannot read ({e.strerror or e})" if e.filename else f"cannot read ({e.strerror or e})"
 
 
 def _tp(a, cfg):
@@ -225,6 +240,8 @@ def _new_tokens(a, cfg):
 def _checkpoint(a, cfg):
     if a.checkpoint is None:
         return None
+    if not a.checkpoint:
+        return "got an empty path; expected a checkpoint folder"
     if not os.path.isdir(a.checkpoint):
         found = "a file" if os.path.exists(a.checkpoint) else "nothing"
         return f"{a.checkpoint}: expected a checkpoint folder, found {found}"
@@ -267,7 +284,7 @@ def _show_graph(a, cfg):
                 f"got {a.show_graph!r}")
     if a.show_graph.endswith(".svg") and shutil.which("dot") is None:
         return "an .svg needs graphviz's 'dot' on PATH, which is missing; ask for a .dot file instead"
-    return traces_writable()
+    return outputs_writable([a.show_graph])
 
 
 def _backend(a, cfg):
@@ -308,6 +325,21 @@ def traces_writable() -> str | None:
     return None
 
 
+def outputs_writable(names: list[str]) -> str | None:
+    """None when ./traces is writable and each traces/NAME can be written (absent, or a writable file):
+    checked before the run so that nothing computed is lost to a file that cannot be written."""
+    problem = traces_writable()
+    if problem:
+        return problem
+    for name in names:
+        path = os.path.join("traces", name)
+        if os.path.isdir(path):
+            return f"{path} is a folder; the run writes a file there"
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            return f"cannot write {path}: permission denied"
+    return None
+
+
 def _budget(a, cfg):
     from dsv41.cli.budget import check_budget
     return check_budget(a, cfg)
@@ -321,6 +353,14 @@ CHECKS: list[Check] = [
     ("--address", _address), ("--show-graph", _show_graph), ("--backend", _backend), ("--dashboard", _dashboard),
 ]
 LAST: list[Check] = [("--config", _budget)]   # after every cheaper check: it sizes the model
+
+
+def check_environment() -> None:
+    """The OTEL_* variables that name a collector (a malformed address would lose every span silently)."""
+    from dsv41.telemetry.spans import endpoint_problem
+    problem = endpoint_problem()
+    if problem:
+        raise UsageError(problem)
 
 
 def run_checks(a, cfg, checks: list[Check], applies: dict) -> None:

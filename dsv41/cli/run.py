@@ -8,9 +8,13 @@ holds the rules.
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +35,7 @@ from dsv41.model.finite import NonFiniteError
 from dsv41.names import DEFAULT_EXECUTOR, EXECUTORS, REFERENCE
 from dsv41.telemetry.export import TRACES
 
-PROG = "python -m dsv41.run"
+PROG = rules.PROG
 EPILOG = """\
 modes and the flags that go with them:
   every mode        --graph --config --checkpoint --batch --json --debug
@@ -132,6 +136,8 @@ def parse_args(argv=None, parser: rules.Parser | None = None):
         rules.check_modes(a, rules.given_flags(p, argv), APPLIES)
         rules.run_checks(a, None, FIRST, APPLIES)
         rules.run_checks(a, rules.model_config(a), CHECKS, APPLIES)
+        if a.executor != REFERENCE or a.plan:
+            rules.check_environment()
     except rules.UsageError as e:
         if a.debug:
             raise
@@ -139,23 +145,52 @@ def parse_args(argv=None, parser: rules.Parser | None = None):
     return a
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is so that it closes what it started, as Ctrl-C does."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _exit_now(status: int) -> None:
+    """Exit after the atexit handlers (multiprocessing's among them: children joined, semaphores
+    released), without the interpreter's module teardown, which took 2.5 s of the 5 s a signal may
+    take on a loaded machine and frees nothing the exit does not."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parse_args(argv, parser)
+    main_thread = threading.current_thread() is threading.main_thread()   # where signals are handled
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return run(args)
     except ConnectError as e:
         if args.debug:
             raise
         parser.error(str(e))
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        if args.debug:
+            raise
+        terminated = isinstance(e, Terminated)
+        print(f"{parser.prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        status = 143 if terminated else 130
+        if main_thread and argv is None:    # the process is the command's: leave now (below)
+            _exit_now(status)
+        return status
     except Exception as e:   # a failure past the checks: one line, the traceback only with --debug
         if args.debug:
             raise
         print(f"{parser.prog}: error: {type(e).__name__}: {e} (--debug shows the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run(args) -> int:
@@ -165,7 +200,9 @@ def run(args) -> int:
         try:
             ckpt = open_checkpoint(args.checkpoint)   # every header checked: nothing is served from a bad folder
         except CheckpointError as e:
-            return _refuse(e)
+            return _refuse(e, args)
+        except OSError as e:      # a file of the folder that cannot be read (permissions)
+            return _refuse(rules.unreadable(e), args)
     cfg = rules.preset(args) if ckpt is None else ckpt.cfg
     topo = topology(args)
     progress = Progress(args.json)
@@ -177,7 +214,9 @@ def run(args) -> int:
     try:
         engine = make_engine(args, cfg, topo, progress, ckpt)
     except CheckpointError as e:   # a value found bad as the weights were read, before any step
-        return _refuse(e)
+        return _refuse(e, args)
+    except OSError as e:
+        return _refuse(rules.unreadable(e), args)
     try:
         progress.say(f"  built in {time.perf_counter() - t0:.2f} s")
         return generate(args, cfg, topo, engine, progress)
@@ -201,9 +240,12 @@ def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
                        max_context=context, backend=args.backend, checkpoint=checkpoint, startup=startup)
 
 
-def _refuse(e: ValueError) -> int:
-    """A checkpoint found bad past the up-front checks: the usage-error line, exit status 2."""
-    print(f"{PROG}: error: --checkpoint: {e}", file=sys.stderr)
+def _refuse(problem, args) -> int:
+    """A checkpoint found bad past the up-front checks: the usage-error line, exit status 2
+    (--debug: the exception being handled)."""
+    if args.debug:
+        raise
+    print(f"{PROG}: error: --checkpoint: {problem}", file=sys.stderr)
     return 2
 
 

@@ -2,11 +2,13 @@
 line's rules (``dsv41.cli.args``) and what a traced run holds open while it works."""
 from __future__ import annotations
 
-from dsv41.cli.args import FILE_NAME, traces_writable
+import sys
+
+from dsv41.cli.args import FILE_NAME, PROG, outputs_writable
 from dsv41.cli.modes import DIST, GRAPH_OR_PLAN
 from dsv41.telemetry.export import TRACES, write_traces
 from dsv41.telemetry.session import TraceSession
-from dsv41.telemetry.spans import otlp_configured
+from dsv41.telemetry.spans import collector, otlp_configured
 
 
 def add_arguments(g):
@@ -32,11 +34,18 @@ def _trace(a, cfg):
     if a.trace is not None and not FILE_NAME.fullmatch(a.trace):
         return (f"must be a plain file name (letters, digits, '.', '_', '-'; written as traces/NAME.*), "
                 f"got {a.trace!r}")
-    return traces_writable() if a.trace else None
+    if not a.trace:
+        return None
+    return outputs_writable([f"{a.trace}.otlp.jsonl", f"{a.trace}.perfetto.json"])
 
 
 def _report(a, cfg):
-    return traces_writable() if a.report else None
+    return outputs_writable([report_file(a)]) if a.report else None
+
+
+def report_file(a) -> str:
+    """--report's file under traces/."""
+    return f"{a.trace or 'run'}.dask-report.html"
 
 
 CHECKS = [("--trace", _trace), ("--report", _report)]
@@ -48,10 +57,10 @@ class Tracing:
     """What a traced run holds open: the span session and, with --report, Dask's performance report."""
 
     def __init__(self, args, engine):
-        self.name = args.trace or "run"
+        self.name = args.trace
         self.keep = bool(args.trace)
         self.session = TraceSession(engine, args.device_profile, self.keep) if tracing_on(args) else None
-        self.report_path = str(TRACES / f"{self.name}.dask-report.html") if args.report else None
+        self.report_path = str(TRACES / report_file(args)) if args.report else None
         self.report = None
         if self.report_path:
             from distributed import performance_report
@@ -74,11 +83,16 @@ class Tracing:
             say(f"  {kind}: {path}")
 
     def close(self):
-        """Stop tracing, also when the run failed (idempotent)."""
+        """Stop tracing, also when the run failed (idempotent); one warning line when the collector did
+        not get every span."""
         self._end_report()
         if self.session is not None:
-            self.session.close()
+            lost = self.session.close()
             self.session = None
+            if lost:
+                print(f"{PROG}: warning: {lost} span(s) not delivered to the OTLP collector at {collector()} "
+                      f"(down or not answering; each exporter gave up after its first failed export)",
+                      file=sys.stderr)
 
     def _end_report(self):
         if self.report is not None:

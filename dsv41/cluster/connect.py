@@ -51,20 +51,35 @@ def quiet_closed_tabs() -> None:
             log.addFilter(_ClosedTab())
 
 
+SCHEMES = ("tcp", "tls", "ws", "wss", "ucx")     # dask's network comms; a scheduler listens on one of them
+PORTED = ("tcp", "tls", "ws", "wss")
+
+
 def check_address(address: str) -> str | None:
     """What is wrong with a scheduler address (None when it parses as dask reads it)."""
     from distributed.comm.addressing import parse_address, parse_host_port
+    example = "expected e.g. tcp://127.0.0.1:8786"
     try:
         scheme, loc = parse_address(address, strict=False)
-        if scheme in ("tcp", "tls"):
-            parse_host_port(loc)
+        if scheme in ("http", "https"):
+            return (f"{scheme}:// is not a dask scheduler address (a dashboard's, perhaps); the scheduler "
+                    f"listens on tcp://, {example}")
+        if scheme not in SCHEMES:
+            return f"not a scheduler address (scheme {scheme}:// is none of {', '.join(SCHEMES)}); {example}"
+        if scheme in PORTED:
+            _, port = parse_host_port(loc)
+            if not 1 <= port <= 65535:
+                return f"port {port} out of range [1, 65535]; {example}"
     except ValueError as e:
-        return f"not a scheduler address ({e}); expected e.g. tcp://127.0.0.1:8786"
+        return f"not a scheduler address ({e}); {example}"
     return None
 
 
-def connect(cards: int, address: str | None, dashboard: bool, startup: Startup = Startup()):
-    """(LocalCluster or None, Client) once every card's worker is there."""
+def connect(cards: int, address: str | None, dashboard: bool, startup: Startup = Startup(),
+            scratch: str | None = None):
+    """(LocalCluster or None, Client) once every card's worker is there. scratch: the LocalCluster's
+    workers keep their files there (the caller removes it)."""
+    import dask
     from distributed import Client, LocalCluster
 
     deadline = time.monotonic() + startup.timeout
@@ -74,20 +89,24 @@ def connect(cards: int, address: str | None, dashboard: bool, startup: Startup =
         if address is None:
             if dashboard:     # the dashboard's Bokeh server runs in this process, with the scheduler
                 quiet_closed_tabs()
-            # started empty and scaled, so workers can be counted as they join
-            cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
-                                   dashboard_address=":8787" if dashboard else None, silence_logs=40)
+            # started empty and scaled, so workers can be counted as they join; the scheduler's scratch
+            # space follows dask's temporary-directory, the workers' their local_directory
+            with dask.config.set({"temporary-directory": scratch} if scratch else {}):
+                cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
+                                       dashboard_address=":8787" if dashboard else None, silence_logs=40,
+                                       local_directory=scratch, preload=["dsv41.cluster.quiet_worker"])
             cluster.scale(cards)
             client = Client(cluster, timeout=startup.timeout)
         else:
-            problem = check_address(address) or _probe(address, startup.timeout)
+            problem = (check_address(address) or _probe(address, startup.timeout)
+                       or _handshake(address, deadline, startup.timeout))
             if problem:
                 raise ConnectError(f"{where}: {problem}")
             try:
                 client = Client(address, timeout=max(0.1, deadline - time.monotonic()))
-            except Exception as e:   # refused, timed out, or something else listens there
-                raise ConnectError(f"{where}: no dask scheduler answered within {startup.timeout:g} s "
-                                   f"({type(e).__name__}: {e})") from None
+            except OSError as e:   # the scheduler answered the probe, then went (dask's time-outs are OSErrors)
+                raise ConnectError(f"{where}: the dask scheduler stopped answering ({type(e).__name__}: {e})"
+                                   ) from None
         _wait_for_cards(client, cards, deadline, where, startup)
     except BaseException:
         if client is not None:
@@ -117,6 +136,34 @@ def _probe(address: str, timeout: float) -> str | None:
         return f"no answer within {timeout:g} s"
     except OSError as e:
         return f"unreachable ({e.strerror or e})"
+    return None
+
+
+def _handshake(address: str, deadline: float, timeout: float) -> str | None:
+    """Dask's handshake and an ``identity`` call, within what is left of the deadline: dask's own
+    ``connect`` waits for the handshake reply without a time limit, so a peer that accepts and then
+    stays silent (or speaks another protocol) would hang the client."""
+    import asyncio
+
+    from distributed.comm import connect as comm_connect
+
+    async def identity():
+        comm = await comm_connect(address, timeout=max(0.1, deadline - time.monotonic()))
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        reply = asyncio.run(asyncio.wait_for(identity(), max(0.1, deadline - time.monotonic())))
+    except asyncio.TimeoutError:
+        return f"no answer to dask's handshake within {timeout:g} s: not a dask scheduler, or a stuck one"
+    except Exception as e:     # whatever a peer speaking another protocol makes the decoder raise
+        return f"not a dask scheduler (the dask handshake failed: {type(e).__name__}: {e})"
+    if not isinstance(reply, dict) or reply.get("type") != "Scheduler":
+        kind = reply.get("type") if isinstance(reply, dict) else type(reply).__name__
+        return f"not a dask scheduler (it answers as {kind!r})"
     return None
 
 

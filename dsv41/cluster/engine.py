@@ -435,7 +435,8 @@ def _free_everywhere(engine: str, runner):
         registry.free(engine)
         return
     try:
-        runner.run_on_cards(registry.free, engine, on_error="ignore")
+        if runner.cluster is None:    # a scheduler we joined: its workers outlive the run
+            runner.run_on_cards(registry.free, engine, on_error="ignore")
     finally:
         runner.close()
 

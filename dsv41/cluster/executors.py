@@ -10,6 +10,9 @@ seconds instead of leaving its tasks waiting for a worker that will never come b
 """
 from __future__ import annotations
 
+import asyncio
+import shutil
+import tempfile
 import time
 
 import dask
@@ -21,6 +24,8 @@ from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import run_submission
 
 POLL_S = 1.0                 # membership check interval while a distributed step runs
+WORKER_CLOSE_S = 1.0         # a LocalCluster worker's orderly close; past it its nanny kills it
+CLOSE_S = 10.0               # the LocalCluster's close, its workers already stopped
 
 
 class CardUnavailable(RuntimeError):
@@ -61,7 +66,13 @@ class DistributedRunner:
     def __init__(self, cards: int, address: str | None = None, dashboard: bool = False,
                  startup: Startup = Startup()):
         self.cards = cards
-        self.cluster, self.client = connect(cards, address, dashboard, startup)
+        # the LocalCluster's workers write their scratch space here, removed at close
+        self.scratch = tempfile.mkdtemp(prefix="dsv41-dask-") if address is None else None
+        try:
+            self.cluster, self.client = connect(cards, address, dashboard, startup, self.scratch)
+        except BaseException:
+            self._remove_scratch()
+            raise
         self.refresh()
 
     @property
@@ -148,6 +159,24 @@ class DistributedRunner:
         return self.client.run(fn, *args, workers=addrs, on_error=on_error) if addrs else {}
 
     def close(self):
-        self.client.close()
-        if self.cluster is not None:
-            self.cluster.close()
+        """The client, then the cluster (its workers before the scheduler), then the scratch folder.
+        A worker still busy in a step (the run was interrupted) is killed after WORKER_CLOSE_S: its
+        step's results are of no use any more, and dask's own close would wait 5 s per worker."""
+        try:
+            self.client.close()
+            if self.cluster is not None:
+                workers = list(self.cluster.workers.values())
+
+                async def stop_workers():
+                    await asyncio.gather(*(w.close(timeout=WORKER_CLOSE_S) for w in workers),
+                                         return_exceptions=True)
+
+                self.cluster.sync(stop_workers)
+                self.cluster.close(timeout=CLOSE_S)
+        finally:
+            self._remove_scratch()
+
+    def _remove_scratch(self):
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None

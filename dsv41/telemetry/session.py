@@ -90,14 +90,16 @@ class TraceSession:
             rows = [r for rs in self.engine.runner.run_on_cards(_ledger_rows, self.engine.id).values() for r in rs]
         return sorted(rows, key=lambda r: r["card"])
 
-    def close(self):
-        """Stop tracing and flush what is queued for a collector."""
+    def close(self) -> int:
+        """Stop tracing and flush what is queued for a collector; the number of spans it did not get
+        (here and on every worker)."""
         if self.engine.runner is None:
-            _uninstall(self.engine.id)
+            lost = _uninstall(self.engine.id)     # its tracer records with self.recorder: shut down once
         else:
-            self.engine.runner.run_on_cards(_uninstall, self.engine.id)
-        self.recorder.shutdown()
+            lost = sum(self.engine.runner.run_on_cards(_uninstall, self.engine.id).values())
+        lost += self.recorder.shutdown()
         self.engine.trace = None
+        return lost
 
 
 def _ledger_row(card: int, led) -> dict:
@@ -131,9 +133,12 @@ def _ledger_rows(engine: str) -> list[dict]:
     return [] if tracer is None else [_ledger_row(c, led) for c, led in tracer.ledgers.items()]
 
 
-def _uninstall(engine: str):
+def _uninstall(engine: str) -> int:
+    """The spans its recorder could not deliver to a collector."""
     entry = registry.find(engine)
-    if entry is not None and entry.hooks.tracer is not None:
-        entry.hooks.tracer.encode()     # the last step's spans still go live
-        entry.hooks.tracer.recorder.shutdown()
-        entry.hooks.tracer = None
+    if entry is None or entry.hooks.tracer is None:
+        return 0
+    entry.hooks.tracer.encode()         # the last step's spans still go live
+    lost = entry.hooks.tracer.recorder.shutdown()
+    entry.hooks.tracer = None
+    return lost

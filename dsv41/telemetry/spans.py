@@ -27,14 +27,15 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 SCOPE = "dsv41.telemetry"
 LIVE_QUEUE = 1 << 16   # spans; the SDK's 2048 drops spans of one TINY step (~3,400 nodes) before export
 LIVE_BATCH = 512       # span records per hand-off to the exporter process
-CHILD_EXIT_S = 60.0    # the exporter flushes its queue before exiting; a dead collector costs its timeout
+EXPORT_TIMEOUT_S = 2.0  # per export request (retries included) unless OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT says
+CHILD_EXIT_S = 10.0    # the exporter's last flush; past it the exporter is killed and its spans counted lost
 HEX_IDS = ("traceId", "spanId", "parentSpanId")
 
 
@@ -48,6 +49,41 @@ def otlp_configured(signal: str = "traces") -> bool:
         return False
     return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
                 or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
+
+
+def endpoint_problem() -> str | None:
+    """What is wrong with the collector's address in the OTEL_* variables (None when export is off or
+    every endpoint set is an http(s) URL with a host and a port in range)."""
+    from urllib.parse import urlsplit
+    if not (otlp_configured() or otlp_configured("metrics")):
+        return None
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        value = os.environ.get(name)
+        if not value:
+            continue
+        try:
+            url = urlsplit(value.strip())
+            ok = url.scheme in ("http", "https") and bool(url.hostname)
+            url.port        # raises on a port that is not a number in [0, 65535]
+        except ValueError:
+            ok = False
+        if not ok:
+            return (f"{name}: expected the collector's OTLP/HTTP URL, e.g. http://localhost:4318, "
+                    f"got {value!r}")
+    return None
+
+
+def export_timeout(signal: str) -> float | None:
+    """The exporter's timeout: ours unless the OTEL_* variables set one (None: the SDK reads them)."""
+    if os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_TIMEOUT") or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT"):
+        return None
+    return EXPORT_TIMEOUT_S
+
+
+def collector() -> str:
+    """The traces collector's address, as the user gave it."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
 
 
 def otel_resource(attrs: dict) -> Resource:
@@ -87,15 +123,19 @@ class _LiveExport(SpanProcessor):
                                       stdout=subprocess.PIPE, env=env)
         self._batch: list[dict] = []
         self._lock = threading.Lock()     # the threads executor ends spans from several threads
+        self.sent = 0                     # span records handed to the exporter process
+        self.lost = 0                     # not delivered: known at shutdown, or once the exporter is gone
         self._send(resource)
         if self._proc.stdout.read(1) != b"1":   # ready: its imports (a second) stay out of the steps
             self._stop()                         # it could not start; its error is on stderr
 
     def _stop(self) -> None:
-        """Live export ends (the exporter died or failed to start); the run goes on without it."""
+        """Live export ends (the exporter died, failed to start or hung); the run goes on without it."""
         self._proc.kill()
         self._proc.wait()
         self._proc = None
+        self.lost = self.sent + len(self._batch)
+        self._batch = []
 
     def _send(self, obj) -> None:
         pickle.dump(obj, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
@@ -103,13 +143,15 @@ class _LiveExport(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         if self._proc is None:
+            self.lost += 1
             return
         with self._lock:
             self._batch.append(_record(span))
             if len(self._batch) >= LIVE_BATCH:
-                batch, self._batch = self._batch, []
                 try:
-                    self._send(batch)
+                    self._send(self._batch)
+                    self.sent += len(self._batch)
+                    self._batch = []
                 except OSError:
                     self._stop()
 
@@ -127,39 +169,73 @@ class _LiveExport(SpanProcessor):
                     self._stop()
 
     def shutdown(self) -> None:
+        """The last batch, then the exporter's own count of the spans it could not deliver."""
         if self._proc is None:
             return
         with self._lock:
+            last = pickle.dumps(self._batch, protocol=pickle.HIGHEST_PROTOCOL)
             try:
-                self._send(self._batch)
-                self._proc.stdin.close()
-            except OSError:
-                pass
-            self._batch = []
-        try:
-            self._proc.wait(CHILD_EXIT_S)
+                out, _ = self._proc.communicate(last, timeout=CHILD_EXIT_S)
+            except subprocess.TimeoutExpired:
+                self._stop()
+                return
             self._proc = None
-        except subprocess.TimeoutExpired:
-            self._stop()
+            self.lost = int(out) if out.strip().isdigit() else self.sent + len(self._batch)  # it died: all
+            self._batch = []
+
+
+class _GiveUp(SpanExporter):
+    """The OTLP exporter until its first failed export (it retries within its timeout first): then the
+    collector counts as down and later batches are dropped at once, so a dead or silent collector
+    costs one timeout, not one per batch. Counts the spans delivered."""
+
+    def __init__(self, exporter: SpanExporter):
+        self.exporter, self.delivered, self.down = exporter, 0, False
+
+    def export(self, spans) -> SpanExportResult:
+        if self.down:
+            return SpanExportResult.FAILURE
+        result = self.exporter.export(spans)
+        if result == SpanExportResult.SUCCESS:
+            self.delivered += len(spans)
+        else:
+            self.down = True
+        return result
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
 
 
 def _export_forever(stream) -> None:
-    """The exporter process: span records from ``stream`` into a BatchSpanProcessor(OTLPSpanExporter)."""
+    """The exporter process: span records from ``stream`` into a BatchSpanProcessor(OTLPSpanExporter);
+    at the end, the number of spans not delivered on stdout (the parent warns once for the run)."""
+    import logging
+    import signal
+
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    # a Ctrl-C or SIGTERM to the run's process group is the run's to handle: it closes our stdin
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)   # a line per retry; the count says it all
     resource = otel_resource(pickle.load(stream))
     scope = InstrumentationScope(SCOPE)
     queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in os.environ else LIVE_QUEUE
-    processor = BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=queue)
+    exporter = _GiveUp(OTLPSpanExporter(timeout=export_timeout("traces")))
+    processor = BatchSpanProcessor(exporter, max_queue_size=queue)
     sys.stdout.buffer.write(b"1")
     sys.stdout.buffer.flush()
+    received = 0
     while True:
         try:
             batch = pickle.load(stream)
         except EOFError:
             break
+        received += len(batch)
         for r in batch:
             processor.on_end(_readable(r, resource, scope))
     processor.shutdown()
+    sys.stdout.buffer.write(str(received - exporter.delivered).encode())
+    sys.stdout.buffer.flush()
 
 
 class SpanRecorder:
@@ -178,6 +254,7 @@ class SpanRecorder:
             self._provider.add_span_processor(self._live)
         self._tracer = self._provider.get_tracer(SCOPE)
         self._meters = None
+        self._closed = False
 
     def start(self, name: str, parent=None, start_ns: int | None = None, attrs: dict | None = None):
         """A live span; parent is a span, a (trace id, span id) pair from another process, or None."""
@@ -223,7 +300,12 @@ class SpanRecorder:
         observed at each export (``OTEL_METRIC_EXPORT_INTERVAL``) and at shutdown, never per node."""
         if self._meters is not None or not otlp_configured("metrics"):
             return
+        import logging
+
+        from opentelemetry.exporter.otlp.proto.http import metric_exporter
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        # a line per retry at a dead collector; the readings are gauges, the next one replaces a lost one
+        logging.getLogger(metric_exporter.__name__).setLevel(logging.CRITICAL)
         from opentelemetry.metrics import Observation
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
@@ -232,18 +314,24 @@ class SpanRecorder:
             return lambda _options: [Observation(v[i], {"dsv41.card": c}) for c, v in sorted(read().items())]
 
         self._meters = MeterProvider(resource=self._resource,
-                                     metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
+                                     metric_readers=[PeriodicExportingMetricReader(
+                                         OTLPMetricExporter(timeout=export_timeout("metrics")))])
         meter = self._meters.get_meter(SCOPE)
         meter.create_observable_gauge("dsv41.hbm.live_bytes", [gauge(0)], unit="By",
                                       description="card HBM in use: weights + caches + live transient values")
         meter.create_observable_gauge("dsv41.hbm.peak_bytes", [gauge(1)], unit="By",
                                       description="card HBM peak so far in the run")
 
-    def shutdown(self) -> None:
-        """Flush what is still queued for the collector (spans, then a last metrics reading)."""
+    def shutdown(self) -> int:
+        """Flush what is still queued for the collector (spans, then a last metrics reading); the number
+        of spans the collector did not get. Once: later calls return 0."""
+        if self._closed:
+            return 0
+        self._closed = True
         self._provider.shutdown()
         if self._meters is not None:
             self._meters.shutdown()
+        return 0 if self._live is None else self._live.lost
 
 
 def otlp_json_lines(records: list[dict], resource: dict) -> list[str]:
