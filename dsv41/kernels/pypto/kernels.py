@@ -49,6 +49,20 @@ def cube_tiles(m: int, k: int, n: int, elem_bytes: int = 2) -> tuple[list[int], 
     return [tm, tm], [k0, k1], [tn, tn]
 
 
+def token_tiles(m: int, k: int, n: int) -> tuple[list[int], list[int], list[int]]:
+    """Tiles for a batch of tiny per-token matmuls (attention: M = local heads, K/N = keys or head dim).
+
+    Each cube task pays ~2 us of setup in the cost model (pv [16,128]x[128,128] tasks: 2.0-2.2 us each),
+    so the whole K stays in one L1 panel and the task covers all of a token's work; the batch of
+    tokens is what spreads over the 24 cube cores (the anchor's per-(token, key block) work items).
+    Swept at T=24, H=16, d=512, K=640: PV k [128,640] n 256 8.2 us per token-task vs k [64,128] n 512
+    12.8, [128,128] n 128 14.2 (x2 tasks); QK k [128,512] n 256 7.9 vs k [256,512] n 128 5.6 x2.
+    n 640 or k0 64 with n 512 fail to compile (L0B is 64 KB).
+    """
+    tm, k0 = _ceil16(m), min(128, _ceil16(k))
+    return [tm, tm], [k0, -(-k // k0) * k0], [min(256, _ceil16(n))] * 2
+
+
 def rms_norm(s, d, run_mode):
     T, D, EPS = s["T"], s["D"], float(s["eps"])
     ACT, W = DT[d["act"]], DT[d["w"]]
@@ -219,7 +233,7 @@ def attn_qk_tile(s, d, run_mode):
     """logits [T, H, K] = scale * q [T, H, d] . keys [T, K, d]: one key tile, batched over tokens."""
     T, H, K, DD, SCALE = s["T"], s["H"], s["K"], s["d"], float(s["scale"])
     ACT = DT[d["act"]]
-    TM, TK, TN = cube_tiles(H, DD, K)
+    TM, TK, TN = token_tiles(H, DD, K)
     RT = vec_rows(H, K)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
@@ -236,7 +250,7 @@ def attn_pv_tile(s, d, run_mode):
     """out [T, H, d] = probs [T, H, K] @ values [T, K, d] (K = V, the shared head), FP32 accumulation."""
     T, H, K, DD = s["T"], s["H"], s["K"], s["d"]
     ACT = DT[d["act"]]
-    TM, TK, TN = cube_tiles(H, K, DD)
+    TM, TK, TN = token_tiles(H, K, DD)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
     def pv_tile_k(probs: pypto.Tensor((T, H, K), ACT), values: pypto.Tensor((T, K, DD), ACT),
