@@ -120,6 +120,18 @@ def test_node_parts_cover_registered_kernels_and_sum(tmp_path):
     assert node_time_us("cache.commit", TINY, 48, simulate=fake) is None
 
 
+def test_attention_leaf_parts_cover_all_keys_in_one_call():
+    h = FLASH.num_attention_heads // 4
+    for keys in (FLASH.sliding_window, FLASH.sliding_window + FLASH.index_topk):
+        parts = dict(node_parts(FLASH, 192, 4, 8, keys)["attn.leaf"])
+        assert parts["attn.qk_tile"] == parts["attn.pv_tile"] == dict(T=192, H=h, K=keys, d=FLASH.head_dim)
+        assert parts["attn.softmax_tile"] == dict(R=192 * h, K=keys)
+    default = dict(node_parts(FLASH, 192, 4, 8)["attn.leaf"])["attn.qk_tile"]["K"]
+    assert default == FLASH.sliding_window + FLASH.index_topk
+    with pytest.raises(ValueError, match="keys"):
+        node_parts(FLASH, 192, 4, 8, keys=-1)
+
+
 def test_check_npu_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ImportError
     with pytest.raises(RuntimeError, match=r"pypto-npu needs an Ascend NPU and torch_npu: "):
@@ -254,6 +266,14 @@ def test_verify_against_torch_golden(kernel):
 def test_verify_rope_variants(shapes):
     r = verify_kernel("rope.apply", shapes=shapes)
     assert r["ok"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["attn.qk_tile", "attn.pv_tile"])
+def test_verify_attention_with_merged_token_tasks(kernel):
+    # 48 tokens: two per-token cube tasks merged into one (kernels.tokens_per_cube_task), whole K in L1
+    r = verify_kernel(kernel, shapes=dict(T=48, H=8, K=128, d=64))
+    assert r["error"] is None and r["ok"], r
 
 
 @pytest.mark.slow
