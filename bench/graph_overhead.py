@@ -28,15 +28,15 @@ import torch
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.plan import make_plan
 from dsv41.config import FLASH, PRESETS, Topology
-from dsv41.graph.build import build
-from dsv41.ops.reference import ReferenceModel
+from dsv41.graph.build import build, head_key
+from dsv41.engine.reference import ReferenceEngine
 from dsv41.plan.step import step_inputs
 
 
 def decode_ms(engine, prompts, steps: int) -> tuple[float, dict]:
     """Median decode step; stats of the last step, the median host_ms of steps that reused their graph
     and the scheduler messages of the last step."""
-    logits = engine.prefill(prompts)
+    logits = engine.prefill(prompts).logits
     rids = list(engine.last_request_ids)
     times, host, messages = [], [], []
     runner = getattr(engine, "runner", None)
@@ -46,7 +46,7 @@ def decode_ms(engine, prompts, steps: int) -> tuple[float, dict]:
         toks = torch.argmax(logits, -1).tolist()
         before = runner.client.run_on_scheduler(_messages) if runner is not None else None
         t0 = time.perf_counter()
-        logits = engine.decode(toks, rids)
+        logits = engine.decode(toks, rids).logits
         times.append((time.perf_counter() - t0) * 1e3)
         if runner is not None:   # minus the one request that read the counters
             after = runner.client.run_on_scheduler(_messages)
@@ -98,7 +98,7 @@ def flash_plan_s() -> float:
     topo = Topology(4, 2, 8)
     steps = {g: step_inputs(FLASH, topo.tp, 32, 1, 1024, "decode") for g in range(topo.dp)}
     t0 = time.perf_counter()
-    make_plan(build(FLASH, topo, steps, phase="decode"), topo, outputs=[f"final/argmax@g{g}" for g in steps])
+    make_plan(build(FLASH, topo, steps, phase="decode"), topo, outputs=[head_key(g) for g in steps])
     return time.perf_counter() - t0
 
 
@@ -118,7 +118,7 @@ def main():
     ctx = a.prompt_len + a.steps + 2
     out = {"config": cfg.name, "batch": a.batch, "prompt_len": a.prompt_len}
 
-    ref_ms, _ = decode_ms(ReferenceModel(cfg, max_batch=a.batch, max_context=ctx), prompts, a.steps)
+    ref_ms, _ = decode_ms(ReferenceEngine(cfg, max_batch=a.batch, max_context=ctx), prompts, a.steps)
     out["reference_ms"] = ref_ms
     one = Topology(1, 1, 1)
     for ex in ("sync", "threads"):

@@ -1,10 +1,10 @@
-"""The plan's predicted decode step against published measured deployments (README validation table).
+"""The plan's predicted decode step against published measured deployments (docs/plan.md, validation table).
 
     python bench/plan_validation.py
 
 Every prediction uses the frozen profiles in dsv41/plan/profiles.py unchanged. The graph builder
 sizes DeepSeek-V4.1-Flash (FLASH) only: rows measured on DeepSeek-V4-Flash or V3/R1 are predicted
-for FLASH at the same device, batch per DP group, context and layout class, and the README says
+for FLASH at the same device, batch per DP group, context and layout class, and docs/plan.md says
 what differs. Deployments without speculative decoding run one row per request
 (``decode_rows_per_request=1``); the measured figure is then the time per output token.
 """

@@ -7,7 +7,7 @@
 
 Both come from one decode graph built with the plan machinery (meta tensors, nothing allocated):
 the roofline from the node's signature on --device-profile (default a2: pypto 0.2.0's SIM models an
-Ascend 910B), the pypto time from dsv41.kernels.device_time for the node's actual row count (cached
+Ascend 910B), the pypto time from the node kind's record for the node's actual row count (cached
 in ~/.cache/dsv41/pypto). ``--step`` adds every node of the step: per card, the summed simulated µs
 of the nodes that have a pypto form against the summed roofline of the same nodes, busiest card
 first (the card's device time if it ran its pypto submissions back to back).
@@ -21,9 +21,10 @@ from collections import defaultdict
 from dsv41.cluster.plan import make_plan
 from dsv41.config import PRESETS, Topology
 from dsv41.graph.build import REPLICATED, build
+from dsv41.kernels.cost import nbytes
 from dsv41.kernels.device_time import node_sim_us
+from dsv41.kernels.kinds import KINDS
 from dsv41.kernels.pypto.backend import node_time_us
-from dsv41.kernels.signatures import SIGNATURES, nbytes
 from dsv41.plan.step import CardContext, step_inputs
 from dsv41.plan.roofline import node_us, profile
 from dsv41.plan.sizing import card_weights, node_cost
@@ -81,7 +82,7 @@ def main():
     for key in graph.topo_order():
         node = graph.nodes[key]
         args = [values[i] for i in node.inputs]
-        sig = SIGNATURES[node.kernel](ctx[node.card], node, *args)
+        sig = KINDS[node.kernel].cost(ctx[node.card], node, *args)
         values[key] = sig.out
         if key not in NODES and not a.step:
             continue

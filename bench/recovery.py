@@ -36,9 +36,9 @@ def main():
                          max_context=a.prompt_len + 4)
     try:
         g = torch.Generator().manual_seed(1)
-        logits = engine.prefill(torch.randint(0, cfg.vocab_size, (a.batch, a.prompt_len), generator=g).tolist())
+        logits = engine.prefill(torch.randint(0, cfg.vocab_size, (a.batch, a.prompt_len), generator=g).tolist()).logits
         t0 = time.perf_counter()
-        logits = engine.decode(torch.argmax(logits, -1).tolist())
+        logits = engine.decode(torch.argmax(logits, -1).tolist()).logits
         plain_ms = (time.perf_counter() - t0) * 1e3
         if engine.runner is None:
             registry.find(engine.id).states.pop(1)

@@ -24,13 +24,13 @@ import torch
 
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import PRESETS, Topology
-from dsv41.ops.reference import ReferenceModel
+from dsv41.engine.reference import ReferenceEngine
 
 LAYOUTS = {"tp1_sync": ((1, 1), "sync"), "tp1_threads": ((1, 1), "threads"), "tp2dp2ep4_sync": ((2, 2), "sync")}
 
 
 def step_cpu_ms(engine, prompts, steps: int, profile: cProfile.Profile | None = None) -> tuple[float, list[int]]:
-    logits = engine.prefill(prompts)
+    logits = engine.prefill(prompts).logits
     rids = list(engine.last_request_ids)
     times = []
     for i in range(steps):
@@ -38,7 +38,7 @@ def step_cpu_ms(engine, prompts, steps: int, profile: cProfile.Profile | None = 
         if profile is not None and i == steps - 1:
             profile.enable()
         t0 = time.process_time()
-        logits = engine.decode(toks, rids)
+        logits = engine.decode(toks, rids).logits
         times.append((time.process_time() - t0) * 1e3)
         if profile is not None and i == steps - 1:
             profile.disable()
@@ -59,7 +59,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     context = args.prompt_len + args.steps + 2
-    ref_ms, ref_tokens = step_cpu_ms(ReferenceModel(cfg, max_batch=args.batch, max_context=context), prompts,
+    ref_ms, ref_tokens = step_cpu_ms(ReferenceEngine(cfg, max_batch=args.batch, max_context=context), prompts,
                                      args.steps)
     out = {"config": cfg.name, "batch": args.batch, "prompt_len": args.prompt_len, "reference_ms": round(ref_ms, 1)}
     for name in args.layouts.split(","):

@@ -44,14 +44,14 @@ def main():
     prompt = 8
     engine = GraphEngine(cfg, topo, seed=0, executor=a.executor, max_batch=2 * a.dp,
                          max_context=prompt + 2 * a.steps + 2)
-    logits = engine.prefill(torch.randint(0, cfg.vocab_size, (2 * a.dp, prompt)).tolist())
+    logits = engine.prefill(torch.randint(0, cfg.vocab_size, (2 * a.dp, prompt)).tolist()).logits
     rids = list(engine.last_request_ids)
     ms = {"off": [], "on": []}
     for i in range(2 * a.steps):
         mode = "on" if i % 2 else "off"
         session = TraceSession(engine, keep=not a.otlp) if mode == "on" else None
         t0 = time.perf_counter()
-        logits = engine.decode(torch.argmax(logits, -1).tolist(), rids)
+        logits = engine.decode(torch.argmax(logits, -1).tolist(), rids).logits
         ms[mode].append((time.perf_counter() - t0) * 1e3)
         if session is not None:
             session.collect()

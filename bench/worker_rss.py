@@ -50,7 +50,7 @@ def main():
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
                    for _ in range(args.batch)]
-        logits = engine.prefill(prompts)
+        logits = engine.prefill(prompts).logits
         engine.decode(torch.argmax(logits, -1).tolist(), list(engine.last_request_ids))
         rss = engine.runner.run_on_cards(_rss)
         card_of = {addr: card for card, addr in engine.runner.address_of.items()}

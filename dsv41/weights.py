@@ -5,13 +5,18 @@ payloads with E8M0 32x32 block scales, packed MXFP4 experts with per-row group-3
 BF16 dense tensors, FP32 mHC/sink/bias). ``decode_checkpoint`` turns any such dict (drawn here or
 read from a checkpoint folder, ``dsv41.checkpoint``) into FP32 runtime tensors holding exactly the
 quantized values. Scales keep activations O(1) through all 40 layers.
+
+The tensors are the blocks' own (``model.Transformer.tensors``: name, logical shape, format, std,
+mean). Formats: ``bf16`` / ``f32`` dense tensors (the name is the tensor's); ``fp8`` a 32x32-block
+MXFP8 linear and ``fp4`` a packed MXFP4 routed-expert linear (the name is the base; ``.weight`` and
+``.scale`` are stored); ``rows8`` the Engram table (row-wise MXFP8, group 32).
 """
 from __future__ import annotations
 
 import torch
 
-from dsv41.config import FULL, ModelConfig
-from dsv41.ops.engram import engram_table_rows
+from dsv41.config import ModelConfig
+from dsv41.model.transformer import Transformer
 from dsv41.ops.quant import (block_mxfp8_decode64, block_mxfp8_encode, expert_mxfp4_decode64, expert_mxfp4_encode,
                              mxfp8_decode, mxfp8_encode)
 
@@ -24,66 +29,6 @@ def _as_e8m0(codes: torch.Tensor) -> torch.Tensor:
 
 def _codes(scale: torch.Tensor) -> torch.Tensor:
     return scale.view(torch.uint8) if scale.dtype == E8M0 else scale
-
-
-def _layout(cfg: ModelConfig):
-    """(name, logical shape, format, std, mean) of every checkpoint tensor, in drawing order.
-
-    Formats: ``bf16`` / ``f32`` dense tensors (name is the tensor's); ``fp8`` a 32x32-block MXFP8
-    linear and ``fp4`` a packed MXFP4 routed-expert linear (name is the base; ``.weight`` and
-    ``.scale`` are stored); ``rows8`` the Engram table (row-wise MXFP8, group 32). The one walk
-    serves drawing (``init_checkpoint``) and sizing (``checkpoint_specs``).
-    """
-    d, hd, hc = cfg.hidden_size, cfg.head_dim, cfg.hc_mult
-    yield "embed.weight", (cfg.vocab_size, d), "bf16", 1.0, 0.0
-    yield "norm.weight", (d,), "bf16", 0.05, 1.0
-    yield "head.weight", (cfg.vocab_size, d), "bf16", d ** -0.5, 0.0
-    for spec in cfg.layers:
-        p = f"layers.{spec.layer}."
-        for site in ("attn", "ffn"):
-            yield f"{p}hc_{site}_fn", (cfg.mix_hc, cfg.hc_dim), "f32", 0.5 * cfg.hc_dim ** -0.5, 0.0
-            yield f"{p}hc_{site}_scale", (3,), "f32", 0.1, 1.0
-            yield f"{p}hc_{site}_base", (cfg.mix_hc,), "f32", 0.5, 0.0
-        yield f"{p}attn_norm.weight", (d,), "bf16", 0.05, 1.0
-        yield f"{p}ffn_norm.weight", (d,), "bf16", 0.05, 1.0
-        a = f"{p}attn."
-        o_in = cfg.o_groups * cfg.o_lora_rank
-        yield f"{a}wq_a", (cfg.q_lora_rank, d), "fp8", d ** -0.5, 0.0
-        yield f"{a}wq_b", (cfg.num_attention_heads * hd, cfg.q_lora_rank), "fp8", cfg.q_lora_rank ** -0.5, 0.0
-        yield f"{a}wkv", (hd, d), "fp8", d ** -0.5, 0.0
-        yield f"{a}wo_a", (o_in, cfg.o_group_in), "fp8", cfg.o_group_in ** -0.5, 0.0
-        yield f"{a}wo_b", (d, o_in), "fp8", o_in ** -0.5, 0.0
-        yield f"{a}q_norm.weight", (cfg.q_lora_rank,), "bf16", 0.05, 1.0
-        yield f"{a}kv_norm.weight", (hd,), "bf16", 0.05, 1.0
-        yield f"{a}attn_sink", (cfg.num_attention_heads,), "f32", 1.0, 0.0
-        if spec.mode == FULL:
-            yield f"{a}compressor.wkv.weight", (hd, d), "bf16", d ** -0.5, 0.0
-            if spec.ratio == 2:
-                yield f"{a}compressor.wgate.weight", (hd, d), "bf16", d ** -0.5, 0.0
-            yield f"{a}compressor.norm.weight", (hd,), "bf16", 0.05, 1.0
-            yield f"{a}indexer.wk.weight", (cfg.index_head_dim, hd), "bf16", hd ** -0.5, 0.0
-            yield f"{a}indexer.k_norm.weight", (cfg.index_head_dim,), "bf16", 0.05, 1.0
-        if spec.layer in cfg.index_source_layer_ids:
-            yield (f"{a}indexer.wq_b", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "fp8",
-                   cfg.q_lora_rank ** -0.5, 0.0)
-            yield f"{a}indexer.weights_proj.weight", (cfg.index_n_heads, d), "bf16", d ** -0.5, 0.0
-        f = f"{p}ffn."
-        yield f"{f}gate.weight", (cfg.n_routed_experts, d), "bf16", d ** -0.5, 0.0
-        yield f"{f}gate.bias", (cfg.n_routed_experts,), "f32", 0.1, 0.0
-        inter = cfg.moe_intermediate_size
-        for e in range(cfg.n_routed_experts):
-            yield f"{f}experts.{e}.w1", (inter, d), "fp4", d ** -0.5, 0.0
-            yield f"{f}experts.{e}.w2", (d, inter), "fp4", inter ** -0.5, 0.0
-            yield f"{f}experts.{e}.w3", (inter, d), "fp4", d ** -0.5, 0.0
-        yield f"{f}shared_experts.w1", (inter, d), "fp8", d ** -0.5, 0.0
-        yield f"{f}shared_experts.w2", (d, inter), "fp8", inter ** -0.5, 0.0
-        yield f"{f}shared_experts.w3", (inter, d), "fp8", d ** -0.5, 0.0
-        if spec.layer in cfg.engram_layer_ids:
-            e = f"{p}engram."
-            yield f"{e}embed", (engram_table_rows(cfg, spec.layer), cfg.engram_head_dim), "rows8", 1.0, 0.0
-            yield f"{e}wkv", ((hc + 1) * d, cfg.engram_lookup_dim), "fp8", cfg.engram_lookup_dim ** -0.5, 0.0
-            yield f"{e}q_weight", (hc, d), "bf16", 0.05, 1.0
-            yield f"{e}k_weight", (hc, d), "bf16", 0.05, 1.0
 
 
 def _encode(name: str, fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -113,7 +58,7 @@ def _spec(name: str, fmt: str, shape: tuple[int, ...], g: int) -> dict[str, tupl
 def init_checkpoint(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ck: dict[str, torch.Tensor] = {}
-    for name, shape, fmt, std, mean in _layout(cfg):
+    for name, shape, fmt, std, mean in Transformer.tensors(cfg):
         ck.update(_encode(name, fmt, torch.randn(*shape, generator=g) * std + mean))
     return ck
 
@@ -122,7 +67,7 @@ def checkpoint_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
     """Name -> (shape, dtype) of every tensor ``init_checkpoint`` draws, without drawing it: the FLASH
     checkpoint (~300 GB) can be sized but never allocated here."""
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for name, shape, fmt, _, _ in _layout(cfg):
+    for name, shape, fmt, _, _ in Transformer.tensors(cfg):
         out.update(_spec(name, fmt, shape, cfg.mx_group))
     return out
 

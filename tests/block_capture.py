@@ -17,8 +17,11 @@ import torch
 import spec_forward as S
 from dsv41.config import FULL, REINDEX
 from dsv41.kernels.ties import block_selection, tie_mismatch_rows
-from dsv41.ops import mhc as ref_mhc
-from dsv41.ops import reference as R
+from dsv41.model import attention as attention_module
+from dsv41.model.attention import Attention
+from dsv41.model.embedding import Engram
+from dsv41.model.hyper import HyperSite
+from dsv41.model.moe import MoE
 
 
 @contextmanager
@@ -27,17 +30,18 @@ def recording(steps: list):
     def layer(n):
         return steps[-1]["layers"].setdefault(n, {})
 
-    def wrap(owner, name, rec):
+    def wrap(owner, name, rec, static=False):
         orig = getattr(owner, name)
 
         def wrapped(*args):
             out = orig(*args)
             rec(args, out)
             return out
-        mp.setattr(owner, name, wrapped)
+        mp.setattr(owner, name, staticmethod(wrapped) if static else wrapped)
 
     def on_attention(args, out):
-        cfg, _, spec, _, md, x, _, sel, _ = args
+        attn, _, md, x, _, sel, _ = args
+        cfg, spec = attn.cfg, attn.spec
         steps[-1]["md"] = md
         d = layer(spec.layer)
         d["a"], d["attn"] = x, out
@@ -47,16 +51,16 @@ def recording(steps: list):
             d["cand"] = sel["candidates"]
 
     with pytest.MonkeyPatch.context() as mp:
-        wrap(R, "attention", on_attention)
-        wrap(R, "mixes", lambda a, o: layer(a[2]).update({a[3] + "_x": a[4], a[3] + "_mix": o}))
-        wrap(R, "engram_update", lambda a, o: layer(a[2]).update(eng_in=a[3], eng_ids=a[4], eng_out=o))
-        wrap(R, "moe_layer", lambda a, o: layer(a[2]).update(f=a[3], moe=o))
-        wrap(R, "gate", lambda a, o: layer(a[2]).update(route=o))
-        wrap(ref_mhc, "hc_head", lambda a, o: steps[-1].update(final=(a[0], a[1])))
+        wrap(Attention, "forward", on_attention)
+        wrap(HyperSite, "mixes", lambda a, o: layer(a[0].layer).update({a[0].site + "_x": a[1], a[0].site + "_mix": o}))
+        wrap(Engram, "forward", lambda a, o: layer(a[0].layer).update(eng_in=a[1], eng_ids=a[2], eng_out=o))
+        wrap(MoE, "forward", lambda a, o: layer(a[0].layer).update(f=a[1], moe=o))
+        wrap(MoE, "gate", lambda a, o: layer(a[0].layer).update(route=o))
+        wrap(HyperSite, "head", lambda a, o: steps[-1].update(final=(a[0], a[1])), static=True)
         # index scores: index_scores records each chunk's rows, index_chunk files them under its layer
-        wrap(R, "index_scores", lambda a, o: steps[-1].setdefault("scores", []).append(o))
-        wrap(R, "index_chunk",
-             lambda a, o: layer(a[2].layer).setdefault("scores", []).append(steps[-1]["scores"].pop()))
+        wrap(attention_module, "index_scores", lambda a, o: steps[-1].setdefault("scores", []).append(o))
+        wrap(Attention, "index_chunk",
+             lambda a, o: layer(a[0].layer).setdefault("scores", []).append(steps[-1]["scores"].pop()))
         yield
 
 
@@ -65,14 +69,13 @@ def capture_run(model, prompts: list[list[int]], decode_steps: int) -> list[dict
     steps = []
     with recording(steps):
         steps.append({"layers": {}, "batch": [list(p) for p in prompts]})
-        logits = model.prefill(prompts)
-        steps[-1]["logits"], steps[-1]["rids"] = logits, list(model.last_request_ids)
-        rids = list(model.last_request_ids)
+        out = model.prefill(prompts)
+        steps[-1]["logits"], steps[-1]["rids"] = out.logits, list(out.request_ids)
+        rids = list(out.request_ids)
         for _ in range(decode_steps):
-            toks = torch.argmax(logits, -1).tolist()
-            steps.append({"layers": {}, "batch": [[t] for t in toks]})
-            logits = model.decode(toks, rids)
-            steps[-1]["logits"], steps[-1]["rids"] = logits, rids
+            steps.append({"layers": {}, "batch": [[t] for t in out.tokens]})
+            out = model.decode(out.tokens, rids)
+            steps[-1]["logits"], steps[-1]["rids"] = out.logits, rids
     for r in rids:
         model.release(r)
     return steps

@@ -1,7 +1,7 @@
 """Session fixtures shared by several test files."""
 import pytest
 
-from dsv41.checkpoint.write import write_checkpoint
+from dsv41.checkpoint.writer import write_checkpoint
 from dsv41.config import TINY
 
 

@@ -26,8 +26,8 @@ def fake_cost_model(monkeypatch):
 
 
 def _tokens(engine):
-    logits = engine.prefill(PROMPTS)
-    return [torch.argmax(engine.decode(torch.argmax(logits, -1).tolist()), -1).tolist()]
+    logits = engine.prefill(PROMPTS).logits
+    return [torch.argmax(engine.decode(torch.argmax(logits, -1).tolist()).logits, -1).tolist()]
 
 
 def test_pypto_sim_keeps_values_and_reports_device_time(fake_cost_model):

@@ -1,4 +1,5 @@
 """--check: every node against the Torch golden on its own inputs; first failure saved and replayable."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,8 +10,8 @@ import torch
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import TINY, Topology
 from dsv41.kernels import check
-from dsv41.kernels.torch_backend import KERNELS
-from dsv41.replay import replay
+from dsv41.cli.replay import replay
+from dsv41.kernels.kinds import KINDS
 from dsv41.run import main
 
 
@@ -32,18 +33,18 @@ def test_perturbed_kernel_is_the_first_failure_and_replays(tmp_path):
     target = "L5/ffn/norm@c0"
     engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=2, max_context=32)
     checker = check.NodeCheck("torch", trace_dir=tmp_path)
-    original = KERNELS["norm.rms"]
+    original = KINDS["norm.rms"]
 
     def perturbed(st, node, x):
-        y = original(st, node, x)
+        y = original.run(st, node, x)
         return y + 0.05 * y.pow(2).mean(-1, keepdim=True).sqrt() if node.key == target else y
 
     engine.check_nodes(checker)
-    KERNELS["norm.rms"] = perturbed
+    KINDS["norm.rms"] = dataclasses.replace(original, run=perturbed)
     try:
         engine.prefill([[1, 2, 3, 4, 5], [9, 8, 7]])
     finally:
-        KERNELS["norm.rms"] = original
+        KINDS["norm.rms"] = original
         engine.check_nodes(None)
     first = checker.first_failure
     assert first["node"] == target and first["kernel"] == "norm.rms"
@@ -61,13 +62,14 @@ def test_replay_command_exit_status(tmp_path):
     engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=1, max_context=16)
     checker = check.NodeCheck("torch", trace_dir=tmp_path)
     key = "L0/attn/norm@c0"
-    original = KERNELS["norm.rms"]
-    KERNELS["norm.rms"] = lambda st, node, x: original(st, node, x) * (1.5 if node.key == key else 1.0)
+    original = KINDS["norm.rms"]
+    KINDS["norm.rms"] = dataclasses.replace(
+        original, run=lambda st, node, x: original.run(st, node, x) * (1.5 if node.key == key else 1.0))
     engine.check_nodes(checker)
     try:
         engine.prefill([[3, 1, 4]])
     finally:
-        KERNELS["norm.rms"] = original
+        KINDS["norm.rms"] = original
         engine.check_nodes(None)
     proc = subprocess.run([sys.executable, "-m", "dsv41.replay", checker.first_failure["trace"]],
                           capture_output=True, text=True, timeout=100)
@@ -92,8 +94,9 @@ def test_check_pypto_sim_lists_every_pypto_kernel(capsys):
                  "--batch", "1", "--prompt-len", "5", "--graph", "prefill", "--json"]) == 0
     out = capsys.readouterr()
     kernels = json.loads(out.out)["check"]["kernels"]
-    for name in check.PYPTO_FORMS:
+    forms = [name for name, kind in KINDS.items() if kind.pypto is not None]
+    for name in forms:
         assert kernels[name]["source"] == "pypto" and kernels[name]["nodes"] > 0, name
         assert kernels[name]["failures"] == 0, (name, kernels[name])
-    for name in check.NO_NODE_FORM:
-        assert name in out.err
+    for name, kind in KINDS.items():
+        assert not kind.no_pypto or f"{name} " in out.err, name

@@ -1,4 +1,4 @@
-"""A TINY checkpoint folder served as text: every executor equals ReferenceModel on the same folder."""
+"""A TINY checkpoint folder served as text: every executor equals ReferenceEngine on the same folder."""
 import json
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from dsv41.checkpoint.reader import open_checkpoint
 from dsv41.checkpoint.text import TextCodec, TextStream
 from dsv41.config import TINY
-from dsv41.ops.reference import ReferenceModel
+from dsv41.engine.reference import ReferenceEngine
 from dsv41.run import main
 from dsv41.weights import checkpoint_specs, decode_checkpoint, init_checkpoint
 
@@ -27,10 +27,10 @@ def drawn(opened):
 
 @pytest.fixture(scope="module")
 def reference(opened, tiny_checkpoint):
-    """ReferenceModel on the folder, and its greedy tokens and text cut after EOS."""
+    """ReferenceEngine on the folder, and its greedy tokens and text cut after EOS."""
     codec = TextCodec.load(tiny_checkpoint)
     prompts = [codec.encode(p) for p in PROMPTS]
-    model = ReferenceModel(opened.cfg, checkpoint=opened, max_batch=len(prompts),
+    model = ReferenceEngine(opened.cfg, checkpoint=opened, max_batch=len(prompts),
                            max_context=max(map(len, prompts)) + NEW + 1)
     tokens = model.generate(prompts, NEW)
     tokens = [t[: t.index(codec.eos_id) + 1] if codec.eos_id in t else t for t in tokens]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.cli import args as rules
 from dsv41.cli.budget import check_budget
 from dsv41.config import TINY

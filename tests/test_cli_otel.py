@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.cluster import registry
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import TINY, Topology
-from dsv41.ops.reference import ReferenceModel
+from dsv41.engine.reference import ReferenceEngine
 
 STEPS = 4
 
@@ -19,11 +19,11 @@ def _prompts():
 
 
 def _run(engine, prompts, steps=STEPS):
-    logits = [engine.prefill(prompts)]
+    logits = [engine.prefill(prompts).logits]
     rids = list(engine.last_request_ids)
     tokens = [torch.argmax(logits[-1], -1).tolist()]
     for _ in range(steps):
-        logits.append(engine.decode(tokens[-1], rids))
+        logits.append(engine.decode(tokens[-1], rids).logits)
         tokens.append(torch.argmax(logits[-1], -1).tolist())
     return tokens, logits
 
@@ -35,7 +35,7 @@ def same_bytes(actual, ref):
 
 @pytest.fixture(scope="module")
 def reference():
-    return _run(ReferenceModel(TINY, seed=0, max_batch=2, max_context=64), _prompts())
+    return _run(ReferenceEngine(TINY, seed=0, max_batch=2, max_context=64), _prompts())
 
 
 LAYOUTS = [(1, 1), (2, 2), (4, 1)]
@@ -93,7 +93,7 @@ def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
     engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="threads", wiring="sharded",
                          max_batch=2, max_context=64)
     prompts = _prompts()
-    logits = engine.prefill(prompts)
+    logits = engine.prefill(prompts).logits
     rids = list(engine.last_request_ids)
     toks = torch.argmax(logits, -1).tolist()
     before = _snapshot(engine)
@@ -109,7 +109,7 @@ def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
         engine.inject_failure(None)
     assert _same(before, _snapshot(engine))
     assert [(dict(t.requests), list(t.pools.window)) for t in engine.tables] == tables
-    again = engine.decode(toks, rids)
+    again = engine.decode(toks, rids).logits
     assert torch.argmax(again, -1).tolist() == reference[0][1]
     assert registry.find(engine.id).hooks.fail_at is None
 
@@ -128,20 +128,3 @@ def test_inputs_validated_before_any_node_runs():
         GraphEngine(TINY, Topology(8, 1, 8))
     with pytest.raises(ValueError, match="Topology.ep: must equal tp\\*dp"):
         Topology(2, 2, 2)
-
-
-def test_graph_to_dask_runs_node_by_node_under_dask_get():
-    import dask
-
-    from functools import partial
-
-    from dsv41.cluster.runtime import run_one
-    from dsv41.graph.build import build
-
-    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=2, max_context=64)
-    prompts = _prompts()
-    step = engine.tables[0].plan([(None, p) for p in prompts], "prefill", 1)
-    graph = build(TINY, engine.topo, {0: step}, "sharded", "prefill")
-    logits, _ = dask.get(graph.to_dask(partial(run_one, engine.states())), "final/argmax@g0")
-    ref = ReferenceModel(TINY, seed=0, max_batch=2, max_context=64).prefill(prompts)
-    assert torch.equal(logits, ref)

@@ -16,15 +16,15 @@ def _session(engine):
         reused.append(engine.last_stats["graph_reused"])
         return torch.argmax(out, -1).tolist()
 
-    toks = record(engine.prefill([[5, 9, 100, 7], [11, 2, 3]]))
+    toks = record(engine.prefill([[5, 9, 100, 7], [11, 2, 3]]).logits)
     first = list(engine.last_request_ids)
     for _ in range(2):
-        toks = record(engine.decode(toks, first))
-    joined = record(engine.prefill([[42, 17]]))
+        toks = record(engine.decode(toks, first).logits)
+    joined = record(engine.prefill([[42, 17]]).logits)
     rids = first + engine.last_request_ids
-    toks = record(engine.decode(toks + joined, rids))
+    toks = record(engine.decode(toks + joined, rids).logits)
     engine.release(rids[-1])
-    record(engine.decode(toks[:2], first))
+    record(engine.decode(toks[:2], first).logits)
     return logits, reused
 
 

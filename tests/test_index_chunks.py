@@ -5,7 +5,7 @@ import torch
 
 from dsv41.config import TINY
 from dsv41.ops.indexer import score_chunks
-from dsv41.ops.reference import ReferenceModel
+from dsv41.engine.reference import ReferenceEngine
 
 
 def test_chunked_scoring_equals_unchunked():
@@ -13,6 +13,6 @@ def test_chunked_scoring_equals_unchunked():
     assert len(score_chunks(64, 64, TINY.index_score_budget_bytes, TINY.index_score_leaf)) > 1
     whole = replace(TINY, index_score_budget_bytes=1 << 30)
     assert len(score_chunks(64, 64, whole.index_score_budget_bytes, whole.index_score_leaf)) == 1
-    a = ReferenceModel(TINY, seed=0, max_batch=1, max_context=80).prefill([prompt])
-    b = ReferenceModel(whole, seed=0, max_batch=1, max_context=80).prefill([prompt])
+    a = ReferenceEngine(TINY, seed=0, max_batch=1, max_context=80).prefill([prompt]).logits
+    b = ReferenceEngine(whole, seed=0, max_batch=1, max_context=80).prefill([prompt]).logits
     assert torch.equal(a, b)

@@ -1,13 +1,13 @@
 """Property: for any prompts, lengths, layout, wiring and executor, the graph's logits are the
 reference's logits byte for byte (every contraction and every size-sensitive pointwise function is
-partition-invariant, README "Numerics"). A handful of examples by default; `pytest -m slow` runs more."""
+partition-invariant, docs/numerics.md). A handful of examples by default; `pytest -m slow` runs more."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import TINY, Topology
-from dsv41.ops.reference import ReferenceModel
+from dsv41.engine.reference import ReferenceEngine
 
 MAX_BATCH, MAX_CONTEXT = 3, 96
 # TINY: window 16, Top-K 8, 3 candidate blocks of 4; 64 tokens pass all of them
@@ -17,15 +17,15 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]
 
 @pytest.fixture(scope="module")
 def reference():
-    return ReferenceModel(TINY, seed=0, max_batch=MAX_BATCH, max_context=MAX_CONTEXT)
+    return ReferenceEngine(TINY, seed=0, max_batch=MAX_BATCH, max_context=MAX_CONTEXT)
 
 
 def _run(model, prompts, steps):
-    logits = [model.prefill(prompts)]
+    logits = [model.prefill(prompts).logits]
     rids = list(model.last_request_ids)
     try:
         for _ in range(steps):
-            logits.append(model.decode(torch.argmax(logits[-1], -1).tolist(), rids))
+            logits.append(model.decode(torch.argmax(logits[-1], -1).tolist(), rids).logits)
     finally:
         for rid in rids:
             model.release(rid)

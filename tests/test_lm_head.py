@@ -1,9 +1,10 @@
 """LM head (spec 01 §5): row selection, FP32 logits, vocab shards, greedy argmax."""
-import pytest
 import torch
 
-from dsv41.config import FLASH
-from dsv41.ops.lm_head import greedy, logits_shard, select_rows, vocab_shard
+from types import SimpleNamespace
+
+from dsv41.config import FLASH, Topology
+from dsv41.ops.lm_head import greedy, logits_shard, select_rows
 from _spec_ref import bf16_64
 
 
@@ -53,17 +54,13 @@ def test_vocab_shards_concatenate_to_full():
     rows = bf16_64(torch.randn(3, d, generator=_g(5))).float()
     head = bf16_64(torch.randn(vocab, d, generator=_g(6))).float()
     want = (rows.double() @ head.double().t()).float()     # exact sum (see above), rounded once
+    cfg = SimpleNamespace(vocab_size=vocab)
     for tp in (1, 2, 4, 8):
-        slices = [vocab_shard(vocab, tp, r) for r in range(tp)]
-        assert [s.start for s in slices] == [r * vocab // tp for r in range(tp)]
-        assert slices[-1].stop == vocab
-        full = torch.cat([logits_shard(rows, head[s]) for s in slices], 1)
+        shards = [Topology(tp, 1, tp).vocab_rows(cfg, r) for r in range(tp)]
+        assert [s.start for s in shards] == [r * vocab // tp for r in range(tp)]
+        assert shards[-1].stop == vocab
+        full = torch.cat([logits_shard(rows, head[s.start:s.stop]) for s in shards], 1)
         assert full.shape == (3, vocab)
         assert torch.equal(full, want)
         assert torch.equal(greedy(full), torch.argmax(want, -1))
-    assert vocab_shard(FLASH.vocab_size, 8, 1) == slice(16160, 32320)
-
-
-def test_vocab_shard_rejects_uneven_split():
-    with pytest.raises(ValueError, match="tp"):
-        vocab_shard(100, 8, 0)
+    assert Topology(8, 1, 8).vocab_rows(FLASH, 1) == range(16160, 32320)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from dsv41.config import FLASH, TINY
 from dsv41.ops.moe import combine, dispatch_rows, expert, experts_grouped, route
 from selection import assert_same_selection
-from _spec_ref import assert_rows_close, bf16_64, is_bf16, mx_linear_64, mxfp8_qdq_64
+from _spec_ref import bf16_64, is_bf16, mx_linear_64, mxfp8_qdq_64
 
 
 def _g(seed):

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.config import TINY, Topology
 from dsv41.graph.graph import Graph
-from dsv41.plan.latency import PARTS, kernel_class, step_latency
+from dsv41.kernels.kinds import KINDS
+from dsv41.plan.latency import PARTS, step_latency
 from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
 from dsv41.plan.sizing import NodeCost
 from dsv41.plan.step import run_plan
@@ -49,7 +50,7 @@ def test_kernel_at_the_compute_bound():
     p = one_node("moe.experts", cost(read=1_000_000, flops={"mx": 1e12})).parts["n"]
     assert p.bound == "compute" and p.body == pytest.approx(10_000.0)
     # the same bytes as a gather kernel (0.25 of bandwidth) take twice as long
-    assert kernel_class("attn.leaf.swa") == "gather"
+    assert KINDS["attn.leaf.swa"].latency == "gather"
     assert one_node("attn.leaf.swa", cost(read=1_000_000)).parts["n"].body == pytest.approx(4.0)
 
 

@@ -1,8 +1,9 @@
 """Card State owned by its engine: engines side by side in one process, runs sharing one scheduler,
 lost workers recovered to the tokens of an undisturbed run, complete aborts, empty batches.
 
-Oracle: ``ReferenceModel`` with the same seed (the graph gives its tokens on every layout)."""
+Oracle: ``ReferenceEngine`` with the same seed (the graph gives its tokens on every layout)."""
 import functools
+import hashlib
 import json
 import os
 import random
@@ -13,28 +14,30 @@ import sys
 import threading
 import time
 
+import cloudpickle
 import pytest
 import torch
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import TINY, Topology
-from dsv41.ops.reference import ReferenceModel
+from dsv41.engine.reference import ReferenceEngine
 
 PROMPTS = [[5, 9, 100, 7], [11, 2, 3]]
 CTX = 12
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # _digest runs on the workers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.lru_cache(maxsize=None)
 def reference_tokens(seed: int, steps: int) -> list[list[int]]:
     """Argmax tokens after the prefill and after each of ``steps`` greedy decodes."""
-    ref = ReferenceModel(TINY, seed=seed, max_batch=2, max_context=CTX)
-    toks = [torch.argmax(ref.prefill(PROMPTS), -1).tolist()]
+    ref = ReferenceEngine(TINY, seed=seed, max_batch=2, max_context=CTX)
+    toks = [torch.argmax(ref.prefill(PROMPTS).logits, -1).tolist()]
     for _ in range(steps):
-        toks.append(torch.argmax(ref.decode(toks[-1]), -1).tolist())
+        toks.append(torch.argmax(ref.decode(toks[-1]).logits, -1).tolist())
     return toks
 
 
@@ -43,14 +46,27 @@ def engine_for(topo, seed=0, executor="threads", **kw):
 
 
 def next_tokens(engine, logits=None, prompts=PROMPTS):
-    out = engine.prefill(prompts) if logits is None else engine.decode(torch.argmax(logits, -1).tolist())
+    out = engine.prefill(prompts).logits if logits is None else engine.decode(torch.argmax(logits, -1).tolist()).logits
     return out, torch.argmax(out, -1).tolist()
+
+
+def _digest(engine_id: str) -> dict[int, tuple[str, int, int]]:
+    """card -> (sha256 of every committed cache byte, staged tensors, generation) of the States in this
+    process: compares States across processes without moving them."""
+    out = {}
+    for card, st in registry.owned(engine_id).states.items():
+        h = hashlib.sha256()
+        for name in sorted(st.caches.committed):
+            for t in st.caches.committed[name]:
+                h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        out[card] = (h.hexdigest(), len(st.caches.staged), st.generation)
+    return out
 
 
 def digest(engine):
     if engine.runner is None:
-        return registry.digest(engine.id)
-    return {c: d for r in engine.runner.run_on_cards(registry.digest, engine.id).values() for c, d in r.items()}
+        return _digest(engine.id)
+    return {c: d for r in engine.runner.run_on_cards(_digest, engine.id).values() for c, d in r.items()}
 
 
 def host_tables(engine):

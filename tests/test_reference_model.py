@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dsv41.config import TINY
-from dsv41.ops import reference as R
+from dsv41.engine.reference import ReferenceEngine
+from dsv41.model.moe import MoE
 from dsv41.ops.lm_head import greedy
 from _spec_ref import assert_rows_close
 
@@ -20,7 +21,7 @@ def _tokens(n, seed):
 
 @pytest.fixture(scope="module")
 def model():
-    return R.ReferenceModel(TINY, seed=0)
+    return ReferenceEngine(TINY, seed=0)
 
 
 @pytest.fixture(autouse=True)
@@ -64,9 +65,9 @@ def test_prefill_then_decode_equals_longer_prefill(model, n, k):
     model.prefill([toks[:n]])
     rid = model.last_request_ids[0]
     for i in range(k):
-        logits = model.decode([toks[n + i]], [rid])
+        logits = model.decode([toks[n + i]], [rid]).logits
     model.release(rid)
-    ref = model.prefill([toks])
+    ref = model.prefill([toks]).logits
     model.release(model.last_request_ids[0])
     assert_rows_close(logits, ref, "last-row logits")
 
@@ -76,11 +77,11 @@ def test_batched_prefill_and_decode_equal_single_longer_prefills(model):
     model.prefill([a[:17], b[:37]])
     rids = list(model.last_request_ids)
     model.decode([a[17], b[37]], rids)
-    logits = model.decode([a[18], b[38]], rids)
+    logits = model.decode([a[18], b[38]], rids).logits
     for r in rids:
         model.release(r)
     for row, toks in enumerate((a, b[:39])):
-        ref = model.prefill([toks])
+        ref = model.prefill([toks]).logits
         model.release(model.last_request_ids[0])
         assert_rows_close(logits[row:row + 1], ref, f"request {row}")
 
@@ -91,17 +92,17 @@ def test_request_joining_mid_decode_gets_its_solo_tokens(model):
     a, b = _tokens(30, seed=7), _tokens(21, seed=8)
     solo_a = model.generate([a], 6)[0]
     solo_b = model.generate([b], 4)[0]
-    la = model.prefill([a])
+    la = model.prefill([a]).logits
     ra = model.last_request_ids[0]
     got_a = [int(greedy(la)[0])]
     for _ in range(2):
-        got_a.append(int(greedy(model.decode([got_a[-1]], [ra]))[0]))
-    lb = model.prefill([b])                                  # joins while a is active
+        got_a.append(int(greedy(model.decode([got_a[-1]], [ra]).logits)[0]))
+    lb = model.prefill([b]).logits                                  # joins while a is active
     rb = model.last_request_ids[0]
     assert rb != ra and model.active == [ra, rb]
     got_b = [int(greedy(lb)[0])]
     for _ in range(3):
-        logits = model.decode([got_a[-1], got_b[-1]])        # default: every active request, admission order
+        logits = model.decode([got_a[-1], got_b[-1]]).logits        # default: every active request, admission order
         nxt = greedy(logits).tolist()
         got_a.append(nxt[0])
         got_b.append(nxt[1])
@@ -152,15 +153,15 @@ def test_generate_4x48_is_deterministic_across_instances(model):
     assert len(out) == 4 and all(len(o) == 16 for o in out)
     assert all(0 <= t < TINY.vocab_size for o in out for t in o)
     assert model.active == []
-    other = R.ReferenceModel(TINY, seed=0)
+    other = ReferenceEngine(TINY, seed=0)
     assert other.generate(prompts, 16) == out
 
 
 def test_different_seed_differs(model):
     p = [_tokens(12, 30)]
-    l0 = model.prefill(p)
+    l0 = model.prefill(p).logits
     model.release(model.last_request_ids[0])
-    l1 = R.ReferenceModel(TINY, seed=1).prefill(p)
+    l1 = ReferenceEngine(TINY, seed=1).prefill(p).logits
     assert not torch.equal(l0, l1)
     assert (l0 - l1).abs().max() > 1e-3
 
@@ -200,17 +201,17 @@ def test_failure_inside_the_forward_discards_staged_writes(model, monkeypatch):
     model.prefill([_tokens(20, 41)])
     rid = model.last_request_ids[0]
     snap = _snapshot(model)
-    real = R.moe_layer
+    real = MoE.forward
 
-    def failing(cfg, w, layer, x):
-        if layer == 30:
+    def failing(moe, x):
+        if moe.layer == 30:
             raise RuntimeError("injected")
-        return real(cfg, w, layer, x)
+        return real(moe, x)
 
-    monkeypatch.setattr(R, "moe_layer", failing)
+    monkeypatch.setattr(MoE, "forward", failing)
     with pytest.raises(RuntimeError, match="injected"):
         model.decode([3], [rid])
     _assert_unchanged(model, snap)
-    monkeypatch.setattr(R, "moe_layer", real)
-    ok = model.decode([3], [rid])                             # the request still works afterwards
+    monkeypatch.setattr(MoE, "forward", real)
+    ok = model.decode([3], [rid]).logits                             # the request still works afterwards
     assert torch.isfinite(ok).all()

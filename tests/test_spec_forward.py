@@ -28,7 +28,7 @@ import torch
 import block_capture as B
 import spec_forward as S
 from dsv41.config import TINY
-from dsv41.ops import reference as R
+from dsv41.engine.reference import ReferenceEngine
 from dsv41.weights import init_checkpoint
 
 MAX_BF16_ULPS = 4.0
@@ -43,7 +43,7 @@ def _run(cfg, lengths, decode_steps):
     ck = init_checkpoint(cfg, 0)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    steps = B.capture_run(R.ReferenceModel(cfg, seed=0), prompts, decode_steps)   # draws ck again
+    steps = B.capture_run(ReferenceEngine(cfg, seed=0), prompts, decode_steps)   # draws ck again
     return B.compare_run(cfg, S.decode_weights(ck), steps)
 
 

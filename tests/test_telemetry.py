@@ -10,14 +10,13 @@ import pytest
 import torch
 from dask.utils import key_split
 
-from dsv41 import run
+from dsv41.cli import run
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster import registry
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.graph.build import REPLICATED, SHARDED
-from dsv41.kernels.signatures import SIGNATURES
-from dsv41.kernels.torch_backend import KERNELS
-from dsv41.serving import StepInputs
+from dsv41.kernels.kinds import KINDS
+from dsv41.engine.requests import StepInputs
 from dsv41.telemetry.export import write_traces
 from dsv41.telemetry.session import TraceSession
 from dsv41.telemetry.tracer import NodeTracer
@@ -57,7 +56,7 @@ def to_meta(v):
 @pytest.fixture(scope="module")
 def engine():
     e = GraphEngine(TINY, TOPO, seed=0, executor="sync", max_batch=2, max_context=24)
-    logits = e.prefill([[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]])
+    logits = e.prefill([[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]]).logits
     e.tokens = torch.argmax(logits, -1).tolist()
     yield e
     e.close()
@@ -66,7 +65,7 @@ def engine():
 def decode(e, wiring=SHARDED):
     e.wiring = wiring   # the wiring is a per-step build choice; both read and write the same caches
     try:
-        e.tokens = torch.argmax(e.decode(e.tokens, e.active), -1).tolist()
+        e.tokens = torch.argmax(e.decode(e.tokens, e.active).logits, -1).tolist()
     finally:
         e.wiring = SHARDED
 
@@ -121,7 +120,7 @@ def test_signatures_predict_every_value_from_meta_inputs(engine):
         def run(self, st, node, fn, args, sim_us=None):
             value = fn(st, node, *args)
             real_routing = node.kernel == "moe.dispatch"   # how many rows go where is data, not shape
-            spec = SIGNATURES[node.kernel](st, node, *(args if real_routing else to_meta(args))).out
+            spec = KINDS[node.kernel].cost(st, node, *(args if real_routing else to_meta(args))).out
             seen.add(node.kernel)
             if tensor_bytes(spec) != tensor_bytes(value) or (node.kernel != "moe.experts" and shapes(spec) != shapes(value)):
                 wrong.append(node.key)
@@ -135,7 +134,7 @@ def test_signatures_predict_every_value_from_meta_inputs(engine):
     finally:
         hooks.tracer = None
     assert wrong == []
-    assert seen == set(KERNELS)
+    assert seen == set(KINDS)
 
 
 def _tensors(v):
@@ -155,7 +154,7 @@ def _tensors(v):
 def test_every_kernel_traced_with_its_attributes(traced):
     records, steps, *_ = traced
     nodes = nodes_of(records)
-    assert {r["attributes"]["dsv41.kernel"] for r in nodes} == set(KERNELS)   # the whole vocabulary
+    assert {r["attributes"]["dsv41.kernel"] for r in nodes} == set(KINDS)   # the whole vocabulary
     by_key = {(r["attributes"]["dsv41.step"], r["name"]): r for r in nodes}
     assert len(by_key) == len(nodes)
     for step, graph in steps:
@@ -382,13 +381,13 @@ def test_cli_trace_writes_both_files_and_hbm(capsys, tmp_path, monkeypatch):
 
 def test_distributed_trace_dashboard_and_report(tmp_path, monkeypatch):
     from distributed import get_task_stream
-    from dsv41.telemetry import cli
+    from dsv41.cli import trace as cli
     monkeypatch.chdir(tmp_path)
     e = GraphEngine(TINY, TOPO, seed=0, executor="distributed", dashboard=True, max_batch=1, max_context=12)
     try:
         tracing = cli.start(SimpleNamespace(trace="dist", report=True, device_profile="a5"), e)
         with get_task_stream(e.runner.client) as ts:
-            logits = e.prefill([[1, 2, 3]])
+            logits = e.prefill([[1, 2, 3]]).logits
             e.decode(torch.argmax(logits, -1).tolist(), e.active)
         result = {}
         tracing.finish(result, say=lambda *_: None)

@@ -22,16 +22,8 @@ import shutil
 import sys
 from typing import Callable
 
-from dsv41.config import Topology
-
-PLAN, REFERENCE = "plan", "reference"
-EXECUTOR_ORDER = ("reference", "sync", "threads", "distributed")
-GRAPH = frozenset(("sync", "threads", "distributed"))
-LOCAL = frozenset(("sync", "threads"))
-RUN = GRAPH | {REFERENCE}
-ALL = RUN | {PLAN}
-DIST = frozenset(("distributed",))
-GRAPH_OR_PLAN = GRAPH | {PLAN}
+from dsv41.cli.modes import (ALL, DIST, EXECUTOR_ORDER, GRAPH, GRAPH_OR_PLAN, LOCAL, PLAN, RUN, groups, mode,
+                             mode_flag, per_group)
 
 MAX_SEED = 2 ** 32 - 1
 MAX_CONNECT_TIMEOUT_S = 600.0
@@ -46,14 +38,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         """One line and exit status 2 (argparse prints the whole usage first, which buries the line)."""
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def mode(a) -> str:
-    return PLAN if a.plan else a.executor
-
-
-def mode_flag(m: str) -> str:
-    return "--plan" if m == PLAN else f"--executor {m}"
 
 
 def _where(modes) -> str:
@@ -123,20 +107,6 @@ def check_modes(a, given: set[str], applies: dict) -> None:
 
 # ---- values ------------------------------------------------------------------------------------------
 
-def topology(a) -> Topology:
-    """The cards of the run or plan; the reference is one card holding the whole model."""
-    return Topology(1, 1, 1) if mode(a) == REFERENCE else Topology(a.tp, a.dp, a.ep)
-
-
-def groups(a) -> int:
-    """DP groups the run's requests are spread over (the reference is one group)."""
-    return 1 if mode(a) == REFERENCE else a.dp
-
-
-def per_group(a) -> int:
-    return -(-a.batch // groups(a))
-
-
 def on(a, cfg) -> str:
     """Which model a range is for."""
     return f"on --config {cfg.name}" if a.checkpoint is None else f"on {cfg.name} (--checkpoint's config.json)"
@@ -164,7 +134,7 @@ def model_config(a):
     a.codec, a.prompt_ids = None, []
     if a.checkpoint is None:
         return PRESETS[a.config]
-    from dsv41.checkpoint.cli import encode_prompts
+    from dsv41.cli.prompts import encode_prompts
     from dsv41.checkpoint.reader import read_config
     try:
         cfg = read_config(a.checkpoint)
@@ -209,11 +179,6 @@ def _batch(a, cfg):
         where = f"{g} DP groups" if g > 1 else "one DP group"
         return (f"must be in [1, {cap * g}] requests in total ({cap} per DP group {on(a, cfg)}, "
                 f"{where}), got {a.batch}")
-
-
-def max_context(a) -> int:
-    """Tokens a request of the run reaches: its prompt, the generated tokens and one spare row."""
-    return a.prompt_len + (a.new_tokens if a.graph == "decode" else 0) + 1
 
 
 def _prompt_len(a, cfg):

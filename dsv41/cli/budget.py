@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import psutil
 
-from dsv41.cli.args import PLAN, REFERENCE, max_context, mode, per_group, topology
+from dsv41.cli.modes import DIST, PLAN, REFERENCE, max_context, mode, per_group, topology
 from dsv41.plan.sizing import request_cache_bytes, weights_by_kind
 
 GB = 1e9
@@ -17,7 +17,7 @@ GB = 1e9
 def cards_here(a) -> int:
     """Cards whose State this machine builds: all of them, unless the workers are at --address."""
     m = mode(a)
-    if m == PLAN or (m == "distributed" and a.address is not None):
+    if m == PLAN or (m in DIST and a.address is not None):
         return 0
     return 1 if m == REFERENCE else a.ep
 

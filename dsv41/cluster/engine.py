@@ -30,26 +30,27 @@ import torch
 
 from dsv41.cluster import registry
 from dsv41.cluster.connect import Startup
-from dsv41.cluster.executors import LOCAL, CardUnavailable, DistributedRunner, run_local
+from dsv41.cluster.executors import CardUnavailable, DistributedRunner, run_local
 from dsv41.cluster.plan import Plan, make_plan
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import NodeError
 from dsv41.cluster.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
-from dsv41.graph.build import SHARDED, build, feed, shape
+from dsv41.engine.protocol import Engine, StepCounter, StepOutput
+from dsv41.engine.requests import RequestTable
+from dsv41.graph.build import SHARDED, build, commit_key, feed, head_key, shape, step_outputs
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
-from dsv41.ops.reference import Options
-from dsv41.serving import RequestTable, StepModel
+from dsv41.model.options import FULL_PREFILL, Options
+from dsv41.names import GRAPH_EXECUTORS, LOCAL_EXECUTORS
 
-EXECUTORS = ("sync", "threads", "distributed")
 RECOVERY_TIMEOUT_S = 60.0    # how long a step waits for a worker to serve a lost card
 MAX_RECOVERIES = 2           # per step; a third loss in one step is raised
 GRAPH_CACHE = 16             # planned graphs kept, one per step shape (0: rebuild every step)
 log = logging.getLogger(__name__)
 
 
-class GraphEngine(StepModel):
+class GraphEngine(Engine):
     def __init__(self, cfg: ModelConfig, topo: Topology, seed: int = 0, executor: str = "threads",
                  granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
@@ -65,11 +66,14 @@ class GraphEngine(StepModel):
         if backend == "pypto-npu":
             from dsv41.kernels.pypto.backend import check_npu
             check_npu()
-        if executor not in EXECUTORS:
-            raise ValueError(f"executor: must be one of {EXECUTORS}, got {executor!r}")
+        if executor not in GRAPH_EXECUTORS:
+            raise ValueError(f"executor: must be one of {GRAPH_EXECUTORS}, got {executor!r}")
         if granularity not in ("submission", "node"):
             raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
         topo.check(cfg)
+        if options.prefill_mode != FULL_PREFILL:
+            raise ValueError(f"options.prefill_mode: the graph runs the full prefill only ({FULL_PREFILL!r}); "
+                             f"{options.prefill_mode!r} is the reference engine's")
         if checkpoint is not None and checkpoint.cfg != cfg:
             raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
         self.cfg, self.topo, self.executor, self.granularity, self.wiring = cfg, topo, executor, granularity, wiring
@@ -92,13 +96,15 @@ class GraphEngine(StepModel):
         self.last_request_ids: list[int] = []
         self.last_stats: dict = {}
         self.last_graph = None
+        self._steps = StepCounter()          # numbers the steps StepOutput.logits may ask about
+        self._heads: dict[int, int] = {}     # DP group of the last step -> the card holding its logits
         self.recoveries: list[dict] = []     # one record per recovery, oldest first
         self.runner = None
         self.trace = None            # a telemetry TraceSession while tracing
         self.id = uuid.uuid4().hex[:8]
         self.builds: dict[int, str] = {}      # card -> build id of the State this engine expects
         self._state_args = (seed, per_group, max_context, options, checkpoint)
-        if executor not in LOCAL:
+        if executor not in LOCAL_EXECUTORS:
             self.runner = DistributedRunner(topo.ep, address, dashboard, startup)
         self._finalizer = weakref.finalize(self, _free_everywhere, self.id, self.runner)
         self._finalizer.atexit = False       # a process that exits frees its own States
@@ -204,7 +210,7 @@ class GraphEngine(StepModel):
         return tokens, sum(len(r) for r in renamed.values()), steps
 
     # ---- steps -------------------------------------------------------------------------------------
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> torch.Tensor:
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> StepOutput:
         if not batch:
             raise ValueError("batch: must contain at least one request, got an empty batch")
         if not self._finalizer.alive:
@@ -222,7 +228,7 @@ class GraphEngine(StepModel):
                     raise
                 lost = (e, (time.perf_counter() - t0) * 1e3)
 
-    def _step(self, batch, phase: str, recovered: list[dict]) -> torch.Tensor:
+    def _step(self, batch, phase: str, recovered: list[dict]) -> StepOutput:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         placed = []                          # (group, index within the group's batch) per request
         load = [len(t.requests) for t in self.tables]
@@ -258,7 +264,17 @@ class GraphEngine(StepModel):
             self.last_stats["recovered"] = recovered
         if self.backend != "torch":
             self.last_stats.update(self._device_summary())
-        return torch.stack([values[f"final/argmax@g{grp}"][0][idx] for grp, idx in placed])
+        self._heads = {g: self.topo.group_cards(g)[0] for g in steps}
+        tokens = [int(values[head_key(grp)][idx]) for grp, idx in placed]
+        step = self.step_id
+        return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, placed)))
+
+    def _logits(self, step: int, placed: list[tuple[int, int]]) -> torch.Tensor:
+        """A step's logits from the cards that made them, in batch order."""
+        held = {}
+        for found in self._on_every_process(_held_logits, self.id, step, self._heads).values():
+            held.update(found)
+        return torch.stack([held[grp][idx] for grp, idx in placed])
 
     def _execute(self, steps: dict, phase: str):
         """Plan and run one step over these DP groups' inputs; abort everywhere if it fails."""
@@ -288,14 +304,13 @@ class GraphEngine(StepModel):
             feed(template.graph, self.topo, steps)
         else:
             graph = build(self.cfg, self.topo, steps, self.wiring, phase)
-            outputs = [f"final/argmax@g{g}" for g in steps] + [f"cache.commit@c{c}" for c in self.topo.cards]
-            template = make_plan(graph, self.topo, self.granularity, outputs)
+            template = make_plan(graph, self.topo, self.granularity, step_outputs(self.topo, steps))
             if self.graph_cache:
                 self._graphs[key] = template
                 while len(self._graphs) > self.graph_cache:
                     self._graphs.popitem(last=False)
-        for c in self.topo.cards:
-            template.graph.nodes[f"cache.commit@c{c}"].attrs["step"] = self.step_id
+        for key in [commit_key(c) for c in self.topo.cards] + [head_key(g) for g in steps]:
+            template.graph.nodes[key].attrs["step"] = self.step_id
         subs = {k: replace(sub, step=self.step_id, engine=self.id, expect=(self.builds[sub.card], self.generation))
                 for k, sub in template.submissions.items()}
         return Plan(template.graph, subs, template.owner, template.outputs), reused
@@ -430,6 +445,19 @@ def _install_on_worker(*args, dask_worker=None):
     return card
 
 
+def _held_logits(engine: str, step: int, heads: dict[int, int]) -> dict:
+    """DP group -> its logits of this step, from the head cards in this process."""
+    states = registry.owned(engine).states
+    out = {}
+    for grp, card in heads.items():
+        if card in states:
+            made, logits = states[card].logits.get(grp, (None, None))
+            if made != step:
+                raise RuntimeError(f"logits: card {card} holds step {made}'s logits, not step {step}'s")
+            out[grp] = logits
+    return out
+
+
 def _set_fail_at(engine: str, key):
     registry.owned(engine).hooks.fail_at = key
 
@@ -442,4 +470,4 @@ def _sim_log(engine: str):
     return dict(registry.owned(engine).hooks.sim_log)
 
 
-__all__ = ["GraphEngine", "NodeError", "StateLost", "CardUnavailable", "EXECUTORS"]
+__all__ = ["GraphEngine", "NodeError", "StateLost", "CardUnavailable"]

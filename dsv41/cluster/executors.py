@@ -20,7 +20,6 @@ from dsv41.cluster.plan import Plan
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.runtime import run_submission
 
-LOCAL = ("sync", "threads")
 POLL_S = 1.0                 # membership check interval while a distributed step runs
 
 

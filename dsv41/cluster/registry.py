@@ -7,12 +7,10 @@ seeing each other's State. The functions below are what the engine calls here or
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 ABORT_WAIT_S = 60.0          # how long an abort waits for this engine's running submissions to end
 
@@ -116,20 +114,6 @@ def probe(engine: str) -> dict[int, tuple[str, int]]:
     """card -> (build id, generation) of this engine's States here."""
     entry = find(engine)
     return {} if entry is None else {c: (st.build, st.generation) for c, st in entry.states.items()}
-
-
-def digest(engine: str) -> dict[int, tuple[str, int, int]]:
-    """card -> (sha256 of every committed cache byte, staged tensors, generation): compares States
-    across processes without moving them."""
-    entry = find(engine)
-    out = {}
-    for card, st in ({} if entry is None else entry.states).items():
-        h = hashlib.sha256()
-        for name in sorted(st.caches.committed):
-            for t in st.caches.committed[name]:
-                h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        out[card] = (h.hexdigest(), len(st.caches.staged), st.generation)
-    return out
 
 
 def free(engine: str):

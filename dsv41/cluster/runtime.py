@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dsv41.cluster import registry
 from dsv41.cluster.registry import StateLost
-from dsv41.kernels.torch_backend import KERNELS
+from dsv41.kernels.kinds import KINDS
 
 
 class NodeError(RuntimeError):
@@ -40,9 +40,9 @@ def run_node(st, hooks, node, values: dict):
             if sim_us is not None:
                 hooks.sim_log[node.key] = (node.card, node.kernel, sim_us)
         if hooks.tracer is not None:
-            value = hooks.tracer.run(st, node, KERNELS[node.kernel], args, sim_us)
+            value = hooks.tracer.run(st, node, KINDS[node.kernel].run, args, sim_us)
         else:
-            value = KERNELS[node.kernel](st, node, *args)
+            value = KINDS[node.kernel].run(st, node, *args)
         if hooks.check is not None:
             hooks.check(st, node, args, value)
         return value
@@ -50,12 +50,6 @@ def run_node(st, hooks, node, values: dict):
         raise
     except Exception as e:
         raise NodeError(f"node {node.key} (kernel {node.kernel}, card {node.card}) failed: {e}") from e
-
-
-def run_one(states: dict, node, *input_values):
-    """One node as a plain dask task against its card's State in ``states`` (card -> State); bind
-    states with ``functools.partial`` for ``Graph.to_dask``."""
-    return run_node(states[node.card], registry.Hooks(), node, dict(zip(node.inputs, input_values)))
 
 
 def run_submission(sub, *dep_values):

@@ -1,5 +1,5 @@
-"""Per-card State: weight shards (checkpoint formats, see ``shards``), the DP group's paged caches
-(a replica per TP rank), RoPE tables.
+"""Per-card State: weight shards (checkpoint formats, see ``shards``) and the model's blocks over them,
+the DP group's paged caches (a replica per TP rank), RoPE tables, the logits its head nodes made.
 
 Weights and caches are never graph values; kernels get their card's State from the runtime, which
 finds it in the registry under the submission's engine id (``cluster/registry.py``). A State names
@@ -8,14 +8,17 @@ expects from a stale or rebuilt one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from dsv41.cluster.shards import CardWeights, DrawnCheckpoint, read_card
 from dsv41.config import ModelConfig, Topology
-from dsv41.ops.reference import Options, empty_caches
+from dsv41.engine.requests import RequestTable
+from dsv41.model.caches import empty_caches
+from dsv41.model.options import Options
+from dsv41.model.transformer import Transformer
 from dsv41.ops.rope import COMPRESSED, PLAIN, precompute_rope_tables
 from dsv41.ops.staged import StagedTensors
-from dsv41.serving import RequestTable
 
 
 @dataclass
@@ -30,10 +33,17 @@ class CardState:
     build: str = ""
     generation: int = 0                      # steps committed into these caches
     capacity: tuple[int, int] = (1, 1)       # (max_batch, max_context) the caches are sized for
+    # DP group -> (step, FP32 logits) its head node made on this card: they stay here until asked for
+    logits: dict = field(default_factory=dict)
 
     @property
     def tp_rank(self) -> int:
         return self.topo.tp_rank(self.card)
+
+    @cached_property
+    def model(self) -> Transformer:
+        """The blocks over this card's weight shards (the kernels call their stage methods)."""
+        return Transformer(self.cfg, self.weights)
 
 
 def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: int, max_context: int,
@@ -52,6 +62,7 @@ def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: 
 def renew(st: CardState, build: str, generation: int):
     """Keep the weights, start over with empty caches as a new build (a DP-group peer of a lost card)."""
     st.caches = _empty(st.cfg, *st.capacity)
+    st.logits = {}
     st.build, st.generation = build, generation
 
 

@@ -15,10 +15,27 @@ from __future__ import annotations
 
 from dsv41.config import FULL, REINDEX, SWA, ModelConfig, Topology, slab
 from dsv41.graph.graph import Graph
+from dsv41.model import caches as cache
+from dsv41.model.head import Head
+from dsv41.model.transformer import Block
 from dsv41.ops.indexer import score_chunks
 from dsv41.ops.rope import COMPRESSED, PLAIN, profile_for
 
 REPLICATED, SHARDED = "replicated", "sharded"
+
+
+def head_key(grp: int) -> str:
+    """The node that makes a DP group's tokens (its value: the ids, in the group's batch order)."""
+    return f"final/argmax@g{grp}"
+
+
+def commit_key(card: int) -> str:
+    return f"cache.commit@c{card}"
+
+
+def step_outputs(topo: Topology, steps: dict) -> list[str]:
+    """What a step hands back: each group's tokens and every card's commit."""
+    return [head_key(g) for g in steps] + [commit_key(c) for c in topo.cards]
 
 
 def local_rows(t: int, tp: int, rank: int, wiring: str) -> list[int]:
@@ -79,7 +96,7 @@ class _Builder:
         self._head(x, mixes, step_key)
         sinks = g.sinks()  # commit waits for the whole step, on every card, before anything persists
         for c in topo.cards:
-            g.add(f"cache.commit@c{c}", "cache.commit", sinks, c)
+            g.add(commit_key(c), "cache.commit", sinks, c)
         return g
 
     # ---- vocab-parallel embedding of one DP group ------------------------------------------------
@@ -119,7 +136,7 @@ class _Builder:
             site = g.add(f"{p}/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="attn")
             pre_in = [mixes[c]] if mixes[c] else []
             collapsed = g.add(f"{p}/pre@c{c}", "hc.pre", [x[c]] + pre_in, c, L, initial=not pre_in)
-            norm[c] = g.add(f"{p}/norm@c{c}", "norm.rms", [collapsed], c, L, weight=f"layers.{L}.attn_norm.weight")
+            norm[c] = g.add(f"{p}/norm@c{c}", "norm.rms", [collapsed], c, L, weight=Block.norm_key(L, "attn"))
             mixes[c] = site  # post uses it now, the FFN collapses with its pre
         if self.wiring == SHARDED:
             full = self.collective(lambda c: f"{p}/all_gather@c{c}", "tp.all_gather", group,
@@ -135,11 +152,11 @@ class _Builder:
             q = g.add(f"{p}/q_proj@c{c}", "attn.q_proj", [full[c], cos_key], c, L, tp_rank=rank)
             kv = g.add(f"{p}/kv_proj@c{c}", "attn.kv_proj", [full[c], cos_key], c, L)
             win = g.add(f"{p}/publish.window@c{c}", "attn.publish", [kv, step_key[c]], c, L,
-                        cache="window", publishes=(f"window.{L}",))
+                        cache="window", publishes=(cache.window(L),))
             if spec.mode == FULL:
                 comp = g.add(f"{p}/compress@c{c}", "attn.compress", [full[c], step_key[c]], c, L,
-                             reads_previous=(f"ring.{L}",) if spec.ratio == 2 else ())
-                published = (f"compressed.{L}", f"index.{L}") + ((f"ring.{L}",) if spec.ratio == 2 else ())
+                             reads_previous=(cache.ring(L),) if spec.ratio == 2 else ())
+                published = cache.compressor_writes(spec)
                 selections[(c, "pub", L)] = g.add(
                     f"{p}/publish.compressed@c{c}", "attn.publish", [comp, rope[(c, COMPRESSED, L)], step_key[c]],
                     c, L, cache="compressed", publishes=published)
@@ -150,14 +167,14 @@ class _Builder:
                 pub = selections[(c, "pub", spec.kv_source)]
                 extra = [selections[(c, "topk", spec.candidate_source)]] if spec.mode == REINDEX else []
                 parts = [g.add(f"{p}/index#{i}@c{c}", "attn.index", [q, full[c], cos_key, step_key[c], pub] + extra,
-                               c, L, rows=(a, b), reads=(f"index.{spec.kv_source}",))
+                               c, L, rows=(a, b), reads=(cache.index(spec.kv_source),))
                          for i, (a, b) in enumerate(chunks)]
                 selections[(c, "topk", L)] = g.add(f"{p}/topk@c{c}", "attn.topk", parts, c, L)
             leaf_in = [q, step_key[c], win]
-            reads = [f"window.{L}"]
+            reads = [cache.window(L)]
             if spec.mode != SWA:
                 leaf_in += [selections[(c, "pub", spec.kv_source)], selections[(c, "topk", spec.index_source)]]
-                reads.append(f"compressed.{spec.kv_source}")
+                reads.append(cache.compressed(spec.kv_source))
             leaf = g.add(f"{p}/leaf.{spec.kind}@c{c}", f"attn.leaf.{spec.kind}", leaf_in, c, L, tp_rank=rank,
                          reads=tuple(reads))
             partial[c] = g.add(f"{p}/o_proj@c{c}", "attn.o_proj", [leaf, cos_key], c, L, tp_rank=rank)
@@ -180,7 +197,7 @@ class _Builder:
         for c in active:
             ffn_mixes[c] = g.add(f"L{L}/ffn/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="ffn")
             collapsed = g.add(f"L{L}/ffn/pre@c{c}", "hc.pre", [x[c], mixes[c]], c, L, initial=False)
-            normed = g.add(f"L{L}/ffn/norm@c{c}", "norm.rms", [collapsed], c, L, weight=f"layers.{L}.ffn_norm.weight")
+            normed = g.add(f"L{L}/ffn/norm@c{c}", "norm.rms", [collapsed], c, L, weight=Block.norm_key(L, "ffn"))
             t = self.steps[topo.dp_group(c)].md.num_tokens
             gate[c] = g.add(f"{p}/gate@c{c}", "moe.gate", [normed], c, L,
                             rows=self._moe_local(t, topo.tp_rank(c)))
@@ -219,14 +236,14 @@ class _Builder:
             normed = {}
             for c in group:
                 h = g.add(f"final/hc.head@c{c}", "hc.head", [x[c], mixes[c]], c)
-                normed[c] = g.add(f"final/norm@c{c}", "norm.final", [h], c, weight="norm.weight")
+                normed[c] = g.add(f"final/norm@c{c}", "norm.final", [h], c, weight=Head.NORM)
             if self.wiring == SHARDED:
                 normed = self.collective(lambda c: f"final/all_gather@c{c}", "tp.all_gather", group,
                                          lambda c: [normed[r] for r in group], f"final/all_gather@g{grp}",
                                          counts=[slab(t, topo.tp, topo.tp_rank(r))[1] for r in group])
             shards = [g.add(f"final/lm_head.shard@c{c}", "lm_head.shard", [normed[c], step_key[c]], c,
                             tp_rank=topo.tp_rank(c)) for c in group]
-            g.add(f"final/argmax@g{grp}", "lm_head.argmax", shards, group[0], dp_group=grp)
+            g.add(head_key(grp), "lm_head.argmax", shards, group[0], dp_group=grp)
 
 
 def shape(cfg: ModelConfig, steps: dict) -> tuple:

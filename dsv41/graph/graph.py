@@ -143,13 +143,3 @@ class Graph:
             lines += [f'  "{i}" -> "{n.key}";' for i in n.inputs if i in self.nodes]
         lines.append("}")
         return "\n".join(lines)
-
-    def to_dask(self, run_node) -> dict:
-        """An ordinary dask task dict: one task per node, literals as data.
-
-        run_node(node, *input_values) computes one node (e.g. ``cluster.runtime.run_one``).
-        """
-        dsk = {k: v for k, (v, _) in self.literals.items()}
-        for n in self.nodes.values():
-            dsk[n.key] = (run_node, n, *n.inputs)
-        return dsk

@@ -19,13 +19,6 @@ def logits_shard(rows: torch.Tensor, head_shard: torch.Tensor) -> torch.Tensor:
     return matmul_t(rows, head_shard)
 
 
-def vocab_shard(vocab: int, tp: int, rank: int) -> slice:
-    if vocab % tp:
-        raise ValueError(f"vocab_size {vocab} is not divisible by tp={tp}")
-    n = vocab // tp
-    return slice(rank * n, (rank + 1) * n)
-
-
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """First index of the maximum logit (lowest id on ties)."""
     return torch.argmax(logits, dim=-1)

@@ -2,7 +2,8 @@
 
 Every node is a kernel: a fixed launch gap, then the time its bytes cross the links (collectives and
 all-to-all receives, alpha-beta), then its body, max(bytes / achievable bandwidth, FLOPs / achievable
-rate), where "achievable" is the profile's fraction for the node's kernel class. Links:
+rate), where "achievable" is the profile's fraction for the node kind's latency class
+(``NodeKind.latency``). Links:
 
 - ``tp.all_gather`` / ``tp.reduce_scatter`` (and the exact owner all-reduce, an all-gather): a ring of
   p-1 steps, or one step on a full mesh; ``tp.all_reduce``: reduce-scatter then all-gather, twice that;
@@ -25,21 +26,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from dsv41.graph.graph import COLLECTIVES
+from dsv41.kernels.kinds import KINDS
 from dsv41.plan.roofline import critical_path, simulate
 
 PARTS = ("compute", "memory", "launch", "collectives", "host", "idle")
 DISPATCH = ("graph", "eager")
-_MATMUL = ("attn.q_proj", "attn.kv_proj", "attn.o_proj", "attn.compress", "attn.index", "moe.gate",
-           "moe.shared", "moe.experts", "lm_head.shard")
-_GATHER = ("embed", "engram")
-
-
-def kernel_class(kernel: str) -> str:
-    if kernel in _MATMUL:
-        return "matmul"
-    if kernel in _GATHER or kernel.startswith("attn.leaf."):
-        return "gather"
-    return "vector"
 
 
 @dataclass(frozen=True)
@@ -90,7 +81,7 @@ def node_parts(graph, costs, dev) -> dict[str, Parts]:
     parts = {}
     for key, node in graph.nodes.items():
         cost = costs[key]
-        body, bound = body_us(cost, dev, kernel_class(node.kernel))
+        body, bound = body_us(cost, dev, KINDS[node.kernel].latency)
         parts[key] = Parts(dev.launch_us, link_us(node, cost.link, peers(node, graph), dev), body, bound)
     return parts
 

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from dsv41.kernels.signatures import nbytes
+from dsv41.kernels.cost import nbytes
 from dsv41.ops import kv_cache
 from dsv41.weights import checkpoint_specs, runtime_key
 

@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.cluster.plan import make_plan
-from dsv41.graph.build import SHARDED, build
-from dsv41.kernels.signatures import SIGNATURES, nbytes
+from dsv41.engine.requests import StepInputs
+from dsv41.graph.build import SHARDED, build, step_outputs
+from dsv41.kernels.cost import nbytes
+from dsv41.kernels.kinds import KINDS
 from dsv41.ops import metadata as md_ops
-from dsv41.serving import StepInputs
 from dsv41.plan.latency import StepLatency, step_latency
 from dsv41.plan.roofline import node_us, profile, simulate
 from dsv41.plan.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
-from dsv41.telemetry.hbm import CardLedger, annotate
+from dsv41.plan.hbm import CardLedger, annotate
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def walk(graph, contexts) -> dict:
     for key in graph.topo_order():
         node = graph.nodes[key]
         args = [values[i] for i in node.inputs]
-        sig = SIGNATURES[node.kernel](contexts[node.card], node, *args)
+        sig = KINDS[node.kernel].cost(contexts[node.card], node, *args)
         values[key] = sig.out
         costs[key] = node_cost(held[node.card], sig, args, nbytes(sig.out))
     return costs
@@ -132,8 +133,7 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     rows = rows_per_request(cfg, requests, phase)
     steps = {g: step_inputs(cfg, topo.tp, requests, rows, context, phase) for g in range(topo.dp)}
     graph = build(cfg, topo, steps, wiring, phase)
-    outputs = [f"final/argmax@g{g}" for g in steps] + [f"cache.commit@c{c}" for c in topo.cards]
-    plan = make_plan(graph, topo, outputs=outputs, step=1)
+    plan = make_plan(graph, topo, outputs=step_outputs(topo, steps), step=1)
     annotate(plan)
     costs = walk(graph, {c: CardContext(cfg, topo, c) for c in topo.cards})
     roofline = simulate(graph, {k: node_us(c, dev) for k, c in costs.items()})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from dsv41.cluster import registry
-from dsv41.telemetry.hbm import annotate
+from dsv41.plan.hbm import annotate
 from dsv41.plan.roofline import profile
 from dsv41.telemetry.spans import SpanRecorder
 from dsv41.telemetry.tracer import NodeTracer

@@ -8,8 +8,9 @@ from __future__ import annotations
 import threading
 import time
 
-from dsv41.kernels.signatures import SIGNATURES, nbytes
-from dsv41.telemetry.hbm import CardLedger, SubmissionTrace
+from dsv41.kernels.cost import nbytes
+from dsv41.kernels.kinds import KINDS
+from dsv41.plan.hbm import CardLedger, SubmissionTrace
 from dsv41.plan.roofline import node_us
 from dsv41.plan.sizing import caches_by_kind, card_weights, node_cost, weights_by_kind
 
@@ -85,7 +86,7 @@ class NodeTracer:
         t1 = time.time_ns()
         cur.ran += 1
         led = self.ledger(st)
-        cost = node_cost(self.weights[node.card], SIGNATURES[node.kernel](st, node, *args), args, nbytes(value))
+        cost = node_cost(self.weights[node.card], KINDS[node.kernel].cost(st, node, *args), args, nbytes(value))
         with led.lock:
             led.produce(node.key, cost.output_bytes, cur.info.uses.get(node.key, 0), node.key in cur.info.remote)
             for i in node.inputs:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dsv41.kernels.pypto.env import check_npu
 from dsv41.kernels.pypto.sim import (BACKEND_MODES, SimCache, close_workers, default_cache, device_time_us,
                                      sim_time_us)
-from dsv41.kernels.pypto.specs import MATMUL_ALIASES, PYPTO_KERNELS, KernelSpec, cache_key
+from dsv41.kernels.pypto.specs import PYPTO_KERNELS, KernelSpec, cache_key
 from dsv41.kernels.pypto.verify import verify_kernel
 
-__all__ = ["BACKEND_MODES", "PYPTO_KERNELS", "MATMUL_ALIASES", "KernelSpec", "SimCache", "cache_key",
+__all__ = ["BACKEND_MODES", "PYPTO_KERNELS", "KernelSpec", "SimCache", "cache_key",
            "check_npu", "close_workers", "default_cache", "device_time_us", "node_parts", "node_time_us",
            "sim_time_us", "verify_kernel"]
 

@@ -309,8 +309,6 @@ def _specs() -> dict[str, KernelSpec]:
 
 PYPTO_KERNELS: dict[str, KernelSpec] = _specs()
 
-MATMUL_ALIASES = ("attn.q_proj", "attn.kv_proj", "attn.o_proj", "lm_head.shard")
-
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):

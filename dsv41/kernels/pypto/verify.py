@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from dsv41.kernels.check import rows_verdict
+from dsv41.kernels.verdict import rows_verdict
 from dsv41.kernels.pypto.specs import PYPTO_KERNELS
 from dsv41.kernels.pypto.sim import worker
 

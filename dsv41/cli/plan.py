@@ -1,4 +1,5 @@
-"""Plan mode of ``python -m dsv41.run --plan``: HBM per card, the predicted step and where it goes.
+"""Plan mode of ``python -m dsv41.run --plan``: its flags and their rows of the command line's rules
+(``dsv41.cli.args``), then HBM per card, the predicted step and where it goes.
 
 ``--batch`` counts requests in total here as in a run; the plan spreads them evenly over the DP
 groups (``--batch 64 --dp 2``: 32 requests x 6 rows = 192 decode rows per group, the seed's
@@ -8,10 +9,50 @@ from __future__ import annotations
 
 import json
 
-from dsv41.plan.latency import PARTS
-from dsv41.plan.step import run_plan
+from dsv41.cli.args import on
+from dsv41.cli.modes import ALL, GRAPH_OR_PLAN, PLAN
+from dsv41.cli.trace import tracing_on
+from dsv41.plan.latency import DISPATCH, PARTS
+from dsv41.plan.profiles import PROFILES
+from dsv41.plan.step import rows_per_request, run_plan
 from dsv41.telemetry.export import write_traces
+from dsv41.telemetry.session import DEFAULT_PROFILE
 from dsv41.telemetry.simulated import record_planned
+
+
+def add_arguments(g):
+    g.add_argument("--plan", action="store_true",
+                   help="build the step's graph at full scale on meta tensors and report HBM and predicted latency; "
+                        "--batch requests are spread evenly over the DP groups")
+    g.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default: the config's max)")
+    g.add_argument("--device-profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
+                   help="--plan or traced runs: the device whose cited constants time the plan and traced nodes "
+                        "(dsv41/plan/profiles.py; default: %(default)s)")
+    g.add_argument("--dispatch", choices=DISPATCH, default="graph",
+                   help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
+
+
+APPLIES = {
+    "--plan": (ALL, None),
+    "--context": (frozenset({PLAN}), None),
+    "--dispatch": (frozenset({PLAN}), None),
+    "--device-profile": (GRAPH_OR_PLAN, ("needs --trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
+                                         lambda a: a.plan or tracing_on(a))),
+}
+
+
+def _context(a, cfg):
+    if a.context is None:
+        return None
+    low, top = rows_per_request(cfg, a.batch // a.dp, a.graph), cfg.max_position_embeddings
+    if not low <= a.context <= top:
+        return f"must be in [{low}, {top}] tokens per request {on(a, cfg)}, got {a.context}"
+
+
+CHECKS = [("--context", _context)]
+
+
+# ---- the plan ------------------------------------------------------------------------------------
 
 GB = 1e9
 

@@ -1,9 +1,16 @@
-"""What ``python -m dsv41.run`` needs from ``--checkpoint`` before any work, besides its config
-(``reader.read_config``): the prompts as token ids and the text codec. The whole folder is validated
-by ``reader.open_checkpoint`` when the run starts."""
+"""The prompts of a run as token ids: random ones drawn from the seed, or ``--prompt``/``--prompt-file``
+texts encoded with ``--checkpoint``'s tokenizer before any work (the whole folder is validated by
+``reader.open_checkpoint`` when the run starts)."""
 from __future__ import annotations
 
+import torch
+
 from dsv41.checkpoint.text import TextCodec, read_prompts
+
+
+def prompts_for(cfg, batch: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, cfg.vocab_size, (batch, length), generator=g).tolist()
 
 
 def encode_prompts(path, prompts: list[str] | None, prompt_file: str | None, chat: bool = False

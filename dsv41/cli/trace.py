@@ -1,32 +1,20 @@
-"""The telemetry half of ``python -m dsv41.run``: --trace, --report, and the plan's options (--plan,
---context, --device-profile, --dispatch; plan mode itself is ``dsv41.plan.cli``), with their rows of
-the command line's rules (``dsv41.cli.args``)."""
+"""``--trace`` and ``--report`` of ``python -m dsv41.run``: their flags, their rows of the command
+line's rules (``dsv41.cli.args``) and what a traced run holds open while it works."""
 from __future__ import annotations
 
-from dsv41.cli.args import ALL, DIST, FILE_NAME, GRAPH_OR_PLAN, PLAN, on, traces_writable
+from dsv41.cli.args import FILE_NAME, traces_writable
+from dsv41.cli.modes import DIST, GRAPH_OR_PLAN
 from dsv41.telemetry.export import TRACES, write_traces
-from dsv41.plan.latency import DISPATCH
-from dsv41.plan.profiles import PROFILES
-from dsv41.telemetry.session import DEFAULT_PROFILE, TraceSession
+from dsv41.telemetry.session import TraceSession
 from dsv41.telemetry.spans import otlp_configured
 
 
-def add_arguments(p):
-    g = p.add_argument_group("telemetry")
+def add_arguments(g):
     g.add_argument("--trace", metavar="NAME", default=None,
                    help="write traces/NAME.otlp.jsonl and traces/NAME.perfetto.json (NAME: a plain file name). "
                         "Spans also go live to a collector when OTEL_EXPORTER_OTLP_ENDPOINT is set")
     g.add_argument("--report", action="store_true",
                    help="distributed: write Dask's performance report to traces/NAME.dask-report.html")
-    g.add_argument("--plan", action="store_true",
-                   help="build the step's graph at full scale on meta tensors and report HBM and predicted latency; "
-                        "--batch requests are spread evenly over the DP groups")
-    g.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default: the config's max)")
-    g.add_argument("--device-profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
-                   help="--plan or traced runs: the device whose cited constants time the plan and traced nodes "
-                        "(dsv41/plan/profiles.py; default: %(default)s)")
-    g.add_argument("--dispatch", choices=DISPATCH, default="graph",
-                   help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
 
 
 def tracing_on(a) -> bool:
@@ -37,11 +25,6 @@ def tracing_on(a) -> bool:
 APPLIES = {
     "--trace": (GRAPH_OR_PLAN, None),
     "--report": (DIST, None),
-    "--plan": (ALL, None),
-    "--context": (frozenset({PLAN}), None),
-    "--dispatch": (frozenset({PLAN}), None),
-    "--device-profile": (GRAPH_OR_PLAN, ("needs --trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
-                                         lambda a: a.plan or tracing_on(a))),
 }
 
 
@@ -56,16 +39,7 @@ def _report(a, cfg):
     return traces_writable() if a.report else None
 
 
-def _context(a, cfg):
-    from dsv41.plan.step import rows_per_request
-    if a.context is None:
-        return None
-    low, top = rows_per_request(cfg, a.batch // a.dp, a.graph), cfg.max_position_embeddings
-    if not low <= a.context <= top:
-        return f"must be in [{low}, {top}] tokens per request {on(a, cfg)}, got {a.context}"
-
-
-CHECKS = [("--trace", _trace), ("--report", _report), ("--context", _context)]
+CHECKS = [("--trace", _trace), ("--report", _report)]
 
 
 # ---- traced runs ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Host-side serving state: requests, paged block allocation, and one step's inputs.
+"""Host-side request state: requests, paged block allocation, and one step's inputs.
 
 A step is planned on copies (``plan``): token validation, capacity checks, page allocation,
 metadata lowering and Engram hashing all happen before any tensor of the model is touched, and
@@ -179,35 +179,3 @@ class RequestTable:
         for r, pages in req.compressed_pages.items():
             self.pools.compressed[r].extend(pages)
         self.pools.state.append(req.state_block)
-
-
-class StepModel:
-    """prefill / decode / generate over a subclass's ``step(batch, phase)``, ``active`` and ``release``."""
-
-    last_request_ids: list[int]
-
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Start one request per prompt (positions from 0); returns last-row logits [B, vocab]."""
-        return self.step([(None, list(p)) for p in prompts], "prefill")
-
-    def decode(self, token_ids: list[int], request_ids: list[int] | None = None) -> torch.Tensor:
-        """One token per request (default: every active request, in admission order)."""
-        rids = self.active if request_ids is None else list(request_ids)
-        if len(token_ids) != len(rids):
-            raise ValueError(f"token_ids: expected one token per request ({len(rids)}), got {len(token_ids)}")
-        return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode")
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuation of each prompt; its requests are released at the end."""
-        logits = self.prefill(prompts)
-        rids = list(self.last_request_ids)
-        out = [[] for _ in prompts]
-        for i in range(max_new_tokens):
-            toks = torch.argmax(logits, -1).tolist()
-            for o, t in zip(out, toks):
-                o.append(t)
-            if i + 1 < max_new_tokens:
-                logits = self.decode(toks, rids)
-        for r in rids:
-            self.release(r)
-        return out

@@ -1,0 +1,383 @@
+"""The DeepSeek-V4 / V4.1 chat encoding: messages in, prompt text (or token ids) out.
+
+The V4 releases ship no Jinja ``chat_template``; chats are rendered by the ``encoding/`` script
+in the model folder. This module implements that format from its published rules:
+
+- the prompt opens with BOS; a user turn is ``<｜User｜>`` + text; the generation prompt after the
+  last user turn is ``<｜Assistant｜>`` + ``<think>`` (thinking) or ``</think>`` (non-thinking);
+- an assistant turn is [reasoning + ``</think>``] + content + [tool calls] + EOS, where the
+  reasoning part appears only in thinking mode and, when reasoning is dropped from history, only
+  for assistant turns after the last user turn (earlier turns then follow ``</think>``);
+- reasoning is dropped from history in thinking mode unless tools are offered;
+- tool results have no role of their own: runs of tool/user messages form one user turn whose
+  parts are joined by a blank line, each result wrapped in ``<tool_result>...</tool_result>`` and
+  ordered as the preceding assistant's calls;
+- tools are described in the system prompt, tool calls are written in DSML tags.
+
+V4.1 differs in four places: system text follows ``<｜System｜>`` (and a system message after the
+first counts as a user turn), the DSML tag names carry a leading space (`` calls``, `` invoke``,
+`` parameter``), tool-call arguments must be a JSON object, and thinking mode states a reasoning
+effort at the start (the default, "high", is 50 on its 1-100 scale).
+
+Only the encoder inserts control tokens: :class:`ChatTokenizer` turns the encoder's control
+pieces into their single ids and encodes all other text with the tokenizer's added tokens
+switched off, so a user who types ``<｜User｜>`` or ``<think>`` gets those characters, not a turn
+boundary.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+SYSTEM = "<｜System｜>"
+THINK = "<think>"
+END_THINK = "</think>"
+DSML = "｜DSML｜"
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Control:
+    """A control token the encoder placed; its text never passes through the BPE."""
+    text: str
+
+
+@dataclass(frozen=True)
+class _Variant:
+    system_token: bool          # system text follows <｜System｜>; later systems act as user turns
+    calls: str                  # DSML block name around the tool calls
+    invoke: str
+    parameter: str
+    effort_prefix: str          # stated at the start in thinking mode
+    arguments_must_be_object: bool
+
+
+_EFFORT_V41 = ("Reasoning Effort: 50 "
+               "(range 1-100, the higher the value, the more thorough the reasoning)\n\n")
+
+VARIANTS = {
+    "v4": _Variant(False, "tool_calls", "invoke", "parameter", "", False),
+    "v4.1": _Variant(True, " calls", " invoke", " parameter", _EFFORT_V41, True),
+}
+
+# The tools section of the system prompt, as the model was trained on it (byte for byte).
+# {D} {T} {E}: the DSML, <think> and </think> control tokens; {C} {I} {P}: the variant's DSML
+# calls / invoke / parameter tag names; {SCHEMAS}: one JSON function schema a line.
+_TOOLS = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user's question. You can invoke tools "
+    "by writing a \"<{D}{C}>\" block like the following:\n\n"
+    "<{D}{C}>\n"
+    "<{D}{I} name=\"$TOOL_NAME\">\n"
+    "<{D}{P} name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{D}{P}>\n"
+    "...\n"
+    "</{D}{I}>\n"
+    "<{D}{I} name=\"$TOOL_NAME2\">\n"
+    "...\n"
+    "</{D}{I}>\n"
+    "</{D}{C}>\n\n"
+    "String parameters should be specified as is and set `string=\"true\"`. For all other types "
+    "(numbers, booleans, arrays, objects), pass the value in JSON format and set "
+    "`string=\"false\"`.\n\n"
+    "If thinking_mode is enabled (triggered by {T}), you MUST output your complete reasoning "
+    "inside {T}...{E} BEFORE any tool calls or final response.\n\n"
+    "Otherwise, output directly after {E} with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n"
+    "{SCHEMAS}\n\n"
+    "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool "
+    "calls.\n")
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+class _Out:
+    """Pieces of the prompt: plain strings (text) and Control tokens, adjacent text merged."""
+
+    def __init__(self):
+        self.pieces: list[str | Control] = []
+
+    def text(self, s: str):
+        if not s:
+            return
+        if self.pieces and isinstance(self.pieces[-1], str):
+            self.pieces[-1] += s
+        else:
+            self.pieces.append(s)
+
+    def control(self, token: str):
+        self.pieces.append(Control(token))
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _text_of(value, field: str) -> str:
+    """Message text: a string, or a list of {"type": "text", "text": str} parts (blank-line joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for i, part in enumerate(value):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ValueError(f"{field}[{i}]: expected a text part "
+                                 f"{{'type': 'text', 'text': str}}, found {part!r}")
+            parts.append(part["text"])
+        return "\n\n".join(parts)
+    raise ValueError(f"{field}: expected a string or a list of text parts, "
+                     f"found {type(value).__name__}")
+
+
+def _arguments(call: dict, field: str, must_be_object: bool) -> dict:
+    raw = call.get("arguments")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}.arguments: expected JSON, found {raw!r} ({e})") from None
+    if isinstance(raw, dict):
+        return raw
+    if must_be_object or raw is not None:
+        raise ValueError(f"{field}.arguments: expected a JSON object, found {raw!r}")
+    raise ValueError(f"{field}.arguments: missing")
+
+
+def _tool_calls(calls, field: str, variant: _Variant) -> list[tuple[str, dict, str | None]]:
+    if not isinstance(calls, list):
+        raise ValueError(f"{field}: expected a list, found {type(calls).__name__}")
+    out = []
+    for i, call in enumerate(calls):
+        f = f"{field}[{i}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise ValueError(f"{f}.function: expected an object with name and arguments, "
+                             f"found {fn!r}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{f}.function.name: expected a non-empty string, "
+                             f"found {fn.get('name')!r}")
+        out.append((fn["name"], _arguments(fn, f + ".function", variant.arguments_must_be_object),
+                    call.get("id")))
+    return out
+
+
+def _tool_schemas(tools) -> list[dict]:
+    if not isinstance(tools, list):
+        raise ValueError(f"tools: expected a list, found {type(tools).__name__}")
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools[{i}].function: expected an object with a name, found {fn!r}")
+        out.append(fn)
+    return out
+
+
+@dataclass
+class _Turn:
+    role: str                      # system / user / assistant (tool results live in user turns)
+    text: str = ""                 # system, user (parts already joined)
+    parts: list | None = None      # user: [("text", s) | ("tool", s, call_id)]
+    content: str = ""              # assistant
+    reasoning: str = ""
+    calls: list | None = None
+
+
+def _turns(messages, variant: _Variant) -> list[_Turn]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages: expected a non-empty list, found {messages!r}")
+    turns: list[_Turn] = []
+    for i, msg in enumerate(messages):
+        f = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ValueError(f"{f}: expected an object, found {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{f}.role: expected one of {', '.join(ROLES)}, found {role!r}")
+        if role == "assistant":
+            calls = msg.get("tool_calls")
+            calls = _tool_calls(calls, f + ".tool_calls", variant) if calls else []
+            content = msg.get("content")
+            if content is None and not calls:
+                raise ValueError(f"{f}.content: missing (an assistant message needs content "
+                                 f"or tool_calls)")
+            reasoning = msg.get("reasoning_content")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise ValueError(f"{f}.reasoning_content: expected a string, "
+                                 f"found {type(reasoning).__name__}")
+            turns.append(_Turn("assistant", content=_text_of(content, f + ".content")
+                               if content is not None else "",
+                               reasoning=reasoning or "", calls=calls))
+            continue
+        if "content" not in msg or msg["content"] is None:
+            raise ValueError(f"{f}.content: missing")
+        text = _text_of(msg["content"], f + ".content")
+        if role == "system":
+            turns.append(_Turn("system", text=text))
+            continue
+        part = ("text", text) if role == "user" else ("tool", text, msg.get("tool_call_id"))
+        # a run of user / tool messages is one user turn
+        if turns and turns[-1].role == "user":
+            turns[-1].parts.append(part)
+        else:
+            turns.append(_Turn("user", parts=[part]))
+    return turns
+
+
+def _order_results(turns: list[_Turn]):
+    """Tool results in a user turn follow the order of the preceding assistant's calls."""
+    order: dict = {}
+    for turn in turns:
+        if turn.role == "assistant" and turn.calls:
+            order = {cid: k for k, (_, _, cid) in enumerate(turn.calls) if cid}
+        elif turn.role == "user" and order:
+            results = [p for p in turn.parts if p[0] == "tool"]
+            if len(results) > 1:
+                ranked = iter(sorted(results, key=lambda p: order.get(p[2], 0)))
+                turn.parts = [next(ranked) if p[0] == "tool" else p for p in turn.parts]
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _is_user_turn(turn: _Turn, index: int, variant: _Variant) -> bool:
+    return turn.role == "user" or (variant.system_token and turn.role == "system" and index > 0)
+
+
+def _render_tools(out: _Out, schemas: list[dict], variant: _Variant):
+    controls = dict(D=DSML, T=THINK, E=END_THINK)
+    fills = dict(C=variant.calls, I=variant.invoke, P=variant.parameter,
+                 SCHEMAS="\n".join(_json(s) for s in schemas))
+    for k, piece in enumerate(re.split(r"\{([A-Z]+)\}", _TOOLS)):
+        if k % 2 == 0:
+            out.text(piece)
+        elif piece in controls:
+            out.control(controls[piece])
+        else:
+            out.text(fills[piece])
+
+
+def _render_calls(out: _Out, calls, variant: _Variant):
+    out.text("\n\n<")
+    out.control(DSML)
+    out.text(variant.calls + ">\n")
+    for k, (name, args, _) in enumerate(calls):
+        if k:
+            out.text("\n")
+        out.text("<")
+        out.control(DSML)
+        out.text(f'{variant.invoke} name="{name}">\n')
+        for j, (key, value) in enumerate(args.items()):
+            if j:
+                out.text("\n")
+            is_str = isinstance(value, str)
+            out.text("<")
+            out.control(DSML)
+            out.text(f'{variant.parameter} name="{key}" string="{"true" if is_str else "false"}">'
+                     + (value if is_str else _json(value)) + "</")
+            out.control(DSML)
+            out.text(variant.parameter + ">")
+        out.text("\n</")
+        out.control(DSML)
+        out.text(variant.invoke + ">")
+    out.text("\n</")
+    out.control(DSML)
+    out.text(variant.calls + ">")
+
+
+def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = True,
+                tools=None, variant: str = "v4") -> list[str | Control]:
+    """The prompt as pieces: ``Control`` tokens the format places, and text (str) between them."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, found {variant!r}")
+    v = VARIANTS[variant]
+    turns = _turns(messages, v)
+    schemas = _tool_schemas(tools) if tools else []
+    if schemas:  # request tools are described in the (first) system prompt
+        if turns[0].role != "system":
+            turns.insert(0, _Turn("system", text=""))
+    _order_results(turns)
+    # with tools on offer, reasoning stays in history (the calls of a turn depend on it)
+    drop = thinking and not schemas
+    last_user = max((i for i, t in enumerate(turns) if _is_user_turn(t, i, v)), default=-1)
+
+    out = _Out()
+    out.control(BOS)
+    for i, turn in enumerate(turns):
+        if i == 0 and (turn.role == "system" or (thinking and v.effort_prefix)) and v.system_token:
+            out.control(SYSTEM)
+        if i == 0 and thinking:
+            out.text(v.effort_prefix)
+        if turn.role == "system":
+            if i > 0 and v.system_token:
+                out.control(SYSTEM)
+            out.text(turn.text)
+            if i == 0 and schemas:
+                out.text("\n\n")
+                _render_tools(out, schemas, v)
+        elif turn.role == "user":
+            out.control(USER)
+            out.text("\n\n".join(p[1] if p[0] == "text" else f"<tool_result>{p[1]}</tool_result>"
+                                 for p in turn.parts))
+        else:
+            if thinking and (not drop or i > last_user):
+                out.text(turn.reasoning)
+                out.control(END_THINK)
+            out.text(turn.content)
+            if turn.calls:
+                _render_calls(out, turn.calls, v)
+            out.control(EOS)
+        following = turns[i + 1].role if i + 1 < len(turns) else None
+        if _is_user_turn(turn, i, v) and (following == "assistant"
+                                          or (following is None and add_generation_prompt)):
+            out.control(ASSISTANT)
+            out.control(THINK if thinking and (not drop or i >= last_user) else END_THINK)
+    return out.pieces
+
+
+def encode_messages(messages, thinking: bool = False, add_generation_prompt: bool = True,
+                    tools=None, variant: str = "v4") -> str:
+    """The prompt text of a chat (thinking or non-thinking mode)."""
+    return "".join(p.text if isinstance(p, Control) else p
+                   for p in chat_pieces(messages, thinking, add_generation_prompt, tools, variant))
+
+
+class ChatTokenizer:
+    """Token ids of a chat: control pieces as their single ids, all other text through a copy of
+    the tokenizer that has no added tokens, so text can never become a control token.
+
+    (``Tokenizer.encode(text, add_special_tokens=False)`` only skips the post-processor's
+    BOS/EOS; added tokens in the text are still matched, special or not, so text must not go
+    through the tokenizer that knows them.)"""
+
+    def __init__(self, tokenizer):
+        from tokenizers import Tokenizer
+        self.tokenizer = tokenizer
+        spec = json.loads(tokenizer.to_str())
+        spec["added_tokens"] = []
+        self.plain = Tokenizer.from_str(json.dumps(spec))
+
+    def control_id(self, token: str) -> int:
+        tid = self.tokenizer.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"tokenizer: expected the control token {token!r} in its vocabulary, "
+                             f"found none (is the chat variant right for this checkpoint?)")
+        return tid
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.plain.encode(text, add_special_tokens=False).ids
+
+    def encode(self, messages, thinking: bool = False, add_generation_prompt: bool = True,
+               tools=None, variant: str = "v4") -> list[int]:
+        ids: list[int] = []
+        for piece in chat_pieces(messages, thinking, add_generation_prompt, tools, variant):
+            ids += [self.control_id(piece.text)] if isinstance(piece, Control) \
+                else self.encode_text(piece)
+        return ids

@@ -1,0 +1,323 @@
+"""Command line: ``python -m dsv41.run --graph decode|prefill``.
+
+Runs a prefill of ``--batch`` random prompts of ``--prompt-len`` tokens (or, with ``--checkpoint``,
+the ``--prompt`` texts), then (decode) greedy steps, on the chosen executor, and prints a readable
+summary or one JSON object (``--json``). Every argument is checked before any work; ``dsv41.cli.args``
+holds the rules.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv41.checkpoint.errors import CheckpointError
+from dsv41.checkpoint.text import TextStream
+from dsv41.cli import args as rules
+from dsv41.cli import plan, trace
+from dsv41.cli.modes import max_context, topology
+from dsv41.cli.progress import Progress
+from dsv41.cli.prompts import prompts_for
+from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
+from dsv41.config import PRESETS
+from dsv41.engine.protocol import StepOutput
+from dsv41.kernels.device_time import BACKENDS
+from dsv41.names import DEFAULT_EXECUTOR, EXECUTORS, REFERENCE
+from dsv41.telemetry.export import TRACES
+
+PROG = "python -m dsv41.run"
+EPILOG = """\
+modes and the flags that go with them:
+  every mode        --graph --config --checkpoint --batch --json --debug
+  a run             --prompt-len --seed --new-tokens (--graph decode only)
+                    --prompt --prompt-file (with --checkpoint) --chat (with a prompt)
+  graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
+  sync, threads     --check
+  distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
+  --plan            --tp --dp --ep --wiring --context --dispatch --trace --device-profile
+--batch is the number of requests in total, everywhere: a run spreads them over the DP groups,
+--plan spreads them evenly (so it must be a multiple of --dp). With --checkpoint its config.json is
+the config (no --config); with --prompt/--prompt-file the batch is the prompts (no --batch,
+--prompt-len or --seed). Files go under ./traces/ only.
+"""
+
+
+def build_parser() -> rules.Parser:
+    p = rules.Parser(prog=PROG, description=__doc__.splitlines()[0], epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--graph", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--config", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--batch", type=int, default=4,
+                   help="requests in total (spread over the DP groups; --plan: evenly)")
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
+                   help="threads (default) was the fastest in most measured runs; on a quiet machine try sync "
+                        "(one submission at a time, same tokens); distributed runs one dask worker per card and "
+                        "has the dashboard; reference is the monolithic model (README: Choosing an executor)")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--ep", type=int, default=None, help="must equal tp*dp (the default)")
+    p.add_argument("--granularity", choices=("submission", "node"), default="submission")
+    p.add_argument("--backend", choices=BACKENDS, default="torch",
+                   help="pypto-sim: values from Torch, simulated device time per pypto-backed node")
+    p.add_argument("--wiring", choices=("sharded", "replicated"), default="sharded")
+    p.add_argument("--address", default=None, help="distributed: join this scheduler (e.g. tcp://host:8786), whose "
+                   "workers are named 0..EP-1 with one thread each")
+    p.add_argument("--connect-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="distributed: give up when the scheduler and every card's worker are not there "
+                        "within this time (default: %(default)g s)")
+    p.add_argument("--dashboard", action="store_true",
+                   help="distributed: print the dashboard link when the cluster is up and wait after the run")
+    p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
+    p.add_argument("--show-graph", default=None, metavar="NAME",
+                   help="write the last step's graph as traces/NAME (NAME.dot, or NAME.svg with graphviz)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (progress goes to stderr)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    p.add_argument("--check", action="store_true",
+                   help="check every node against the Torch golden on its inputs (sync/threads executors)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="with --checkpoint; repeatable (the batch is the number of prompts)")
+    p.add_argument("--prompt-file", default=None, metavar="PATH", help="with --checkpoint: one prompt per line")
+    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt")
+    g = p.add_argument_group("telemetry")
+    trace.add_arguments(g)
+    plan.add_arguments(g)
+    return p
+
+
+APPLIES = {**rules.APPLIES, **trace.APPLIES, **plan.APPLIES}
+FIRST = rules.FIRST     # before the config is known (it may come from --checkpoint)
+CHECKS = rules.CHECKS + trace.CHECKS + plan.CHECKS + rules.LAST
+
+
+def parse_args(argv=None, parser: rules.Parser | None = None):
+    """Parsed and checked arguments; a usage error exits 2 with one line (raises with --debug).
+
+    With --checkpoint, its config.json is read and the prompts encoded here (``rules.model_config``):
+    ``codec`` and ``prompt_ids`` are set, and --batch/--prompt-len become the prompts' count and length.
+    """
+    p = parser or build_parser()
+    a = p.parse_args(argv)
+    if a.ep is None:
+        a.ep = a.tp * a.dp
+    try:
+        rules.check_modes(a, rules.given_flags(p, argv), APPLIES)
+        rules.run_checks(a, None, FIRST, APPLIES)
+        rules.run_checks(a, rules.model_config(a), CHECKS, APPLIES)
+    except rules.UsageError as e:
+        if a.debug:
+            raise
+        p.error(str(e))
+    return a
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    try:
+        return run(args)
+    except ConnectError as e:
+        if args.debug:
+            raise
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:   # a failure past the checks: one line, the traceback only with --debug
+        if args.debug:
+            raise
+        print(f"{parser.prog}: error: {type(e).__name__}: {e} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def run(args) -> int:
+    ckpt = None
+    if args.checkpoint is not None:
+        from dsv41.checkpoint.reader import open_checkpoint
+        try:
+            ckpt = open_checkpoint(args.checkpoint)   # every header checked: nothing is served from a bad folder
+        except CheckpointError as e:
+            return _refuse(e)
+    cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
+    topo = topology(args)
+    progress = Progress(args.json)
+    if args.plan:
+        return plan.plan_command(args, cfg, topo, progress.say)
+    progress.say(f"dsv41 {args.graph}: config={cfg.name} executor={args.executor} tp={topo.tp} dp={topo.dp} "
+                 f"ep={topo.ep} batch={args.batch} prompt_len={args.prompt_len}")
+    t0 = time.perf_counter()
+    try:
+        engine = make_engine(args, cfg, topo, progress, ckpt)
+    except CheckpointError as e:   # a value found bad as the weights were read, before any step
+        return _refuse(e)
+    try:
+        progress.say(f"  built in {time.perf_counter() - t0:.2f} s")
+        return generate(args, cfg, topo, engine, progress)
+    finally:
+        engine.close()
+
+
+def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
+    context = max_context(args)
+    if args.executor == REFERENCE:
+        from dsv41.engine.reference import ReferenceEngine
+        return ReferenceEngine(cfg, seed=args.seed, max_batch=args.batch, max_context=context, checkpoint=checkpoint)
+    from dsv41.cluster.engine import GraphEngine
+    startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
+    return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
+                       wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
+                       max_context=context, backend=args.backend, checkpoint=checkpoint, startup=startup)
+
+
+def _refuse(e: ValueError) -> int:
+    """A checkpoint found bad past the up-front checks: the usage-error line, exit status 2."""
+    print(f"{PROG}: error: --checkpoint: {e}", file=sys.stderr)
+    return 2
+
+
+# ---- the generation --------------------------------------------------------------------------------
+
+def generate(args, cfg, topo, engine, progress: Progress) -> int:
+    """The steps, then the result: printed, or one JSON object with --json."""
+    tracing = trace.start(args, engine)
+    try:
+        checker = _start_check(args, engine)
+        done = run_steps(args, engine, args.prompt_ids or prompts_for(cfg, args.batch, args.prompt_len, args.seed),
+                         progress)
+        result = summary(args, cfg, topo, done)
+        if args.executor != REFERENCE:
+            _graph_run(args, engine, done, result, checker, tracing, progress.say)
+        _show(args, result, progress.say)
+        return 0
+    finally:
+        if tracing is not None:
+            tracing.close()
+
+
+def logits_sha256(logits: torch.Tensor) -> str:
+    return hashlib.sha256(logits.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class Steps:
+    """What the steps gave: tokens per request, wall time per step, the engine's stats per step, and
+    the latest step's output (a token per request still generating; its logits stay on the cards)."""
+    tokens: list[list[int]]
+    prefill_ms: float = 0.0
+    step_ms: list[float] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    last: StepOutput | None = None
+
+    def timed(self, engine, call, *inputs) -> float:
+        """Runs one step; its wall time in ms (the engine call alone)."""
+        t0 = time.perf_counter()
+        self.last = call(*inputs)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.append(engine.last_stats)
+        return ms
+
+
+def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Steps:
+    """Prefill, then (decode) up to --new-tokens greedy tokens per request; with a checkpoint's text,
+    a request ends at its EOS and its text streams as it grows."""
+    n = args.new_tokens if args.graph == "decode" else 0
+    stream = TextStream(args.codec, len(prompts)) if args.codec is not None else None
+    done = Steps(tokens=[[] for _ in prompts])
+    live = list(range(len(prompts)))      # requests still generating (EOS ends one)
+    with progress.steps(1 + max(0, n - 1)), progress.compilations():
+        progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens")
+        done.prefill_ms = done.timed(engine, engine.prefill, prompts)
+        progress.done(f"  prefill   {done.prefill_ms:9.1f} ms  {_describe(done.stats[-1])}")
+        rids = list(done.last.request_ids)
+        for i in range(n):
+            nxt = dict(zip(live, done.last.tokens))
+            for j, t in nxt.items():
+                done.tokens[j].append(t)
+            if stream is not None:
+                live = stream.step(nxt, progress.say)
+            if i + 1 == n or not live:
+                break
+            progress.start(f"decode {i + 1}/{n - 1}")
+            done.step_ms.append(done.timed(engine, engine.decode, [nxt[j] for j in live], [rids[j] for j in live]))
+            progress.done(f"  decode {i + 1:3d} {done.step_ms[-1]:9.1f} ms  {_describe(done.stats[-1])}")
+    if stream is not None:
+        stream.finish(progress.say)
+    if args.graph == "prefill":
+        done.tokens = [[t] for t in done.last.tokens]
+    return done
+
+
+def summary(args, cfg, topo, done: Steps) -> dict:
+    result = {
+        "graph": args.graph, "config": cfg.name, "executor": args.executor,
+        "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep},
+        "tokens": done.tokens, "step_ms": done.step_ms, "prefill_ms": done.prefill_ms,
+        "last_logits_sha256": logits_sha256(done.last.logits),   # the only logits that come home
+    }
+    if args.codec is not None:
+        result["text"] = [args.codec.decode(t) for t in done.tokens]
+    return result
+
+
+def _graph_run(args, engine, done: Steps, result: dict, checker, tracing, say) -> None:
+    """What only a graph executor has: node counts, simulated device time, the check, the graph
+    file, the traces and the dashboard."""
+    stats = done.stats
+    last = stats[-1]
+    result.update(nodes=last.get("nodes"), submissions=last.get("submissions"),
+                  dask_tasks=last.get("dask_tasks"), granularity=args.granularity, wiring=args.wiring,
+                  backend=args.backend, cards=last.get("cards"), host_ms=[s.get("host_ms") for s in stats],
+                  recovered=[r for s in stats for r in s.get("recovered", [])])
+    if args.backend != "torch":
+        result.update(device_sim_us=[s["device_sim_us"] for s in stats],
+                      pypto_kernels=sorted({k for s in stats for k in s["pypto_kernels"]}))
+        say(f"  {args.backend} kernels: {', '.join(result['pypto_kernels'])}")
+        say(f"  torch only: {', '.join(sorted(engine.last_graph.kernels() - set(result['pypto_kernels'])))}")
+    if checker is not None:
+        say(checker.table())
+        result["check"] = checker.summary()
+    if args.show_graph:
+        path = TRACES / args.show_graph
+        path.parent.mkdir(exist_ok=True)
+        engine.write_graph(str(path))
+        result["graph_file"] = str(path)
+        say(f"  graph written to {path}")
+    if tracing is not None:
+        tracing.finish(result, say)
+    if args.dashboard:
+        engine.hold_dashboard(args.hold, say)
+
+
+def _show(args, result: dict, say) -> None:
+    if args.json:
+        print(json.dumps(result))
+        return
+    say(f"  tokens: {result['tokens']}")
+    for j, text in enumerate(result.get("text", [])):
+        say(f"  text[{j}]: {text!r}")
+    say(f"  last_logits_sha256: {result['last_logits_sha256']}")
+
+
+def _start_check(args, engine):
+    if not args.check:
+        return None
+    from dsv41.kernels.check import NodeCheck
+    checker = NodeCheck(args.backend)
+    engine.check_nodes(checker)
+    return checker
+
+
+def _describe(stats: dict) -> str:
+    if not stats:
+        return ""
+    line = f"nodes={stats['nodes']} submissions={stats['submissions']} dask_tasks={stats['dask_tasks']}"
+    return line + (f" device_sim={stats['device_sim_us']:.1f} us" if "device_sim_us" in stats else "")

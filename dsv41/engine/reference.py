@@ -1,0 +1,61 @@
+"""The reference engine: the blocks composed in one process (``model.Transformer``), paged caches,
+continuous batching; the token is the head's sample of the logits it just made."""
+from __future__ import annotations
+
+from dsv41.checkpoint.reader import read_all
+from dsv41.config import ModelConfig
+from dsv41.engine.protocol import Engine, StepCounter, StepOutput
+from dsv41.engine.requests import RequestTable
+from dsv41.model.caches import empty_caches
+from dsv41.model.head import Head
+from dsv41.model.options import Options
+from dsv41.model.transformer import Transformer
+from dsv41.ops.rope import COMPRESSED, PLAIN, precompute_rope_tables
+from dsv41.ops.staged import StagedTensors
+from dsv41.weights import decode_checkpoint, init_checkpoint
+
+
+class ReferenceEngine(Engine):
+    """Deterministic random (or loaded) weights in one process."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0, max_batch: int | None = None,
+                 max_context: int | None = None, checkpoint=None, options: Options = Options()):
+        """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; read whole here."""
+        self.cfg = cfg
+        self.options = options
+        self.seed = seed
+        if checkpoint is None:
+            self.weights = decode_checkpoint(cfg, init_checkpoint(cfg, seed))
+        else:
+            if checkpoint.cfg != cfg:
+                raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
+            self.weights = decode_checkpoint(cfg, read_all(checkpoint))
+        self.model = Transformer(cfg, self.weights)
+        self.table = RequestTable(cfg, max_batch or cfg.max_batch_per_dp,
+                                  max_context or min(cfg.max_position_embeddings, 1024),
+                                  None if checkpoint is None else checkpoint.token_map)
+        self.caches = StagedTensors(empty_caches(cfg, self.table))
+        capacity = self.table.max_context
+        self.rope_tables = {p: precompute_rope_tables(cfg, capacity, p) for p in (PLAIN, COMPRESSED)}
+        self.last_request_ids: list[int] = []
+        self.last_stats: dict = {}
+        self._steps = StepCounter()
+
+    @property
+    def active(self) -> list[int]:
+        return list(self.table.requests)
+
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str) -> StepOutput:
+        step = self.table.plan(batch, phase)
+        try:
+            logits = self.model.forward(self.caches, self.rope_tables, step, self.options)
+        except BaseException:
+            self.caches.abort()
+            raise
+        self.caches.commit()
+        self.table.commit(step)
+        self.last_request_ids = step.rids
+        return StepOutput(step.rids, Head.sample(logits).tolist(), self._steps.guard(self._steps.next(), lambda: logits))
+
+    def release(self, rid: int):
+        self.table.release(rid)

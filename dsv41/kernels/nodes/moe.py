@@ -1,0 +1,176 @@
+"""MoE: the router, the dispatch to EP cards, the routed and shared experts, the combine."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv41.kernels.cost import BF16_BYTES, F32_BYTES, I64, Cost, meta, nbytes, reads
+from dsv41.kernels.record import NodeKind, at_rows
+from dsv41.kernels.ties import tie_mismatch_rows
+from dsv41.kernels.verdict import Verdict, compare
+from dsv41.model.moe import MoE
+from dsv41.ops import moe
+from dsv41.ops.moe import combine
+
+
+def gate(st, node, normed):
+    x = normed[node.attrs["rows"]]
+    indices, weights = st.model.blocks[node.layer].moe.gate(x)
+    return x, indices, weights
+
+
+def gate_cost(ctx, node, normed):
+    cfg, m, d = ctx.cfg, len(node.attrs["rows"]), normed.shape[1]
+    k, f = cfg.num_experts_per_tok, MoE.key(node.layer, "")
+    return Cost((meta(m, d), meta(m, k, dtype=I64), meta(m, k)), weights=reads(f + "gate.weight", f + "gate.bias"),
+                act_read=m * d * F32_BYTES, flops={"dense": 2 * m * d * cfg.n_routed_experts,
+                                                     "vector": 8 * m * cfg.n_routed_experts})
+
+
+def gate_pypto(st, node, normed):
+    x = normed[node.attrs["rows"]]
+    return "moe.gate", {"x": x, "w": st.weights[MoE.key(node.layer, "gate.weight")]}, {}, {}, \
+        lambda o: (x, *moe.pick_experts(o["scores"].float(), st.weights[MoE.key(node.layer, "gate.bias")],
+                                         st.cfg.num_experts_per_tok, st.cfg.routed_scaling_factor))
+
+
+def gate_compare(st, node, actual, golden) -> Verdict:
+    """The expert choice up to swaps among equal biased scores (selected scores may tie); the
+    routing weights where no tie was swapped."""
+    x, idx, w = golden
+    v = compare(actual[0], x)
+    biased = (moe.router_scores(x, st.weights[MoE.key(node.layer, "gate.weight")])
+              + st.weights[MoE.key(node.layer, "gate.bias")].float())
+    bad = tie_mismatch_rows(actual[1], idx, biased)
+    if bad:
+        v.merge(Verdict(False, False, why=f"rows {bad[:4]} choose other experts beyond ties"), "[1]")
+    same = (actual[1] == idx).all(1)
+    v.merge(compare(actual[2][same], w[same]), "[2]")
+    v.exact &= torch.equal(actual[1], idx)
+    return v
+
+
+def dispatch(st, node, gate_out):
+    """Per destination EP card: (token row, slot, expert id) triples in (t, k) order + their inputs."""
+    x, indices, weights = gate_out
+    per_card = st.cfg.n_routed_experts // st.topo.ep
+    out = {}
+    for dst in st.topo.cards:
+        t, k = torch.nonzero((indices // per_card) == dst, as_tuple=True)
+        out[dst] = (t, indices[t, k], x[t], weights[t, k])
+    return out
+
+
+def _dispatch_counts(indices: torch.Tensor, per_card: int, ep: int) -> list[int]:
+    if indices.device.type != "meta":
+        return torch.bincount((indices // per_card).flatten(), minlength=ep).tolist()
+    base, extra = divmod(indices.numel(), ep)
+    return [base + (dst < extra) for dst in range(ep)]
+
+
+def dispatch_cost(ctx, node, gate_out):
+    x, indices, _ = gate_out
+    d, per_card = x.shape[1], ctx.cfg.n_routed_experts // ctx.topo.ep
+    counts = _dispatch_counts(indices, per_card, ctx.topo.ep)
+    out = {dst: (meta(n, dtype=I64), meta(n, dtype=I64), meta(n, d), meta(n)) for dst, n in enumerate(counts)}
+    return Cost(out, act_read=sum(counts) * d * F32_BYTES + nbytes(indices))
+
+
+def experts(st, node, *dispatches):
+    """This EP rank's experts on the rows every source sent: source -> expert -> (rows, BF16 out)."""
+    sources = node.attrs["sources"]
+    parts = [d[st.card] for d in dispatches]
+    src = torch.cat([torch.full_like(rows, i) for i, (rows, *_) in enumerate(parts)])
+    rows, eids, x, w = (torch.cat(col) for col in zip(*parts))
+    out = {s: {} for s in sources}
+    if not eids.numel():
+        return out
+    # rows sorted by (expert, source), stably: one group per expert, a run per source inside it
+    run_key = eids * len(sources) + src
+    order = torch.argsort(run_key, stable=True)
+    runs, run_counts = torch.unique_consecutive(run_key[order], return_counts=True)
+    hit, counts = torch.unique_consecutive(eids[order], return_counts=True)
+    y = st.model.blocks[node.layer].moe.grouped(x[order], w[order], hit.tolist(), counts.tolist())
+    for run, r, part in zip(runs.tolist(), rows[order].split(run_counts.tolist()), y.split(run_counts.tolist())):
+        e, i = divmod(run, len(sources))
+        out[sources[i]][e] = (r, part)
+    return out
+
+
+def _experts_read(eids: list[torch.Tensor], pairs: int, first: int, local: int) -> dict[int, float]:
+    """Local expert id -> fraction of its weights read: the experts hit, or the expectation."""
+    if not pairs:
+        return {}
+    if eids[0].device.type != "meta":
+        return dict.fromkeys(torch.unique(torch.cat(eids)).tolist(), 1.0)
+    return dict.fromkeys(range(first, first + local), 1 - (1 - 1 / local) ** pairs)
+
+
+def experts_cost(ctx, node, *dispatches):
+    cfg, card = ctx.cfg, ctx.card
+    d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    local = cfg.n_routed_experts // ctx.topo.ep
+    out, pairs, received, eids = {}, 0, 0, []
+    for src, disp in zip(node.attrs["sources"], dispatches):
+        rows, ids, x, _ = disp[card]
+        n = rows.shape[0]
+        out[src] = {card: (meta(n, dtype=I64), meta(n, d))} if n else {}
+        pairs += n
+        eids.append(ids)
+        if src != card:
+            received += n * (d * BF16_BYTES + 8)
+    read = _experts_read(eids, pairs, card * local, local)
+    weights = {MoE.expert_key(node.layer, e, w): frac for e, frac in read.items() for w in ("w1", "w2", "w3")}
+    per_pair = d * F32_BYTES + 8 + 8 + 4   # row, token index, expert id, routing weight
+    return Cost(out, weights=weights, link=received, act_read=pairs * per_pair,
+                flops={"mx": 2 * pairs * 3 * d * inter, "vector": 8 * pairs * inter})
+
+
+def experts_device_time(st, node, args, mode):
+    """One grouped GEMM at the mean routed rows per expert that this step's pairs give."""
+    from dsv41.kernels.pypto.backend import node_time_us   # pypto's modules load on first use
+
+    cfg, tp, ep = st.cfg, st.topo.tp, st.topo.ep
+    pairs = sum(len(d[dst][0]) for d in args for dst in d)
+    rows = max(1, math.ceil(pairs / ((ep // tp) * cfg.num_experts_per_tok)))
+    return node_time_us("moe.experts", cfg, rows, tp, ep, mode=mode)
+
+
+def shared(st, node, gate_out):
+    return st.model.blocks[node.layer].moe.shared(gate_out[0])
+
+
+def shared_cost(ctx, node, gate_out):
+    cfg, (m, d) = ctx.cfg, gate_out[0].shape
+    f = MoE.key(node.layer, "shared_experts.")
+    return Cost(meta(m, d), weights=reads(f + "w1", f + "w2", f + "w3"), act_read=m * d * F32_BYTES,
+                flops={"mx": 2 * m * 3 * d * cfg.moe_intermediate_size, "vector": 8 * m * cfg.moe_intermediate_size})
+
+
+def moe_combine(st, node, gate_out, shared_out, *expert_outs):
+    routed = {}
+    for per_src in expert_outs:
+        routed.update(per_src.get(st.card, {}))
+    return combine(routed, shared_out)
+
+
+def combine_cost(ctx, node, gate_out, shared_out, *expert_outs):
+    m, d = shared_out.shape
+    mine = [per_src.get(ctx.card, {}) for per_src in expert_outs]
+    rows = [sum(y.shape[0] for _, y in groups.values()) for groups in mine]
+    remote = sum(n for e, n in zip(ctx.topo.cards, rows) if e != ctx.card)
+    return Cost(meta(m, d), link=remote * (d * BF16_BYTES + 4), act_read=nbytes(shared_out) + nbytes(mine),
+                flops={"vector": (sum(rows) + m) * d})
+
+
+RECORDS = (
+    NodeKind("moe.gate", gate, gate_cost, latency="matmul", pypto=gate_pypto, compare=gate_compare,
+             device_time=at_rows(lambda node, args: len(node.attrs["rows"]))),
+    NodeKind("moe.dispatch", dispatch, dispatch_cost),
+    NodeKind("moe.experts", experts, experts_cost, latency="matmul", device_time=experts_device_time,
+             no_pypto="FP4 experts simulated as BF16"),
+    NodeKind("moe.shared", shared, shared_cost, latency="matmul", no_pypto="MX linears simulated as BF16",
+             device_time=at_rows(lambda node, args: args[0][0].shape[0])),
+    NodeKind("moe.combine", moe_combine, combine_cost),
+)

@@ -1,0 +1,103 @@
+"""The whole model on one process: embedding, 40 blocks, head. ``Transformer.forward`` is the
+reference forward (prefill and decode alike: decode is one row per request)."""
+from __future__ import annotations
+
+import torch
+
+from dsv41.config import LayerSpec, ModelConfig
+from dsv41.model.attention import Attention
+from dsv41.model.embedding import Embedding, Engram
+from dsv41.model.head import Head
+from dsv41.model.hyper import SITES, HyperSite
+from dsv41.model.moe import MoE
+from dsv41.model.options import BOUNDED_REPLAY, Options
+from dsv41.ops.metadata import ForwardMetadata, replay_rows
+from dsv41.ops.norm import rms_norm
+from dsv41.ops.rope import COMPRESSED, PLAIN, gather_rope_rows
+
+
+class Block:
+    """One layer: [Engram], hyper-connection site + attention, hyper-connection site + MoE."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, weights):
+        L = spec.layer
+        self.cfg, self.spec, self.layer, self.weights = cfg, spec, L, weights
+        self.engram = Engram(cfg, L, weights) if L in cfg.engram_layer_ids else None
+        self.sites = {s: HyperSite(cfg, L, s, weights) for s in SITES}
+        self.attn = Attention(cfg, spec, weights)
+        self.moe = MoE(cfg, L, weights)
+
+    @staticmethod
+    def norm_key(layer: int, site: str) -> str:
+        return f"layers.{layer}.{site}_norm.weight"
+
+    @staticmethod
+    def tensors(cfg: ModelConfig, spec: LayerSpec):
+        L, d = spec.layer, cfg.hidden_size
+        for site in SITES:
+            yield from HyperSite.tensors(cfg, L, site)
+        for site in SITES:
+            yield Block.norm_key(L, site), (d,), "bf16", 0.05, 1.0
+        yield from Attention.tensors(cfg, spec)
+        yield from MoE.tensors(cfg, L)
+        if L in cfg.engram_layer_ids:
+            yield from Engram.tensors(cfg, L)
+
+    def norm(self, site: str, x) -> torch.Tensor:
+        """The RMSNorm before the site's sub-layer."""
+        return rms_norm(x, self.weights[self.norm_key(self.layer, site)], self.cfg.rms_norm_eps)
+
+    def forward(self, x, pre, caches, md, rope, selections: dict, hash_ids, opts: Options):
+        """(stream after the layer, its FFN site's pre mix: the next collapse's)."""
+        if self.engram is not None:
+            x = self.engram.forward(x, hash_ids[self.layer])
+        a, f = self.sites["attn"], self.sites["ffn"]
+        a_pre, a_post, a_comb = a.mixes(x)
+        h = a.post(self.attn.forward(caches, md, self.norm("attn", a.pre(x, pre)), rope, selections, opts),
+                   x, a_post, a_comb)
+        f_pre, f_post, f_comb = f.mixes(h)
+        x = f.post(self.moe.forward(self.norm("ffn", f.pre(h, a_pre))), h, f_post, f_comb)
+        return x, f_pre
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights):
+        self.cfg, self.weights = cfg, weights
+        self.embed = Embedding(cfg, weights)
+        self.blocks = [Block(cfg, spec, weights) for spec in cfg.layers]
+        self.head = Head(cfg, weights)
+
+    @staticmethod
+    def tensors(cfg: ModelConfig):
+        """Every checkpoint tensor as (name, logical shape, format, std, mean), in drawing order."""
+        yield from Embedding.tensors(cfg)
+        yield from Head.tensors(cfg)
+        for spec in cfg.layers:
+            yield from Block.tensors(cfg, spec)
+
+    def forward(self, caches, tables: dict, step, opts: Options = Options()) -> torch.Tensor:
+        """Last-row logits [B, vocab] FP32 of one packed step; cache writes are staged in ``caches``."""
+        cfg, md = self.cfg, step.md
+        rope = rope_rows(tables, md, cfg)
+        x = self.embed.forward(step.input_ids)
+        pre = HyperSite.initial_pre(md.num_tokens, cfg.hc_mult)
+        selections: dict = {}
+        replay = opts.prefill_mode == BOUNDED_REPLAY and step.phase == "prefill"
+        for block in self.blocks:
+            if replay and block.layer == cfg.candidate_source_layer_id + 1:
+                md, rows = replay_rows(md, cfg.sliding_window)
+                x, pre = x[rows], pre[rows]
+                rope = {k: (c[rows], s[rows]) for k, (c, s) in rope.items()}
+                selections = {k: v[rows] for k, v in selections.items()}
+            x, pre = block.forward(x, pre, caches, md, rope, selections, step.hash_ids, opts)
+        hidden = self.head.norm(HyperSite.head(x, pre))
+        return self.head.logits(hidden, md.logit_row_indices)
+
+
+def rope_rows(tables: dict, md: ForwardMetadata, cfg: ModelConfig) -> dict[tuple, tuple[torch.Tensor, torch.Tensor]]:
+    """One pair of row buffers per distinct (profile, position vector), shared by all layers using it."""
+    rows = {(PLAIN, "token"): gather_rope_rows(*tables[PLAIN], md.position_ids),
+            (COMPRESSED, "token"): gather_rope_rows(*tables[COMPRESSED], md.position_ids)}
+    for s in cfg.kv_source_layer_ids:
+        rows[(COMPRESSED, s)] = gather_rope_rows(*tables[COMPRESSED], md.compressed_rope_position_ids[s])
+    return rows
