@@ -24,7 +24,6 @@ from dsv41.graph.build import REPLICATED, build
 from dsv41.kernels.cost import nbytes
 from dsv41.kernels.device_time import node_sim_us
 from dsv41.kernels.kinds import KINDS
-from dsv41.kernels.pypto.backend import node_time_us
 from dsv41.plan.step import CardContext, step_inputs
 from dsv41.plan.roofline import node_us, profile
 from dsv41.plan.sizing import card_weights, node_cost
@@ -45,16 +44,6 @@ def split_rows(rows: int, max_requests: int, per_request: int) -> tuple[int, int
         return rows, 1
     raise ValueError(f"--rows: must be a multiple of {per_request} up to {max_requests * per_request}, "
                      f"or at most {max_requests}; got {rows}")
-
-
-def sim_us(ctx, node, args) -> float | None:
-    """device_time.node_sim_us, except an attention leaf: one ``attn.leaf`` call over all its keys
-    (device_time still prices a leaf as ceil(keys / 64) separate 64-key ``attn.tile`` calls)."""
-    if not node.kernel.startswith("attn.leaf."):
-        return node_sim_us(ctx, node, args)
-    cfg = ctx.cfg
-    keys = cfg.sliding_window + (cfg.index_topk if len(args) > 3 else 0)  # as device_time counts them
-    return node_time_us("attn.leaf", cfg, args[1].md.num_tokens, ctx.topo.tp, ctx.topo.ep, keys=keys)
 
 
 def main():
@@ -87,7 +76,7 @@ def main():
         if key not in NODES and not a.step:
             continue
         roof = node_us(node_cost(held[node.card], sig, args, nbytes(sig.out)), dev)
-        sim = sim_us(ctx[node.card], node, args)
+        sim = node_sim_us(ctx[node.card], node, args)
         if key in NODES:
             rows.append({"node": key, "kernel": node.kernel, "rows": requests * per_request,
                          "sim_us": None if sim is None else round(sim, 2), "roofline_us": round(roof, 2),

@@ -30,9 +30,8 @@ def node_parts(cfg, rows: int, tp: int = 1, ep: int | None = None, keys: int | N
     MX (FP8) linears are simulated as BF16 matmuls: pypto 0.2.0 rejects FP8/FP4 matmul on its only
     platform (Ascend 910B). ``attn.leaf`` is one attention leaf over ``keys`` gathered keys per token
     (default: window plus index Top-K), scores, softmax and PV each in one call over all keys, every
-    local head; ``attn.tile`` is the same at 64 keys (a leaf priced as ceil(keys / 64) tiles pays
-    the per-call cost that many times). ``moe.experts`` is a grouped
-    GEMM over the rank's experts with the mean routed rows per expert (ep = tp * dp cards), padded to 16.
+    local head. ``moe.experts`` is a grouped GEMM over the rank's experts with the mean routed rows
+    per expert (ep = tp * dp cards), padded to 16.
     """
     h, hd, half = cfg.num_attention_heads // tp, cfg.head_dim, cfg.qk_rope_head_dim // 2
     d, r, groups = cfg.hidden_size, cfg.q_lora_rank, cfg.o_groups // tp
@@ -40,11 +39,10 @@ def node_parts(cfg, rows: int, tp: int = 1, ep: int | None = None, keys: int | N
     routed = rows * (ep // tp) * cfg.num_experts_per_tok
     per_expert = -(-max(1, -(-routed // cfg.n_routed_experts)) // 16) * 16
     rope = dict(T=rows, H=h, dim=hd, half=half)
-    tile = dict(T=rows, H=h, K=64, d=hd)
     keys = keys or cfg.sliding_window + cfg.index_topk
     if not isinstance(keys, int) or keys < 1:
         raise ValueError(f"node_parts: keys must be a positive int, got {keys!r}")
-    leaf = dict(tile, K=keys)
+    leaf = dict(T=rows, H=h, K=keys, d=hd)
     return {
         "norm.rms": [("norm.rms", dict(T=rows, D=d))],
         "norm.final": [("norm.rms", dict(T=rows, D=d))],
@@ -57,8 +55,6 @@ def node_parts(cfg, rows: int, tp: int = 1, ep: int | None = None, keys: int | N
         "attn.kv_proj": [("attn.kv_proj", dict(M=rows, K=d, N=hd)), ("norm.rms", dict(T=rows, D=hd)),
                          ("rope.apply", dict(rope, H=1))],
         "attn.softmax_tile": [("attn.softmax_tile", dict(R=rows * h, K=64))],
-        "attn.tile": [("attn.qk_tile", tile), ("attn.softmax_tile", dict(R=rows * h, K=64)),
-                      ("attn.pv_tile", tile)],
         "attn.leaf": [("attn.qk_tile", leaf), ("attn.softmax_tile", dict(R=rows * h, K=keys)),
                       ("attn.pv_tile", leaf)],
         "attn.o_proj": [("rope.apply", dict(rope, inverse=1))]
