@@ -40,13 +40,24 @@ def cube_tiles(m: int, k: int, n: int, elem_bytes: int = 2) -> tuple[list[int], 
 
     Swept at [192,5120]x[5120,1280]: m,n 128 with k [256,1024] 27.1 us; k [256,512] 34.3; m,n 64 79.7.
     k1 must keep both L1 panels within L1: K=1280 with k1=1280 took 116 us against 44 with 1024.
-    m or n 192 and k0 512 fail to compile.
+    m or n 192 and k0 512 fail to compile; m 192 with k0 128 compiles but takes 218 us.
+    A cube task streams its [tm, K] and [K, tn] panels from GM at ~90 GB/s in the cost model, so a
+    task's time is set by its panel bytes and the task count by the tiles: tn halves down to 64 while
+    fewer than CUBE_CORES // 2 tasks would leave most cube cores idle ([192,5120]x[5120,512]: n 64,
+    16 tasks, vs n 128, 8 tasks, 26.9 us; n 32, 32 tasks, 36.6: every task re-reads the x panel).
+    Equal m tiles (96 + 96 for 192 rows) gained 0.6 us there but lost elsewhere (shared expert at
+    192 rows 194 us against 79), so tm stays 128.
     """
     tm, tn = min(128, _ceil16(m)), min(128, _ceil16(n))
+    while tn > 64 and -(-m // tm) * -(-n // tn) < CUBE_CORES // 2:
+        tn //= 2
     k0 = min(256 * 2 // elem_bytes, _ceil16(k))
     fit = L1_BYTES // (elem_bytes * (tm + tn)) // k0 * k0
     k1 = max(k0, min(fit, -(-k // k0) * k0))
     return [tm, tm], [k0, k1], [tn, tn]
+
+
+CUBE_CORES = 24  # 910B AIC count (A2A3.ini)
 
 
 def token_tiles(m: int, k: int, n: int) -> tuple[list[int], list[int], list[int]]:
@@ -61,9 +72,6 @@ def token_tiles(m: int, k: int, n: int) -> tuple[list[int], list[int], list[int]
     """
     tm, k0 = _ceil16(m), min(128, _ceil16(k))
     return [tm, tm], [k0, -(-k // k0) * k0], [min(256, _ceil16(n))] * 2
-
-
-CUBE_CORES = 24  # 910B AIC count (A2A3.ini)
 
 
 def tokens_per_cube_task(tokens: int) -> int:
