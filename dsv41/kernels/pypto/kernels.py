@@ -35,23 +35,26 @@ def _ceil16(x: int) -> int:
 L1_BYTES = 512 * 1024
 
 
-def cube_tiles(m: int, k: int, n: int, elem_bytes: int = 2) -> tuple[list[int], list[int], list[int]]:
+def cube_tiles(m: int, k: int, n: int, elem_bytes: int = 2, concurrent: int = 1
+               ) -> tuple[list[int], list[int], list[int]]:
     """[L0, L1] tiles per dim for the 910B cube (L0A/L0B 64 KB each, L1 512 KB).
 
-    Swept at [192,5120]x[5120,1280]: m,n 128 with k [256,1024] 27.1 us; k [256,512] 34.3; m,n 64 79.7.
-    k1 must keep both L1 panels within L1: K=1280 with k1=1280 took 116 us against 44 with 1024.
-    m or n 192 and k0 512 fail to compile; m 192 with k0 128 compiles but takes 218 us.
-    A cube task streams its [tm, K] and [K, tn] panels from GM at ~90 GB/s in the cost model, so a
-    task's time is set by its panel bytes and the task count by the tiles: tn halves down to 64 while
-    fewer than CUBE_CORES // 2 tasks would leave most cube cores idle ([192,5120]x[5120,512]: n 64,
-    16 tasks, vs n 128, 8 tasks, 26.9 us; n 32, 32 tasks, 36.6: every task re-reads the x panel).
-    Equal m tiles (96 + 96 for 192 rows) gained 0.6 us there but lost elsewhere (shared expert at
-    192 rows 194 us against 79), so tm stays 128.
+    ``concurrent``: how many same-shaped matmuls run side by side (a batch dim, g and u of an expert).
+    A cube task streams its [tm, K] and [K, tn] panels from GM at ~90 GB/s per core in the cost model
+    (a [96,5120] + [5120,64] BF16 pair, 1.64 MB, in 18.4 us), so its time follows tm + tn, and the
+    tasks run in rounds over the CUBE_CORES cores. tn is the candidate with the fewest rounds x
+    (tm + tn): the anchor's work list balanced over the 24 cube cores. Swept, SIM us before -> after:
+    [192,5120]x[5120,512] n 128 -> 64 (8 -> 16 tasks) 26.9 -> 21.0; [192,2048]x[2048,5120]
+    n 128 -> 224 (46 tasks, two rounds) 52.1 -> 36.6; [32,1280]x[1280,8192] n 128 -> 192 26.3 -> 20.1;
+    shared expert at 48 rows (g, u n 192: 24 tasks; down n 224: 23) 78.7 -> 61.7.
+    tn above 128 needs k0 128 (L0B 64 KB). k1 keeps both L1 panels within L1: K=1280 with k1=1280
+    took 116 us against 44 with 1024. m 192 fails to compile with k0 256 and takes 218 us with k0 128;
+    equal m tiles (96 + 96) lost on the shared expert (194 us against 174 at 192 rows), so tm stays 128.
     """
-    tm, tn = min(128, _ceil16(m)), min(128, _ceil16(n))
-    while tn > 64 and -(-m // tm) * -(-n // tn) < CUBE_CORES // 2:
-        tn //= 2
-    k0 = min(256 * 2 // elem_bytes, _ceil16(k))
+    tm = min(128, _ceil16(m))
+    fits = [t for t in (64, 96, 128, 160, 192, 224, 256) if t == 64 or t <= _ceil16(n)]
+    tn = min(fits, key=lambda t: (-(-(-(-m // tm) * -(-n // t) * concurrent) // CUBE_CORES)) * (tm + t))
+    k0 = min((256 if tn <= 128 else 128) * 2 // elem_bytes, _ceil16(k))
     fit = L1_BYTES // (elem_bytes * (tm + tn)) // k0 * k0
     k1 = max(k0, min(fit, -(-k // k0) * k0))
     return [tm, tm], [k0, k1], [tn, tn]
@@ -289,8 +292,8 @@ def moe_experts(s, d, run_mode):
     """
     G, T, D, I, LIM = s["G"], s["T"], s["D"], s["I"], float(s["limit"])
     ACT, W = DT[d["act"]], DT[d["w"]]
-    T1, K1, N1 = cube_tiles(T, D, I)
-    T2, K2, N2 = cube_tiles(T, I, D)
+    T1, K1, N1 = cube_tiles(T, D, I, concurrent=2 * G)   # g and u side by side
+    T2, K2, N2 = cube_tiles(T, I, D, concurrent=G)
     RT = vec_rows(T, I)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
