@@ -52,7 +52,7 @@ def cube_tiles(m: int, k: int, n: int, elem_bytes: int = 2, concurrent: int = 1
     equal m tiles (96 + 96) lost on the shared expert (194 us against 174 at 192 rows), so tm stays 128.
     """
     tm = min(128, _ceil16(m))
-    fits = [t for t in (64, 96, 128, 160, 192, 224, 256) if t == 64 or t <= _ceil16(n)]
+    fits = sorted({min(t, _ceil16(n)) for t in (64, 96, 128, 160, 192, 224, 256)})
     tn = min(fits, key=lambda t: (-(-(-(-m // tm) * -(-n // t) * concurrent) // CUBE_CORES)) * (tm + t))
     k0 = min((256 if tn <= 128 else 128) * 2 // elem_bytes, _ceil16(k))
     fit = L1_BYTES // (elem_bytes * (tm + tn)) // k0 * k0
