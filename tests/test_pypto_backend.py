@@ -288,3 +288,14 @@ def test_verify_with_natural_shaped_inputs():
     cos, sin = torch.randn(4096, 8), torch.randn(4096, 8)
     r = verify_kernel("rope.rows", {"cos_table": cos, "sin_table": sin, "pos": pos})
     assert r["ok"] and r["outputs"]["cos"]["exact_frac"] == 1.0, r
+
+
+@pytest.mark.parametrize("m,k,n,concurrent", [(192, 5120, 512, 1), (192, 2048, 5120, 1), (32, 1280, 8192, 1),
+                                               (48, 5120, 2304, 2), (16, 2304, 5120, 48), (48, 256, 32, 1)])
+def test_cube_tiles_fit_the_910b_buffers(m, k, n, concurrent):
+    """L0A/L0B hold 64 KB, L1 512 KB (A2A3.ini); a tile is never wider than its matrix."""
+    kernels = pytest.importorskip("dsv41.kernels.pypto.kernels")
+    (tm, _), (k0, k1), (tn, _) = kernels.cube_tiles(m, k, n, concurrent=concurrent)
+    assert tm * k0 * 2 <= 64 * 1024 and k0 * tn * 2 <= 64 * 1024
+    assert (tm + tn) * k1 * 2 <= 512 * 1024 and k1 % k0 == 0
+    assert tn <= -(-n // 16) * 16 and tm <= max(16, -(-m // 16) * 16)
