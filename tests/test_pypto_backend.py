@@ -120,6 +120,18 @@ def test_node_parts_cover_registered_kernels_and_sum(tmp_path):
     assert node_time_us("cache.commit", TINY, 48, simulate=fake) is None
 
 
+def test_attention_leaf_parts_cover_all_keys_in_one_call():
+    h = FLASH.num_attention_heads // 4
+    for keys in (FLASH.sliding_window, FLASH.sliding_window + FLASH.index_topk):
+        parts = dict(node_parts(FLASH, 192, 4, 8, keys)["attn.leaf"])
+        assert parts["attn.qk_tile"] == parts["attn.pv_tile"] == dict(T=192, H=h, K=keys, d=FLASH.head_dim)
+        assert parts["attn.softmax_tile"] == dict(R=192 * h, K=keys)
+    default = dict(node_parts(FLASH, 192, 4, 8)["attn.leaf"])["attn.qk_tile"]["K"]
+    assert default == FLASH.sliding_window + FLASH.index_topk
+    with pytest.raises(ValueError, match="keys"):
+        node_parts(FLASH, 192, 4, 8, keys=-1)
+
+
 def test_check_npu_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ImportError
     with pytest.raises(RuntimeError, match=r"pypto-npu needs an Ascend NPU and torch_npu: "):
@@ -257,6 +269,14 @@ def test_verify_rope_variants(shapes):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["attn.qk_tile", "attn.pv_tile"])
+def test_verify_attention_with_merged_token_tasks(kernel):
+    # 48 tokens: two per-token cube tasks merged into one (kernels.tokens_per_cube_task), whole K in L1
+    r = verify_kernel(kernel, shapes=dict(T=48, H=8, K=128, d=64))
+    assert r["error"] is None and r["ok"], r
+
+
+@pytest.mark.slow
 def test_verify_with_natural_shaped_inputs():
     t, hc, d = 6, 4, 128
     x_hc = torch.randn(t, hc, d).bfloat16().float()
@@ -268,3 +288,14 @@ def test_verify_with_natural_shaped_inputs():
     cos, sin = torch.randn(4096, 8), torch.randn(4096, 8)
     r = verify_kernel("rope.rows", {"cos_table": cos, "sin_table": sin, "pos": pos})
     assert r["ok"] and r["outputs"]["cos"]["exact_frac"] == 1.0, r
+
+
+@pytest.mark.parametrize("m,k,n,concurrent", [(192, 5120, 512, 1), (192, 2048, 5120, 1), (32, 1280, 8192, 1),
+                                               (48, 5120, 2304, 2), (16, 2304, 5120, 48), (48, 256, 32, 1)])
+def test_cube_tiles_fit_the_910b_buffers(m, k, n, concurrent):
+    """L0A/L0B hold 64 KB, L1 512 KB (A2A3.ini); a tile is never wider than its matrix."""
+    kernels = pytest.importorskip("dsv41.kernels.pypto.kernels")
+    (tm, _), (k0, k1), (tn, _) = kernels.cube_tiles(m, k, n, concurrent=concurrent)
+    assert tm * k0 * 2 <= 64 * 1024 and k0 * tn * 2 <= 64 * 1024
+    assert (tm + tn) * k1 * 2 <= 512 * 1024 and k1 % k0 == 0
+    assert tn <= -(-n // 16) * 16 and tm <= max(16, -(-m // 16) * 16)

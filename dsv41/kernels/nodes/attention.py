@@ -2,8 +2,6 @@
 leaf of each attention mode, the output projection."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dsv41.kernels.cost import F32_BYTES, I64, Cost, meta, nbytes, reads, row_bytes, valid
@@ -167,13 +165,12 @@ def leaf_cost(ctx, node, q, step, _window, *sources):
 
 
 def leaf_device_time(st, node, args, mode):
-    """ceil(keys / 64) pypto ``attn.tile`` calls: the window, plus the Top-K when the leaf has sources."""
+    """One pypto ``attn.leaf`` over the leaf's keys: the window, plus the Top-K when it has sources."""
     from dsv41.kernels.pypto.backend import node_time_us   # pypto's modules load on first use
 
     cfg, step = st.cfg, args[1]
     keys = cfg.sliding_window + (cfg.index_topk if len(args) > 3 else 0)
-    per_tile = node_time_us("attn.tile", cfg, step.md.num_tokens, st.topo.tp, st.topo.ep, mode=mode)
-    return None if per_tile is None else per_tile * math.ceil(keys / 64)
+    return node_time_us("attn.leaf", cfg, step.md.num_tokens, st.topo.tp, st.topo.ep, keys=keys, mode=mode)
 
 
 def o_proj(st, node, attended, rope):

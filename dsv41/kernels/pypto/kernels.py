@@ -35,18 +35,53 @@ def _ceil16(x: int) -> int:
 L1_BYTES = 512 * 1024
 
 
-def cube_tiles(m: int, k: int, n: int, elem_bytes: int = 2) -> tuple[list[int], list[int], list[int]]:
+def cube_tiles(m: int, k: int, n: int, elem_bytes: int = 2, concurrent: int = 1
+               ) -> tuple[list[int], list[int], list[int]]:
     """[L0, L1] tiles per dim for the 910B cube (L0A/L0B 64 KB each, L1 512 KB).
 
-    Swept at [192,5120]x[5120,1280]: m,n 128 with k [256,1024] 27.1 us; k [256,512] 34.3; m,n 64 79.7.
-    k1 must keep both L1 panels within L1: K=1280 with k1=1280 took 116 us against 44 with 1024.
-    m or n 192 and k0 512 fail to compile.
+    ``concurrent``: how many same-shaped matmuls run side by side (a batch dim, g and u of an expert).
+    A cube task streams its [tm, K] and [K, tn] panels from GM at ~90 GB/s per core in the cost model
+    (a [96,5120] + [5120,64] BF16 pair, 1.64 MB, in 18.4 us), so its time follows tm + tn, and the
+    tasks run in rounds over the CUBE_CORES cores. tn is the candidate with the fewest rounds x
+    (tm + tn): the anchor's work list balanced over the 24 cube cores. Swept, SIM us before -> after:
+    [192,5120]x[5120,512] n 128 -> 64 (8 -> 16 tasks) 26.9 -> 21.0; [192,2048]x[2048,5120]
+    n 128 -> 224 (46 tasks, two rounds) 52.1 -> 36.6; [32,1280]x[1280,8192] n 128 -> 192 26.3 -> 20.1;
+    shared expert at 48 rows (g, u n 192: 24 tasks; down n 224: 23) 78.7 -> 61.7.
+    tn above 128 needs k0 128 (L0B 64 KB). k1 keeps both L1 panels within L1: K=1280 with k1=1280
+    took 116 us against 44 with 1024. m 192 fails to compile with k0 256 and takes 218 us with k0 128;
+    equal m tiles (96 + 96) lost on the shared expert (194 us against 174 at 192 rows), so tm stays 128.
     """
-    tm, tn = min(128, _ceil16(m)), min(128, _ceil16(n))
-    k0 = min(256 * 2 // elem_bytes, _ceil16(k))
+    tm = min(128, _ceil16(m))
+    fits = sorted({min(t, _ceil16(n)) for t in (64, 96, 128, 160, 192, 224, 256)})
+    tn = min(fits, key=lambda t: (-(-(-(-m // tm) * -(-n // t) * concurrent) // CUBE_CORES)) * (tm + t))
+    k0 = min((256 if tn <= 128 else 128) * 2 // elem_bytes, _ceil16(k))
     fit = L1_BYTES // (elem_bytes * (tm + tn)) // k0 * k0
     k1 = max(k0, min(fit, -(-k // k0) * k0))
     return [tm, tm], [k0, k1], [tn, tn]
+
+
+CUBE_CORES = 24  # 910B AIC count (A2A3.ini)
+
+
+def token_tiles(m: int, k: int, n: int) -> tuple[list[int], list[int], list[int]]:
+    """Tiles for a batch of tiny per-token matmuls (attention: M = local heads, K/N = keys or head dim).
+
+    Each cube task pays ~2 us of setup in the cost model (pv [16,128]x[128,128] tasks: 2.0-2.2 us each),
+    so the whole K stays in one L1 panel and the task covers all of a token's work; the batch of
+    tokens is what spreads over the 24 cube cores (the anchor's per-(token, key block) work items).
+    Swept at T=24, H=16, d=512, K=640: PV k [128,640] n 256 8.2 us per token-task vs k [64,128] n 512
+    12.8, [128,128] n 128 14.2 (x2 tasks); QK k [128,512] n 256 7.9 vs k [256,512] n 128 5.6 x2.
+    n 640 or k0 64 with n 512 fail to compile (L0B is 64 KB).
+    """
+    tm, k0 = _ceil16(m), min(128, _ceil16(k))
+    return [tm, tm], [k0, -(-k // k0) * k0], [min(256, _ceil16(n))] * 2
+
+
+def tokens_per_cube_task(tokens: int) -> int:
+    """Same-structure per-token cube tasks merged into one (``cube_nbuffer_setting``): each merge saves
+    a task setup, but fewer tasks than cube cores leave cores idle. At T=192, K=128 QK: 1 -> 60.6 us
+    (192 tasks), 4 -> 43.2 (48 tasks, 2 per core), 8 -> 50.7 (24 tasks, no overlap with the vector side)."""
+    return max(1, min(4, tokens // CUBE_CORES))
 
 
 def rms_norm(s, d, run_mode):
@@ -219,12 +254,13 @@ def attn_qk_tile(s, d, run_mode):
     """logits [T, H, K] = scale * q [T, H, d] . keys [T, K, d]: one key tile, batched over tokens."""
     T, H, K, DD, SCALE = s["T"], s["H"], s["K"], s["d"], float(s["scale"])
     ACT = DT[d["act"]]
-    TM, TK, TN = cube_tiles(H, DD, K)
-    RT = vec_rows(H, K)
+    TM, TK, TN = token_tiles(H, DD, K)
+    RT, MERGE = vec_rows(H, K), tokens_per_cube_task(T)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
     def qk_tile_k(q: pypto.Tensor((T, H, DD), ACT), keys: pypto.Tensor((T, K, DD), ACT),
                   logits: pypto.Tensor((T, H, K), pypto.DT_FP32)):
+        pypto.set_pass_options(cube_nbuffer_setting={-1: MERGE})
         pypto.set_cube_tile_shapes(TM, TK, TN)
         z = pypto.matmul(q, keys, pypto.DT_FP32, b_trans=True)
         pypto.set_vec_tile_shapes(1, RT, K)
@@ -236,11 +272,13 @@ def attn_pv_tile(s, d, run_mode):
     """out [T, H, d] = probs [T, H, K] @ values [T, K, d] (K = V, the shared head), FP32 accumulation."""
     T, H, K, DD = s["T"], s["H"], s["K"], s["d"]
     ACT = DT[d["act"]]
-    TM, TK, TN = cube_tiles(H, K, DD)
+    TM, TK, TN = token_tiles(H, K, DD)
+    MERGE = tokens_per_cube_task(T)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
     def pv_tile_k(probs: pypto.Tensor((T, H, K), ACT), values: pypto.Tensor((T, K, DD), ACT),
                   out: pypto.Tensor((T, H, DD), pypto.DT_FP32)):
+        pypto.set_pass_options(cube_nbuffer_setting={-1: MERGE})
         pypto.set_cube_tile_shapes(TM, TK, TN)
         out[:] = pypto.matmul(probs, values, pypto.DT_FP32)
     return pv_tile_k
@@ -254,8 +292,8 @@ def moe_experts(s, d, run_mode):
     """
     G, T, D, I, LIM = s["G"], s["T"], s["D"], s["I"], float(s["limit"])
     ACT, W = DT[d["act"]], DT[d["w"]]
-    T1, K1, N1 = cube_tiles(T, D, I)
-    T2, K2, N2 = cube_tiles(T, I, D)
+    T1, K1, N1 = cube_tiles(T, D, I, concurrent=2 * G)   # g and u side by side
+    T2, K2, N2 = cube_tiles(T, I, D, concurrent=G)
     RT = vec_rows(T, I)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
