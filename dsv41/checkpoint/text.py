@@ -126,9 +126,10 @@ class TextCodec:
         for marker, text in ((c, t) for c, t in zip(stand_in, texts) if isinstance(t, str)):
             parts = rendered.split(marker)
             if len(parts) != 2:
-                raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} chat_template does not write each "
-                                 f"message's text once and unchanged (found {len(parts) - 1} copies), so it cannot "
-                                 "be kept apart from the template's control tokens")
+                raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} chat_template does not write the "
+                                 f"user text once and unchanged (found {len(parts) - 1} copies of message "
+                                 f"{stand_in.index(marker)}'s), so it cannot be kept apart from the template's "
+                                 "control tokens")
             ids += self.tokenizer.encode(parts[0], add_special_tokens=False).ids + self.encode_text(text, allow_special)
             rendered = parts[1]
         return ids + self.tokenizer.encode(rendered, add_special_tokens=False).ids

@@ -223,7 +223,7 @@ def run(args) -> int:
     except NonFiniteError as e:   # the checkpoint's numbers overflow: its fault, like a bad value read
         if ckpt is None:
             raise
-        return _refuse(e)
+        return _refuse(e, args)
     finally:
         engine.close()
 
