@@ -135,7 +135,6 @@ class RequestTable:
         """Plan new requests that have already read these token histories: the pages a prefill of each
         history would leave allocated (its stale window pages released), no model step. The caller
         fills the caches (``engine.context.fill_caches``) and commits."""
-        cfg = self.cfg
         if not histories:
             raise ValueError("context: at least one request to start")
         requests, pools = copy.deepcopy(self.requests), copy.deepcopy(self.pools)
