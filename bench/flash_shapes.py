@@ -3,6 +3,8 @@ against ``--plan``.
 
     python bench/flash_shapes.py --checkpoint /tmp/flash-L2-E8 --batch 2 --prompt-len 8 --new-tokens 2 \
         --layouts reference sync:1:1 threads:4:2
+    python bench/flash_shapes.py --checkpoint /tmp/flash-L3-E8 --batch 1 --prompt-len 1 --new-tokens 2 \
+        --context 131072 --layouts reference sync:1:1      # decode at a long context (drawn history)
 
 Each layout is one ``python -m dsv41.run ... --json`` in a child process of its own (so each peak is
 its own): the child reports its peak RSS (``resource.getrusage``: the kernel's high-water mark, the
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=2)
+    p.add_argument("--context", type=int, default=0, help="tokens of drawn history before each prompt (run's --context)")
     p.add_argument("--layouts", nargs="+", default=["reference", "sync:1:1", "threads:4:2"])
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -67,13 +70,13 @@ def main(argv=None) -> int:
                                                   ("engram_rows", "--engram-rows"))
                                   if getattr(a, k) is not None for f in (f, str(getattr(a, k)))]
     common = model + ["--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--new-tokens",
-                      str(a.new_tokens), "--json"]
+                      str(a.new_tokens), "--json"] + (["--context", str(a.context)] if a.context else [])
     first = None
     ok = True
     for spec in a.layouts:
         result, peak = _run(common + _layout(spec))
         tp, dp = (1, 1) if spec == "reference" else map(int, spec.split(":")[1:])
-        context = a.prompt_len + a.new_tokens + 1
+        context = a.context + a.prompt_len + a.new_tokens + 1
         plan, _ = _run(model + ["--plan", "--json", "--tp", str(tp), "--dp", str(dp), "--batch", str(dp),
                                 "--context", str(context)])
         planned = {c["card"]: c["weights_bytes"] for c in plan["plan"]["cards"]}

@@ -1,5 +1,6 @@
 """The released widths run for real (slow): graph executors equal the reference bit for bit at FLASH
-width, TP1 and TP4/DP2/EP8, on a reduced FLASH checkpoint, and each card holds the plan's weight bytes.
+width, TP1 and TP4/DP2/EP8, on a reduced FLASH checkpoint (and TP1 decoding at 16K of drawn context), and
+each card holds the plan's weight bytes.
 
 Three layers (SWA, SWA with Engram, the first ratio-2 FULL layer), 8 experts and Engram tables of
 4,099 rows keep it to a few GB; the hidden size, heads, LoRA ranks, indexer, window and vocabulary
@@ -42,3 +43,14 @@ def test_graph_equals_reference_at_flash_width(capsys, folder):
         topo = Topology(tp, dp, tp * dp)
         for card in got["cards"]:
             assert card["weights_bytes"] == sum(weights_by_kind(cfg, topo, card["card"]).values())
+
+
+def test_graph_equals_reference_decoding_at_a_long_context(capsys, folder):
+    """16,384 tokens of drawn context: 8,192 ratio-2 compressed rows for the indexer's Top-K 512."""
+    path, _ = folder
+    long = ["--batch", "1", "--prompt-len", "1", "--new-tokens", "2", "--context", "16384", "--json"]
+    assert main(["--checkpoint", str(path), *long, "--executor", "reference"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main(["--checkpoint", str(path), *long, "--executor", "sync", "--tp", "1", "--dp", "1"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["tokens"], got["last_logits_sha256"]) == (want["tokens"], want["last_logits_sha256"])

@@ -38,5 +38,6 @@ def per_group(a) -> int:
 
 
 def max_context(a) -> int:
-    """Tokens a request of the run reaches: its prompt, the generated tokens and one spare row."""
-    return a.prompt_len + (a.new_tokens if a.graph == "decode" else 0) + 1
+    """Tokens a request of the run reaches: its drawn context (--context), its prompt, the generated
+    tokens and one spare row."""
+    return (a.context or 0) + a.prompt_len + (a.new_tokens if a.graph == "decode" else 0) + 1

@@ -27,7 +27,10 @@ def add_arguments(g):
     g.add_argument("--plan", action="store_true",
                    help="build the step's graph at full scale on meta tensors and report HBM and predicted latency; "
                         "--batch requests are spread evenly over the DP groups")
-    g.add_argument("--context", type=int, default=None, help="--plan: tokens per request (default: the config's max)")
+    g.add_argument("--context", type=int, default=None, metavar="N",
+                   help="--plan: tokens per request (default: the config's max); a run: start every request at N "
+                        "tokens of drawn history (caches filled as a prefill would leave them, from the seed; "
+                        "docs/flash-shapes.md), then prefill its prompt and decode")
     g.add_argument("--device-profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
                    help=f"--plan or traced runs: the device whose cited constants time the plan and traced nodes: "
                         f"a built-in profile {sorted(PROFILES)} (dsv41/plan/profiles.py) or your own .json/.toml "
@@ -41,7 +44,8 @@ def add_arguments(g):
 
 APPLIES = {
     "--plan": (ALL, None),
-    "--context": (frozenset({PLAN}), None),
+    "--context": (ALL, ("does not go with --temperature > 0: drawn-history requests are greedy",
+                        lambda a: a.plan or not a.context or not a.temperature)),
     "--dispatch": (frozenset({PLAN}), None),
     "--explain": (frozenset({PLAN}), None),
     "--device-profile": (GRAPH_OR_PLAN, ("needs --trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
@@ -51,6 +55,13 @@ APPLIES = {
 
 def _context(a, cfg):
     if a.context is None:
+        return None
+    if not a.plan:
+        new = a.new_tokens if a.graph == "decode" else 0
+        top = cfg.max_position_embeddings - a.prompt_len - new - 1
+        if not 1 <= a.context <= top:
+            return (f"must be in [1, {top}] tokens of drawn history with --prompt-len {a.prompt_len} and "
+                    f"{new} new tokens {on(a, cfg)} (context limit {cfg.max_position_embeddings}), got {a.context}")
         return None
     low, top = rows_per_request(cfg, a.batch // a.dp, a.graph), cfg.max_position_embeddings
     if not low <= a.context <= top:

@@ -40,13 +40,13 @@ EPILOG = """\
 modes and the flags that go with them:
   every mode        --graph --config --checkpoint --batch --json --debug
                     --layers --experts --engram-rows (reduce --config's model)
-  a run             --prompt-len --seed --new-tokens (--graph decode only)
+  a run             --prompt-len --seed --new-tokens (--graph decode only) --context (drawn history first)
                     --prompt --prompt-file (with --checkpoint) --chat --allow-special-tokens (with a prompt)
                     --temperature; with it --top-p --top-k --min-p --sample-seed; --stop (with --checkpoint)
   graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
   sync, threads     --check
   distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
-  --plan            --tp --dp --ep --wiring --context --dispatch --trace --device-profile
+  --plan            --tp --dp --ep --wiring --context (tokens per request) --dispatch --trace --device-profile
 --batch is the number of requests in total, everywhere: a run spreads them over the DP groups,
 --plan spreads them evenly (so it must be a multiple of --dp). With --checkpoint its config.json is
 the config (no --config); with --prompt/--prompt-file the batch is the prompts (no --batch,
@@ -302,8 +302,10 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
     params = [sampling.params(args, j) for j in range(len(prompts))]
     live = list(range(len(prompts)))      # requests still generating (EOS ends one)
     with progress.steps(1 + max(0, n - 1)), progress.compilations():
-        progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens")
-        done.prefill_ms = done.timed(engine, engine.prefill, prompts, params)
+        context = args.context or 0
+        progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens" +
+                       (f" after {context} drawn" if context else ""))
+        done.prefill_ms = done.timed(engine, engine.prefill, prompts, params, context)
         progress.done(f"  prefill   {done.prefill_ms:9.1f} ms  {_describe(done.stats[-1])}")
         rids = list(done.last.request_ids)
         for i in range(n):
@@ -330,7 +332,7 @@ def summary(args, cfg, topo, done: Steps) -> dict:
     result = {
         "graph": args.graph, "config": cfg.name, "executor": args.executor,
         "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep},
-        "tokens": done.tokens, "step_ms": done.step_ms, "prefill_ms": done.prefill_ms,
+        "tokens": done.tokens, "step_ms": done.step_ms, "prefill_ms": done.prefill_ms, "context": args.context or 0,
         "last_logits_sha256": logits_sha256(done.last.logits),   # the only logits that come home
     }
     if done.texts is not None:

@@ -37,6 +37,7 @@ from dsv41.cluster.runtime import NodeError
 from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
+from dsv41.engine.context import draw_history, fill_caches
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
 from dsv41.graph.build import SHARDED, build, commit_key, feed, head_key, shape, step_outputs
@@ -92,6 +93,7 @@ class GraphEngine(Engine):
         token_map = None if checkpoint is None else checkpoint.token_map
         self.tables = [RequestTable(cfg, per_group, max_context, token_map) for _ in range(topo.dp)]
         self.where: dict[int, tuple[int, int]] = {}   # global request id -> (DP group, local id)
+        self.filled: set[int] = set()        # requests started at a drawn context: no history to replay
         self.next_rid = 0
         self.step_id = 0
         self.generation = 0                  # steps committed on every card
@@ -168,6 +170,10 @@ class GraphEngine(Engine):
         lost = self._lost_cards() or list(err.cards)
         t.append(time.perf_counter())
         groups = sorted({self.topo.dp_group(c) for c in lost})
+        drawn = sorted(r for r in self.filled if self.where[r][0] in groups)
+        if drawn:
+            raise RuntimeError(f"recovery: request(s) {drawn} started at a drawn context (start_at_context); "
+                               f"replaying their history would compute caches, not redraw them") from err
         cards = [c for g in groups for c in self.topo.group_cards(g)]
         self._install(lost)
         self._renew([c for c in cards if c not in lost])
@@ -369,10 +375,35 @@ class GraphEngine(Engine):
         used = [t.blocks_in_use() for t in self.tables]
         return sum(u for u, _ in used), sum(t for _, t in used)
 
+    def start_at_context(self, count: int, context: int) -> list[int]:
+        """Requests placed as a prefill places them (the least loaded DP group); every card of a group
+        fills its replica of the group's caches with the same drawn rows."""
+        if not self._finalizer.alive:
+            raise RuntimeError(f"engine {self.id} is closed")
+        seed = self._state_args[0]
+        load = [len(t.requests) for t in self.tables]
+        histories: dict[int, list] = {}            # group -> (global id, history)
+        for rid in range(self.next_rid, self.next_rid + count):
+            grp = min(range(self.topo.dp), key=lambda g: (load[g], g))
+            load[grp] += 1
+            histories.setdefault(grp, []).append((rid, draw_history(self.cfg, seed, rid, context)))
+        started = {g: self.tables[g].start_at([h for _, h in items]) for g, items in histories.items()}
+        fills = {g: [(rid, started[g].requests[local]) for (rid, _), local in zip(items, started[g].rids)]
+                 for g, items in histories.items()}
+        self._on_every_process(_fill_here, self.id, self.cfg, seed, fills)
+        for g, items in histories.items():
+            self.tables[g].commit(started[g])
+            for (rid, _), local in zip(items, started[g].rids):
+                self.where[rid] = (g, local)
+                self.filled.add(rid)
+        self.next_rid += count
+        return list(range(self.next_rid - count, self.next_rid))
+
     def release(self, rid: int):
         if rid not in self.where:
             raise ValueError(f"request_ids: unknown or released request {rid}")
         grp, local = self.where.pop(rid)
+        self.filled.discard(rid)
         self.tables[grp].release(local)
 
     # ---- tools ------------------------------------------------------------------------------------------
@@ -439,6 +470,15 @@ def _free_everywhere(engine: str, runner):
             runner.run_on_cards(registry.free, engine, on_error="ignore")
     finally:
         runner.close()
+
+
+def _fill_here(engine: str, cfg, seed: int, fills: dict):
+    """Fill each DP group's drawn requests into the caches of its cards in this process."""
+    states = registry.owned(engine).states
+    for grp, requests in fills.items():
+        targets = [st.caches for c, st in states.items() if st.topo.dp_group(c) == grp]
+        if targets:
+            fill_caches(cfg, seed, targets, requests)
 
 
 def _card_bytes(engine: str):

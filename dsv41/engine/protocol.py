@@ -63,12 +63,30 @@ class Engine(ABC):
     def close(self):
         """Free what the engine holds (its cards' States, its cluster)."""
 
-    def prefill(self, prompts: list[list[int]], sampling=None) -> StepOutput:
-        """Start one request per prompt (positions from 0); sampling: one SamplingParams for all,
-        or one per prompt (default greedy)."""
+    @abstractmethod
+    def start_at_context(self, count: int, context: int) -> list[int]:
+        """Start ``count`` requests that have read ``context`` tokens, without a step: host state and
+        every cache replica as a prefill of that history would leave them, rows drawn from the seed
+        and each request's id (``engine.context``). Returns their ids; nothing runs on the model."""
+
+    def prefill(self, prompts: list[list[int]], sampling=None, context: int = 0) -> StepOutput:
+        """Start one request per prompt, at positions from ``context``; sampling: one SamplingParams
+        for all, or one per prompt (default greedy). With context > 0 each request first holds that
+        many tokens of drawn history (``start_at_context``; released again if the prompt's step
+        fails); such requests are greedy (their sampling state starts with the drawn history)."""
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
-        return self.step([(None, list(p)) for p in prompts], "prefill", sampling)
+        if not context:
+            return self.step([(None, list(p)) for p in prompts], "prefill", sampling)
+        if any(s is not None and not s.greedy for s in sampling):
+            raise ValueError("sampling: requests started at a drawn context (context > 0) are greedy only")
+        rids = self.start_at_context(len(prompts), context)
+        try:
+            return self.step([(r, list(p)) for r, p in zip(rids, prompts)], "prefill")
+        except BaseException:
+            for r in rids:
+                self.release(r)
+            raise
 
     def decode(self, token_ids: list[int], request_ids: list[int] | None = None) -> StepOutput:
         """One token per request (default: every active request, in admission order)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import ModelConfig, Topology
+from dsv41.engine.context import draw_history, fill_caches
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
 from dsv41.model.caches import empty_caches
@@ -61,6 +62,13 @@ class ReferenceEngine(Engine):
         self.table.commit(step)
         self.last_request_ids = step.rids
         return StepOutput(step.rids, ids.tolist(), self._steps.guard(self._steps.next(), lambda: logits), logprobs)
+
+    def start_at_context(self, count: int, context: int) -> list[int]:
+        first = self.table.next_rid
+        started = self.table.start_at([draw_history(self.cfg, self.seed, first + i, context) for i in range(count)])
+        fill_caches(self.cfg, self.seed, [self.caches], [(r, started.requests[r]) for r in started.rids])
+        self.table.commit(started)
+        return started.rids
 
     def release(self, rid: int):
         self.table.release(rid)

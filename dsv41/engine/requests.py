@@ -61,6 +61,14 @@ class StepInputs:
     draws: list[RowDraw] | None = None      # per request, for the head; None: every row greedy argmax
 
 
+@dataclass
+class Started:
+    """Requests admitted at a context without a step (``RequestTable.start_at``); commit like a step."""
+    rids: list[int]
+    requests: dict[int, Request]            # host state after commit
+    pools: Pools
+
+
 class RequestTable:
     """Requests and block pools of one DP group (one paged-cache owner)."""
 
@@ -151,6 +159,29 @@ class RequestTable:
         ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.int64)
         return StepInputs(rids, ids, md, {k: torch.cat(v) for k, v in hashes.items()}, phase, requests, pools,
                           None if all(d.plain for d in draws) else draws)
+
+    def start_at(self, histories: list[list[int]]) -> Started:
+        """Plan new requests that have already read these token histories: the pages a prefill of each
+        history would leave allocated (its stale window pages released), no model step. The caller
+        fills the caches (``engine.context.fill_caches``) and commits."""
+        if not histories:
+            raise ValueError("context: at least one request to start")
+        requests, pools = copy.deepcopy(self.requests), copy.deepcopy(self.pools)
+        if len(requests) + len(histories) > self.max_batch:
+            raise ValueError(f"batch: at most {self.max_batch} active requests (capacity contract)")
+        rids = []
+        for history in histories:
+            n = len(history)
+            if not 1 <= n < self.max_context:
+                raise ValueError(f"context: must be in [1, {self.max_context - 1}] tokens (max_context "
+                                 f"{self.max_context} leaves a row for the next token), got {n}")
+            rid = self.next_rid + len(rids)
+            req = requests[rid] = Request(rid, list(history), state_block=pools.state.pop(0))
+            self._allocate(req, n, pools)
+            req.kv_len = n
+            self._release_stale_window(req, pools)
+            rids.append(rid)
+        return Started(rids, requests, pools)
 
     def _allocate(self, req: Request, n_new: int, pools: Pools):
         bs, w = self.cfg.block_size, self.cfg.sliding_window

@@ -253,3 +253,30 @@ PROFILES = {p.name: p for p in (
               "flops_per_s": "NVIDIA H20 product brief (as reported above): FP8 296, BF16 148 TFLOPS dense; FP32 44",
               **_HOPPER, "inter": f"assumption: the HGX H20 board carries the same NIC per GPU as HGX H100; {_CX7}"}),
 )}
+
+# ---- this CPU --------------------------------------------------------------------------------------
+
+_CPU_RATES = ("bench/cpu_rates.py on the 2-core development VM, best of 5 at load average 3.9 (other sessions "
+              "running; the best of two runs): 256 MiB FP32 copy 8.15 GB/s (read + write), 2048^3 GEMM FP32 97.8 and "
+              "FP64 49.9 GFLOP/s, a 1-element torch.add 2.91 us per call")
+_CPU_LOOPBACK = ("assumption: dask workers on one host talk over loopback TCP; a collective and a dispatch/combine "
+                 "call alike cost 100 us per message (the order of a Python asyncio round trip) and the bytes at the "
+                 "measured copy bandwidth; not measured")
+_CPU_LINK = Link(8.15 * G, 1.0, AlphaBeta(100.0, 8.15 * G), ByRanks(((2, AlphaBeta(100.0, 8.15 * G)),)))
+# the kernels decode FP8/FP4/BF16 weights to FP64 on every use and multiply in FP64 (docs/numerics.md), so
+# every matmul class runs at the FP64 GEMM rate; the measured rates are achieved ones (efficiency 1)
+CPU = DeviceProfile(
+    "cpu", "this development VM's CPU, 2 cores (Torch eager, FP64 matmuls)", 23 * 2 ** 30, 8.15 * G,
+    {"mx": 49.9 * G, "dense": 49.9 * G, "vector": 97.8 * G},
+    {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
+    launch_us=2.91, host_launch_us=2.91, graph_launch_us=2.91, host_step_us=100.0, token_sync_us=2.91,
+    sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM", "hbm_bytes_per_s": _CPU_RATES,
+             "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (weights decoded to FP64 per use); "
+                                         "vector at the FP32 GEMM rate (assumption: an upper bound)",
+             "efficiency": "the rates are measured achieved rates (bench/cpu_rates.py), so 1.0",
+             "intra": _CPU_LOOPBACK, "inter": _CPU_LOOPBACK,
+             "cards_per_node": "assumption: the 8 workers of run 2 share one host",
+             "launch_us": _CPU_RATES + ": one eager Torch op's dispatch per kernel",
+             "host_launch_us": _CPU_RATES, "graph_launch_us": "no graph capture on CPU: one op's dispatch",
+             "host_step_us": _HOST_STEP, "token_sync_us": "the tokens are in host memory already: one op's dispatch to read them"})
+PROFILES[CPU.name] = CPU
