@@ -46,8 +46,9 @@ def build_parser() -> rules.Parser:
                    help="the model name requests must name (default: the config's name, or the checkpoint "
                         "folder's)")
     # what the shared checks read from a run that a server does not have
-    p.set_defaults(plan=False, graph="decode", prompt=None, prompt_file=None, chat=False, allow_special_tokens=False,
-                   dashboard=False, hold=None, show_graph=None, check=False, trace=None, report=False, new_tokens=0)
+    p.set_defaults(plan=False, graph="decode", context=None, prompt=None, prompt_file=None, chat=False,
+                   allow_special_tokens=False, dashboard=False, hold=None, show_graph=None, check=False, trace=None,
+                   report=False, new_tokens=0)
     return p
 
 

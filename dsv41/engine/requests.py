@@ -176,7 +176,7 @@ class RequestTable:
                 raise ValueError(f"context: must be in [1, {self.max_context - 1}] tokens (max_context "
                                  f"{self.max_context} leaves a row for the next token), got {n}")
             rid = self.next_rid + len(rids)
-            req = requests[rid] = Request(rid, list(history), state_block=pools.state.pop(0))
+            req = requests[rid] = Request(rid, list(history), state_block=pools.state.pop(0), prompt_len=n)
             self._allocate(req, n, pools)
             req.kv_len = n
             self._release_stale_window(req, pools)
