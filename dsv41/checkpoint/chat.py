@@ -356,9 +356,10 @@ class ChatTokenizer:
     the tokenizer that has no added tokens (``plain.plain_tokenizer``), so text can never become a
     control token."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, plain=None):
+        """plain: the tokenizer's copy without added tokens when the caller already made one."""
         self.tokenizer = tokenizer
-        self.plain = plain_tokenizer(tokenizer)
+        self.plain = plain_tokenizer(tokenizer) if plain is None else plain
 
     def control_id(self, token: str) -> int:
         tid = self.tokenizer.token_to_id(token)

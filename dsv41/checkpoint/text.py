@@ -58,7 +58,7 @@ class TextCodec:
                                   f"found {type(self.chat_template).__name__}")
         self.bos_id = self._id(self.bos, source, "bos_token")
         self.eos_id = self._id(self.eos, source, "eos_token")
-        self._chat: ChatTokenizer | None = None    # made on first use (it copies the tokenizer)
+        self._chat: ChatTokenizer | None = None    # made on first use; shares self.plain
 
     def _id(self, token: str | None, source: str, key: str) -> int | None:
         if token is None:
@@ -107,7 +107,7 @@ class TextCodec:
         if self.chat_template:
             return self._encode_template(messages, thinking, tools, allow_special)
         if self._chat is None:
-            self._chat = ChatTokenizer(self.tokenizer)
+            self._chat = ChatTokenizer(self.tokenizer, self.plain)
         return self._chat.encode(messages, thinking=thinking, tools=tools)
 
     def _encode_template(self, messages: list[dict], thinking: bool, tools, allow_special: bool) -> list[int]:
