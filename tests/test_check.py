@@ -87,6 +87,39 @@ def test_compare_rules():
     assert not check.compare(torch.tensor([[float("nan"), 1.0]]), torch.tensor([[0.0, 1.0]])).ok
 
 
+@pytest.mark.parametrize("per_shape", [1, 0])
+def test_pypto_values_for_the_first_nodes_of_each_kernel_and_shape(monkeypatch, tmp_path, per_shape):
+    """--pypto-per-shape N: pypto's value for the first N nodes of each (node kind, kernel shape), the
+    rest checked on their Torch value; 0: every node. pypto itself is stood in for by the golden."""
+    calls = []
+
+    def fake_pypto(mode, st, node, args, memo=None, request=None):
+        calls.append((node.kernel, check.shape_key(*request[:3])))
+        return KINDS[node.kernel].run(st, node, *args)
+    monkeypatch.setattr(check, "pypto_value", fake_pypto)
+    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="sync", max_batch=2, max_context=32)
+    checker = check.NodeCheck("pypto-sim", pypto_per_shape=per_shape, trace_dir=tmp_path)
+    engine.check_nodes(checker)
+    try:
+        out = engine.prefill([[1, 2, 3, 4, 5], [9, 8, 7]])
+        engine.decode(out.tokens)
+    finally:
+        engine.check_nodes(None)
+    forms = {k for k, kind in KINDS.items() if kind.pypto is not None}
+    assert checker.first_failure is None
+    for name, row in checker.rows.items():
+        assert row.source == ("pypto" if name in forms else "torch")
+        if name not in forms:
+            assert row.pypto_nodes == 0
+        elif per_shape:
+            assert 0 < row.pypto_nodes < row.nodes, (name, vars(row))
+        else:
+            assert row.pypto_nodes == row.nodes, (name, vars(row))
+    if per_shape:
+        assert len(set(calls)) == len(calls)       # once per (node kind, kernel shape)
+    assert len(calls) == sum(r.pypto_nodes for r in checker.rows.values())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_check_pypto_sim_lists_every_pypto_kernel(capsys):

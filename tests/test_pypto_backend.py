@@ -236,6 +236,23 @@ def test_real_failure_leaves_caller_alive(tmp_path):
 
 
 @pytest.mark.slow
+def test_worker_past_its_rss_cap_retires_after_replying(monkeypatch):
+    """pypto keeps each call's compiled kernel loaded; a worker over DSV41_PYPTO_WORKER_MAX_GB answers,
+    then exits, and the next call gets a fresh worker (memory stays bounded over thousands of calls)."""
+    from dsv41.kernels.pypto.sim import PyptoWorker
+    monkeypatch.setenv("DSV41_PYPTO_WORKER_MAX_GB", "0")
+    w = PyptoWorker("sim")
+    shapes, dtypes = PYPTO_KERNELS["norm.rms"].normalize(dict(T=8, D=64))
+    try:
+        first = w.run("norm.rms", shapes, dtypes)
+        assert first["ok"] and first["us"] > 0 and "retire" not in first and w._proc is None
+        second = w.run("norm.rms", shapes, dtypes)
+        assert second["ok"] and w._proc is None
+    finally:
+        w.close()
+
+
+@pytest.mark.slow
 def test_worker_killed_mid_call_is_reported_and_replaced(tmp_path):
     """A worker that dies (segfault, exit(1)) mid-call: the caller gets None and the next call works."""
     import os

@@ -98,6 +98,8 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--hold": (DIST, ("needs --dashboard", lambda a: a.dashboard)),
     "--show-graph": (GRAPH, None),
     "--check": (LOCAL, None),
+    "--pypto-per-shape": (LOCAL, ("needs --check and --backend pypto-sim or pypto-npu",
+                                  lambda a: a.check and a.backend.startswith("pypto"))),
     "--json": (ALL, None),
     "--debug": (ALL, None),
     "--help": (ALL, None),
@@ -260,6 +262,11 @@ def _seed(a, cfg):
         return f"must be in [0, {MAX_SEED}], got {a.seed}"
 
 
+def _pypto_per_shape(a, cfg):
+    if a.pypto_per_shape < 0:
+        return f"must be >= 0 (0: pypto computes every node), got {a.pypto_per_shape}"
+
+
 def _hold(a, cfg):
     if a.hold is not None and not (math.isfinite(a.hold) and a.hold >= 0):
         return f"must be a number of seconds >= 0, got {a.hold:g}"
@@ -351,6 +358,7 @@ CHECKS: list[Check] = [
     ("--experts", _experts), ("--tp", _tp), ("--dp", _dp), ("--ep", _ep), ("--batch", _batch), ("--prompt-len", _prompt_len),
     ("--new-tokens", _new_tokens), ("--seed", _seed), ("--hold", _hold), ("--connect-timeout", _connect_timeout),
     ("--address", _address), ("--show-graph", _show_graph), ("--backend", _backend), ("--dashboard", _dashboard),
+    ("--pypto-per-shape", _pypto_per_shape),
 ]
 LAST: list[Check] = [("--config", _budget)]   # after every cheaper check: it sizes the model
 

@@ -44,7 +44,7 @@ modes and the flags that go with them:
                     --prompt --prompt-file (with --checkpoint) --chat --allow-special-tokens (with a prompt)
                     --temperature; with it --top-p --top-k --min-p --sample-seed; --stop (with --checkpoint)
   graph executors   --tp --dp --ep --wiring --granularity --backend --show-graph --trace --device-profile
-  sync, threads     --check
+  sync, threads     --check; with it and a pypto --backend, --pypto-per-shape
   distributed       --address --connect-timeout --dashboard --hold (with --dashboard) --report
   --plan            --tp --dp --ep --wiring --context (tokens per request) --dispatch --trace --device-profile
 --batch is the number of requests in total, everywhere: a run spreads them over the DP groups,
@@ -101,6 +101,9 @@ def build_parser() -> rules.Parser:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout (progress goes to stderr)")
     p.add_argument("--check", action="store_true",
                    help="check every node against the Torch golden on its inputs (sync/threads executors)")
+    p.add_argument("--pypto-per-shape", type=int, default=2, metavar="N",
+                   help="with --check and a pypto backend: pypto computes the first N nodes of each kernel and "
+                        "shape (each call compiles, ~1-2 s), the rest are checked on their Torch values; 0: every node")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="with --checkpoint; repeatable (the batch is the number of prompts)")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="with --checkpoint: one prompt per line")
@@ -383,7 +386,7 @@ def _start_check(args, engine):
     if not args.check:
         return None
     from dsv41.kernels.check import NodeCheck
-    checker = NodeCheck(args.backend)
+    checker = NodeCheck(args.backend, pypto_per_shape=args.pypto_per_shape)
     engine.check_nodes(checker)
     return checker
 

@@ -154,8 +154,8 @@ class PyptoWorker:
             except OSError:
                 pass  # it died between calls; _recv reports how
             reply = self._recv(timeout)
-            if not reply.get("ok"):
-                self._stop(kill=False)  # the worker exits after a failure: its pypto state is spoiled
+            if not reply.get("ok") or reply.pop("retire", False):
+                self._stop(kill=False)  # it exits after a failure (its pypto state is spoiled) or past its RSS cap
             return reply
 
     def close(self) -> None:

@@ -15,9 +15,14 @@ import time
 import traceback
 from pathlib import Path
 
+import psutil
+
 from dsv41.kernels.pypto import env as pypto_env
 
 CYCLES_PER_US = 1800.0  # what pypto's own swimlane script divides by (--time_convert_denominator)
+# pypto 0.2.0 keeps every call's compiled kernel loaded (~45 MB a pass-verify call on this CPU), so a
+# worker past this RSS retires after its reply and the next call starts a fresh one
+MAX_RSS_BYTES = int(float(os.environ.get("DSV41_PYPTO_WORKER_MAX_GB", 3)) * 2 ** 30)
 
 
 def e2e_us(outdir: Path) -> tuple[float, int]:
@@ -170,8 +175,10 @@ def main(conn, mode: str, root: str) -> None:
             traceback.print_exc()
             reason = _plog_errors(root_p, mark)
             reply = {"ok": False, "error": _first_line(e) + (f" [plog: {reason}]" if reason else "")}
+        if reply.get("ok") and psutil.Process().memory_info().rss > MAX_RSS_BYTES:
+            reply["retire"] = True
         send(reply)
-        if not reply.get("ok"):
+        if not reply.get("ok") or reply.get("retire"):
             return  # a failed call leaves pypto's global scope open ("function nested is not allowed")
 
 
