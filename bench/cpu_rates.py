@@ -1,11 +1,16 @@
-"""This machine's rates for a ``cpu`` device profile: memory bandwidth, FP32/FP64 matmul rate, and the
-cost of one small Torch op (dispatch), each the best of a few repeats (other work on the machine only
-ever slows a repeat down).
+"""This machine's rates for a ``cpu`` device profile: memory bandwidth, FP32/FP64 matmul rate, the
+cost of one small Torch op (dispatch), and what a weight costs per value on each use, each the best
+of a few repeats (other work on the machine only ever slows a repeat down).
 
     python bench/cpu_rates.py [--json]
 
 Bandwidth: a 256 MiB FP32 copy (read + write bytes over time). Matmul: square GEMMs of 2048
-(2 n^3 FLOPs over time). Dispatch: a 1-element add, per call.
+(2 n^3 FLOPs over time). Dispatch: a 1-element add, per call. Weight use: the kernels decode a
+checkpoint-format weight to FP64 on every use (``dsv41.weights.decode_tensor``) and multiply one row
+by it; per value of a FLASH-width matrix (an FP8 linear 4096 x 5120, an FP4 expert matrix
+2304 x 5120, a BF16 head block 16384 x 5120, an FP32 matrix 4096 x 5120), that decode plus the
+one-row product. Importing dsv41 sets Torch's threads as the engine runs them (``DSV41_TORCH_THREADS``,
+default 1), so every rate is the engine's.
 """
 from __future__ import annotations
 
@@ -14,6 +19,10 @@ import json
 import time
 
 import torch
+
+from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
+from dsv41.weights import decode_tensor
+from dsv41.config import FLASH
 
 
 def best(fn, repeats: int) -> float:
@@ -37,6 +46,24 @@ def rates(repeats: int = 5) -> dict:
     x, y = torch.ones(1), torch.ones(1)
     calls = 2000
     out["dispatch_us"] = best(lambda: [torch.add(x, y) for _ in range(calls)], repeats) / calls * 1e6
+    out["weight_use_ns"] = weight_use_ns(repeats)
+    return out
+
+
+def weight_use_ns(repeats: int) -> dict:
+    """Format -> ns per value of decoding a weight to FP64 and multiplying one row by it."""
+    g = torch.Generator().manual_seed(0)
+    fp8 = block_mxfp8_encode(torch.randn(4096, 5120, generator=g) * 0.02)
+    fp4 = expert_mxfp4_encode(torch.randn(2304, 5120, generator=g) * 0.02)
+    weights = {"fp8": ("layers.0.attn.wq_b", fp8[0], fp8[1]),
+               "fp4": ("layers.0.ffn.experts.0.w1", fp4[0].view(torch.int8), fp4[1]),
+               "bf16": ("head.weight", torch.randn(16384, 5120, generator=g).to(torch.bfloat16), None),
+               "f32": ("layers.0.hc_attn_fn", torch.randn(4096, 5120, generator=g), None)}
+    out = {}
+    for fmt, (key, t, scale) in weights.items():
+        row = torch.randn(1, 5120, dtype=torch.float64, generator=g)
+        s = best(lambda: row @ decode_tensor(FLASH, key, t, scale).T, repeats)
+        out[fmt] = s / (t.shape[0] * 5120) * 1e9
     return out
 
 
@@ -51,7 +78,8 @@ def main(argv=None) -> int:
     else:
         print(f"threads {r['threads']}: copy {r['bytes_per_s'] / 1e9:.2f} GB/s, FP32 GEMM "
               f"{r['fp32_flops_per_s'] / 1e9:.1f} GFLOP/s, FP64 GEMM {r['fp64_flops_per_s'] / 1e9:.1f} GFLOP/s, "
-              f"dispatch {r['dispatch_us']:.2f} us per small op")
+              f"dispatch {r['dispatch_us']:.2f} us per small op; a weight's decode + one-row product: "
+              + ", ".join(f"{k} {v:.2f} ns" for k, v in r["weight_use_ns"].items()) + " per value")
     return 0
 
 

@@ -62,6 +62,38 @@ def test_kernel_at_the_compute_bound():
     assert one_node("attn.leaf.swa", cost(read=1_000_000)).parts["n"].body == pytest.approx(4.0)
 
 
+def test_weight_use_adds_its_decode_per_value_to_the_compute_side():
+    # 1 M FP8 values at 20 ns and 0.5 M FP4 values at 10 ns on a part that decodes per use: 25 ms of
+    # compute on top of 10 MFLOP (0.2 µs); the bytes (2 µs) no longer bound it. A part whose kernels read
+    # the stored formats (every accelerator profile: no weight_use_ns) pays nothing for it.
+    c = NodeCost(1_000_000, 0, {"dense": 1e7}, 0, 0, {"fp8": 1_000_000, "fp4": 500_000})
+    g = Graph("decode")
+    g.add("n", "attn.q_proj", (), 0)
+    cpu = replace(DEV, weight_use_ns={"fp8": 20.0, "fp4": 10.0})
+    p = step_latency(g, {"n": c}, cpu).parts["n"]
+    assert p.bound == "compute" and p.body == pytest.approx(25_000.0 + 0.2)
+    assert one_node("attn.q_proj", c).parts["n"].body == pytest.approx(2.0)
+    assert all(not p.weight_use_ns for name, p in PROFILES.items() if name != "cpu")
+
+
+def test_plan_counts_the_values_each_node_decodes_on_its_card():
+    """TP2: a card decodes its half of wq_b (head-parallel) and all of wq_a; the routed experts it
+    reads are its own EP slice's."""
+    from dsv41.plan.sizing import card_values
+    from dsv41.weights import checkpoint_specs
+    topo = Topology(2, 1, 2)
+    _, planned = run_plan(TINY, topo, requests=1, context=16, phase="decode")
+    specs = checkpoint_specs(TINY)
+    values = card_values(TINY, topo, 0)
+    n = lambda name: math.prod(specs[name][0])
+    assert values["layers.3.attn.wq_b"] == ("fp8", n("layers.3.attn.wq_b.weight") // 2)
+    assert values["layers.3.attn.wq_a"] == ("fp8", n("layers.3.attn.wq_a.weight"))
+    assert values["head.weight"] == ("bf16", n("head.weight") // 2)
+    q = next(k for k, node in planned.plan.graph.nodes.items() if node.kernel == "attn.q_proj" and node.layer == 3
+             and node.card == 0)
+    assert planned.costs[q].decoded["fp8"] == values["layers.3.attn.wq_a"][1] + values["layers.3.attn.wq_b"][1]
+
+
 def all_gather(cards, link_bytes):
     g = Graph("decode")
     for c in cards:

@@ -75,6 +75,16 @@ def test_profile_file_with_a_base_overrides_field_by_field(tmp_path):
     assert profile(str(f)) == p
 
 
+def test_profile_file_sets_the_weight_use_cost_per_format(tmp_path):
+    f = tmp_path / "box.toml"
+    f.write_text('base = "cpu"\n[weight_use_ns]\nfp8 = 7.5\n[sources]\nweight_use_ns = "bench/cpu_rates.py on box"\n')
+    p = load_profile(f)
+    assert p.weight_use_ns == {**PROFILES["cpu"].weight_use_ns, "fp8": 7.5}
+    assert p.sources["weight_use_ns"] == "bench/cpu_rates.py on box"
+    f.write_text('base = "h100"\n')
+    assert load_profile(f).weight_use_ns == {}
+
+
 def test_profile_file_in_json_without_a_base_needs_every_constant(tmp_path):
     h = PROFILES["h200"]
     link = {"bytes_per_s": 4.5e11, "efficiency": 0.8, "collective": {"alpha_us": 10, "bytes_per_s": 3.6e11},
@@ -103,6 +113,8 @@ def test_profile_file_in_json_without_a_base_needs_every_constant(tmp_path):
     ('base = "tpu"', r"base: must be one of"),
     ('base = "h100"\nhop_us = 3', r"\(top level\): unknown keys \['hop_us'\]"),
     ('base = "h100"\n[flops_per_s]\nfp4 = 1e15', r"flops_per_s: unknown keys \['fp4'\]"),
+    ('base = "cpu"\n[weight_use_ns]\nfp16 = 3', r"weight_use_ns: unknown keys \['fp16'\]"),
+    ('base = "cpu"\n[weight_use_ns]\nfp8 = -1', r"weight_use_ns.fp8: must be a number in \[0, 1e\+06\]"),
 ])
 def test_profile_file_errors_name_the_field_and_range(tmp_path, body, field):
     f = tmp_path / "bad.toml"

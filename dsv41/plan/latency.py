@@ -5,7 +5,8 @@ Every node is a kernel group: the launch gaps of the kernels a serving stack run
 primitive (``sync``: its alpha, the device-side wait of the hand-off) and the time its bytes take
 (``collectives``: bytes / beta), then its body, max(bytes / achievable bandwidth, FLOPs / achievable
 rate), where "achievable" is the profile's fraction for the node kind's latency class
-(``NodeKind.latency``). The primitives are
+(``NodeKind.latency``); a profile whose kernels decode weights on every use (``weight_use_ns``, the
+``cpu`` profile) adds that decode, per value read, to the compute side. The primitives are
 fit to microbenchmarks (``dsv41.plan.primitives``, cited in the profiles):
 
 - ``tp.all_gather`` / ``tp.reduce_scatter`` (and the exact owner all-reduce, an all-gather), and
@@ -71,6 +72,7 @@ def body_us(cost, dev, klass: str, load: float = 1.0) -> tuple[float, str]:
     bw_frac, rate_frac = dev.efficiency[klass]
     memory = (cost.bytes_read + cost.bytes_written) / (dev.hbm_bytes_per_s * bw_frac)
     compute = load * sum(f / (dev.flops_per_s[kind] * rate_frac) for kind, f in cost.flops.items())
+    compute += sum(n * dev.weight_use_ns.get(fmt, 0.0) for fmt, n in cost.decoded.items()) * 1e-9
     return max(memory, compute) * 1e6, ("compute" if compute > memory else "memory")
 
 

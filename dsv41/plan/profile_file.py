@@ -6,6 +6,8 @@ link table merges key by key); without one every constant is required. Every val
 against a plausible range and a bad one is refused with the field's dotted name and the range, so a
 calibration file cannot silently produce a nonsense plan. ``sources`` (optional) says where the
 operator's numbers come from; a constant the file sets without a source is cited as the file.
+``weight_use_ns`` (optional, by checkpoint format fp8/fp4/bf16/f32) is for parts whose kernels
+decode weights on every use, as this CPU's do.
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ _SCALARS = {                       # field -> (low, high, integer)
 _RATES = ("mx", "dense", "vector")
 _CLASSES = ("matmul", "gather", "vector")
 _LINK_KEYS = ("bytes_per_s", "efficiency", "collective", "a2a")
-_TOP = {"base", "name", "description", "sources", "flops_per_s", "efficiency", "intra", "inter", *_SCALARS}
+_FORMATS = ("fp8", "fp4", "bf16", "f32")
+_TOP = {"base", "name", "description", "sources", "flops_per_s", "efficiency", "intra", "inter", "weight_use_ns",
+        *_SCALARS}
 
 
 class _Check:
@@ -131,16 +135,20 @@ def load_profile(path) -> DeviceProfile:
                 raise chk.fail(f"efficiency.{k}", "must be [fraction of HBM bandwidth, fraction of the FLOP rate]", v)
             eff[k] = tuple(float(chk.number(f"efficiency.{k}[{i}]", f, 0.0, 1.0, open_low=True))
                            for i, f in enumerate(v))
+    decode = dict(base.weight_use_ns) if base else {}
+    if "weight_use_ns" in raw:
+        for k, v in chk.table("weight_use_ns", raw["weight_use_ns"], _FORMATS, required=False).items():
+            decode[k] = float(chk.number(f"weight_use_ns.{k}", v, 0.0, 1e6))
     links = {k: _link(chk, k, raw[k], getattr(base, k) if base else None) if k in raw else getattr(base, k)
              for k in ("intra", "inter")}
     notes = raw.get("sources", {})
     if not isinstance(notes, dict) or not all(isinstance(v, str) for v in notes.values()):
         raise chk.fail("sources", "must be a table of constant -> text", notes)
-    chk.table("sources", notes, CONSTANTS, required=False)
+    chk.table("sources", notes, (*CONSTANTS, "weight_use_ns"), required=False)
     sources = dict(base.sources) if base else {}
-    sources.update({k: notes.get(k, f"user profile file {path}") for k in given})
+    sources.update({k: notes.get(k, f"user profile file {path}") for k in given | ({"weight_use_ns"} & set(raw))})
     return DeviceProfile(name, raw.get("description", f"user profile from {path}"), float(values["hbm_bytes"]),
                          float(values["hbm_bytes_per_s"]), rates, eff, links["intra"], links["inter"],
                          int(values["cards_per_node"]), float(values["launch_us"]), float(values["host_launch_us"]),
                          float(values["graph_launch_us"]), float(values["host_step_us"]),
-                         float(values["token_sync_us"]), sources)
+                         float(values["token_sync_us"]), sources, decode)

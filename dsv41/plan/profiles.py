@@ -56,6 +56,9 @@ class DeviceProfile:
     host_step_us: float        # host work per step before the first kernel (scheduling, input copy)
     token_sync_us: float       # the sampled tokens' copy to the host and its wait, at the end of a step
     sources: dict = field(default_factory=dict)   # constant -> where it comes from
+    # checkpoint format -> ns per weight value on each use, before the body: a part whose kernels
+    # read the stored formats (every accelerator profile) has none; this CPU decodes to FP64 per use
+    weight_use_ns: dict = field(default_factory=dict)
 
     @property
     def link_bytes_per_s(self) -> float:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -67,18 +67,27 @@ def _specs(cfg) -> dict:
     return checkpoint_specs(cfg)
 
 
+# payload dtype -> (format a use decodes from, values per stored byte); E8M0 scales join their payload
+_DECODED = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2), torch.bfloat16: ("bf16", 0.5),
+            torch.float32: ("f32", 0.25)}
+
+
 @lru_cache(maxsize=64)
-def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int]]:
+def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[str, int]]]:
     specs = _specs(cfg)
     by_key: dict[str, int] = defaultdict(int)
     by_kind = dict.fromkeys(WEIGHT_KINDS, 0)
+    values: dict[str, tuple[str, int]] = {}
     for name, (shape, dtype) in specs.items():
         held = _held(name, math.prod(shape) * dtype.itemsize, cfg, topo, card)
         if held:
             key = state_key(name, specs)
             by_key[key] += held
             by_kind[_kind(name, key)] += held
-    return dict(by_key), by_kind
+            if dtype in _DECODED:
+                fmt, per_byte = _DECODED[dtype]
+                values[key] = (fmt, int(held * per_byte))
+    return dict(by_key), by_kind, values
 
 
 def checkpoint_bytes(cfg) -> int:
@@ -93,6 +102,11 @@ def card_weights(cfg, topo, card: int) -> dict[str, int]:
 
 def weights_by_kind(cfg, topo, card: int) -> dict[str, int]:
     return dict(_card_table(cfg, topo, card)[1])
+
+
+def card_values(cfg, topo, card: int) -> dict[str, tuple[str, int]]:
+    """Runtime weight key -> (checkpoint format, values this card holds): what a use decodes."""
+    return _card_table(cfg, topo, card)[2]
 
 
 def cache_kind(name: str) -> str:
@@ -135,17 +149,24 @@ class NodeCost:
     flops: dict
     link: int
     output_bytes: int
+    decoded: dict = field(default_factory=dict)   # checkpoint format -> weight values the node reads
+
 
     @property
     def total_flops(self) -> int:
         return int(sum(self.flops.values()))
 
 
-def node_cost(weights_held: dict, cost, inputs, output_bytes: int) -> NodeCost:
+def node_cost(weights_held: dict, cost, inputs, output_bytes: int, values_held: dict | None = None) -> NodeCost:
     """A signature's Cost in bytes on a card holding ``weights_held`` (``card_weights``): inputs (or the
     signature's own count), weights read, looked-up table rows and cache rows; output and cache rows
-    written."""
+    written. With ``values_held`` (``card_values``), the weight values read by checkpoint format."""
     weights = sum(weights_held[k] * frac for k, frac in cost.weights.items())
     activations = nbytes(inputs) if cost.act_read is None else cost.act_read
+    decoded: dict[str, int] = defaultdict(int)
+    for k, frac in cost.weights.items():
+        if values_held and k in values_held:
+            fmt, n = values_held[k]
+            decoded[fmt] += int(n * frac)
     return NodeCost(int(activations + weights + cost.gathered + cost.cache_read), output_bytes + cost.cache_written,
-                    cost.flops, cost.link, output_bytes)
+                    cost.flops, cost.link, output_bytes, dict(decoded))

@@ -26,7 +26,7 @@ from dsv41.ops import metadata as md_ops
 from dsv41.plan.latency import StepLatency, step_latency
 from dsv41.plan.primitives import moe_imbalance
 from dsv41.plan.roofline import node_us, profile, simulate
-from dsv41.plan.sizing import card_weights, node_cost, request_cache_bytes, weights_by_kind
+from dsv41.plan.sizing import card_values, card_weights, node_cost, request_cache_bytes, weights_by_kind
 from dsv41.plan.hbm import CardLedger, annotate
 
 
@@ -81,6 +81,7 @@ def check(cfg, requests: int, context: int, phase: str):
 def walk(graph, contexts) -> dict:
     """Node key -> NodeCost, evaluating every signature on the meta values of its inputs."""
     held = {c: card_weights(ctx.cfg, ctx.topo, c) for c, ctx in contexts.items()}
+    decoded = {c: card_values(ctx.cfg, ctx.topo, c) for c, ctx in contexts.items()}
     values = {k: v for k, (v, _) in graph.literals.items()}
     costs = {}
     for key in graph.topo_order():
@@ -88,7 +89,7 @@ def walk(graph, contexts) -> dict:
         args = [values[i] for i in node.inputs]
         sig = KINDS[node.kernel].cost(contexts[node.card], node, *args)
         values[key] = sig.out
-        costs[key] = node_cost(held[node.card], sig, args, nbytes(sig.out))
+        costs[key] = node_cost(held[node.card], sig, args, nbytes(sig.out), decoded[node.card])
     return costs
 
 

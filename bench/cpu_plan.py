@@ -1,0 +1,93 @@
+"""The plan's ``cpu`` profile against this machine's clock: predicted vs measured decode step, per node kind.
+
+    python bench/cpu_plan.py --checkpoint /tmp/flash-L40-E8 --contexts 16384 131072 1048000
+    python bench/cpu_plan.py --checkpoint /tmp/flash-L1-E384 --contexts 0 --layout threads:4:2
+
+For each context N: one traced run (``python -m dsv41.run --checkpoint ... --context N --batch B
+--prompt-len 1 --new-tokens 2 --trace ...``, so a drawn history of N tokens, the one-token prompt step,
+then one decode step), and the plan of that decode step (``--plan --graph decode --context N+2
+--device-profile cpu``). Measured per node kind: the wall time of its node spans in the decode step;
+predicted: the latency model's node times (``critical_path_us_by_kernel``: on one card every node is
+on the path). The step: the run's decode step wall time against ``predicted_step_us``. One JSON object
+per context with ``--json``; rows within ``--within`` (default 25%) are marked ok.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+
+def _run(argv: list[str], cwd: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "dsv41.run", *argv], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def _attrs(span: dict) -> dict:
+    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+
+def measured_by_kernel(otlp: Path, phase: str, step: int) -> dict[str, float]:
+    """Kernel -> µs summed over the node spans of one step."""
+    out: dict[str, float] = defaultdict(float)
+    for line in otlp.read_text().splitlines():
+        for rs in json.loads(line)["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for sp in ss["spans"]:
+                    a = _attrs(sp)
+                    if a.get("dsv41.span") == "node" and a.get("dsv41.phase") == phase and int(a["dsv41.step"]) == step:
+                        out[a["dsv41.kernel"]] += (int(sp["endTimeUnixNano"]) - int(sp["startTimeUnixNano"])) / 1e3
+    return dict(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--contexts", type=int, nargs="+", default=[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layout", default="sync:1:1", help="executor:tp:dp")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--within", type=float, default=0.25)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    executor, tp, dp = a.layout.split(":")
+    layout = ["--tp", tp, "--dp", dp]
+    work = tempfile.mkdtemp(prefix="cpu_plan-")
+    for n in a.contexts:
+        run = _run(["--checkpoint", a.checkpoint, "--executor", executor, *layout, "--batch", str(a.batch),
+                    "--prompt-len", "1", "--new-tokens", "2", "--trace", "cpu_plan", "--json",
+                    *(["--context", str(n)] if n else [])], work)
+        measured = measured_by_kernel(Path(work) / run["traces"]["otlp"], "decode", 1)
+        plan = _run(["--checkpoint", a.checkpoint, "--plan", "--graph", "decode", *layout, "--batch", str(a.batch),
+                     "--context", str(n + 2), "--device-profile", "cpu", "--json"], work)["plan"]
+        predicted = plan["critical_path_us_by_kernel"]
+        step_ms, planned_ms = run["step_ms"][0], plan["predicted_step_us"] / 1e3
+        kinds = sorted(measured, key=measured.get, reverse=True)[:a.top]
+        rows = [{"kernel": k, "measured_ms": measured[k] / 1e3, "predicted_ms": predicted.get(k, 0.0) / 1e3}
+                for k in kinds]
+        result = {"checkpoint": a.checkpoint, "layout": a.layout, "context": n, "batch": a.batch,
+                  "config": run["config"], "measured_step_ms": step_ms, "predicted_step_ms": planned_ms,
+                  "nodes_measured_ms": sum(measured.values()) / 1e3, "kinds": rows}
+        if a.json:
+            print(json.dumps(result), flush=True)
+            continue
+        print(f"{run['config']} {a.layout} context {n}: decode step measured {step_ms:.0f} ms, predicted "
+              f"{planned_ms:.0f} ms ({planned_ms / step_ms - 1:+.0%}); node spans {result['nodes_measured_ms']:.0f} ms")
+        for r in rows:
+            ratio = r["predicted_ms"] / r["measured_ms"] - 1 if r["measured_ms"] else float("nan")
+            mark = "ok" if abs(ratio) <= a.within else "miss"
+            print(f"  {r['kernel']:<22} measured {r['measured_ms']:10.1f} ms  predicted {r['predicted_ms']:10.1f} ms "
+                  f" {ratio:+.0%} {mark}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
