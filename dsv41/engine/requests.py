@@ -69,6 +69,15 @@ class Started:
     pools: Pools
 
 
+def window_pages(cfg: ModelConfig, max_context: int) -> int:
+    """Window pages one request can hold at once. Before a step it holds the pages from its earliest
+    window position on; a step of n new tokens adds pages up to its last, so at most
+    ceil((n + window - 1) / block) + 1, with n <= prefill_max_tokens, and never more than its whole
+    context's. A drawn 1M-token history (``start_at``) keeps 34 FLASH pages a layer, not 8,193."""
+    bs = cfg.block_size
+    return min(math.ceil(max_context / bs), math.ceil((cfg.prefill_max_tokens + cfg.sliding_window - 1) / bs)) + 1
+
+
 class RequestTable:
     """Requests and block pools of one DP group (one paged-cache owner)."""
 
@@ -79,7 +88,7 @@ class RequestTable:
             raise ValueError(f"max_context: must be in [1, {cfg.max_position_embeddings}], got {max_context}")
         self.cfg, self.max_batch, self.max_context = cfg, max_batch, max_context
         bs = cfg.block_size
-        self.window_blocks = max_batch * (math.ceil(max_context / bs) + 1)
+        self.window_blocks = max_batch * window_pages(cfg, max_context)
         self.compressed_blocks = {r: max_batch * math.ceil(max_context // r / bs + 1)
                                   for r in sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})}
         self.state_blocks = max_batch

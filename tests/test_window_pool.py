@@ -1,0 +1,36 @@
+"""The window pool holds what one step can need, not a whole context: a long drawn history keeps
+only its window's pages, and the biggest steps the scheduler allows never exhaust the pool."""
+from __future__ import annotations
+
+import math
+import random
+
+from dsv41.config import FLASH, TINY
+from dsv41.engine.requests import RequestTable, window_pages
+
+
+def test_pool_is_bounded_by_the_longest_step_plus_the_window():
+    for cfg in (TINY, FLASH):
+        full = math.ceil(cfg.max_position_embeddings / cfg.block_size) + 1
+        assert window_pages(cfg, cfg.max_position_embeddings) == \
+            math.ceil((cfg.prefill_max_tokens + cfg.sliding_window - 1) / cfg.block_size) + 1 < full
+        assert window_pages(cfg, 3 * cfg.block_size) == 4      # a short context: all of its pages
+    assert window_pages(FLASH, FLASH.max_position_embeddings) == 34
+
+
+def test_largest_steps_to_the_end_of_the_context_never_exhaust_the_pool():
+    cfg, batch = TINY, 2
+    rng = random.Random(0)
+    table = RequestTable(cfg, batch, cfg.max_position_embeddings)
+    step = table.plan([(None, [1] * (cfg.prefill_max_tokens // batch))] * batch, "prefill")
+    table.commit(step)
+    rids = step.rids
+    while True:
+        room = cfg.max_position_embeddings - max(table.requests[r].kv_len for r in rids)
+        n = min(room, rng.choice([1, cfg.block_size - 1, cfg.prefill_max_tokens // batch]))
+        if n <= 0:
+            break
+        table.commit(table.plan([(r, [1] * n) for r in rids], "prefill"))
+        held = [len(table.requests[r].window_pages) for r in rids]
+        assert max(held) <= window_pages(cfg, cfg.max_position_embeddings)
+    assert table.requests[rids[0]].kv_len == cfg.max_position_embeddings
