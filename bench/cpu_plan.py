@@ -5,8 +5,8 @@
 
 For each context N: one traced run (``python -m dsv41.run --checkpoint ... --context N --batch B
 --prompt-len 1 --new-tokens 2 --trace ...``, so a drawn history of N tokens, the one-token prompt step,
-then one decode step), and the plan of that decode step (``--plan --graph decode --context N+2
---device-profile cpu``). Measured per node kind: the wall time of its node spans in the decode step;
+then one decode step), and the plan of that decode step on the ``cpu`` profile (``run_plan``: one
+row per request, as the engine decodes, where ``--plan`` sizes the seed's 1 + 5 draft rows). Measured per node kind: the wall time of its node spans in the decode step;
 predicted: the latency model's node times (``critical_path_us_by_kernel``: on one card every node is
 on the path). The step: the run's decode step wall time against ``predicted_step_us``. One JSON object
 per context with ``--json``; rows within ``--within`` (default 25%) are marked ok.
@@ -14,6 +14,7 @@ per context with ``--json``; rows within ``--within`` (default 25%) are marked o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,6 +22,10 @@ import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+
+from dsv41.checkpoint.reader import open_checkpoint
+from dsv41.config import Topology
+from dsv41.plan.step import run_plan
 
 
 def _run(argv: list[str], cwd: str) -> dict:
@@ -35,17 +40,18 @@ def _attrs(span: dict) -> dict:
     return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
 
 
-def measured_by_kernel(otlp: Path, phase: str, step: int) -> dict[str, float]:
-    """Kernel -> µs summed over the node spans of one step."""
-    out: dict[str, float] = defaultdict(float)
+def measured_by_kernel(otlp: Path, phase: str) -> dict[str, float]:
+    """Kernel -> µs summed over the node spans of the run's last step of ``phase``."""
+    by_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for line in otlp.read_text().splitlines():
         for rs in json.loads(line)["resourceSpans"]:
             for ss in rs["scopeSpans"]:
                 for sp in ss["spans"]:
                     a = _attrs(sp)
-                    if a.get("dsv41.span") == "node" and a.get("dsv41.phase") == phase and int(a["dsv41.step"]) == step:
-                        out[a["dsv41.kernel"]] += (int(sp["endTimeUnixNano"]) - int(sp["startTimeUnixNano"])) / 1e3
-    return dict(out)
+                    if a.get("dsv41.span") == "node" and a.get("dsv41.phase") == phase:
+                        us = (int(sp["endTimeUnixNano"]) - int(sp["startTimeUnixNano"])) / 1e3
+                        by_step[int(a["dsv41.step"])][a["dsv41.kernel"]] += us
+    return dict(by_step[max(by_step)])
 
 
 def main(argv=None) -> int:
@@ -61,13 +67,15 @@ def main(argv=None) -> int:
     executor, tp, dp = a.layout.split(":")
     layout = ["--tp", tp, "--dp", dp]
     work = tempfile.mkdtemp(prefix="cpu_plan-")
+    # the engine decodes one row per request (the plan's default is the seed's 1 + 5 draft rows)
+    cfg = dataclasses.replace(open_checkpoint(a.checkpoint).cfg, decode_rows_per_request=1)
     for n in a.contexts:
         run = _run(["--checkpoint", a.checkpoint, "--executor", executor, *layout, "--batch", str(a.batch),
                     "--prompt-len", "1", "--new-tokens", "2", "--trace", "cpu_plan", "--json",
                     *(["--context", str(n)] if n else [])], work)
-        measured = measured_by_kernel(Path(work) / run["traces"]["otlp"], "decode", 1)
-        plan = _run(["--checkpoint", a.checkpoint, "--plan", "--graph", "decode", *layout, "--batch", str(a.batch),
-                     "--context", str(n + 2), "--device-profile", "cpu", "--json"], work)["plan"]
+        measured = measured_by_kernel(Path(work) / run["traces"]["otlp"], "decode")
+        plan, _ = run_plan(cfg, Topology(int(tp), int(dp), int(tp) * int(dp)), a.batch // int(dp), n + 2,
+                           phase="decode", device="cpu")
         predicted = plan["critical_path_us_by_kernel"]
         step_ms, planned_ms = run["step_ms"][0], plan["predicted_step_us"] / 1e3
         kinds = sorted(measured, key=measured.get, reverse=True)[:a.top]

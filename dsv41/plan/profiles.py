@@ -273,6 +273,7 @@ CPU = DeviceProfile(
     {"mx": 49.9 * G, "dense": 49.9 * G, "vector": 97.8 * G},
     {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
     launch_us=2.91, host_launch_us=2.91, graph_launch_us=2.91, host_step_us=100.0, token_sync_us=2.91,
+    weight_use_ns={"fp8": 11.03, "fp4": 7.37, "bf16": 9.09, "f32": 8.74},
     sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM", "hbm_bytes_per_s": _CPU_RATES,
              "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (weights decoded to FP64 per use); "
                                          "vector at the FP32 GEMM rate (assumption: an upper bound)",
