@@ -8,9 +8,10 @@ distributed run, Dask's task stream (``distributed.get_task_stream``) records ev
 other workers. Per step: wall time, the summed compute and transfer time over the workers, the
 transfer share (transfer / (compute + transfer)) and the mean worker's transfer time over the step's
 wall time (transfers overlap one another and other workers' compute, so these are upper figures of
-what the wire costs). Per worker (one card each): RSS once built, and the peak of the two steps above
-it (the kernel's high-water mark, reset after the build through ``/proc/self/clear_refs``), against
-the plan's transient peak for the card's decode step. ``--json`` prints one object.
+what the wire costs). Per worker (one card each): RSS once built, the peak of the two steps (the
+kernel's high-water mark, reset after the build through ``/proc/self/clear_refs``) and the step
+transient: that peak less the mapped checkpoint pages resident after the steps and the anonymous
+RSS once built, against the plan's transient peak for the card's decode step. ``--json`` prints one object.
 """
 from __future__ import annotations
 
@@ -43,18 +44,18 @@ def streamed(client, fn):
     return wall, out, dict(spent), len(ts.data)
 
 
-def _reset_peak() -> int:
+def _reset_peak() -> dict[str, int]:
     """This worker's RSS now, its high-water mark reset to it (Linux: clear_refs 5)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status()["VmRSS"]
+    return _status()
 
 
 def _status() -> dict[str, int]:
     out = {}
     for line in open("/proc/self/status"):
         key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             out[key] = int(rest.split()[0]) * 1024
     return out
 
@@ -91,8 +92,12 @@ def main(argv=None) -> int:
                 pre_s, first, pre_spent, pre_tasks = streamed(client, lambda: e.prefill(prompts))
                 dec_s, out, dec_spent, dec_tasks = streamed(client, lambda: e.decode(first.tokens))
                 peaks = {card_of[k]: v for k, v in e.runner.run_on_cards(_status).items()}
-                result["workers"] = [{"card": c, "built_rss": built[c], "step_peak_rss": peaks[c]["VmHWM"],
-                                      "step_transient": peaks[c]["VmHWM"] - built[c]} for c in sorted(built)]
+                # the checkpoint is mapped: weight pages a step touches first join the RSS as file
+                # pages; the transient is what the peak holds beyond them and the built anonymous RSS
+                result["workers"] = [{"card": c, "built_rss": built[c]["VmRSS"], "step_peak_rss": peaks[c]["VmHWM"],
+                                      "file_pages_after": peaks[c]["RssFile"],
+                                      "step_transient": peaks[c]["VmHWM"] - peaks[c]["RssFile"] - built[c]["RssAnon"]}
+                                     for c in sorted(built)]
             else:
                 t0 = time.perf_counter()
                 first = e.prefill(prompts)

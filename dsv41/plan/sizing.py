@@ -26,6 +26,7 @@ from functools import lru_cache
 import torch
 
 from dsv41.kernels.cost import nbytes
+from dsv41.model.head import Head
 from dsv41.ops import kv_cache
 from dsv41.weights import checkpoint_specs, runtime_key
 
@@ -72,21 +73,30 @@ _DECODED = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2), torch.bfloa
             torch.float32: ("f32", 0.25)}
 
 
+def _decoded_at_once(cfg, key: str, values: int) -> int:
+    """Values one use decodes at a time: the LM head in blocks of vocabulary rows, any other whole."""
+    return min(values, Head.VOCAB_BLOCK * cfg.hidden_size) if key == Head.HEAD else values
+
+
+_LOOKED_UP = ("embed.weight",)   # read a row at a time (as the Engram tables), never decoded whole
+
+
 @lru_cache(maxsize=64)
-def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[str, int]]]:
+def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[str, int, int]]]:
     specs = _specs(cfg)
     by_key: dict[str, int] = defaultdict(int)
     by_kind = dict.fromkeys(WEIGHT_KINDS, 0)
-    values: dict[str, tuple[str, int]] = {}
+    values: dict[str, tuple[str, int, int]] = {}
     for name, (shape, dtype) in specs.items():
         held = _held(name, math.prod(shape) * dtype.itemsize, cfg, topo, card)
         if held:
             key = state_key(name, specs)
             by_key[key] += held
             by_kind[_kind(name, key)] += held
-            if dtype in _DECODED:
+            if dtype in _DECODED and key not in _LOOKED_UP and _kind(name, key) != "engram_tables":
                 fmt, per_byte = _DECODED[dtype]
-                values[key] = (fmt, int(held * per_byte))
+                n = int(held * per_byte)
+                values[key] = (fmt, n, _decoded_at_once(cfg, key, n))
     return dict(by_key), by_kind, values
 
 
@@ -104,8 +114,9 @@ def weights_by_kind(cfg, topo, card: int) -> dict[str, int]:
     return dict(_card_table(cfg, topo, card)[1])
 
 
-def card_values(cfg, topo, card: int) -> dict[str, tuple[str, int]]:
-    """Runtime weight key -> (checkpoint format, values this card holds): what a use decodes."""
+def card_values(cfg, topo, card: int) -> dict[str, tuple[str, int, int]]:
+    """Runtime weight key -> (checkpoint format, values this card holds, values one use decodes at
+    once): what a use of it decodes on a part that decodes per use."""
     return _card_table(cfg, topo, card)[2]
 
 
@@ -150,6 +161,7 @@ class NodeCost:
     link: int
     output_bytes: int
     decoded: dict = field(default_factory=dict)   # checkpoint format -> weight values the node reads
+    decoded_at_once: int = 0                      # the most weight values it decodes at one time
 
 
     @property
@@ -164,9 +176,11 @@ def node_cost(weights_held: dict, cost, inputs, output_bytes: int, values_held: 
     weights = sum(weights_held[k] * frac for k, frac in cost.weights.items())
     activations = nbytes(inputs) if cost.act_read is None else cost.act_read
     decoded: dict[str, int] = defaultdict(int)
+    at_once = 0
     for k, frac in cost.weights.items():
-        if values_held and k in values_held:
-            fmt, n = values_held[k]
+        if values_held and k in values_held and frac > 0:
+            fmt, n, block = values_held[k]
             decoded[fmt] += int(n * frac)
+            at_once = max(at_once, block)
     return NodeCost(int(activations + weights + cost.gathered + cost.cache_read), output_bytes + cost.cache_written,
-                    cost.flops, cost.link, output_bytes, dict(decoded))
+                    cost.flops, cost.link, output_bytes, dict(decoded), at_once)

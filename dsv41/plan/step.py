@@ -93,9 +93,14 @@ def walk(graph, contexts) -> dict:
     return costs
 
 
-def replay_hbm(plan, costs, times, ledgers) -> dict[str, tuple[int, int]]:
+# a per-use decode holds its FP64 values (8 B) and its index or widened input (4 B) at once
+DECODE_BYTES_PER_VALUE = 12
+
+
+def replay_hbm(plan, costs, times, ledgers, decodes: bool = False) -> dict[str, tuple[int, int]]:
     """Apply the liveness rule along the simulated timeline: node key -> the card's (live, peak) bytes
-    when the node ends. Sends happen when a submission's last node ends."""
+    when the node ends. Sends happen when a submission's last node ends. ``decodes``: the part decodes
+    weights per use, so each node also holds its largest decoded weight while it runs."""
     events = defaultdict(list)     # card -> (time, sends after nodes, key, submission)
     for sub in plan.submissions.values():
         for n in sub.nodes:
@@ -109,6 +114,8 @@ def replay_hbm(plan, costs, times, ledgers) -> dict[str, tuple[int, int]]:
             if is_send:
                 led.sent(key)
                 continue
+            if decodes:
+                led.working(DECODE_BYTES_PER_VALUE * costs[key].decoded_at_once)
             led.produce(key, costs[key].output_bytes, sub.trace.uses[key], key in sub.trace.remote)
             for i in plan.graph.nodes[key].inputs:
                 led.consume(i)
@@ -147,7 +154,7 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     per_request = request_cache_bytes(cfg, context)
     weights = {c: weights_by_kind(cfg, topo, c) for c in topo.cards}
     ledgers = {c: CardLedger(sum(weights[c].values()), requests * sum(per_request.values())) for c in topo.cards}
-    live_at = replay_hbm(plan, costs, latency.times, ledgers)
+    live_at = replay_hbm(plan, costs, latency.times, ledgers, decodes=bool(dev.weight_use_ns))
 
     moved = defaultdict(int)
     for key, c in costs.items():
