@@ -47,7 +47,7 @@ def test_kernel_at_the_bandwidth_bound():
     assert p.bound == "memory" and p.body == pytest.approx(2.0) and p.launch == 1.0 and p.collectives == 0
     assert lat.step_us == pytest.approx(30 + 20 + 1 + 2)      # host step, graph replay, launch, body
     assert lat.on_path() == pytest.approx({"compute": 0, "memory": 2.0, "launch": 1.0, "sync": 0, "collectives": 0,
-                                           "host": 50.0, "idle": 0})
+                                           "host": 50.0, "idle": 0, "cores": 0})
     # a projection is several kernels in a real stack (quant + GEMM, norm, quant + GEMM): 5 launch gaps
     assert kernels("attn.q_proj") == 5
     assert one_node("attn.q_proj", cost(read=1)).parts["n"].launch == pytest.approx(5 * 1.0)
@@ -74,6 +74,19 @@ def test_weight_use_adds_its_decode_per_value_to_the_compute_side():
     assert p.bound == "compute" and p.body == pytest.approx(25_000.0 + 0.2)
     assert one_node("attn.q_proj", c).parts["n"].body == pytest.approx(2.0)
     assert all(not p.weight_use_ns for name, p in PROFILES.items() if name != "cpu")
+
+
+def test_cards_sharing_host_cores_take_at_least_their_summed_work_over_the_cores():
+    # four cards, each one 100 µs node in parallel: 100 µs on four devices, 200 µs on two shared cores
+    g = Graph("decode")
+    for c in range(4):
+        g.add(f"n@c{c}", "norm.rms", (), c)
+    costs = {k: cost(read=50_000_000) for k in g.nodes}     # 50 MB at 1 TB/s x 0.5 = 100 µs
+    own = step_latency(g, costs, DEV)
+    shared = step_latency(g, costs, replace(DEV, shared_cores=2))
+    assert own.cores_us == 0 and shared.cores_us == pytest.approx(4 * 101 / 2 - 101)
+    assert shared.step_us == pytest.approx(own.step_us + shared.cores_us) and shared.on_path()["cores"] == shared.cores_us
+    assert step_latency(g, costs, replace(DEV, shared_cores=8)).cores_us == 0     # enough cores: the timeline
 
 
 def test_plan_counts_the_values_each_node_decodes_on_its_card():
@@ -226,7 +239,8 @@ def test_plan_total_is_the_sum_of_its_parts(tiny_plans):
 def test_every_constant_cites_its_source():
     assert set(PROFILES) >= {"a2", "a3", "a5", "h200", "h20"}
     for p in PROFILES.values():
-        assert set(p.sources) == set(CONSTANTS), p.name
+        optional = {k for k in ("weight_use_ns", "shared_cores") if getattr(p, k)}
+        assert set(p.sources) == set(CONSTANTS) | optional, p.name
         assert all(len(text) > 20 for text in p.sources.values())
         assert set(p.efficiency) == {"matmul", "gather", "vector"}
         assert all(0 < f <= 1 for pair in p.efficiency.values() for f in pair)

@@ -23,7 +23,9 @@ busiest at the combine).
 Host: a per-step cost before any kernel can start, then either one graph replay (``graph``: every
 kernel is queued ahead) or one issue per kernel in each card's order (``eager``: a kernel cannot
 start before the host has issued it); after the last kernel, the sampled tokens' sync to the host.
-The step is the simulated makespan plus that sync; its breakdown is taken along the critical path
+The step is the simulated makespan plus that sync; on a profile whose cards share a host's cores
+(``shared_cores``: this CPU's cards are threads or processes on its 2 cores), no shorter than the
+cards' summed node time over those cores (``cores``: what that adds). Its breakdown is taken along the critical path
 (which waits on nothing, so it has no idle), and per card along its own timeline (where idle is time
 spent waiting on peers).
 """
@@ -36,7 +38,7 @@ from dsv41.kernels.kinds import KINDS
 from dsv41.plan.launches import kernels
 from dsv41.plan.roofline import critical_path, simulate
 
-PARTS = ("compute", "memory", "launch", "sync", "collectives", "host", "idle")
+PARTS = ("compute", "memory", "launch", "sync", "collectives", "host", "idle", "cores")
 DISPATCH = ("graph", "eager")
 ALL_TO_ALL = ("moe.experts", "moe.combine")
 # Fixed costs the sensitivity table varies: what each scales.
@@ -140,6 +142,7 @@ class StepLatency:
     release: dict          # node key -> issue time µs
     path: list             # critical path, node keys
     token_sync_us: float = 0.0   # after the last kernel: the sampled tokens reach the host
+    cores_us: float = 0.0        # cards sharing a host's cores: how far their summed work outlasts the timeline
 
     @property
     def kernels_end_us(self) -> float:
@@ -147,7 +150,7 @@ class StepLatency:
 
     @property
     def step_us(self) -> float:
-        return self.kernels_end_us + self.token_sync_us
+        return self.kernels_end_us + self.cores_us + self.token_sync_us
 
     def on_path(self) -> dict[str, float]:
         """The step split along the critical path: host before its first node, then each node's
@@ -155,6 +158,7 @@ class StepLatency:
         out = dict.fromkeys(PARTS, 0.0)
         out["host"] = self.times[self.path[0]][0]
         out["sync"] = self.token_sync_us
+        out["cores"] = self.cores_us
         for key in self.path:
             p = self.parts[key]
             out["launch"] += p.launch
@@ -175,6 +179,7 @@ class StepLatency:
         for c, keys in sorted(by_card.items()):
             out[c] = _card_breakdown(keys, self.parts, self.times, self.release, self.kernels_end_us)
             out[c]["sync"] += self.token_sync_us
+            out[c]["cores"] += self.cores_us
         return out
 
 
@@ -221,6 +226,10 @@ def step_latency(graph, costs, dev, dispatch: str = "graph", imbalance: float = 
     parts = node_parts(graph, costs, dev, imbalance, scale)
     release = release_times(graph, dev, dispatch, scale.get("host", 1.0))
     times = simulate(graph, {k: p.total for k, p in parts.items()}, release)
-    return StepLatency(parts, times, release, critical_path(graph, times),
-                       dev.token_sync_us * scale.get("token_sync", 1.0))
+    lat = StepLatency(parts, times, release, critical_path(graph, times),
+                      dev.token_sync_us * scale.get("token_sync", 1.0))
+    if dev.shared_cores:
+        start = min(s for s, _ in times.values())
+        lat.cores_us = max(0.0, start + sum(p.total for p in parts.values()) / dev.shared_cores - lat.kernels_end_us)
+    return lat
 

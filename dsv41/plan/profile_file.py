@@ -7,7 +7,8 @@ against a plausible range and a bad one is refused with the field's dotted name 
 calibration file cannot silently produce a nonsense plan. ``sources`` (optional) says where the
 operator's numbers come from; a constant the file sets without a source is cited as the file.
 ``weight_use_ns`` (optional, by checkpoint format fp8/fp4/bf16/f32) is for parts whose kernels
-decode weights on every use, as this CPU's do.
+decode weights on every use, and ``shared_cores`` (optional) for cards that share a host's cores,
+as this CPU's do.
 """
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ _SCALARS = {                       # field -> (low, high, integer)
     "launch_us": (*_US, False), "host_launch_us": (*_US, False), "graph_launch_us": (*_US, False),
     "host_step_us": (*_US, False), "token_sync_us": (*_US, False),
 }
+_OPTIONAL = {"shared_cores": (0, 4096, True)}     # a profile without it: every card its own device
 _RATES = ("mx", "dense", "vector")
 _CLASSES = ("matmul", "gather", "vector")
 _LINK_KEYS = ("bytes_per_s", "efficiency", "collective", "a2a")
 _FORMATS = ("fp8", "fp4", "bf16", "f32")
 _TOP = {"base", "name", "description", "sources", "flops_per_s", "efficiency", "intra", "inter", "weight_use_ns",
-        *_SCALARS}
+        *_SCALARS, *_OPTIONAL}
 
 
 class _Check:
@@ -135,6 +137,8 @@ def load_profile(path) -> DeviceProfile:
                 raise chk.fail(f"efficiency.{k}", "must be [fraction of HBM bandwidth, fraction of the FLOP rate]", v)
             eff[k] = tuple(float(chk.number(f"efficiency.{k}[{i}]", f, 0.0, 1.0, open_low=True))
                            for i, f in enumerate(v))
+    for k, (lo, hi, integer) in _OPTIONAL.items():
+        values[k] = chk.number(k, raw[k], lo, hi, integer) if k in raw else getattr(base, k) if base else 0
     decode = dict(base.weight_use_ns) if base else {}
     if "weight_use_ns" in raw:
         for k, v in chk.table("weight_use_ns", raw["weight_use_ns"], _FORMATS, required=False).items():
@@ -144,11 +148,11 @@ def load_profile(path) -> DeviceProfile:
     notes = raw.get("sources", {})
     if not isinstance(notes, dict) or not all(isinstance(v, str) for v in notes.values()):
         raise chk.fail("sources", "must be a table of constant -> text", notes)
-    chk.table("sources", notes, (*CONSTANTS, "weight_use_ns"), required=False)
+    chk.table("sources", notes, (*CONSTANTS, "weight_use_ns", *_OPTIONAL), required=False)
     sources = dict(base.sources) if base else {}
-    sources.update({k: notes.get(k, f"user profile file {path}") for k in given | ({"weight_use_ns"} & set(raw))})
+    sources.update({k: notes.get(k, f"user profile file {path}") for k in given | ({"weight_use_ns", *_OPTIONAL} & set(raw))})
     return DeviceProfile(name, raw.get("description", f"user profile from {path}"), float(values["hbm_bytes"]),
                          float(values["hbm_bytes_per_s"]), rates, eff, links["intra"], links["inter"],
                          int(values["cards_per_node"]), float(values["launch_us"]), float(values["host_launch_us"]),
                          float(values["graph_launch_us"]), float(values["host_step_us"]),
-                         float(values["token_sync_us"]), sources, decode)
+                         float(values["token_sync_us"]), sources, decode, int(values["shared_cores"]))

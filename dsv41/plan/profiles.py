@@ -59,6 +59,7 @@ class DeviceProfile:
     # checkpoint format -> ns per weight value on each use, before the body: a part whose kernels
     # read the stored formats (every accelerator profile) has none; this CPU decodes to FP64 per use
     weight_use_ns: dict = field(default_factory=dict)
+    shared_cores: int = 0      # the cards are threads or processes sharing this many host cores (0: own devices)
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -273,13 +274,17 @@ CPU = DeviceProfile(
     {"mx": 49.9 * G, "dense": 49.9 * G, "vector": 97.8 * G},
     {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
     launch_us=2.91, host_launch_us=2.91, graph_launch_us=2.91, host_step_us=100.0, token_sync_us=2.91,
-    weight_use_ns={"fp8": 11.03, "fp4": 7.37, "bf16": 9.09, "f32": 8.74},
+    weight_use_ns={"fp8": 11.03, "fp4": 7.37, "bf16": 9.09, "f32": 8.74}, shared_cores=2,
     sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM", "hbm_bytes_per_s": _CPU_RATES,
              "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (weights decoded to FP64 per use); "
                                          "vector at the FP32 GEMM rate (assumption: an upper bound)",
              "efficiency": "the rates are measured achieved rates (bench/cpu_rates.py), so 1.0",
              "intra": _CPU_LOOPBACK, "inter": _CPU_LOOPBACK,
              "cards_per_node": "assumption: the 8 workers of run 2 share one host",
+             "weight_use_ns": "bench/cpu_rates.py (weight_use_ns): decode to FP64 and a one-row product per value, "
+                              "best of 5 at load average 3.3, one Torch thread",
+             "shared_cores": "nproc: 2; every card of a run here is a thread (sync, threads) or a process "
+                             "(distributed) on them, each Torch op single-threaded (DSV41_TORCH_THREADS=1)",
              "launch_us": _CPU_RATES + ": one eager Torch op's dispatch per kernel",
              "host_launch_us": _CPU_RATES, "graph_launch_us": "no graph capture on CPU: one op's dispatch",
              "host_step_us": _HOST_STEP, "token_sync_us": "the tokens are in host memory already: one op's dispatch to read them"})
