@@ -260,20 +260,22 @@ PROFILES = {p.name: p for p in (
 
 # ---- this CPU --------------------------------------------------------------------------------------
 
-_CPU_RATES = ("bench/cpu_rates.py on the 2-core development VM, best of 5 at load average 3.9 (other sessions "
-              "running; the best of two runs): 256 MiB FP32 copy 8.15 GB/s (read + write), 2048^3 GEMM FP32 97.8 and "
-              "FP64 49.9 GFLOP/s, a 1-element torch.add 2.91 us per call")
+_CPU_RATES = ("bench/cpu_rates.py on the 2-core development VM with one Torch thread (the engine's, "
+              "DSV41_TORCH_THREADS=1), best of 5 at load average 3.3 (a checkpoint writer and a run alongside): "
+              "256 MiB FP32 copy 11.70 GB/s (read + write), 2048^3 GEMM FP32 157.7 and FP64 62.7 GFLOP/s, a "
+              "1-element torch.add 1.56 us per call; a weight's decode to FP64 and one-row product per value: "
+              "FP8 11.03, FP4 7.37, BF16 9.09, FP32 8.74 ns")
 _CPU_LOOPBACK = ("assumption: dask workers on one host talk over loopback TCP; a collective and a dispatch/combine "
                  "call alike cost 100 us per message (the order of a Python asyncio round trip) and the bytes at the "
                  "measured copy bandwidth; not measured")
-_CPU_LINK = Link(8.15 * G, 1.0, AlphaBeta(100.0, 8.15 * G), ByRanks(((2, AlphaBeta(100.0, 8.15 * G)),)))
+_CPU_LINK = Link(11.7 * G, 1.0, AlphaBeta(100.0, 11.7 * G), ByRanks(((2, AlphaBeta(100.0, 11.7 * G)),)))
 # the kernels decode FP8/FP4/BF16 weights to FP64 on every use and multiply in FP64 (docs/numerics.md), so
 # every matmul class runs at the FP64 GEMM rate; the measured rates are achieved ones (efficiency 1)
 CPU = DeviceProfile(
-    "cpu", "this development VM's CPU, 2 cores (Torch eager, FP64 matmuls)", 23 * 2 ** 30, 8.15 * G,
-    {"mx": 49.9 * G, "dense": 49.9 * G, "vector": 97.8 * G},
+    "cpu", "this development VM's CPU, 2 cores (Torch eager, FP64 matmuls)", 23 * 2 ** 30, 11.7 * G,
+    {"mx": 62.7 * G, "dense": 62.7 * G, "vector": 157.7 * G},
     {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
-    launch_us=2.91, host_launch_us=2.91, graph_launch_us=2.91, host_step_us=100.0, token_sync_us=2.91,
+    launch_us=1.56, host_launch_us=1.56, graph_launch_us=1.56, host_step_us=100.0, token_sync_us=1.56,
     weight_use_ns={"fp8": 11.03, "fp4": 7.37, "bf16": 9.09, "f32": 8.74}, shared_cores=2,
     sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM", "hbm_bytes_per_s": _CPU_RATES,
              "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (weights decoded to FP64 per use); "
@@ -281,8 +283,7 @@ CPU = DeviceProfile(
              "efficiency": "the rates are measured achieved rates (bench/cpu_rates.py), so 1.0",
              "intra": _CPU_LOOPBACK, "inter": _CPU_LOOPBACK,
              "cards_per_node": "assumption: the 8 workers of run 2 share one host",
-             "weight_use_ns": "bench/cpu_rates.py (weight_use_ns): decode to FP64 and a one-row product per value, "
-                              "best of 5 at load average 3.3, one Torch thread",
+             "weight_use_ns": _CPU_RATES + " (the kernels decode every weight they read, per use)",
              "shared_cores": "nproc: 2; every card of a run here is a thread (sync, threads) or a process "
                              "(distributed) on them, each Torch op single-threaded (DSV41_TORCH_THREADS=1)",
              "launch_us": _CPU_RATES + ": one eager Torch op's dispatch per kernel",
