@@ -83,12 +83,18 @@ def main(argv=None) -> int:
                 for k in kinds]
         result = {"checkpoint": a.checkpoint, "layout": a.layout, "context": n, "batch": a.batch,
                   "config": run["config"], "measured_step_ms": step_ms, "predicted_step_ms": planned_ms,
-                  "nodes_measured_ms": sum(measured.values()) / 1e3, "kinds": rows}
+                  "nodes_measured_ms": sum(measured.values()) / 1e3, "kinds": rows,
+                  "cards": run.get("cards"),
+                  "plan_cards": [{k: c[k] for k in ("card", "weights_bytes", "cache_bytes", "transient_peak_bytes")}
+                                 for c in plan["cards"]]}
         if a.json:
             print(json.dumps(result), flush=True)
             continue
         print(f"{run['config']} {a.layout} context {n}: decode step measured {step_ms:.0f} ms, predicted "
               f"{planned_ms:.0f} ms ({planned_ms / step_ms - 1:+.0%}); node spans {result['nodes_measured_ms']:.0f} ms")
+        for c, pc in zip(result["cards"] or [], result["plan_cards"]):
+            print(f"  card {c['card']}: weights {c['weights_bytes']:,} B (plan {pc['weights_bytes']:,}), caches "
+                  f"{c['cache_bytes']:,} B (plan {pc['cache_bytes']:,} for the step's context)")
         for r in rows:
             ratio = r["predicted_ms"] / r["measured_ms"] - 1 if r["measured_ms"] else float("nan")
             mark = "ok" if abs(ratio) <= a.within else "miss"
