@@ -34,3 +34,21 @@ def test_largest_steps_to_the_end_of_the_context_never_exhaust_the_pool():
         held = [len(table.requests[r].window_pages) for r in rids]
         assert max(held) <= window_pages(cfg, cfg.max_position_embeddings)
     assert table.requests[rids[0]].kv_len == cfg.max_position_embeddings
+
+
+def test_a_drawn_history_longer_than_one_step_leaves_what_its_chunked_prefill_would():
+    """start_at over a history of several prefill steps: the same pages and blocks as prefilling it in
+    steps of prefill_max_tokens, and no more window pages than one step needs."""
+    cfg = TINY
+    n = cfg.max_position_embeddings - 10
+    drawn = RequestTable(cfg, 1, cfg.max_position_embeddings)
+    started = drawn.start_at([[1] * n])
+    prefilled = RequestTable(cfg, 1, cfg.max_position_embeddings)
+    rid = None
+    for done in range(0, n, cfg.prefill_max_tokens):
+        step = prefilled.plan([(rid, [1] * min(cfg.prefill_max_tokens, n - done))], "prefill")
+        prefilled.commit(step)
+        rid = step.rids[0]
+    a, b = started.requests[started.rids[0]], prefilled.requests[rid]
+    assert (a.kv_len, a.window_pages, a.compressed_pages) == (b.kv_len, b.window_pages, b.compressed_pages)
+    assert len(a.window_pages) <= window_pages(cfg, cfg.max_position_embeddings)

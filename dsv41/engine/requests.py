@@ -171,8 +171,9 @@ class RequestTable:
 
     def start_at(self, histories: list[list[int]]) -> Started:
         """Plan new requests that have already read these token histories: the pages a prefill of each
-        history would leave allocated (its stale window pages released), no model step. The caller
-        fills the caches (``engine.context.fill_caches``) and commits."""
+        history would leave allocated (its stale window pages released after each of its steps of at
+        most ``prefill_max_tokens``), no model step. The caller fills the caches
+        (``engine.context.fill_caches``) and commits."""
         if not histories:
             raise ValueError("context: at least one request to start")
         requests, pools = copy.deepcopy(self.requests), copy.deepcopy(self.pools)
@@ -186,9 +187,11 @@ class RequestTable:
                                  f"{self.max_context} leaves a row for the next token), got {n}")
             rid = self.next_rid + len(rids)
             req = requests[rid] = Request(rid, list(history), state_block=pools.state.pop(0), prompt_len=n)
-            self._allocate(req, n, pools)
-            req.kv_len = n
-            self._release_stale_window(req, pools)
+            for done in range(0, n, self.cfg.prefill_max_tokens):   # in the largest steps the scheduler allows
+                step = min(self.cfg.prefill_max_tokens, n - done)
+                self._allocate(req, step, pools)
+                req.kv_len += step
+                self._release_stale_window(req, pools)
             rids.append(rid)
         return Started(rids, requests, pools)
 
