@@ -287,3 +287,20 @@ def test_cli_explain_and_a_profile_file(capsys, tmp_path, monkeypatch):
     assert "--device-profile: bad.toml: launch_us: must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run.main(["--config", "tiny", "--explain"])                 # a --plan option
+
+
+@pytest.mark.parametrize("experts, k, ep, tokens", [(8, 6, 1, 1), (8, 6, 8, 3), (384, 6, 8, 192), (64, 6, 4, 5)])
+def test_expected_experts_hit_match_a_monte_carlo_of_top_k_routing(experts, k, ep, tokens):
+    """On meta inputs a card reads the expected share of its experts: each token picks k distinct
+    experts of E uniformly (one token on 8 experts, top-6: exactly 6 hit)."""
+    import torch
+    from dsv41.kernels.nodes.moe import _experts_read
+    cfg = replace(TINY, n_routed_experts=experts, num_experts_per_tok=k)
+    local = experts // ep
+    pairs = tokens * k * local / experts                      # expected pairs on card 0
+    frac = _experts_read([torch.empty(0, device="meta")], pairs, 0, local, cfg)[0]
+    g = torch.Generator().manual_seed(0)
+    trials = max(100, 4000 // tokens)
+    picks = torch.rand(trials, tokens, experts, generator=g).argsort(-1)[..., :k]     # k distinct per token
+    hit = torch.zeros(trials, experts, dtype=torch.bool).scatter_(1, picks.reshape(trials, -1), True)
+    assert frac * local == pytest.approx(hit[:, :local].sum(1).float().mean().item(), rel=0.03)

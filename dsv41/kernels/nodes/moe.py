@@ -98,13 +98,16 @@ def experts(st, node, *dispatches):
     return out
 
 
-def _experts_read(eids: list[torch.Tensor], pairs: int, first: int, local: int) -> dict[int, float]:
-    """Local expert id -> fraction of its weights read: the experts hit, or the expectation."""
+def _experts_read(eids: list[torch.Tensor], pairs: int, first: int, local: int, cfg) -> dict[int, float]:
+    """Local expert id -> fraction of its weights read: the experts hit, or the expectation. Each token
+    picks k distinct experts of E, so an expert is missed by a token with probability 1 - k/E, and
+    the card's pairs come from pairs * E / (k * local) tokens under uniform routing."""
     if not pairs:
         return {}
     if eids[0].device.type != "meta":
         return dict.fromkeys(torch.unique(torch.cat(eids)).tolist(), 1.0)
-    return dict.fromkeys(range(first, first + local), 1 - (1 - 1 / local) ** pairs)
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    return dict.fromkeys(range(first, first + local), 1 - (1 - k / e) ** (pairs * e / (k * local)))
 
 
 def experts_cost(ctx, node, *dispatches):
@@ -120,7 +123,7 @@ def experts_cost(ctx, node, *dispatches):
         eids.append(ids)
         if src != card:
             received += n * (d * BF16_BYTES + 8)
-    read = _experts_read(eids, pairs, card * local, local)
+    read = _experts_read(eids, pairs, card * local, local, cfg)
     weights = {MoE.expert_key(node.layer, e, w): frac for e, frac in read.items() for w in ("w1", "w2", "w3")}
     per_pair = d * F32_BYTES + 8 + 8 + 4   # row, token index, expert id, routing weight
     return Cost(out, weights=weights, link=received, act_read=pairs * per_pair,
