@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                   "config": run["config"], "measured_step_ms": run["step_ms"][0],
                   "predicted_step_ms": plan["predicted_step_us"] / 1e3,
                   "nodes_measured_ms": sum(measured.values()) / 1e3, "kinds": rows,
-                  "cards": run.get("cards"),
+                  "tokens": run["tokens"], "last_logits_sha256": run["last_logits_sha256"], "cards": run.get("cards"),
                   "plan_cards": [{k: c[k] for k in ("card", "weights_bytes", "cache_bytes", "transient_peak_bytes")}
                                  for c in plan["cards"]]}
         show(result, a)
