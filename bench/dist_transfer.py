@@ -11,11 +11,13 @@ wall time (transfers overlap one another and other workers' compute, so these ar
 what the wire costs). Per worker (one card each): RSS once built, the peak of the two steps (the
 kernel's high-water mark, reset after the build through ``/proc/self/clear_refs``) and the step
 transient: that peak less the mapped checkpoint pages resident after the steps and the anonymous
-RSS once built, against the plan's transient peak for the card's decode step. ``--json`` prints one object.
+RSS once built, against the plan's transient peak for the card's decode step on the ``cpu`` profile
+(whose nodes hold their largest decoded weight while they run). ``--json`` prints one object.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
         finally:
             e.close()
     from dsv41.plan.step import run_plan
-    plan, _ = run_plan(ckpt.cfg, topo, requests=a.batch // a.dp, context=context, phase="decode")
+    plan, _ = run_plan(dataclasses.replace(ckpt.cfg, decode_rows_per_request=1), topo, requests=a.batch // a.dp,
+                       context=context, phase="decode", device="cpu")
     for w in result["workers"]:
         w["plan_transient"] = plan["cards"][w["card"]]["transient_peak_bytes"]
     t, d = result["threads"], result["distributed"]

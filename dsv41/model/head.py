@@ -32,7 +32,11 @@ class Head:
         if blocks is None:
             return logits_shard(rows, self.weights[self.HEAD])
         # FP64 accumulation makes each logit independent of the block it is computed in
-        return torch.cat([logits_shard(rows, w) for w in blocks(self.HEAD, self.VOCAB_BLOCK)], dim=1)
+        parts = []
+        for w in blocks(self.HEAD, self.VOCAB_BLOCK):
+            parts.append(logits_shard(rows, w))
+            del w   # before the next block decodes: one block in FP64 at a time, not two (a 671 MB FLASH block)
+        return torch.cat(parts, dim=1)
 
     @staticmethod
     def sample(logits, draws=None):
