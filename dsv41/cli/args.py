@@ -408,6 +408,22 @@ def given_flags(p: argparse.ArgumentParser, argv) -> set[str]:
             for act in p._actions if act.dest in present and act.option_strings}
 
 
+def parse_checked(p: argparse.ArgumentParser, argv, applies: dict, checks) -> argparse.Namespace:
+    """Parse, default --ep to tp * dp, check which flags apply (``applies``), then ``checks(a)``; a
+    UsageError ends the program with one line and exit status 2 (raised as it is with --debug)."""
+    a = p.parse_args(argv)
+    if a.ep is None:
+        a.ep = a.tp * a.dp
+    try:
+        check_modes(a, given_flags(p, argv), applies)
+        checks(a)
+    except UsageError as e:
+        if a.debug:
+            raise
+        p.error(str(e))
+    return a
+
+
 def unknown_rows(p, applies: dict) -> list[str]:
     """Flags of the parser without an APPLIES row (kept empty by a test)."""
     flags = {o for act in p._actions for o in act.option_strings if o.startswith("--")}

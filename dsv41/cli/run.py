@@ -131,21 +131,14 @@ def parse_args(argv=None, parser: rules.Parser | None = None):
     With --checkpoint, its config.json is read and the prompts encoded here (``rules.model_config``):
     ``codec`` and ``prompt_ids`` are set, and --batch/--prompt-len become the prompts' count and length.
     """
-    p = parser or build_parser()
-    a = p.parse_args(argv)
-    if a.ep is None:
-        a.ep = a.tp * a.dp
-    try:
-        rules.check_modes(a, rules.given_flags(p, argv), APPLIES)
-        rules.run_checks(a, None, FIRST, APPLIES)
-        rules.run_checks(a, rules.model_config(a), CHECKS, APPLIES)
-        if a.executor != REFERENCE or a.plan:
-            rules.check_environment()
-    except rules.UsageError as e:
-        if a.debug:
-            raise
-        p.error(str(e))
-    return a
+    return rules.parse_checked(parser or build_parser(), argv, APPLIES, _check_values)
+
+
+def _check_values(a) -> None:
+    rules.run_checks(a, None, FIRST, APPLIES)
+    rules.run_checks(a, rules.model_config(a), CHECKS, APPLIES)
+    if a.executor != REFERENCE or a.plan:
+        rules.check_environment()
 
 
 class Terminated(KeyboardInterrupt):

@@ -94,21 +94,14 @@ CHECKS = [(f, c) for f, c in rules.CHECKS if f in SERVE_APPLIES] + [
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
-    p = parser or build_parser()
-    a = p.parse_args(argv)
-    if a.ep is None:
-        a.ep = a.tp * a.dp
-    try:
-        rules.check_modes(a, rules.given_flags(p, argv), SERVE_APPLIES)
-        rules.run_checks(a, None, [c for c in rules.FIRST if c[0] in SERVE_APPLIES], SERVE_APPLIES)
-        cfg = rules.model_config(a)
-        _sizes(a, cfg)
-        rules.run_checks(a, cfg, CHECKS, SERVE_APPLIES)
-    except rules.UsageError as e:
-        if a.debug:
-            raise
-        p.error(str(e))
-    return a
+    return rules.parse_checked(parser or build_parser(), argv, SERVE_APPLIES, _check_values)
+
+
+def _check_values(a) -> None:
+    rules.run_checks(a, None, [c for c in rules.FIRST if c[0] in SERVE_APPLIES], SERVE_APPLIES)
+    cfg = rules.model_config(a)
+    _sizes(a, cfg)
+    rules.run_checks(a, cfg, CHECKS, SERVE_APPLIES)
 
 
 def main(argv=None) -> int:
