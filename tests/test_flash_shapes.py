@@ -51,10 +51,17 @@ def test_graph_equals_reference_at_flash_width(capsys, folder):
 def test_graph_equals_reference_decoding_at_a_long_context(capsys, folder):
     """16,384 tokens of drawn context: 8,192 ratio-2 compressed rows for the indexer's Top-K 512."""
     path, _ = folder
-    long = ["--batch", "1", "--prompt-len", "1", "--new-tokens", "2", "--context", "16384", "--json"]
-    assert main(["--checkpoint", str(path), *long, "--executor", "reference"]) == 0
+    _equal_at_a_long_context(capsys, path, 1, "--executor", "sync", "--tp", "1", "--dp", "1")
+
+
+def _equal_at_a_long_context(capsys, path, batch: int, *layout):
+    """``batch`` requests after 16,384 tokens of drawn context: the layout's tokens and logits are the
+    reference's."""
+    long = ["--checkpoint", str(path), "--batch", str(batch), "--prompt-len", "1", "--new-tokens", "2",
+            "--context", "16384", "--json"]
+    assert main([*long, "--executor", "reference"]) == 0
     want = json.loads(capsys.readouterr().out)
-    assert main(["--checkpoint", str(path), *long, "--executor", "sync", "--tp", "1", "--dp", "1"]) == 0
+    assert main([*long, *layout]) == 0
     got = json.loads(capsys.readouterr().out)
     assert (got["tokens"], got["last_logits_sha256"]) == (want["tokens"], want["last_logits_sha256"])
 
@@ -76,9 +83,4 @@ def test_all_384_experts_on_ep8_equal_the_reference(capsys, all_experts):
     for card in got["cards"]:
         assert card["weights_bytes"] == sum(weights_by_kind(cfg, topo, card["card"]).values())
         assert weights_by_kind(cfg, topo, card["card"])["routed_experts"] > 0      # 48 experts each
-    long = ["--batch", "2", "--prompt-len", "1", "--new-tokens", "2", "--context", "16384", "--json"]
-    assert main(["--checkpoint", str(path), *long, "--executor", "reference"]) == 0
-    want = json.loads(capsys.readouterr().out)
-    assert main(["--checkpoint", str(path), *long, "--executor", "threads", "--tp", "4", "--dp", "2"]) == 0
-    got = json.loads(capsys.readouterr().out)
-    assert (got["tokens"], got["last_logits_sha256"]) == (want["tokens"], want["last_logits_sha256"])
+    _equal_at_a_long_context(capsys, path, 2, "--executor", "threads", "--tp", "4", "--dp", "2")
