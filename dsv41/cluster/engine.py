@@ -16,6 +16,7 @@ retries the step.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -124,6 +125,18 @@ class GraphEngine(Engine):
     def active(self) -> list[int]:
         return list(self.where)
 
+    @property
+    def max_batch(self) -> int:
+        return sum(t.max_batch for t in self.tables)
+
+    @property
+    def max_context(self) -> int:
+        return self.tables[0].max_context
+
+    def sequence(self, rid: int):
+        grp, local = self.where[rid]
+        return self.tables[grp].requests[local]
+
     # ---- State ownership ----------------------------------------------------------------------------
     def _install(self, cards: list[int]):
         """Fresh States (same seed, empty caches, a new build id) for these cards, at this generation."""
@@ -221,7 +234,7 @@ class GraphEngine(Engine):
         return tokens, sum(len(r) for r in renamed.values()), steps
 
     # ---- steps -------------------------------------------------------------------------------------
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None) -> StepOutput:
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None) -> StepOutput:
         if not batch:
             raise ValueError("batch: must contain at least one request, got an empty batch")
         if not self._finalizer.alive:
@@ -233,7 +246,7 @@ class GraphEngine(Engine):
             try:
                 if lost is not None:
                     self._recover(*lost)
-                return self._step(batch, phase, self.recoveries[first:], sampling)
+                return self._step(batch, phase, self.recoveries[first:], sampling, drafts)
             except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
@@ -241,12 +254,16 @@ class GraphEngine(Engine):
             except NonFiniteError as e:      # the cards found NaN/Inf: the step is aborted; say which step
                 raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
 
-    def _step(self, batch, phase: str, recovered: list[dict], sampling=None) -> StepOutput:
+    def _step(self, batch, phase: str, recovered: list[dict], sampling=None, drafts=None) -> StepOutput:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         params: dict[int, list] = {g: [] for g in range(self.topo.dp)}
+        proposals: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         sampling = [None] * len(batch) if sampling is None else list(sampling)
         if len(sampling) != len(batch):
             raise ValueError(f"sampling: expected one entry per request ({len(batch)}), found {len(sampling)}")
+        drafts = [[] for _ in batch] if drafts is None else list(drafts)
+        if len(drafts) != len(batch):
+            raise ValueError(f"drafts: expected one list per request ({len(batch)}), found {len(drafts)}")
         placed = []                          # (group, index within the group's batch) per request
         load = [len(t.requests) for t in self.tables]
         for rid, toks in batch:
@@ -260,13 +277,23 @@ class GraphEngine(Engine):
                 raise ValueError(f"request_ids: unknown or released request {rid}")
             placed.append((grp, len(per_group[grp])))
             per_group[grp].append((local, toks))
-        for (grp, _), sp in zip(placed, sampling):
+        for (grp, _), sp, d in zip(placed, sampling, drafts):
             params[grp].append(sp)
-        steps = {g: self.tables[g].plan(b, phase, params[g]) for g, b in per_group.items() if b}
-        t0 = time.perf_counter()
-        values, graph, plan = self._execute(steps, phase)
+            proposals[grp].append(d)
+        steps = {}
+        try:
+            for g, b in per_group.items():
+                if b:
+                    steps[g] = self.tables[g].plan(b, phase, params[g], proposals[g])
+            t0 = time.perf_counter()
+            values, graph, plan = self._execute(steps, phase)
+        except BaseException:                # nothing of the step stays on the host either
+            for g, s in steps.items():
+                self.tables[g].abort(s)
+            raise
+        heads = {g: values[head_key(g)] for g in steps}
         for g, s in steps.items():
-            self.tables[g].commit(s)
+            self.tables[g].commit(s, [len(t) for t in heads[g].tokens])
         new_ids = []
         for (rid, _), (grp, idx) in zip(batch, placed):
             if rid is None:
@@ -284,20 +311,24 @@ class GraphEngine(Engine):
         if self.backend != "torch":
             self.last_stats.update(self._device_summary())
         self._heads = {g: self.topo.group_cards(g)[0] for g in steps}
-        heads = {g: values[head_key(g)] if isinstance(values[head_key(g)], tuple) else (values[head_key(g)], None)
-                 for g in steps}
-        tokens = [int(heads[grp][0][idx]) for grp, idx in placed]
-        logprobs = [heads[grp][1][idx] if heads[grp][1] is not None else None for grp, idx in placed]
+        tokens = [heads[grp].tokens[idx] for grp, idx in placed]
+        logprobs = [heads[grp].logprobs[idx] if heads[grp].logprobs is not None else None for grp, idx in placed]
+        # each request's logit rows within its group's: the rows of the requests before it
+        first = {g: list(itertools.accumulate([0] + [k + 1 for k in s.proposed]))[:-1] for g, s in steps.items()}
+        spans = [(grp, first[grp][idx], steps[grp].proposed[idx] + 1) for grp, idx in placed]
         step = self.step_id
-        return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, placed)),
-                          logprobs if any(x is not None for x in logprobs) else None)
+        verified = [steps[grp].proposed[idx] for grp, idx in placed]
+        return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, spans)),
+                          logprobs if any(x is not None for x in logprobs) else None,
+                          verified if any(verified) else None,
+                          list(itertools.accumulate([0] + [n for _, _, n in spans]))[:-1])
 
-    def _logits(self, step: int, placed: list[tuple[int, int]]) -> torch.Tensor:
-        """A step's logits from the cards that made them, in batch order."""
+    def _logits(self, step: int, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """A step's logit rows from the cards that made them, each request's in batch order."""
         held = {}
         for found in self._on_every_process(_held_logits, self.id, step, self._heads).values():
             held.update(found)
-        return torch.stack([held[grp][idx] for grp, idx in placed])
+        return torch.cat([held[grp][a:a + n] for grp, a, n in spans])
 
     def _execute(self, steps: dict, phase: str):
         """Plan and run one step over these DP groups' inputs; abort everywhere if it fails."""
@@ -387,10 +418,17 @@ class GraphEngine(Engine):
             grp = min(range(self.topo.dp), key=lambda g: (load[g], g))
             load[grp] += 1
             histories.setdefault(grp, []).append((rid, draw_history(self.cfg, seed, rid, context)))
-        started = {g: self.tables[g].start_at([h for _, h in items]) for g, items in histories.items()}
-        fills = {g: [(rid, started[g].requests[local]) for (rid, _), local in zip(items, started[g].rids)]
-                 for g, items in histories.items()}
-        self._on_every_process(_fill_here, self.id, self.cfg, seed, fills)
+        started = {}
+        try:
+            for g, items in histories.items():
+                started[g] = self.tables[g].start_at([h for _, h in items])
+            fills = {g: [(rid, started[g].requests[local]) for (rid, _), local in zip(items, started[g].rids)]
+                     for g, items in histories.items()}
+            self._on_every_process(_fill_here, self.id, self.cfg, seed, fills)
+        except BaseException:
+            for g, s in started.items():
+                self.tables[g].abort(s)
+            raise
         for g, items in histories.items():
             self.tables[g].commit(started[g])
             for (rid, _), local in zip(items, started[g].rids):

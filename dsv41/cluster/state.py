@@ -13,7 +13,7 @@ from functools import cached_property
 
 from dsv41.checkpoint.shards import CardWeights, DrawnCheckpoint, read_cards
 from dsv41.config import ModelConfig, Topology
-from dsv41.engine.requests import RequestTable
+from dsv41.engine.blocks import BlockManager
 from dsv41.model.caches import empty_caches
 from dsv41.model.options import Options
 from dsv41.model.transformer import Transformer
@@ -68,4 +68,4 @@ def renew(st: CardState, build: str, generation: int):
 
 
 def _empty(cfg: ModelConfig, max_batch: int, max_context: int) -> StagedTensors:
-    return StagedTensors(empty_caches(cfg, RequestTable(cfg, max_batch, max_context)))
+    return StagedTensors(empty_caches(cfg, BlockManager(cfg, max_batch, max_context)))

@@ -18,7 +18,7 @@ import hashlib
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.engine.requests import Request
+from dsv41.engine.sequence import Sequence
 from dsv41.model import caches as cache
 from dsv41.ops import kv_cache
 from dsv41.ops.staged import StagedTensors
@@ -42,10 +42,10 @@ def _rows(gen: torch.Generator, count: int, width: int):
         yield start, torch.randn(min(DRAW_ROWS, count - start), width, generator=gen)
 
 
-def fill_caches(cfg: ModelConfig, seed: int, targets: list[StagedTensors], requests: list[tuple[int, Request]]):
+def fill_caches(cfg: ModelConfig, seed: int, targets: list[StagedTensors], requests: list[tuple[int, Sequence]]):
     """Write each request's drawn rows into every target (replicas of one DP group's caches).
 
-    requests: (request id the values are drawn for, its Request as ``start_at`` left it). Writes go
+    requests: (request id the values are drawn for, its Sequence as ``start_at`` left it). Writes go
     to the committed tensors in place, between steps: staging would clone whole pools (GBs at 1M
     context) for rows no step has to undo.
     """

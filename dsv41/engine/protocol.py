@@ -1,9 +1,11 @@
 """The engine protocol: what the command line, the server and the tests drive.
 
 An engine runs steps over a batch of ``(request id, new tokens)`` pairs (``None`` starts a request,
-with its ``SamplingParams``) and answers each step with the next token of every request, drawn
-where the logits are (the head) from the request's own generator. The logits themselves stay
-there; ``StepOutput.logits`` fetches them, for the step just run only.
+with its ``SamplingParams``), optionally with drafts to verify after each request's new tokens,
+and answers each step with the tokens every request made, drawn where the logits are (the head)
+from the request's own generator: one per request, or in a verify step the accepted drafts and the
+model's own token after them. The logits themselves stay there; ``StepOutput.logits`` fetches
+them, for the step just run only.
 """
 from __future__ import annotations
 
@@ -13,22 +15,43 @@ from typing import Callable
 
 import torch
 
-from dsv41.ops.stopping import Stops
+from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.sequence import Sequence
 from dsv41.ops.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class StepOutput:
     request_ids: list[int]
-    tokens: list[int]                           # the next token of each request, in batch order
-    fetch: Callable[[], torch.Tensor] = field(repr=False, compare=False)
-    logprobs: list | None = None                # per request (logprob, [(id, logprob)] top) or None; None: nobody asked
+    tokens: list[list[int]]                     # per request, in batch order, the tokens the step made
+    fetch: Callable[[], torch.Tensor] = field(repr=False, compare=False)   # FP32 [R, vocab] every logit row
+    logprobs: list | None = None                # per request, one (logprob, [(id, logprob)] top) per token; None: nobody asked
+    proposed: list[int] | None = None           # per request, the drafts the step verified (None: none)
+    first_rows: list[int] | None = field(default=None, repr=False)   # per request, its first logit row
+
+    @property
+    def last(self) -> list[int]:
+        """Each request's newest token: what it feeds next."""
+        return [t[-1] for t in self.tokens]
+
+    @property
+    def accepted(self) -> list[int]:
+        """Per request, the drafts the step accepted."""
+        return [len(t) - 1 for t in self.tokens]
+
+    def token_logits(self, i: int, j: int) -> torch.Tensor:
+        """FP32 [vocab] logits that made token j of request i."""
+        return self.fetch()[self._row(i, j)]
 
     @property
     def logits(self) -> torch.Tensor:
-        """FP32 [B, vocab] last-row logits, in batch order (fetched on demand; raises once the
-        engine has run another step)."""
-        return self.fetch()
+        """FP32 [B, vocab] logits of each request's newest token, in batch order (fetched on demand;
+        raises once the engine has run another step)."""
+        rows = self.fetch()
+        return rows[[self._row(i, len(t) - 1) for i, t in enumerate(self.tokens)]]
+
+    def _row(self, i: int, j: int) -> int:
+        return (i if self.first_rows is None else self.first_rows[i]) + j
 
 
 class StaleLogits(RuntimeError):
@@ -43,14 +66,25 @@ class Engine(ABC):
 
     @abstractmethod
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str,
-             sampling: list[SamplingParams | None] | None = None) -> StepOutput:
-        """Run one step; it commits whole or leaves every request and cache as it was. sampling: per
-        pair, the settings of the request it starts (None: greedy)."""
+             sampling: list[SamplingParams | None] | None = None,
+             drafts: list[list[int]] | None = None) -> StepOutput:
+        """Run one step; it publishes what it made or leaves every request and cache as it was.
+        sampling: per pair, the settings of the request it starts (None: greedy). drafts: per pair,
+        tokens proposed after its new tokens (decode only); the step keeps the accepted prefix."""
 
     @property
     @abstractmethod
     def active(self) -> list[int]:
         """Live request ids in admission order."""
+
+    @property
+    @abstractmethod
+    def max_batch(self) -> int:
+        """Requests the engine holds at once."""
+
+    @abstractmethod
+    def sequence(self, rid: int) -> Sequence:
+        """A live request's host state."""
 
     @abstractmethod
     def release(self, rid: int):
@@ -88,37 +122,41 @@ class Engine(ABC):
                 self.release(r)
             raise
 
-    def decode(self, token_ids: list[int], request_ids: list[int] | None = None) -> StepOutput:
-        """One token per request (default: every active request, in admission order)."""
+    def decode(self, token_ids: list[int], request_ids: list[int] | None = None,
+               drafts: list[list[int]] | None = None) -> StepOutput:
+        """One token per request (default: every active request, in admission order), and the
+        drafts to verify after it."""
         rids = self.active if request_ids is None else list(request_ids)
         if len(token_ids) != len(rids):
             raise ValueError(f"token_ids: expected one token per request ({len(rids)}), got {len(token_ids)}")
-        return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode")
+        return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode", drafts=drafts)
+
+    def restart(self, history: list[int], state: Sequence) -> int:
+        """A request again from its token history (a preempted one: its caches recomputed by
+        prefill steps of at most ``prefill_max_tokens`` rows, their tokens not kept), with the
+        sampling state it had (settings, seed, draws made, prompt length). Returns its new id."""
+        limit = self.cfg.prefill_max_tokens
+        rid = self.step([(None, history[:limit])], "prefill", [state.sampling]).request_ids[0]
+        try:
+            for i in range(limit, len(history), limit):
+                self.step([(rid, history[i:i + limit])], "prefill")
+        except BaseException:
+            self.release(rid)
+            raise
+        seq = self.sequence(rid)
+        seq.seed, seq.drawn, seq.prompt_len = state.seed, state.drawn, state.prompt_len
+        return rid
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, sampling=None,
-                 decode_text: Callable[[list[int]], str] | None = None) -> list[list[int]]:
+                 decode_text: Callable[[list[int]], str] | None = None, drafter=None) -> list[list[int]]:
         """The continuation of each prompt (greedy unless sampling says otherwise: one SamplingParams
-        or one per prompt). A request ends at max_new_tokens (default: its params' max_tokens), at
-        one of its stop token ids (not returned) or, with decode_text, at one of its stop strings;
-        every request is released at the end, also when a step fails."""
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling] * len(prompts)
-        stops = [Stops(p or SamplingParams(), max_new_tokens, decode_text=decode_text) for p in sampling]
-        out = self.prefill(prompts, sampling)
-        rids = list(out.request_ids)
-        try:
-            live = list(range(len(prompts)))
-            while True:
-                for j, t in zip(live, out.tokens):
-                    stops[j].push(t)
-                live = [j for j in live if stops[j].finish is None]
-                if not live:
-                    break
-                out = self.decode([stops[j].tokens[-1] for j in live], [rids[j] for j in live])
-        finally:
-            for r in rids:
-                self.release(r)
-        return [s.tokens for s in stops]
+        or one per prompt), scheduled by ``engine.scheduler`` (with a drafter: speculative steps). A
+        request ends at max_new_tokens (default: its params' max_tokens), at one of its stop token
+        ids (not returned) or, with decode_text, at one of its stop strings; every request is
+        released at the end, also when a step fails."""
+        jobs = jobs_for(prompts, sampling, max_new_tokens, decode_text)
+        Scheduler(self, drafter).run(jobs)
+        return [j.stops.tokens for j in jobs]
 
 
 class StepCounter:

@@ -2,6 +2,8 @@
 continuous batching; the token is the head's draw from the logits it just made."""
 from __future__ import annotations
 
+import itertools
+
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.context import draw_history, fill_caches
@@ -36,7 +38,7 @@ class ReferenceEngine(Engine):
         self.table = RequestTable(cfg, max_batch or cfg.max_batch_per_dp,
                                   max_context or min(cfg.max_position_embeddings, 1024),
                                   None if checkpoint is None else checkpoint.token_map)
-        self.caches = StagedTensors(empty_caches(cfg, self.table))
+        self.caches = StagedTensors(empty_caches(cfg, self.table.blocks))
         capacity = self.table.max_context
         self.rope_tables = {p: precompute_rope_tables(cfg, capacity, p) for p in (PLAIN, COMPRESSED)}
         self.last_request_ids: list[int] = []
@@ -47,26 +49,47 @@ class ReferenceEngine(Engine):
     def active(self) -> list[int]:
         return list(self.table.requests)
 
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None) -> StepOutput:
-        step = self.table.plan(batch, phase, sampling=sampling)
+    @property
+    def max_batch(self) -> int:
+        return self.table.max_batch
+
+    @property
+    def max_context(self) -> int:
+        return self.table.max_context
+
+    def sequence(self, rid: int):
+        return self.table.requests[rid]
+
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None) -> StepOutput:
+        step = self.table.plan(batch, phase, sampling=sampling, drafts=drafts)
         try:
             logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options), None, LOGITS)
-            ids, logprobs = Head.sample(logits, step.draws)     # made before anything commits, as on a card
+            made = Head.tokens(logits, step)     # made before anything commits, as on a card
         except NonFiniteError as e:
-            self.caches.abort()
+            self._abort(step)
             raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
         except BaseException:
-            self.caches.abort()
+            self._abort(step)
             raise
-        self.caches.commit()
-        self.table.commit(step)
+        self.caches.commit(keep_rows=made.keep_rows)
+        self.table.commit(step, [len(t) for t in made.tokens])
         self.last_request_ids = step.rids
-        return StepOutput(step.rids, ids.tolist(), self._steps.guard(self._steps.next(), lambda: logits), logprobs)
+        first = [0] + list(itertools.accumulate(k + 1 for k in step.proposed))[:-1]
+        return StepOutput(step.rids, made.tokens, self._steps.guard(self._steps.next(), lambda: logits),
+                          made.logprobs, step.proposed if step.verifies else None, first)
+
+    def _abort(self, step):
+        self.caches.abort()
+        self.table.abort(step)
 
     def start_at_context(self, count: int, context: int) -> list[int]:
         first = self.table.next_rid
         started = self.table.start_at([draw_history(self.cfg, self.seed, first + i, context) for i in range(count)])
-        fill_caches(self.cfg, self.seed, [self.caches], [(r, started.requests[r]) for r in started.rids])
+        try:
+            fill_caches(self.cfg, self.seed, [self.caches], [(r, started.requests[r]) for r in started.rids])
+        except BaseException:
+            self.table.abort(started)
+            raise
         self.table.commit(started)
         return started.rids
 

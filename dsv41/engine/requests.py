@@ -1,52 +1,23 @@
-"""Host-side request state: requests, paged block allocation, and one step's inputs.
+"""The request table of one DP group: its sequences, its blocks, and one step's inputs.
 
-A step is planned on copies (``plan``): token validation, capacity checks, page allocation,
-metadata lowering and Engram hashing all happen before any tensor of the model is touched, and
-``commit`` makes the plan the new host state. A failed step therefore leaves nothing changed.
+``plan`` checks every input before it changes anything, then reserves the step's pages (logged,
+so ``abort`` gives them back) and lowers the step's metadata; the sequences themselves change only
+at ``commit``, which publishes the rows the step kept: all of them in a plain step, the accepted
+prefix in a verify step (whose pages past it go back to the pools). Token histories are appended
+to, never copied.
 """
 from __future__ import annotations
 
-import copy
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from dsv41.config import ModelConfig
+from dsv41.engine.blocks import BlockManager, Reservation
+from dsv41.engine.sequence import GREEDY, Sequence
 from dsv41.ops import metadata as md_ops
 from dsv41.ops.engram import default_token_map, hash_ids
 from dsv41.ops.sampling import RequestGenerator, RowDraw, SamplingParams
-
-GREEDY = SamplingParams()
-
-
-@dataclass
-class Request:
-    rid: int
-    tokens: list[int]                       # every token fed so far (history for Engram hashing)
-    kv_len: int = 0
-    window_pages: dict[int, int] = field(default_factory=dict)      # logical page -> physical block
-    compressed_pages: dict[int, list[int]] = field(default_factory=dict)  # ratio -> physical blocks
-    state_block: int = -1
-    sampling: SamplingParams = GREEDY
-    seed: int = 0                           # the request's generator: draw n is seeded by (seed, n)
-    drawn: int = 0                          # draws made so far (temperature > 0 rows draw once a step)
-    prompt_len: int = 0                     # tokens of the first step (the rest were generated)
-
-    def row_draw(self) -> RowDraw:
-        """This step's draw: its index, and the history the penalties read (only when one is set)."""
-        p = self.sampling
-        out = tuple(self.tokens[self.prompt_len:]) if p.frequency_penalty or p.presence_penalty \
-            or p.repetition_penalty != 1.0 else ()
-        prompt = tuple(self.tokens[:self.prompt_len]) if p.repetition_penalty != 1.0 else ()
-        return RowDraw(p, self.seed, self.drawn, out, prompt)
-
-
-@dataclass
-class Pools:
-    window: list[int]
-    compressed: dict[int, list[int]]        # ratio -> free blocks
-    state: list[int]
 
 
 @dataclass
@@ -56,30 +27,29 @@ class StepInputs:
     md: md_ops.ForwardMetadata
     hash_ids: dict[int, torch.Tensor]       # engram layer -> i64 [T, ids]
     phase: str
-    requests: dict[int, Request]            # host state after commit
-    pools: Pools
-    draws: list[RowDraw] | None = None      # per request, for the head; None: every row greedy argmax
+    fed: list[list[int]]                    # per request, the rows it feeds (drafts last)
+    proposed: list[int]                     # per request, how many of its last rows are drafts to verify
+    logit_rows: torch.Tensor                # i32 [R] the rows whose token is made: each request's last
+    #                                         row, and every row of a draft block (the row before each draft)
+    draws: list[RowDraw] | None = None      # per logit row, for the head; None: every row greedy argmax
+    reservation: Reservation = field(default_factory=Reservation, repr=False)
+    new: dict = field(default_factory=dict, repr=False)    # rid -> Sequence started by this step
+
+    @property
+    def verifies(self) -> bool:
+        return any(self.proposed)
 
 
 @dataclass
 class Started:
     """Requests admitted at a context without a step (``RequestTable.start_at``); commit like a step."""
     rids: list[int]
-    requests: dict[int, Request]            # host state after commit
-    pools: Pools
-
-
-def window_pages(cfg: ModelConfig, max_context: int) -> int:
-    """Window pages one request can hold at once. Before a step it holds the pages from its earliest
-    window position on; a step of n new tokens adds pages up to its last, so at most
-    ceil((n + window - 1) / block) + 1, with n <= prefill_max_tokens, and never more than its whole
-    context's. A drawn 1M-token history (``start_at``) keeps 34 FLASH pages a layer, not 8,193."""
-    bs = cfg.block_size
-    return min(math.ceil(max_context / bs), math.ceil((cfg.prefill_max_tokens + cfg.sliding_window - 1) / bs)) + 1
+    requests: dict[int, Sequence]
+    reservation: Reservation
 
 
 class RequestTable:
-    """Requests and block pools of one DP group (one paged-cache owner)."""
+    """Sequences and block pools of one DP group (one paged-cache owner)."""
 
     def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, token_map: torch.Tensor | None = None):
         if not 1 <= max_batch <= cfg.max_batch_per_dp:
@@ -87,87 +57,114 @@ class RequestTable:
         if not 1 <= max_context <= cfg.max_position_embeddings:
             raise ValueError(f"max_context: must be in [1, {cfg.max_position_embeddings}], got {max_context}")
         self.cfg, self.max_batch, self.max_context = cfg, max_batch, max_context
-        bs = cfg.block_size
-        self.window_blocks = max_batch * window_pages(cfg, max_context)
-        self.compressed_blocks = {r: max_batch * math.ceil(max_context // r / bs + 1)
-                                  for r in sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})}
-        self.state_blocks = max_batch
-        self.pools = Pools(list(range(self.window_blocks)),
-                           {r: list(range(n)) for r, n in self.compressed_blocks.items()},
-                           list(range(self.state_blocks)))
-        self.requests: dict[int, Request] = {}
+        self.blocks = BlockManager(cfg, max_batch, max_context)
+        self.requests: dict[int, Sequence] = {}
         self.next_rid = 0
         self.token_map = default_token_map(cfg) if token_map is None else token_map
 
+    @property
+    def pools(self):
+        return self.blocks.pools
+
     # ---- planning --------------------------------------------------------------------------
-    def plan(self, batch: list[tuple[int | None, list[int]]], phase: str,
-             sampling: list[SamplingParams | None] | None = None) -> StepInputs:
-        """batch: (request id, new tokens) pairs; rid None starts a new request at position 0.
-        sampling: per pair, the settings of a request it starts (None: greedy; ignored for running
-        requests, which keep their own)."""
+    def check(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None):
+        """Every input of a step checked, nothing changed: returns (sampling, drafts) one per pair."""
         cfg = self.cfg
         if not batch:
             raise ValueError("batch: must contain at least one request")
         sampling = [None] * len(batch) if sampling is None else list(sampling)
         if len(sampling) != len(batch):
             raise ValueError(f"sampling: expected one entry per request ({len(batch)}), found {len(sampling)}")
-        requests = copy.deepcopy(self.requests)
-        pools = copy.deepcopy(self.pools)
-        next_rid = self.next_rid
-        rids = []
-        for (rid, toks), params in zip(batch, sampling):
+        drafts = [[] for _ in batch] if drafts is None else [list(d or []) for d in drafts]
+        if len(drafts) != len(batch):
+            raise ValueError(f"drafts: expected one list per request ({len(batch)}), found {len(drafts)}")
+        starting, seen = 0, set()
+        for (rid, toks), d in zip(batch, drafts):
             if not toks:
                 raise ValueError("token_ids: every request in a step needs at least one token")
-            bad = [t for t in toks if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
+            bad = [t for t in list(toks) + d if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
             if bad:
                 raise ValueError(f"token_ids: must be ints in [0, {cfg.vocab_size - 1}], got {bad[0]!r}")
+            if d and phase != "decode":
+                raise ValueError("drafts: only decode steps verify drafts")
+            if len(d) > cfg.decode_rows_per_request - 1:
+                raise ValueError(f"drafts: at most {cfg.decode_rows_per_request - 1} per request "
+                                 f"(decode_rows_per_request {cfg.decode_rows_per_request}), got {len(d)}")
             if rid is None:
-                if len(requests) >= self.max_batch:
-                    raise ValueError(f"batch: at most {self.max_batch} active requests (capacity contract)")
-                if not pools.state:
-                    raise ValueError("batch: no free compressor state block")
-                rid, next_rid = next_rid, next_rid + 1
-                params = params or GREEDY
-                seed = RequestGenerator(params.seed).seed if not params.greedy else 0
-                requests[rid] = Request(rid, [], state_block=pools.state.pop(0), sampling=params, seed=seed,
-                                        prompt_len=len(toks))
-            elif rid not in requests:
+                starting += 1
+                kv = 0
+            elif rid not in self.requests:
                 raise ValueError(f"request_ids: unknown or released request {rid}")
-            if rid in rids:
+            elif rid in seen:
                 raise ValueError(f"request_ids: request {rid} appears twice in one step")
-            req = requests[rid]
-            if req.kv_len + len(toks) > self.max_context:
-                raise ValueError(f"token_ids: request {rid} would reach {req.kv_len + len(toks)} tokens, "
+            else:
+                seen.add(rid)
+                kv = self.requests[rid].kv_len
+            if kv + len(toks) + len(d) > self.max_context:
+                raise ValueError(f"token_ids: request {rid} would reach {kv + len(toks) + len(d)} tokens, "
                                  f"max_context is {self.max_context}")
-            rids.append(rid)
-        rows = sum(len(t) for _, t in batch)
+        if len(self.requests) + starting > self.max_batch:
+            raise ValueError(f"batch: at most {self.max_batch} active requests (capacity contract)")
+        rows = sum(len(t) + len(d) for (_, t), d in zip(batch, drafts))
         limit = cfg.prefill_max_tokens if phase == "prefill" else cfg.decode_max_tokens
         if rows > limit:
             raise ValueError(f"batch: {rows} token rows exceed the {phase} capacity {limit} per DP group")
-        for rid, (_, toks) in zip(rids, batch):
-            self._allocate(requests[rid], len(toks), pools)
+        return sampling, drafts
 
-        lens = [len(t) for _, t in batch]
+    def plan(self, batch: list[tuple[int | None, list[int]]], phase: str,
+             sampling: list[SamplingParams | None] | None = None, drafts: list[list[int]] | None = None) -> StepInputs:
+        """batch: (request id, new tokens) pairs; rid None starts a new request at position 0.
+        sampling: per pair, the settings of a request it starts (None: greedy; ignored for running
+        requests, which keep their own). drafts: per pair, proposed tokens to verify after its new
+        tokens (decode only). Reserves the step's pages: ``commit`` or ``abort`` the result."""
+        sampling, drafts = self.check(batch, phase, sampling, drafts)
+        res = Reservation()
+        new: dict[int, Sequence] = {}
+        seqs = []
+        try:
+            next_rid = self.next_rid
+            for (rid, toks), params, d in zip(batch, sampling, drafts):
+                if rid is None:
+                    params = params or GREEDY
+                    seed = RequestGenerator(params.seed).seed if not params.greedy else 0
+                    seq = Sequence(next_rid, [], sampling=params, seed=seed, prompt_len=len(toks))
+                    self.blocks.take_state(seq, res)
+                    new[next_rid] = seq
+                    next_rid += 1
+                else:
+                    seq = self.requests[rid]
+                self.blocks.reserve(seq, len(toks) + len(d), res)
+                seqs.append(seq)
+        except BaseException:
+            res.undo(self.pools)
+            raise
+        fed = [list(t) + d for (_, t), d in zip(batch, drafts)]
+        proposed = [len(d) for d in drafts]
+        return self._inputs(seqs, fed, proposed, phase, res, new)
+
+    def _inputs(self, seqs: list[Sequence], fed, proposed, phase, res, new) -> StepInputs:
+        cfg = self.cfg
+        lens = [len(f) for f in fed]
         qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32)
-        kv = torch.tensor([requests[r].kv_len for r in rids], dtype=torch.int32)
-        md = md_ops.lower(cfg, qsl, kv, self._window_table(requests, rids), self._compressed_tables(requests, rids),
-                          {s: torch.tensor([[requests[r].state_block] for r in rids], dtype=torch.int32)
+        kv = torch.tensor([s.kv_len for s in seqs], dtype=torch.int32)
+        md = md_ops.lower(cfg, qsl, kv, self._window_table(seqs), self._compressed_tables(seqs),
+                          {s: torch.tensor([[q.state_block] for q in seqs], dtype=torch.int32)
                            for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2})
         hashes = {layer: [] for layer in cfg.engram_layer_ids}
-        for rid, (_, toks) in zip(rids, batch):
-            req = requests[rid]
-            start = len(req.tokens)
-            req.tokens.extend(toks)
+        keep = cfg.engram_max_ngram_size - 1       # the n-gram reaches this many tokens back
+        for seq, f in zip(seqs, fed):
+            base = max(0, seq.kv_len - keep)
+            window = seq.tokens[base:] + f
             for layer in cfg.engram_layer_ids:
-                hashes[layer].append(hash_ids(cfg, layer, req.tokens, range(start, len(req.tokens)), self.token_map))
-            req.kv_len += len(toks)
-            self._release_stale_window(req, pools)
-        draws = [requests[r].row_draw() for r in rids]
-        for r in rids:
-            requests[r].drawn += not requests[r].sampling.greedy
-        ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.int64)
-        return StepInputs(rids, ids, md, {k: torch.cat(v) for k, v in hashes.items()}, phase, requests, pools,
-                          None if all(d.plain for d in draws) else draws)
+                hashes[layer].append(hash_ids(cfg, layer, window, range(seq.kv_len - base, len(window)),
+                                              self.token_map))
+        ends = qsl[1:].tolist()
+        logit_rows = torch.tensor([r for end, k in zip(ends, proposed) for r in range(end - 1 - k, end)],
+                                  dtype=torch.int32)
+        draws = [d for seq, f, k in zip(seqs, fed, proposed) for d in seq.row_draws(f, k + 1)]
+        ids = torch.tensor([t for f in fed for t in f], dtype=torch.int64)
+        return StepInputs([s.rid for s in seqs], ids, md, {k: torch.cat(v) for k, v in hashes.items()}, phase,
+                          fed, proposed, logit_rows, None if all(d.plain for d in draws) else draws, res, new)
 
     def start_at(self, histories: list[list[int]]) -> Started:
         """Plan new requests that have already read these token histories: the pages a prefill of each
@@ -176,84 +173,76 @@ class RequestTable:
         (``engine.context.fill_caches``) and commits."""
         if not histories:
             raise ValueError("context: at least one request to start")
-        requests, pools = copy.deepcopy(self.requests), copy.deepcopy(self.pools)
-        if len(requests) + len(histories) > self.max_batch:
+        if len(self.requests) + len(histories) > self.max_batch:
             raise ValueError(f"batch: at most {self.max_batch} active requests (capacity contract)")
-        rids = []
-        for history in histories:
-            n = len(history)
+        for n in map(len, histories):
             if not 1 <= n < self.max_context:
                 raise ValueError(f"context: must be in [1, {self.max_context - 1}] tokens (max_context "
                                  f"{self.max_context} leaves a row for the next token), got {n}")
-            rid = self.next_rid + len(rids)
-            req = requests[rid] = Request(rid, list(history), state_block=pools.state.pop(0), prompt_len=n)
-            for done in range(0, n, self.cfg.prefill_max_tokens):   # in the largest steps the scheduler allows
-                step = min(self.cfg.prefill_max_tokens, n - done)
-                self._allocate(req, step, pools)
-                req.kv_len += step
-                self._release_stale_window(req, pools)
-            rids.append(rid)
-        return Started(rids, requests, pools)
+        res, started = Reservation(), {}
+        try:
+            for i, history in enumerate(histories):
+                n = len(history)
+                seq = started[self.next_rid + i] = Sequence(self.next_rid + i, list(history), prompt_len=n)
+                self.blocks.take_state(seq, res)
+                for done in range(0, n, self.cfg.prefill_max_tokens):   # in the largest steps the scheduler allows
+                    step = min(self.cfg.prefill_max_tokens, n - done)
+                    self.blocks.reserve(seq, step, res)
+                    seq.kv_len += step
+                    self.blocks.release_stale(seq)
+        except BaseException:
+            res.undo(self.pools)
+            raise
+        return Started(list(started), started, res)
 
-    def _allocate(self, req: Request, n_new: int, pools: Pools):
-        bs, w = self.cfg.block_size, self.cfg.sliding_window
-        first = max(0, req.kv_len - w + 1) // bs
-        last = (req.kv_len + n_new - 1) // bs
-        for page in range(first, last + 1):
-            if page not in req.window_pages:
-                if not pools.window:
-                    raise ValueError("batch: window cache pool exhausted")
-                req.window_pages[page] = pools.window.pop(0)
-        for r, free in pools.compressed.items():
-            pages = req.compressed_pages.setdefault(r, [])
-            need = math.ceil((req.kv_len + n_new) // r / bs)
-            while len(pages) < need:
-                if not free:
-                    raise ValueError(f"batch: ratio-{r} compressed cache pool exhausted")
-                pages.append(free.pop(0))
-
-    def _release_stale_window(self, req: Request, pools: Pools):
-        """Pages wholly before the next step's earliest window position go back to the pool."""
-        keep_from = max(0, req.kv_len - self.cfg.sliding_window + 1) // self.cfg.block_size
-        for page in [p for p in req.window_pages if p < keep_from]:
-            pools.window.append(req.window_pages.pop(page))
-
-    def _window_table(self, requests, rids) -> torch.Tensor:
-        width = max([max(requests[r].window_pages, default=-1) + 1 for r in rids] + [1])
-        table = torch.full((len(rids), width), -1, dtype=torch.int32)
-        for i, r in enumerate(rids):
-            for page, blk in requests[r].window_pages.items():
+    def _window_table(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max([max(s.window_pages, default=-1) + 1 for s in seqs] + [1])
+        table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            for page, blk in s.window_pages.items():
                 table[i, page] = blk
         return table
 
-    def _compressed_tables(self, requests, rids) -> dict[int, torch.Tensor]:
+    def _compressed_tables(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         tables = {}
         for r_ in self.pools.compressed:
-            width = max([len(requests[r].compressed_pages.get(r_, [])) for r in rids] + [1])
-            t = torch.full((len(rids), width), -1, dtype=torch.int32)
-            for i, r in enumerate(rids):
-                pages = requests[r].compressed_pages.get(r_, [])
+            width = max([len(s.compressed_pages.get(r_, [])) for s in seqs] + [1])
+            t = torch.full((len(seqs), width), -1, dtype=torch.int32)
+            for i, s in enumerate(seqs):
+                pages = s.compressed_pages.get(r_, [])
                 t[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
             tables[r_] = t
         return {s: tables[self.cfg.compress_ratios[s]] for s in self.cfg.kv_source_layer_ids}
 
     def blocks_in_use(self) -> tuple[int, int]:
         """(cache blocks held by requests, blocks in all pools): window, compressed and state."""
-        total = self.window_blocks + sum(self.compressed_blocks.values()) + self.state_blocks
-        free = len(self.pools.window) + sum(map(len, self.pools.compressed.values())) + len(self.pools.state)
-        return total - free, total
+        return self.blocks.in_use()
 
     # ---- state transitions -----------------------------------------------------------------
-    def commit(self, step: StepInputs):
-        self.requests, self.pools = step.requests, step.pools
+    def commit(self, step: StepInputs | Started, emitted: list[int] | None = None):
+        """Make a planned step the host state. emitted: per request, the tokens the step made
+        (None: one each, every row kept); a verify step keeps the rows up to its last accepted
+        draft, and gives back the pages it reserved past them."""
+        if isinstance(step, Started):
+            self.requests.update(step.requests)
+            self.next_rid = max([self.next_rid] + [r + 1 for r in step.rids])
+            return
+        self.requests.update(step.new)
+        emitted = [1] * len(step.rids) if emitted is None else emitted
+        for rid, fed, k, n in zip(step.rids, step.fed, step.proposed, emitted):
+            seq = self.requests[rid]
+            seq.publish(fed, len(fed) - k + n - 1, n)
+            if n - 1 < k:
+                self.blocks.trim(seq, step.reservation)
+            self.blocks.release_stale(seq)
         self.next_rid = max([self.next_rid] + [r + 1 for r in step.rids])
+
+    def abort(self, step: StepInputs | Started):
+        """Give back what a planned step reserved; its requests stay as they were."""
+        step.reservation.undo(self.pools)
 
     def release(self, rid: int):
         """Free a finished request's blocks."""
         if rid not in self.requests:
             raise ValueError(f"request_ids: unknown or released request {rid}")
-        req = self.requests.pop(rid)
-        self.pools.window.extend(req.window_pages.values())
-        for r, pages in req.compressed_pages.items():
-            self.pools.compressed[r].extend(pages)
-        self.pools.state.append(req.state_block)
+        self.blocks.free(self.requests.pop(rid))

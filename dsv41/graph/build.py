@@ -95,9 +95,13 @@ class _Builder:
                     x[c] = attn_out[c]
             self._moe(L, x, mixes, step_key)
         self._head(x, mixes, step_key)
-        sinks = g.sinks()  # commit waits for the whole step, on every card, before anything persists
+        # commit waits for the whole step, on every card, before anything persists; a card of a group
+        # with work takes its group's tokens first: they say which rows the step publishes
+        sinks = g.sinks()
         for c in topo.cards:
-            g.add(commit_key(c), "cache.commit", sinks, c)
+            grp = topo.dp_group(c)
+            head = [head_key(grp)] if grp in self.steps else []
+            g.add(commit_key(c), "cache.commit", head + [k for k in sinks if k not in head], c, accepts=bool(head))
         return g
 
     # ---- vocab-parallel embedding of one DP group ------------------------------------------------

@@ -94,9 +94,7 @@ class Attention:
     def publish_compressed(self, caches, md, comp, cmp_rope):
         """Stage the ring writes, then publish compressed KV (RoPE'd latent) and index keys."""
         s = self.layer
-        if comp.ring_slots.numel():
-            (ring_w,) = caches.write(cache.ring(s))
-            ring_w[comp.ring_slots] = comp.ring_rows
+        caches.put(cache.ring(s), comp.ring_slots, (comp.ring_rows,), comp.ring_token_rows)
         cos, sin = cmp_rope
         key = apply_rope(index_key(comp.latent, self.w("indexer.wk.weight"), self.w("indexer.k_norm.weight"),
                                    self.cfg.rms_norm_eps), cos, sin)

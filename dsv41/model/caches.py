@@ -60,9 +60,11 @@ def empty_caches(cfg: ModelConfig, pools, device="cpu") -> dict[str, tuple[torch
 
 
 def publish(caches: StagedTensors, name: str, slots: torch.Tensor, values: torch.Tensor):
-    kind = name.split(".")[0]
-    payload, scale = caches.write(name)
-    kv_cache.publish(payload, scale, kv_cache.FORMATS[kind], slots, values)
+    """Encode and stage the rows of values whose slot >= 0 (row i of values is the step's token row i)."""
+    keep = slots >= 0
+    if bool(keep.any()):
+        caches.put(name, slots[keep], kv_cache.FORMATS[name.split(".")[0]].encode(values[keep]),
+                   torch.nonzero(keep).flatten())
 
 
 def read(caches: StagedTensors, name: str, rows: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dsv41.config import ModelConfig
 from dsv41.ops.lm_head import logits_shard, select_rows
 from dsv41.ops.norm import rms_norm
 from dsv41.ops.sampling import sample_rows
+from dsv41.ops.verify import Accepted, accept
 
 
 class Head:
@@ -39,8 +40,9 @@ class Head:
         return torch.cat(parts, dim=1)
 
     @staticmethod
-    def sample(logits, draws=None):
-        """The next token of each row ([B] i64) and the rows' logprobs (None unless a row asked):
-        each row drawn with its request's settings (``ops.sampling.RowDraw``); draws None is greedy,
-        the lowest id on ties."""
-        return sample_rows(logits, draws)
+    def tokens(logits, step) -> Accepted:
+        """The step's tokens from its logit rows: each row drawn with its request's settings
+        (``ops.sampling.RowDraw``; draws None is greedy, the lowest id on ties), a verify step's
+        drafts accepted while they equal the rows' tokens (``ops.verify``)."""
+        ids, logprobs = sample_rows(logits, step.draws)
+        return accept(ids, logprobs, step.fed, step.proposed, step.md.num_tokens)

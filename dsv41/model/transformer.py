@@ -1,5 +1,5 @@
 """The whole model on one process: embedding, 40 blocks, head. ``Transformer.forward`` is the
-reference forward (prefill and decode alike: decode is one row per request)."""
+reference forward (prefill, decode and verify steps alike: rows are packed per request, causal)."""
 from __future__ import annotations
 
 import torch
@@ -79,7 +79,8 @@ class Transformer:
             yield from Block.tensors(cfg, spec)
 
     def forward(self, caches, tables: dict, step, opts: Options = Options()) -> torch.Tensor:
-        """Last-row logits [B, vocab] FP32 of one packed step; cache writes are staged in ``caches``."""
+        """FP32 logits [R, vocab] of the step's logit rows (each request's last row, every row of a
+        draft block); cache writes are staged in ``caches``."""
         cfg, md = self.cfg, step.md
         rope = rope_rows(tables, md, cfg)
         x = self.embed.forward(step.input_ids)
@@ -94,7 +95,8 @@ class Transformer:
                 selections = {k: v[rows] for k, v in selections.items()}
             x, pre = block.forward(x, pre, caches, md, rope, selections, step.hash_ids, opts)
         hidden = self.head.norm(HyperSite.head(x, pre))
-        return self.head.logits(hidden, md.logit_row_indices)
+        # a replayed prefill re-lowers md (and its last rows); a verify step's rows are the step's own
+        return self.head.logits(hidden, step.logit_rows if step.verifies else md.logit_row_indices)
 
 
 def rope_rows(tables: dict, md: ForwardMetadata, cfg: ModelConfig) -> dict[tuple, tuple[torch.Tensor, torch.Tensor]]:

@@ -2,7 +2,8 @@
 
 Both are pure: they return the latents and, for ratio 2, the ring writes to stage; the caller
 applies the writes at commit. The ring holds per request ``state_capacity`` rows of [kv | score]
-(FP32) at slot p mod capacity. The official code keeps a 2-slot carry; the ring size is an engine
+(FP32) at slot p mod capacity; every row's write is returned, with its token row, so that a step
+that publishes only a prefix of its rows leaves the ring as a step of that prefix would. The official code keeps a 2-slot carry; the ring size is an engine
 choice (4 here, as the device ABI) and does not change the math.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Compressed:
     closes: torch.Tensor        # bool [T]: this token closes a group (publishes a compressed row)
     ring_slots: torch.Tensor    # i64 [N] flat ring rows (block * capacity + p % capacity)
     ring_rows: torch.Tensor     # [N, 2*hd] FP32 [kv | score]
+    ring_token_rows: torch.Tensor   # i64 [N] the token row of each ring write
 
 
 def compress_ratio2(x, wkv, wgate, norm_w, eps: float, md, ring: torch.Tensor, state_table: torch.Tensor,
@@ -30,8 +32,8 @@ def compress_ratio2(x, wkv, wgate, norm_w, eps: float, md, ring: torch.Tensor, s
 
     x [T, D] BF16 normalized input; wkv/wgate FP32 [hd, D]; ring [blocks*capacity, 2*hd] FP32.
     A token's partner is the previous row of its chunk, or the ring row (p-1) mod capacity at the
-    start of a chunk. All ring reads precede the writes; only each request's last
-    min(capacity, chunk) rows are written, so every ring slot has at most one writer.
+    start of a chunk. All ring reads precede the writes; every valid row is written, in row order, so
+    the later position wins a slot (the store keeps the last writer of a slot).
     """
     t = x.shape[0]
     hd = wkv.shape[0]
@@ -55,17 +57,16 @@ def compress_ratio2(x, wkv, wgate, norm_w, eps: float, md, ring: torch.Tensor, s
     pooled = round_bf16((e0 * kv_p + e1 * kv) / (e0 + e1))
     latent = rms_norm(pooled, norm_w, eps) * closes.unsqueeze(1)
 
-    end = qsl[1:][req]
-    write = valid & (rows >= end - capacity)
-    slots = (blk * capacity + pos % capacity)[write]
-    return Compressed(latent, closes, slots, torch.cat([kv, sc], 1)[write])
+    slots = (blk * capacity + pos % capacity)[valid]
+    return Compressed(latent, closes, slots, torch.cat([kv, sc], 1)[valid], rows[valid])
 
 
 def compress_ratio1(x, wkv, norm_w, eps: float, md) -> Compressed:
     """Every token publishes RMSNorm(bf16(x wkv)); no gate, no pooling, no state."""
     latent = rms_norm(round_bf16(dense_linear(x, wkv)), norm_w, eps)
     closes = md.position_ids >= 0
-    return Compressed(latent, closes, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2 * latent.shape[1]))
+    return Compressed(latent, closes, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2 * latent.shape[1]),
+                      torch.zeros(0, dtype=torch.long))
 
 
 def index_key(latent, wk, k_norm, eps: float) -> torch.Tensor:

@@ -67,7 +67,7 @@ def compress_cost(ctx, node, x, step):
     p = _prefix(node) + "compressor."
     names = [p + "wkv.weight", p + "norm.weight"] + ([p + "wgate.weight"] if spec.ratio == 2 else [])
     n = _ring_writes(cfg, step.md, node.layer) if spec.ratio == 2 else 0
-    out = Compressed(meta(t, hd), meta(t, dtype=torch.bool), meta(n, dtype=I64), meta(n, 2 * hd))
+    out = Compressed(meta(t, hd), meta(t, dtype=torch.bool), meta(n, dtype=I64), meta(n, 2 * hd), meta(n, dtype=I64))
     ring = t * 2 * hd * F32_BYTES if spec.ratio == 2 else 0
     return Cost(out, weights=reads(*names), cache_read=ring,
                 flops={"dense": 2 * t * d * hd * (2 if spec.ratio == 2 else 1), "vector": 8 * t * hd})

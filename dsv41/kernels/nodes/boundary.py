@@ -96,8 +96,10 @@ def engram_cost(ctx, node, x, step, *shares):
                        "vector": 12 * t * hc * d + len(shares) * looked_up})
 
 
-def cache_commit(st, node, *_done):
-    st.caches.commit(node.attrs.get("step"))
+def cache_commit(st, node, *done):
+    """Publish the step's writes: on a card of a group with work, only the rows its head kept."""
+    keep = done[0].keep_rows if node.attrs.get("accepts") else None
+    st.caches.commit(node.attrs.get("step"), keep)
     st.generation += 1                       # one more committed step (an abort of this step undoes it)
     return True
 

@@ -12,30 +12,31 @@ from dsv41.ops.lm_head import select_rows
 
 
 def shard(st, node, hidden, step):
-    return st.model.head.logits(hidden, step.md.logit_row_indices)
+    return st.model.head.logits(hidden, step.logit_rows)
 
 
 def shard_cost(ctx, node, hidden, step):
-    b, d = step.md.logit_row_indices.shape[0], hidden.shape[1]
+    b, d = step.logit_rows.shape[0], hidden.shape[1]
     vocab = ctx.cfg.vocab_size // ctx.topo.tp
     return Cost(meta(b, vocab), weights=reads(Head.HEAD), act_read=b * d * F32_BYTES,
                 flops={"dense": 2 * b * d * vocab})
 
 
 def shard_pypto(st, node, hidden, step):
-    x = select_rows(hidden, step.md.logit_row_indices)
+    x = select_rows(hidden, step.logit_rows)
     return "lm_head.shard", {"x": x, "w": st.weights[Head.HEAD]}, {}, {"out": "fp32"}, lambda o: o["y"].float()
 
 
 def argmax(st, node, *inputs):
-    """The group's tokens ([B] i64; with (ids, logprobs) when a request asked for logprobs), made
-    here from the full rows, finite ones only; the logits stay on this card until asked for. (The name is kept from
-    the greedy-only head: traces and records know the node by it.)"""
+    """The group's tokens (``ops.verify.Accepted``: per request the tokens made, a verify step's
+    accepted drafts and the model's token after them, and the rows to publish), made here from the
+    full rows, finite ones only; the rows' logits stay on this card until asked for. (The name is
+    kept from the greedy-only head: traces and records know the node by it.)"""
     *shards, step = inputs
     logits = ensure_finite(torch.cat(shards, -1), None, LOGITS)
+    accepted = st.model.head.tokens(logits, step)
     st.logits[node.attrs["dp_group"]] = (node.attrs.get("step"), logits)
-    ids, logprobs = st.model.head.sample(logits, step.draws)
-    return ids if logprobs is None else (ids, logprobs)
+    return accepted
 
 
 def argmax_cost(ctx, node, *inputs):
@@ -49,6 +50,6 @@ def argmax_cost(ctx, node, *inputs):
 
 RECORDS = (
     NodeKind("lm_head.shard", shard, shard_cost, latency="matmul", pypto=shard_pypto,
-             device_time=at_rows(lambda node, args: args[1].md.num_requests)),
+             device_time=at_rows(lambda node, args: args[1].logit_rows.shape[0])),
     NodeKind("lm_head.argmax", argmax, argmax_cost),
 )

@@ -1,0 +1,157 @@
+"""Paged-cache blocks of one DP group: the free pools, what a sequence holds, and reservations a
+step can take back.
+
+A step reserves the pages its rows need before it runs (``reserve``); every block it takes is
+logged, so ``Reservation.undo`` puts each back where it came from (a failed step) and ``trim``
+returns those past the rows a step kept (a verify step's rejected drafts). Pools hand out blocks
+from the front, and a returned reservation goes back to the front: after an undo the pools are
+exactly as before.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dsv41.config import ModelConfig
+from dsv41.engine.sequence import Sequence
+
+
+class PoolExhausted(ValueError):
+    """A pool has too few free blocks for the step (the scheduler preempts; a direct caller is told)."""
+
+
+@dataclass
+class Pools:
+    window: list[int]
+    compressed: dict[int, list[int]]        # ratio -> free blocks
+    state: list[int]
+
+
+@dataclass
+class Reservation:
+    """Blocks one step took, oldest first: (pool key, sequence, page or None, block)."""
+    taken: list = field(default_factory=list)
+
+    def undo(self, pools: Pools):
+        for key, seq, page, blk in reversed(self.taken):
+            _give_back(pools, key, seq, page, blk)
+        self.taken = []
+
+
+def _pool(pools: Pools, key) -> list[int]:
+    return pools.window if key == "window" else pools.state if key == "state" else pools.compressed[key]
+
+
+def _give_back(pools: Pools, key, seq: Sequence, page, blk: int):
+    if key == "window":
+        del seq.window_pages[page]
+    elif key != "state":
+        seq.compressed_pages[key].pop()
+    _pool(pools, key).insert(0, blk)
+
+
+def window_pages(cfg: ModelConfig, max_context: int) -> int:
+    """Window pages one request can hold at once. Before a step it holds the pages from its earliest
+    window position on; a step of n new tokens adds pages up to its last, so at most
+    ceil((n + window - 1) / block) + 1, with n <= prefill_max_tokens, and never more than its whole
+    context's. A drawn 1M-token history (``start_at``) keeps 34 FLASH pages a layer, not 8,193."""
+    bs = cfg.block_size
+    return min(math.ceil(max_context / bs), math.ceil((cfg.prefill_max_tokens + cfg.sliding_window - 1) / bs)) + 1
+
+
+class BlockManager:
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int):
+        self.cfg = cfg
+        bs = cfg.block_size
+        self.window_blocks = max_batch * window_pages(cfg, max_context)
+        self.compressed_blocks = {r: max_batch * math.ceil(max_context // r / bs + 1)
+                                  for r in sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})}
+        self.state_blocks = max_batch
+        self.pools = Pools(list(range(self.window_blocks)),
+                           {r: list(range(n)) for r, n in self.compressed_blocks.items()},
+                           list(range(self.state_blocks)))
+
+    def _window_range(self, kv_len: int, n_new: int) -> range:
+        bs, w = self.cfg.block_size, self.cfg.sliding_window
+        return range(max(0, kv_len - w + 1) // bs, (kv_len + n_new - 1) // bs + 1)
+
+    def _compressed_need(self, kv_len: int, ratio: int) -> int:
+        return math.ceil(kv_len // ratio / self.cfg.block_size)
+
+    def needs(self, seq: Sequence | None, n_new: int) -> dict:
+        """Blocks per pool key a sequence (None: a new one) must take to feed n_new more rows."""
+        kv = 0 if seq is None else seq.kv_len
+        held = {} if seq is None else seq.window_pages
+        out = {"window": sum(p not in held for p in self._window_range(kv, n_new))}
+        for r in self.pools.compressed:
+            have = 0 if seq is None else len(seq.compressed_pages.get(r, []))
+            out[r] = max(0, self._compressed_need(kv + n_new, r) - have)
+        out["state"] = 1 if seq is None else 0
+        return out
+
+    def fits(self, needs: list[dict]) -> bool:
+        """Whether the free pools hold the summed needs of several sequences."""
+        total: dict = {}
+        for need in needs:
+            for k, n in need.items():
+                total[k] = total.get(k, 0) + n
+        return all(len(_pool(self.pools, k)) >= n for k, n in total.items())
+
+    def take_state(self, seq: Sequence, res: Reservation):
+        if not self.pools.state:
+            raise PoolExhausted("batch: no free compressor state block")
+        seq.state_block = self.pools.state.pop(0)
+        res.taken.append(("state", seq, None, seq.state_block))
+
+    def reserve(self, seq: Sequence, n_new: int, res: Reservation):
+        """The pages seq needs for n_new more rows, logged in res (raises PoolExhausted, having
+        taken part of them: the caller undoes res)."""
+        for page in self._window_range(seq.kv_len, n_new):
+            if page not in seq.window_pages:
+                if not self.pools.window:
+                    raise PoolExhausted("batch: window cache pool exhausted")
+                seq.window_pages[page] = blk = self.pools.window.pop(0)
+                res.taken.append(("window", seq, page, blk))
+        for r, free in self.pools.compressed.items():
+            pages = seq.compressed_pages.setdefault(r, [])
+            while len(pages) < self._compressed_need(seq.kv_len + n_new, r):
+                if not free:
+                    raise PoolExhausted(f"batch: ratio-{r} compressed cache pool exhausted")
+                pages.append(blk := free.pop(0))
+                res.taken.append((r, seq, None, blk))
+
+    def trim(self, seq: Sequence, res: Reservation):
+        """After seq kept fewer rows than res reserved: give back, newest first, the blocks res took
+        for seq past its kv_len."""
+        bs = self.cfg.block_size
+        last_page = (seq.kv_len - 1) // bs
+        keep = []
+        for entry in reversed(res.taken):
+            key, owner, page, blk = entry
+            extra = owner is seq and ((key == "window" and page > last_page) or
+                                      (key not in ("window", "state")
+                                       and len(seq.compressed_pages[key]) > self._compressed_need(seq.kv_len, key)))
+            if extra:
+                _give_back(self.pools, key, seq, page, blk)
+            else:
+                keep.append(entry)
+        res.taken = keep[::-1]
+
+    def release_stale(self, seq: Sequence):
+        """Pages wholly before the next step's earliest window position go back to the pool."""
+        keep_from = max(0, seq.kv_len - self.cfg.sliding_window + 1) // self.cfg.block_size
+        for page in [p for p in seq.window_pages if p < keep_from]:
+            self.pools.window.append(seq.window_pages.pop(page))
+
+    def free(self, seq: Sequence):
+        self.pools.window.extend(seq.window_pages.values())
+        for r, pages in seq.compressed_pages.items():
+            self.pools.compressed[r].extend(pages)
+        self.pools.state.append(seq.state_block)
+        seq.window_pages, seq.compressed_pages, seq.state_block = {}, {}, -1
+
+    def in_use(self) -> tuple[int, int]:
+        """(blocks held by sequences, blocks in all pools): window, compressed and state."""
+        total = self.window_blocks + sum(self.compressed_blocks.values()) + self.state_blocks
+        free = len(self.pools.window) + sum(map(len, self.pools.compressed.values())) + len(self.pools.state)
+        return total - free, total

@@ -1,0 +1,42 @@
+"""Drafters: what proposes the tokens a verify step checks. A drafter only changes speed: the
+tokens a request makes are the model's own whatever it proposes (``ops.verify``)."""
+from __future__ import annotations
+
+from typing import Callable
+
+NGRAM, ORACLE = "ngram", "oracle"
+DRAFTERS = (NGRAM,)               # what --speculative offers (the oracle is the tests')
+
+
+class NgramDrafter:
+    """Prompt lookup, as vLLM's ``ngram`` method: find the latest earlier occurrence of the
+    request's last n tokens (the longest n from max_n down to min_n that occurs) and propose the
+    tokens that followed it there."""
+
+    def __init__(self, k: int, min_n: int = 1, max_n: int = 3):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram: need 1 <= ngram_min <= ngram_max, got {min_n} and {max_n}")
+        if k < 1:
+            raise ValueError(f"draft_tokens: must be >= 1, got {k}")
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, job, room: int) -> list[int]:
+        history = job.prompt + job.made
+        k = min(self.k, room)
+        for n in range(min(self.max_n, len(history) - 1), self.min_n - 1, -1):
+            tail = history[-n:]
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start:start + n] == tail:
+                    return history[start + n:start + n + k]
+        return []
+
+
+class OracleDrafter:
+    """Proposals supplied by the caller: ``propose(job, room)`` asks ``fn(job, room)`` (the tests
+    force accept-all, accept-none and any prefix with it)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def propose(self, job, room: int) -> list[int]:
+        return list(self.fn(job, room))[:room]

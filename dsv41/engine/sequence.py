@@ -1,0 +1,48 @@
+"""One request's host state: its token history (append-only), how far its caches reach, its pages
+and its sampling state."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsv41.ops.sampling import RowDraw, SamplingParams
+
+GREEDY = SamplingParams()
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: int
+    tokens: list[int]                       # every token fed and published so far (Engram hashing, penalties)
+    kv_len: int = 0                         # positions its caches hold
+    window_pages: dict[int, int] = field(default_factory=dict)      # logical page -> physical block
+    compressed_pages: dict[int, list[int]] = field(default_factory=dict)  # ratio -> physical blocks
+    state_block: int = -1
+    sampling: SamplingParams = GREEDY
+    seed: int = 0                           # the request's generator: draw n is seeded by (seed, n)
+    drawn: int = 0                          # draws made so far (temperature > 0 tokens draw once each)
+    prompt_len: int = 0                     # tokens of the first step (the rest were generated)
+
+    def row_draws(self, fed: list[int], drawing: int) -> list[RowDraw]:
+        """The draws of a step that feeds ``fed`` and makes a token at its last ``drawing`` rows:
+        row j's draw has index drawn + j and reads the history up to and including its own row
+        (the penalties see the proposals before it, which equal the real tokens whenever the row's
+        token is kept)."""
+        p = self.sampling
+        penalties = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+        first = len(fed) - drawing
+        draws = []
+        for j in range(drawing):
+            out = prompt = ()
+            if penalties:     # only then is the history read (and copied)
+                seen = self.tokens + fed[:first + j + 1]
+                out = tuple(seen[self.prompt_len:])
+                prompt = tuple(seen[:self.prompt_len]) if p.repetition_penalty != 1.0 else ()
+            draws.append(RowDraw(p, self.seed, self.drawn + j, out, prompt))
+        return draws
+
+    def publish(self, fed: list[int], kept: int, emitted: int):
+        """After a step: the first ``kept`` fed rows are part of the history now, and ``emitted``
+        tokens were drawn from the generator."""
+        self.tokens.extend(fed[:kept])
+        self.kv_len += kept
+        self.drawn += emitted if not self.sampling.greedy else 0
