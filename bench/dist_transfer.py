@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                 card_of = {addr: card for card, addr in e.runner.address_of.items()}
                 built = {card_of[k]: v for k, v in e.runner.run_on_cards(_reset_peak).items()}
                 pre_s, first, pre_spent, pre_tasks = streamed(client, lambda: e.prefill(prompts))
-                dec_s, out, dec_spent, dec_tasks = streamed(client, lambda: e.decode(first.tokens))
+                dec_s, out, dec_spent, dec_tasks = streamed(client, lambda: e.decode(first.last))
                 peaks = {card_of[k]: v for k, v in e.runner.run_on_cards(_status).items()}
                 # the checkpoint is mapped: weight pages a step touches first join the RSS as file
                 # pages; the transient is what the peak holds beyond them and the built anonymous RSS
@@ -104,9 +104,9 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 first = e.prefill(prompts)
                 pre_s, t0 = time.perf_counter() - t0, time.perf_counter()
-                out = e.decode(first.tokens)
+                out = e.decode(first.last)
                 dec_s, pre_spent, dec_spent, pre_tasks, dec_tasks = time.perf_counter() - t0, {}, {}, None, None
-            row = {"prefill_s": pre_s, "decode_s": dec_s, "tokens": [first.tokens, out.tokens],
+            row = {"prefill_s": pre_s, "decode_s": dec_s, "tokens": [first.last, out.last],
                    "last_logits_sha256": sha(out.logits), "prefill_task_stream_s": pre_spent,
                    "decode_task_stream_s": dec_spent, "tasks": [pre_tasks, dec_tasks]}
             for phase, spent in (("prefill", pre_spent), ("decode", dec_spent)):

@@ -73,8 +73,8 @@ def capture_run(model, prompts: list[list[int]], decode_steps: int) -> list[dict
         steps[-1]["logits"], steps[-1]["rids"] = out.logits, list(out.request_ids)
         rids = list(out.request_ids)
         for _ in range(decode_steps):
-            steps.append({"layers": {}, "batch": [[t] for t in out.tokens]})
-            out = model.decode(out.tokens, rids)
+            steps.append({"layers": {}, "batch": [[t] for t in out.last]})
+            out = model.decode(out.last, rids)
             steps[-1]["logits"], steps[-1]["rids"] = out.logits, rids
     for r in rids:
         model.release(r)

@@ -102,7 +102,7 @@ def test_pypto_values_for_the_first_nodes_of_each_kernel_and_shape(monkeypatch, 
     engine.check_nodes(checker)
     try:
         out = engine.prefill([[1, 2, 3, 4, 5], [9, 8, 7]])
-        engine.decode(out.tokens)
+        engine.decode(out.last)
     finally:
         engine.check_nodes(None)
     forms = {k for k, kind in KINDS.items() if kind.pypto is not None}

@@ -6,9 +6,11 @@ import torch
 
 from dsv41.checkpoint.reader import open_checkpoint
 from dsv41.checkpoint.shards import RowLookup
-from dsv41.checkpoint.text import TextCodec, TextStream
+from dsv41.checkpoint.text import TextCodec
 from dsv41.config import TINY
 from dsv41.engine.reference import ReferenceEngine
+from dsv41.ops.sampling import SamplingParams
+from dsv41.ops.stopping import Stops
 from dsv41.run import main
 from dsv41.weights import checkpoint_specs, decode_checkpoint, init_checkpoint
 
@@ -102,14 +104,13 @@ def test_chat_template_wraps_the_prompt(tiny_checkpoint):
 
 def test_stream_stops_a_request_at_eos_and_holds_back_partial_utf8(tiny_checkpoint):
     codec = TextCodec.load(tiny_checkpoint)
-    stream = TextStream(codec, 2)
+    stops = [Stops(SamplingParams(), 1 << 20, codec.eos_id, codec.decode) for _ in range(2)]
     e_acute = codec.tokenizer.encode("é", add_special_tokens=False).ids
-    shown = []
-    live = stream.step({0: codec.tokenizer.token_to_id("Ã"), 1: codec.eos_id}, shown.append)
-    assert live == [0] and stream.done == [False, True]
-    assert len(e_acute) == 1 and not any("[0]" in s for s in shown)   # 0xC3 alone: nothing shown yet
-    stream.step({0: codec.tokenizer.token_to_id("©")}, shown.append)
-    assert stream.shown[0] == "é"   # 0xC3 0xA9 completes é
+    first = stops[0].push(codec.tokenizer.token_to_id("Ã"))
+    stops[1].push(codec.eos_id)
+    assert [s.finish for s in stops] == [None, "stop"]
+    assert len(e_acute) == 1 and first == ""                # 0xC3 alone: nothing shown yet
+    assert stops[0].push(codec.tokenizer.token_to_id("©")) == "é"   # 0xC3 0xA9 completes é
 
 
 def test_plan_sizes_the_checkpoints_config(capsys, tiny_checkpoint, opened, tmp_path, monkeypatch):

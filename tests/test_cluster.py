@@ -1,4 +1,5 @@
 """Graph-level golden checks: the graph on every executor and layout equals the monolithic reference."""
+import copy
 import random
 
 import pytest
@@ -97,7 +98,7 @@ def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
     rids = list(engine.last_request_ids)
     toks = torch.argmax(logits, -1).tolist()
     before = _snapshot(engine)
-    tables = [(dict(t.requests), list(t.pools.window)) for t in engine.tables]
+    tables = [(copy.deepcopy(t.requests), list(t.pools.window)) for t in engine.tables]
     # decode graphs have the prefill graph's keys except for the number of index chunks
     keys = sorted(k for k in engine.last_graph.nodes if "/index#" not in k)
     target = random.Random(3).choice(keys) if where == "random" else where

@@ -25,7 +25,7 @@ def _run(engine, steps: int = 3) -> list[torch.Tensor]:
     out = engine.prefill(PROMPTS, context=CONTEXT)
     logits, rids = [out.logits], out.request_ids
     for _ in range(steps):
-        out = engine.decode(out.tokens, rids)
+        out = engine.decode(out.last, rids)
         logits.append(out.logits)
     return logits
 
@@ -58,8 +58,8 @@ def test_filled_state_is_what_a_prefill_leaves_and_decodes_finite():
     rids = engine.start_at_context(2, CONTEXT)
     # the host state equals a real prefill plan of the same histories
     table = RequestTable(CFG, 2, CONTEXT + 8)
-    step = table.plan([(None, engine.table.requests[r].tokens) for r in rids], "prefill")
-    assert step.requests == engine.table.requests and step.pools == engine.table.pools
+    table.commit(table.plan([(None, engine.table.requests[r].tokens) for r in rids], "prefill"))
+    assert table.requests == engine.table.requests and table.pools == engine.table.pools
     assert [engine.table.requests[r].kv_len for r in rids] == [CONTEXT, CONTEXT]
     # every compressed row of each request is written (a drawn row is never all zeros), nothing past them
     for s in CFG.kv_source_layer_ids:

@@ -59,7 +59,7 @@ def _digest(engine_id: str) -> dict[int, tuple[str, int, int]]:
         for name in sorted(st.caches.committed):
             for t in st.caches.committed[name]:
                 h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        out[card] = (h.hexdigest(), len(st.caches.staged), st.generation)
+        out[card] = (h.hexdigest(), st.caches.pending, st.generation)
     return out
 
 

@@ -45,7 +45,7 @@ def _snapshot(model):
 
 def _assert_unchanged(model, snap):
     caches, requests, pools, next_rid, last = snap
-    assert model.caches.staged == {}
+    assert model.caches.pending == 0
     assert set(model.caches.committed) == set(caches)
     for name, ts in caches.items():
         now = model.caches.committed[name]
@@ -112,7 +112,8 @@ def test_request_joining_mid_decode_gets_its_solo_tokens(model):
 
 def test_release_returns_blocks_to_the_pools(model):
     before = _pools(model)
-    sizes = (model.table.window_blocks, model.table.compressed_blocks, model.table.state_blocks)
+    blocks = model.table.blocks
+    sizes = (blocks.window_blocks, blocks.compressed_blocks, blocks.state_blocks)
     assert len(before[0]) == sizes[0] and {r: len(v) for r, v in before[1].items()} == sizes[1]
     assert len(before[2]) == sizes[2]
     model.prefill([_tokens(40, 1), _tokens(9, 2)])

@@ -24,17 +24,22 @@ def drive(engine, between=None):
     """STEPS tokens per request, the logits of each step kept; between(step) runs before each decode."""
     out = engine.prefill(PROMPTS, PARAMS)
     rids = list(out.request_ids)
-    tokens, logits, logprobs = [out.tokens], [out.logits], [out.logprobs]
+    tokens, logits, logprobs = [out.last], [out.logits], [_one_each(out.logprobs)]
     for i in range(STEPS - 1):
         if between is not None:
             between(i)
         out = engine.decode(tokens[-1], rids)
-        tokens.append(out.tokens)
+        tokens.append(out.last)
         logits.append(out.logits)
-        logprobs.append(out.logprobs)
+        logprobs.append(_one_each(out.logprobs))
     for r in rids:
         engine.release(r)
     return tokens, logits, logprobs
+
+
+def _one_each(logprobs):
+    """A plain step's logprob entries: one per request (each request's list holds its one token's)."""
+    return None if logprobs is None else [None if e is None else e[0] for e in logprobs]
 
 
 def host_draws(logits):
@@ -100,8 +105,8 @@ def test_greedy_with_logprobs_keeps_the_argmax():
     for r in plain.request_ids:
         engine.release(r)
     asked = engine.prefill(PROMPTS, SamplingParams(logprobs=3))
-    assert asked.tokens == plain.tokens == torch.argmax(logits, -1).tolist() and plain.logprobs is None
-    for row, (lp, top) in zip(logits, asked.logprobs):
+    assert asked.last == plain.last == torch.argmax(logits, -1).tolist() and plain.logprobs is None
+    for row, [(lp, top)] in zip(logits, asked.logprobs):
         raw = torch.log_softmax(row, -1)
         assert lp == float(raw.max()) and [i for i, _ in top] == torch.topk(raw, 3).indices.tolist()
 

@@ -6,7 +6,8 @@ import math
 import random
 
 from dsv41.config import FLASH, TINY
-from dsv41.engine.requests import RequestTable, window_pages
+from dsv41.engine.blocks import window_pages
+from dsv41.engine.requests import RequestTable
 
 
 def test_pool_is_bounded_by_the_longest_step_plus_the_window():

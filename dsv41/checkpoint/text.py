@@ -22,8 +22,6 @@ from tokenizers import Tokenizer
 from dsv41.checkpoint.chat import ChatTokenizer
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.plain import plain_tokenizer
-from dsv41.ops.stopping import Stops
-from dsv41.ops.sampling import SamplingParams
 
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 # stands for the user text while the chat template renders, so the template's text and the user's
@@ -136,50 +134,3 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-class TextStream:
-    """Per request of a run: its ``Stops`` (EOS, the stop strings, the token limit) and the text
-    shown so far."""
-
-    def __init__(self, codec: TextCodec, requests: int, params: SamplingParams = SamplingParams(),
-                 limit: int | None = None):
-        self.codec = codec
-        self.stops = [Stops(params, limit if limit is not None else 1 << 62, codec.eos_id, codec.decode)
-                      for _ in range(requests)]
-
-    @property
-    def done(self) -> list[bool]:
-        return [s.finish is not None for s in self.stops]
-
-    @property
-    def shown(self) -> list[str]:
-        return [s.text[:s.shown] for s in self.stops]
-
-    @property
-    def texts(self) -> list[str]:
-        return [s.text for s in self.stops]
-
-    def push(self, request: int, token: int) -> str:
-        """Take one generated token; returns the text it lets through."""
-        return self.stops[request].push(token)
-
-    def step(self, tokens: dict[int, int], say) -> list[int]:
-        """One step's token per live request: prints each request's new text, returns the
-        requests still live."""
-        for request, token in tokens.items():
-            delta = self.push(request, token)
-            ended = self.stops[request].finish == "stop"
-            if delta or ended:
-                mark = (" <eos>" if token == self.codec.eos_id else " <stop>") if ended else ""
-                say(f"    [{request}] {delta!r}{mark}")
-        return [r for r in tokens if self.stops[r].finish is None]
-
-    def finish(self, say):
-        """Show what was held back (generation ended before a held-back tail was settled)."""
-        for request, s in enumerate(self.stops):
-            rest = s.text[s.shown:]
-            if rest:
-                s.shown = len(s.text)
-                say(f"    [{request}] {rest!r}")
-

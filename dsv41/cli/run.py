@@ -21,15 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.checkpoint.errors import CheckpointError
-from dsv41.checkpoint.text import TextStream
 from dsv41.cli import args as rules
-from dsv41.cli import plan, sampling, trace
+from dsv41.cli import plan, sampling, speculative, trace
 from dsv41.cli.modes import max_context, topology
 from dsv41.cli.progress import Progress
 from dsv41.cli.prompts import prompts_for
 from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
 from dsv41.config import PRESETS
-from dsv41.engine.protocol import StepOutput
+from dsv41.engine.scheduler import Job, Scheduler, jobs_for
 from dsv41.kernels.device_time import BACKENDS
 from dsv41.model.finite import NonFiniteError
 from dsv41.names import DEFAULT_EXECUTOR, EXECUTORS, REFERENCE
@@ -114,15 +113,16 @@ def build_parser() -> rules.Parser:
                    help="parse the prompts' text for control tokens (by default the text of EOS, <｜User｜>... "
                         "stays plain text; only the chat template inserts them)")
     sampling.add_arguments(p.add_argument_group("sampling"))
+    speculative.add_arguments(p.add_argument_group("speculative decoding"))
     g = p.add_argument_group("telemetry")
     trace.add_arguments(g)
     plan.add_arguments(g)
     return p
 
 
-APPLIES = {**rules.APPLIES, **sampling.APPLIES, **trace.APPLIES, **plan.APPLIES}
+APPLIES = {**rules.APPLIES, **sampling.APPLIES, **speculative.APPLIES, **trace.APPLIES, **plan.APPLIES}
 FIRST = rules.FIRST     # before the config is known (it may come from --checkpoint)
-CHECKS = rules.CHECKS + sampling.CHECKS + trace.CHECKS + plan.CHECKS + rules.LAST
+CHECKS = rules.CHECKS + sampling.CHECKS + speculative.CHECKS + trace.CHECKS + plan.CHECKS + rules.LAST
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
@@ -270,57 +270,87 @@ def logits_sha256(logits: torch.Tensor) -> str:
 
 @dataclass
 class Steps:
-    """What the steps gave: tokens per request, wall time per step, the engine's stats per step, and
-    the latest step's output (a token per request still generating; its logits stay on the cards)."""
+    """What the steps gave: tokens per request, wall time per step, the engine's stats per step, the
+    logits each request's last token came from, and speculative decoding's counts."""
     tokens: list[list[int]]
     texts: list[str] | None = None     # with a checkpoint: each request's text, cut before a stop string
     prefill_ms: float = 0.0
     step_ms: list[float] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
-    last: StepOutput | None = None
+    final_logits: torch.Tensor | None = None
+    speculative: dict | None = None
 
-    def timed(self, engine, call, *inputs) -> float:
-        """Runs one step; its wall time in ms (the engine call alone)."""
-        t0 = time.perf_counter()
-        self.last = call(*inputs)
-        ms = (time.perf_counter() - t0) * 1e3
-        self.stats.append(engine.last_stats)
-        return ms
+
+class ShownJob(Job):
+    """A run's request: its text printed as it grows (with a checkpoint)."""
+    say = None
+    index = 0
+    eos = None
+
+    def emit(self, kind: str, **f):
+        if kind == "token" and self.say is not None:
+            ended = self.stops.finish == "stop"
+            if f["text"] or ended:
+                mark = (" <eos>" if f["token"] == self.eos else " <stop>") if ended else ""
+                self.say(f"    [{self.index}] {f['text']!r}{mark}")
 
 
 def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Steps:
     """Prefill, then (decode) up to --new-tokens tokens per request (greedy, or drawn on the card with
-    the sampling flags); with a checkpoint's text, a request ends at its EOS or a --stop string and
-    its text streams as it grows."""
-    n = args.new_tokens if args.graph == "decode" else 0
-    stream = TextStream(args.codec, len(prompts), sampling.params(args), n) if args.codec is not None else None
-    done = Steps(tokens=[[] for _ in prompts])
+    the sampling flags), scheduled by ``engine.scheduler`` (with --speculative: verify steps); with a
+    checkpoint's text, a request ends at its EOS or a --stop string and its text streams as it grows."""
     params = [sampling.params(args, j) for j in range(len(prompts))]
-    live = list(range(len(prompts)))      # requests still generating (EOS ends one)
+    context = args.context or 0
+    n = args.new_tokens if args.graph == "decode" else 0
+    codec = args.codec
+    jobs = jobs_for(prompts, params, max(n, 1), codec.decode if codec is not None else None,
+                    codec.eos_id if codec is not None else None, cls=ShownJob)
+    for j, job in enumerate(jobs):
+        job.say, job.index = (progress.say if codec is not None and n else None), j
+        job.eos = codec.eos_id if codec is not None else None
+    sched = Scheduler(engine, speculative.drafter(args), keep_logits=True, context=context)
+    for job in jobs:
+        sched.add(job)
+    done = Steps(tokens=[[] for _ in prompts])
     with progress.steps(1 + max(0, n - 1)), progress.compilations():
-        context = args.context or 0
         progress.start(f"prefill {len(prompts)} x {args.prompt_len} tokens" +
                        (f" after {context} drawn" if context else ""))
-        done.prefill_ms = done.timed(engine, engine.prefill, prompts, params, context)
-        progress.done(f"  prefill   {done.prefill_ms:9.1f} ms  {_describe(done.stats[-1])}")
-        rids = list(done.last.request_ids)
-        for i in range(n):
-            nxt = dict(zip(live, done.last.tokens))
-            for j, t in nxt.items():
-                done.tokens[j].append(t)
-            if stream is not None:
-                live = stream.step(nxt, progress.say)
-            if i + 1 == n or not live:
-                break
-            progress.start(f"decode {i + 1}/{n - 1}")
-            done.step_ms.append(done.timed(engine, engine.decode, [nxt[j] for j in live], [rids[j] for j in live]))
-            progress.done(f"  decode {i + 1:3d} {done.step_ms[-1]:9.1f} ms  {_describe(done.stats[-1])}")
-    if stream is not None:
-        stream.finish(progress.say)
-        done.texts = stream.texts
-    if args.graph == "prefill":
-        done.tokens = [[t] for t in done.last.tokens]
-        done.texts = None if stream is None else [args.codec.decode(t) for t in done.tokens]
+        try:
+            while sched.busy:
+                turn = sched.step()
+                if turn is None:
+                    continue
+                done.stats.append(turn.stats)
+                if turn.phase == "prefill" and not done.step_ms and not done.prefill_ms:
+                    done.prefill_ms = turn.ms
+                    progress.done(f"  prefill   {turn.ms:9.1f} ms  {_describe(turn.stats)}")
+                    if not n:       # --graph prefill (or no new tokens): the prefill's logits are the result
+                        done.final_logits = turn.out.logits
+                        if args.graph == "prefill":
+                            done.tokens = [list(t) for t in turn.out.tokens]
+                        break
+                else:
+                    done.step_ms.append(turn.ms)
+                    made = f"  +{sum(map(len, turn.out.tokens))} tokens" if turn.out is not None and \
+                        turn.out.proposed else ""
+                    progress.done(f"  {turn.phase} {len(done.step_ms):3d} {turn.ms:9.1f} ms  "
+                                  f"{_describe(turn.stats)}{made}")
+                if sched.busy:
+                    progress.start(f"{'decode' if not sched.waiting else 'prefill'} {len(done.step_ms) + 1}")
+        finally:
+            sched.release_all()
+    if n:
+        done.tokens = [j.made for j in jobs]
+        done.final_logits = torch.stack([j.final_logits for j in jobs])
+    if sched.drafter is not None:
+        done.speculative = sched.spec.summary()
+    if codec is not None:
+        for j, job in enumerate(jobs):
+            rest = job.stops.text[job.stops.shown:]
+            if rest and n:
+                job.stops.shown = len(job.stops.text)
+                progress.say(f"    [{j}] {rest!r}")
+        done.texts = [job.stops.text for job in jobs] if n else [codec.decode(t) for t in done.tokens]
     return done
 
 
@@ -329,8 +359,11 @@ def summary(args, cfg, topo, done: Steps) -> dict:
         "graph": args.graph, "config": cfg.name, "executor": args.executor,
         "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep},
         "tokens": done.tokens, "step_ms": done.step_ms, "prefill_ms": done.prefill_ms, "context": args.context or 0,
-        "last_logits_sha256": logits_sha256(done.last.logits),   # the only logits that come home
+        # the logits each request's last token came from: the only logits that come home
+        "last_logits_sha256": logits_sha256(done.final_logits),
     }
+    if done.speculative is not None:
+        result["speculative"] = done.speculative
     if done.texts is not None:
         result["text"] = done.texts
     return result

@@ -12,7 +12,7 @@ import os
 
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.cli import args as rules
-from dsv41.cli import run
+from dsv41.cli import run, speculative
 from dsv41.cli.modes import RUN, groups, topology
 from dsv41.cli.progress import Progress
 from dsv41.cluster.connect import ConnectError
@@ -22,7 +22,7 @@ PROG = "python -m dsv41.serve"
 DEFAULT_CONTEXT = 512
 MIN_BODY_BYTES = 1024
 
-SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS},
+SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative.APPLIES,
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
                                   "--max-body-bytes", "--served-model-name"), (RUN, None))}
 
@@ -45,6 +45,7 @@ def build_parser() -> rules.Parser:
     g.add_argument("--served-model-name", default=None,
                    help="the model name requests must name (default: the config's name, or the checkpoint "
                         "folder's)")
+    speculative.add_arguments(p.add_argument_group("speculative decoding"))
     # what the shared checks read from a run that a server does not have
     p.set_defaults(plan=False, graph="decode", context=None, prompt=None, prompt_file=None, chat=False,
                    allow_special_tokens=False, dashboard=False, hold=None, show_graph=None, check=False, trace=None,
@@ -90,7 +91,7 @@ def _sizes(a, cfg):
 
 CHECKS = [(f, c) for f, c in rules.CHECKS if f in SERVE_APPLIES] + [
     ("--port", _port), ("--max-batch", _max_batch), ("--max-context", _max_context), ("--max-queue", _max_queue),
-    ("--max-body-bytes", _max_body_bytes)] + rules.LAST
+    ("--max-body-bytes", _max_body_bytes)] + speculative.CHECKS + rules.LAST
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
@@ -136,7 +137,8 @@ def serve(args) -> int:
     limits = Limits(max_context=args.max_context, max_prompt=min(cfg.prefill_max_tokens, args.max_context - 1),
                     vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes)
     metrics = Metrics()
-    batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, cfg.prefill_max_tokens)
+    batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, cfg.prefill_max_tokens,
+                      speculative.drafter(args))
     batcher.start()
     try:
         server = Server(batcher, args.codec, name, limits, metrics)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Callable
 
 import torch
@@ -31,6 +31,7 @@ class Job:
     prompt: list[int]
     params: SamplingParams
     stops: Stops
+    _: KW_ONLY
     id: int = field(default_factory=itertools.count().__next__)
     made: list[int] = field(default_factory=list)      # every token made for it, a stop token included
     rid: int | None = None        # the engine's request id while it runs
@@ -111,7 +112,8 @@ class Scheduler:
         """drafter: proposes tokens to verify (``engine.drafters``; None: plain steps). keep_logits:
         keep each job's last token's logits (a fetch in the steps where jobs end). fail_fast: a
         failed step raises (the command line); otherwise its jobs get an error and the rest go on
-        (the server). context: new requests first hold that many drawn tokens (greedy only)."""
+        (the server). context: new requests first hold that many drawn tokens (greedy only).
+        on_finish(job, reason): a job ended (its finish reason, or "error")."""
         self.engine, self.drafter = engine, drafter
         self.max_batch = max_batch or engine.max_batch
         self.prefill_rows = prefill_rows or engine.cfg.prefill_max_tokens
@@ -292,6 +294,8 @@ class Scheduler:
             raise kind(message)
         self._leave(job)
         job.emit("error", error=message)
+        if self.on_finish is not None:
+            self.on_finish(job, "error")
 
     def _step_failed(self, jobs: list[Job], e: Exception):
         """A failed step changed nothing in the engine: its jobs end with the error."""

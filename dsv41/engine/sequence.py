@@ -9,7 +9,7 @@ from dsv41.ops.sampling import RowDraw, SamplingParams
 GREEDY = SamplingParams()
 
 
-@dataclass(eq=False)
+@dataclass
 class Sequence:
     rid: int
     tokens: list[int]                       # every token fed and published so far (Engram hashing, penalties)

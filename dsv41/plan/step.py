@@ -62,7 +62,9 @@ def step_inputs(cfg, requests: int, rows: int, context: int, phase: str) -> Step
     md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states)
     t = requests * rows
     hashes = {layer: torch.zeros(t, cfg.engram_ids_per_token, dtype=torch.int64) for layer in cfg.engram_layer_ids}
-    return StepInputs(list(range(requests)), torch.zeros(t, dtype=torch.int64), md, hashes, phase, {}, None)
+    fed = [[0] * rows for _ in range(requests)]
+    return StepInputs(list(range(requests)), torch.zeros(t, dtype=torch.int64), md, hashes, phase, fed,
+                      [0] * requests, md.logit_row_indices)
 
 
 def check(cfg, requests: int, context: int, phase: str):

@@ -1,26 +1,22 @@
-"""Continuous batching: one thread owns the engine and runs its steps; requests join and leave
-between steps.
+"""Continuous batching for the server: one thread owns the engine and runs the scheduling loop
+(``engine.scheduler``, the same loop as the command line's); requests join and leave between steps.
 
-Each turn of the loop frees the requests whose client went away, admits waiting requests while
-the batch has slots and the prefill step has rows (one prefill step for all of them), then runs
-one decode step over every running request that has a token to feed. A request ends through its
-``ops.stopping.Stops`` (stop ids, EOS, stop strings, its max tokens) and its blocks go back at
-once. Requests past the batch's free slots wait in a bounded queue; a full queue refuses at once
-(the server answers 429). A failed step changes nothing in the engine (steps are atomic): its requests get the
-error and leave, the others carry on.
+Handlers submit jobs from the event loop; the engine thread moves them into the scheduler, which
+admits them (one prefill step), decodes (with a drafter: verify steps, several tokens a step),
+preempts the newest request when the cache pools run out, and ends requests through their
+``Stops``. Jobs past the batch's free slots wait in a bounded queue; a full queue refuses at once
+(the server answers 429). A failed step changes nothing in the engine (steps are atomic): its jobs
+get the error and leave, the others carry on.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 
-from dsv41.ops.sampling import SamplingParams
-from dsv41.ops.stopping import Stops
+from dsv41.engine.scheduler import Job as ScheduledJob
+from dsv41.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -43,36 +39,41 @@ class Event:
 
 
 @dataclass(eq=False)
-class Job:
-    """One request's generation: its prompt ids, settings and stops, and the queue its events go to
-    (on the server's event loop)."""
-    prompt: list[int]
-    params: SamplingParams
-    stops: Stops
-    loop: asyncio.AbstractEventLoop
+class Job(ScheduledJob):
+    """A request's generation, its events sent to the queue its handler reads (on the server's
+    event loop)."""
+    loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    id: int = field(default_factory=itertools.count().__next__)
-    rid: int | None = None        # the engine's request id while it holds a slot
-    cancelled: bool = False
-    finished: bool = False
-    generated: int = 0            # tokens the engine made for it (a stop token included)
-    last: int | None = None       # the token to feed at its next decode step
 
-    def send(self, event: Event):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+    @property
+    def generated(self) -> int:
+        """Tokens the engine made for it (a stop token included)."""
+        return len(self.made)
+
+    def emit(self, kind: str, **fields):
+        self.loop.call_soon_threadsafe(self.events.put_nowait, Event(kind, **fields))
 
 
 class Batcher:
-    def __init__(self, engine, metrics, max_batch: int, max_queue: int, prefill_rows: int):
-        """prefill_rows: the most prompt tokens one prefill step takes."""
+    def __init__(self, engine, metrics, max_batch: int, max_queue: int, prefill_rows: int, drafter=None):
+        """prefill_rows: the most prompt tokens one prefill step takes; drafter: speculative steps."""
         self.engine, self.metrics = engine, metrics
-        self.max_batch, self.max_queue, self.prefill_rows = max_batch, max_queue, prefill_rows
-        self.waiting: collections.deque[Job] = collections.deque()
-        self.running: dict[int, Job] = {}            # engine request id -> job
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.scheduler = Scheduler(engine, drafter, max_batch, prefill_rows, fail_fast=False,
+                                   on_finish=self._finished)
+        self.incoming: list[Job] = []                 # submitted, not yet seen by the engine thread
         self.cond = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="dsv41-engine-loop", daemon=True)
         self._update_gauges()
+
+    @property
+    def running(self) -> dict:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list:
+        return list(self.scheduler.waiting) + self.incoming
 
     def start(self):
         self.thread.start()
@@ -85,124 +86,70 @@ class Batcher:
 
     def submit(self, job: Job):
         with self.cond:
-            free = max(0, self.max_batch - len(self.running))     # slots the next turn fills
-            if len(self.waiting) >= self.max_queue + free:
-                raise QueueFull(f"{len(self.running)} requests running and {len(self.waiting)} waiting "
+            waiting = len(self.scheduler.waiting) + len(self.incoming)
+            free = max(0, self.max_batch - len(self.scheduler.running))     # slots the next turn fills
+            if waiting >= self.max_queue + free:
+                raise QueueFull(f"{len(self.scheduler.running)} requests running and {waiting} waiting "
                                 f"(the queue holds {self.max_queue}); retry later")
-            self.waiting.append(job)
-            self.metrics.queue_depth.set(len(self.waiting))
+            self.incoming.append(job)
+            self.metrics.queue_depth.set(waiting + 1)
             self.cond.notify()
 
     def cancel(self, job: Job):
         """The client went away: its slot and blocks are freed before the next step."""
         with self.cond:
-            if not job.finished:
+            if not job.finished and not job.cancelled:
                 job.cancelled = True
+                self.metrics.cancelled.inc()
                 self.cond.notify()
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _loop(self):
+        sched = self.scheduler
         while True:
             with self.cond:
-                while not self.stopping and not self.waiting and not self.running:
+                while not self.stopping and not self.incoming and not sched.busy:
                     self.cond.wait()
                 if self.stopping:
                     break
-                admit = self._take()
-            self._drop_cancelled()
-            if admit:
-                self._prefill(admit)
-            ready = [j for j in self.running.values() if j.last is not None]
-            if ready:
-                self._decode(ready)
+                for job in self.incoming:
+                    sched.add(job)
+                self.incoming = []
+            try:
+                turn = sched.step()
+            except Exception:            # the loop itself must not die: every job it holds gets the error
+                log.exception("scheduler turn failed")
+                for job in list(sched.running.values()) + list(sched.waiting):
+                    job.emit("error", error="the engine loop failed")
+                sched.release_all()
+                turn = None
+            if turn is not None:
+                self._count(turn)
             self._update_gauges()
-        for job in list(self.running.values()) + list(self.waiting):
-            self._fail(job, "the server is shutting down")
+        for job in list(sched.running.values()) + list(sched.waiting) + self.incoming:
+            job.emit("error", error="the server is shutting down")
+            self.metrics.errors.labels("engine").inc()
+        sched.release_all()
 
-    def _take(self) -> list[Job]:
-        """Waiting requests that fit this turn's prefill step (under the lock)."""
-        admit, rows = [], 0
-        while self.waiting and len(self.running) + len(admit) < self.max_batch:
-            job = self.waiting[0]
-            if job.cancelled:
-                self.waiting.popleft()
-                self._finish(job, None)
-                continue
-            if admit and rows + len(job.prompt) > self.prefill_rows:
-                break
-            admit.append(self.waiting.popleft())
-            rows += len(job.prompt)
-        self.metrics.queue_depth.set(len(self.waiting))
-        return admit
-
-    def _drop_cancelled(self):
-        for rid, job in list(self.running.items()):
-            if job.cancelled:
-                self.metrics.cancelled.inc()
-                self._finish(job, None)
-
-    def _prefill(self, jobs: list[Job]):
-        t0 = time.perf_counter()
-        try:
-            out = self.engine.prefill([j.prompt for j in jobs], [j.params for j in jobs])
-        except Exception as e:       # nothing was admitted: the step changed nothing
-            log.exception("prefill step failed")
-            for job in jobs:
-                self._fail(job, f"{type(e).__name__}: {e}")
+    def _count(self, turn):
+        m = self.metrics
+        m.step_seconds.labels(turn.phase).observe(turn.ms / 1e3)
+        if turn.out is None:
             return
-        self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - t0)
-        self.metrics.prompt_tokens.inc(sum(len(j.prompt) for j in jobs))
-        for job, rid in zip(jobs, out.request_ids):
-            job.rid = rid
-            self.running[rid] = job
-        self._deliver(jobs, out)
+        if turn.phase == "prefill":
+            m.prompt_tokens.inc(sum(len(j.prompt) for j in turn.jobs))
+        m.generation_tokens.inc(sum(map(len, turn.out.tokens)))
+        if turn.out.proposed is not None:
+            m.draft_tokens.inc(sum(turn.out.proposed))
+            m.accepted_tokens.inc(sum(turn.out.accepted))
 
-    def _decode(self, jobs: list[Job]):
-        t0 = time.perf_counter()
-        try:
-            out = self.engine.decode([j.last for j in jobs], [j.rid for j in jobs])
-        except Exception as e:       # the step changed nothing; its requests cannot go on
-            log.exception("decode step failed")
-            for job in jobs:
-                self._fail(job, f"{type(e).__name__}: {e}")
-            return
-        self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
-        self._deliver(jobs, out)
-
-    def _deliver(self, jobs: list[Job], out):
-        self.metrics.generation_tokens.inc(len(jobs))
-        for i, (job, token) in enumerate(zip(jobs, out.tokens)):
-            job.generated += 1
-            logprob = out.logprobs[i] if out.logprobs is not None else None
-            if job.cancelled:
-                continue             # freed at the next turn
-            before = len(job.stops.tokens)
-            text = job.stops.push(token)
-            job.send(Event("token", token, text, logprob, kept=len(job.stops.tokens) > before))
-            if job.stops.finish is not None:
-                self._finish(job, job.stops.finish)
-            else:
-                job.last = token
-
-    def _finish(self, job: Job, reason: str | None):
-        if job.rid is not None and job.rid in self.running:
-            del self.running[job.rid]
-            self.engine.release(job.rid)
-        job.finished, job.last = True, None
-        if reason is not None:
-            job.send(Event("done", finish=reason))
-
-    def _fail(self, job: Job, message: str):
-        self.metrics.errors.labels("engine").inc()
-        if job.rid is not None and job.rid in self.running:    # a failed prefill made no request
-            del self.running[job.rid]
-            self.engine.release(job.rid)
-        job.finished, job.last = True, None
-        job.send(Event("error", error=message))
+    def _finished(self, job: Job, reason: str):
+        if reason == "error":
+            self.metrics.errors.labels("engine").inc()
 
     def _update_gauges(self):
         used, total = self.engine.blocks_in_use()
         self.metrics.blocks_in_use.set(used)
         self.metrics.blocks_total.set(total)
-        self.metrics.running.set(len(self.running))
-        self.metrics.queue_depth.set(len(self.waiting))
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self.incoming))

@@ -26,6 +26,10 @@ class Metrics:
         self.errors = Counter("dsv41_errors", "Requests that ended in an error, by kind", ["kind"], registry=r)
         ProcessCollector(registry=r)          # process_resident_memory_bytes and friends
         self.cancelled = Counter("dsv41_cancelled_requests", "Requests whose client went away", registry=r)
+        self.draft_tokens = Counter("dsv41_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
+                                    registry=r)
+        self.accepted_tokens = Counter("dsv41_spec_decode_accepted_tokens",
+                                       "Draft tokens accepted (speculative decoding)", registry=r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,64 @@
+"""``--speculative``, ``--draft-tokens``, ``--ngram-min`` and ``--ngram-max`` of ``run`` and ``serve``:
+their flags, their rows of the command line's rules (``dsv41.cli.args``) and the drafter they make."""
+from __future__ import annotations
+
+from dsv41.cli.modes import RUN
+from dsv41.engine.drafters import DRAFTERS, NGRAM, NgramDrafter
+
+DEFAULT_DRAFTS = 5           # the seed's decode ABI: 1 target row + 5 draft rows per sequence
+DEFAULT_NGRAM = (1, 3)
+
+
+def add_arguments(g):
+    g.add_argument("--speculative", choices=DRAFTERS, default=None,
+                   help="decode steps verify drafted tokens and keep the accepted prefix (the same tokens as "
+                        "without; fewer steps when drafts are accepted). ngram: prompt lookup in the request's "
+                        "own tokens")
+    g.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFTS, metavar="K",
+                   help="with --speculative: tokens proposed per request and step (default: %(default)s)")
+    g.add_argument("--ngram-min", type=int, default=DEFAULT_NGRAM[0], metavar="N",
+                   help="with --speculative ngram: the shortest suffix matched (default: %(default)s)")
+    g.add_argument("--ngram-max", type=int, default=DEFAULT_NGRAM[1], metavar="N",
+                   help="with --speculative ngram: the longest suffix matched (default: %(default)s)")
+
+
+def _speculating(a) -> bool:
+    return a.speculative is not None
+
+
+NEEDS = ("needs --speculative", _speculating)
+NEEDS_NGRAM = ("needs --speculative ngram", lambda a: a.speculative == NGRAM)
+APPLIES = {
+    "--speculative": (RUN, ("needs --graph decode (a prefill makes one token per request)",
+                            lambda a: a.graph == "decode")),
+    "--draft-tokens": (RUN, NEEDS),
+    "--ngram-min": (RUN, NEEDS_NGRAM),
+    "--ngram-max": (RUN, NEEDS_NGRAM),
+}
+
+
+def _draft_tokens(a, cfg):
+    top = cfg.decode_rows_per_request - 1
+    if not 1 <= a.draft_tokens <= top:
+        return (f"must be in [1, {top}] (a decode step holds {cfg.decode_rows_per_request} rows per request "
+                f"on {cfg.name}), got {a.draft_tokens}")
+
+
+def _ngram_min(a, cfg):
+    if a.ngram_min < 1:
+        return f"must be >= 1, got {a.ngram_min}"
+
+
+def _ngram_max(a, cfg):
+    if a.ngram_max < a.ngram_min:
+        return f"must be >= --ngram-min {a.ngram_min}, got {a.ngram_max}"
+
+
+CHECKS = [("--draft-tokens", _draft_tokens), ("--ngram-min", _ngram_min), ("--ngram-max", _ngram_max)]
+
+
+def drafter(a):
+    """The drafter the flags ask for (None: plain decode steps)."""
+    if a.speculative == NGRAM:
+        return NgramDrafter(a.draft_tokens, a.ngram_min, a.ngram_max)
+    return None
