@@ -60,11 +60,12 @@ class GraphEngine(Engine):
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
                  options: Options = Options(), backend: str = "torch", checkpoint=None,
                  recovery_timeout: float = RECOVERY_TIMEOUT_S, graph_cache: int = GRAPH_CACHE,
-                 startup: Startup = Startup()):
+                 startup: Startup = Startup(), cache_tokens: int | None = None):
         """checkpoint: an opened checkpoint holding cfg (weights and Engram token map), the source each
         card reads its own slices from; None draws random weights from seed. Under distributed it
         travels to the workers, which open its files themselves. startup: how long to wait for the
-        cluster and whom to tell as its workers join (``connect.Startup``)."""
+        cluster and whom to tell as its workers join (``connect.Startup``). cache_tokens: what each DP
+        group's compressed pools hold (default: every request at max_context; ``RequestTable``)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
@@ -92,7 +93,7 @@ class GraphEngine(Engine):
                              f"per DP group (capacity contract)")
         max_context = max_context or min(cfg.max_position_embeddings, 1024)
         token_map = None if checkpoint is None else checkpoint.token_map
-        self.tables = [RequestTable(cfg, per_group, max_context, token_map) for _ in range(topo.dp)]
+        self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens) for _ in range(topo.dp)]
         self.where: dict[int, tuple[int, int]] = {}   # global request id -> (DP group, local id)
         self.filled: set[int] = set()        # requests started at a drawn context: no history to replay
         self.next_rid = 0
@@ -108,7 +109,7 @@ class GraphEngine(Engine):
         self.trace = None            # a telemetry TraceSession while tracing
         self.id = uuid.uuid4().hex[:8]
         self.builds: dict[int, str] = {}      # card -> build id of the State this engine expects
-        self._state_args = (seed, per_group, max_context, options, checkpoint)
+        self._state_args = (seed, per_group, max_context, options, checkpoint, cache_tokens)
         if executor not in LOCAL_EXECUTORS:
             self.runner = DistributedRunner(topo.ep, address, dashboard, startup)
         self._finalizer = weakref.finalize(self, _free_everywhere, self.id, self.runner)
@@ -140,10 +141,10 @@ class GraphEngine(Engine):
     # ---- State ownership ----------------------------------------------------------------------------
     def _install(self, cards: list[int]):
         """Fresh States (same seed, empty caches, a new build id) for these cards, at this generation."""
-        seed, per_group, max_context, options, source = self._state_args
+        seed, per_group, max_context, options, source, cache_tokens = self._state_args
         build_id = uuid.uuid4().hex[:8]
         args = (self.cfg, self.topo, seed, per_group, max_context, options, source, self.id, build_id,
-                self.generation, self.backend)
+                self.generation, self.backend, cache_tokens)
         if self.runner is None:
             _install_here(*args, cards=cards)
         else:
@@ -207,7 +208,7 @@ class GraphEngine(Engine):
         at most prefill_max_tokens rows per group (a longer history in chunks), into fresh host tables."""
         limit = self.cfg.prefill_max_tokens
         fresh = {g: RequestTable(self.cfg, self.tables[g].max_batch, self.tables[g].max_context,
-                                 self.tables[g].token_map) for g in groups}
+                                 self.tables[g].token_map, self.tables[g].cache_tokens) for g in groups}
         work = {g: [(local, req.tokens[i:i + limit]) for local, req in self.tables[g].requests.items()
                     for i in range(0, len(req.tokens), limit)] for g in groups}
         renamed = {g: {} for g in groups}                 # old local id -> new local id
@@ -524,10 +525,10 @@ def _card_bytes(engine: str):
 
 
 def _install_here(cfg, topo, seed, per_group, max_context, options, source, engine, build_id, generation, backend,
-                  cards):
+                  cache_tokens, cards):
     device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
     registry.install(engine, build_states(cfg, topo, seed, cards, per_group, max_context, options, source, build_id,
-                                          generation), device_time)
+                                          generation, cache_tokens), device_time)
     return_freed_memory()
 
 

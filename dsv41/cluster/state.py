@@ -32,7 +32,7 @@ class CardState:
     options: Options
     build: str = ""
     generation: int = 0                      # steps committed into these caches
-    capacity: tuple[int, int] = (1, 1)       # (max_batch, max_context) the caches are sized for
+    capacity: tuple = (1, 1, None)           # (max_batch, max_context, cache_tokens) the caches are sized for
     # DP group -> (step, FP32 logits) its head node made on this card: they stay here until asked for
     logits: dict = field(default_factory=dict)
 
@@ -48,16 +48,17 @@ class CardState:
 
 def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: int, max_context: int,
                  options: Options = Options(), source=None, build: str = "",
-                 generation: int = 0) -> dict[int, CardState]:
+                 generation: int = 0, cache_tokens: int | None = None) -> dict[int, CardState]:
     """States of the given cards, each reading its own weight slices from ``source`` (a checkpoint
-    reader, or by default one deterministic draw from ``seed``)."""
+    reader, or by default one deterministic draw from ``seed``); cache_tokens: the request table's."""
     if cfg.vocab_size % topo.tp:
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
     source = DrawnCheckpoint(cfg, seed) if source is None else source
     tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
     weights = read_cards(source, topo, cards)
-    return {c: CardState(cfg, topo, c, weights[c], _empty(cfg, max_batch, max_context),
-                         tables, options, build, generation, (max_batch, max_context)) for c in cards}
+    capacity = (max_batch, max_context, cache_tokens)
+    return {c: CardState(cfg, topo, c, weights[c], _empty(cfg, *capacity),
+                         tables, options, build, generation, capacity) for c in cards}
 
 
 def renew(st: CardState, build: str, generation: int):
@@ -67,5 +68,5 @@ def renew(st: CardState, build: str, generation: int):
     st.build, st.generation = build, generation
 
 
-def _empty(cfg: ModelConfig, max_batch: int, max_context: int) -> StagedTensors:
-    return StagedTensors(empty_caches(cfg, BlockManager(cfg, max_batch, max_context)))
+def _empty(cfg: ModelConfig, max_batch: int, max_context: int, cache_tokens: int | None) -> StagedTensors:
+    return StagedTensors(empty_caches(cfg, BlockManager(cfg, max_batch, max_context, cache_tokens)))

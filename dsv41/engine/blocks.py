@@ -60,12 +60,17 @@ def window_pages(cfg: ModelConfig, max_context: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int):
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, cache_tokens: int | None = None):
+        """cache_tokens: the tokens the compressed pools hold over all requests (default: every
+        request at max_context); fewer makes the scheduler preempt when requests grow."""
         self.cfg = cfg
         bs = cfg.block_size
         self.window_blocks = max_batch * window_pages(cfg, max_context)
-        self.compressed_blocks = {r: max_batch * math.ceil(max_context // r / bs + 1)
-                                  for r in sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})}
+        if cache_tokens is None:
+            sizes = lambda r: max_batch * math.ceil(max_context // r / bs + 1)    # noqa: E731
+        else:
+            sizes = lambda r: math.ceil(cache_tokens // r / bs) + max_batch       # noqa: E731
+        self.compressed_blocks = {r: sizes(r) for r in sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})}
         self.state_blocks = max_batch
         self.pools = Pools(list(range(self.window_blocks)),
                            {r: list(range(n)) for r, n in self.compressed_blocks.items()},

@@ -23,7 +23,8 @@ class ReferenceEngine(Engine):
     """Deterministic random (or loaded) weights in one process."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, max_batch: int | None = None,
-                 max_context: int | None = None, checkpoint=None, options: Options = Options()):
+                 max_context: int | None = None, checkpoint=None, options: Options = Options(),
+                 cache_tokens: int | None = None):
         """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; None draws from seed."""
         self.cfg = cfg
         self.options = options
@@ -37,7 +38,7 @@ class ReferenceEngine(Engine):
         self.model = Transformer(cfg, self.weights)
         self.table = RequestTable(cfg, max_batch or cfg.max_batch_per_dp,
                                   max_context or min(cfg.max_position_embeddings, 1024),
-                                  None if checkpoint is None else checkpoint.token_map)
+                                  None if checkpoint is None else checkpoint.token_map, cache_tokens)
         self.caches = StagedTensors(empty_caches(cfg, self.table.blocks))
         capacity = self.table.max_context
         self.rope_tables = {p: precompute_rope_tables(cfg, capacity, p) for p in (PLAIN, COMPRESSED)}

@@ -51,13 +51,17 @@ class Started:
 class RequestTable:
     """Sequences and block pools of one DP group (one paged-cache owner)."""
 
-    def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, token_map: torch.Tensor | None = None):
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, token_map: torch.Tensor | None = None,
+                 cache_tokens: int | None = None):
         if not 1 <= max_batch <= cfg.max_batch_per_dp:
             raise ValueError(f"max_batch: must be in [1, {cfg.max_batch_per_dp}], got {max_batch}")
         if not 1 <= max_context <= cfg.max_position_embeddings:
             raise ValueError(f"max_context: must be in [1, {cfg.max_position_embeddings}], got {max_context}")
         self.cfg, self.max_batch, self.max_context = cfg, max_batch, max_context
-        self.blocks = BlockManager(cfg, max_batch, max_context)
+        if cache_tokens is not None and not 1 <= cache_tokens <= max_batch * max_context:
+            raise ValueError(f"cache_tokens: must be in [1, {max_batch * max_context}], got {cache_tokens}")
+        self.cache_tokens = cache_tokens
+        self.blocks = BlockManager(cfg, max_batch, max_context, cache_tokens)
         self.requests: dict[int, Sequence] = {}
         self.next_rid = 0
         self.token_map = default_token_map(cfg) if token_map is None else token_map
