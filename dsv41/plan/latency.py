@@ -1,13 +1,13 @@
 """What a deployment takes per step, not only its roofline: a latency model on the planned graph.
 
 Every node is a kernel group: the launch gaps of the kernels a serving stack runs for it
-(``NodeKind.launches``, the rule in ``dsv41.kernels.record``), then, if it receives bytes from other cards, the fixed cost of that
-primitive (``sync``: its alpha, the device-side wait of the hand-off) and the time its bytes take
-(``collectives``: bytes / beta), then its body, max(bytes / achievable bandwidth, FLOPs / achievable
-rate), where "achievable" is the profile's fraction for the node kind's latency class
-(``NodeKind.latency``); a profile whose kernels decode weights on every use (``weight_use_ns``, the
-``cpu`` profile) adds that decode, per value read, to the compute side. The primitives are
-fit to microbenchmarks (``dsv41.plan.primitives``, cited in the profiles):
+(``NodeKind.launches``, the rule in ``dsv41.kernels.record``), then, if it receives bytes from other
+cards, the fixed cost of that primitive (``sync``: its alpha, the device-side wait of the hand-off)
+and the time its bytes take (``collectives``: bytes / beta), then its body, max(bytes / achievable
+bandwidth, FLOPs / achievable rate), where "achievable" is the profile's fraction for the node
+kind's latency class (``NodeKind.latency``); a profile whose kernels decode weights on every use
+(``weight_use_ns``, the ``cpu`` profile) adds that decode, per value read, to the compute side. The
+primitives are fit to microbenchmarks (``dsv41.plan.primitives``, cited in the profiles):
 
 - a ``collective`` node kind (``NodeKind.comm``: ``tp.all_gather`` / ``tp.reduce_scatter``, and the
   exact owner all-reduce, an all-gather) and every other gather (``lm_head.argmax``): one collective

@@ -2,8 +2,8 @@
 
 A node takes max(HBM bytes / bandwidth, sum over FLOP kinds of FLOPs / rate) plus the bytes it
 receives over the interconnect / link bandwidth. Each card runs two streams: collectives (node kinds
-whose ``NodeKind.comm`` is ``collective``) on ``comm``, everything else on ``compute``; a node starts when its inputs are done and its stream is
-free. The makespan is the roofline step (``dsv41.plan.latency`` adds what a deployment pays on top,
+whose ``NodeKind.comm`` is ``collective``) on ``comm``, everything else on ``compute``; a node starts
+when its inputs are done and its stream is free. The makespan is the roofline step (``dsv41.plan.latency`` adds what a deployment pays on top,
 on the same timeline); the memory-bound floor is the busiest card's bytes / bandwidth, with no
 compute, links or dependencies.
 """
