@@ -57,6 +57,8 @@ def test_a_record_missing_a_fact_is_refused():
             NodeKind("x", print, print, **dict(full, launches=bad))
     with pytest.raises(ValueError, match="comm must be one of"):
         NodeKind("x", print, print, **dict(full, comm="broadcast"))
+    with pytest.raises(ValueError, match="collective calls on a kind whose comm is 'none'"):
+        NodeKind("x", print, print, **dict(full, calls=lambda node: 2))
     with pytest.raises(ValueError, match="exactly one of pypto_parts"):
         NodeKind("x", print, print, **dict(full, pypto_parts=print, sim_rows=print))
     with pytest.raises(ValueError, match="go together"):

@@ -36,6 +36,9 @@ class NodeKind:
     cost: Callable                       # (ctx, node, *inputs) -> kernels.cost.Cost
     launches: tuple = ()                 # (kernels a serving stack runs for one node, the operations counted)
     comm: str = ""                       # one of COMM_CLASSES
+    calls: Callable | None = None        # (node) -> collective calls it makes (alphas it pays); None: one
+    routed: bool = False                 # its FLOPs are routed (token, expert) pairs: the busiest rank's grow
+    #                                      with the MoE load imbalance
     latency: str = "vector"              # which of the profile's achievable fractions bound its body
     pypto_parts: Callable | None = None  # (cfg, rows, tp, ep) -> [(pypto kernel, shapes)]: the pypto calls
     #                                      one node stands for on one card at ``rows`` tokens per DP group
@@ -59,6 +62,8 @@ class NodeKind:
                              f"counted), got {self.launches!r}")
         if self.comm not in COMM_CLASSES:
             raise ValueError(f"NodeKind {self.name!r}: comm must be one of {COMM_CLASSES}, got {self.comm!r}")
+        if self.calls is not None and self.comm != "collective":
+            raise ValueError(f"NodeKind {self.name!r}: collective calls on a kind whose comm is {self.comm!r}")
         if (self.pypto_parts is None) == (not self.no_pypto_parts):
             raise ValueError(f"NodeKind {self.name!r}: needs exactly one of pypto_parts and no_pypto_parts "
                              f"(the reason it has none)")

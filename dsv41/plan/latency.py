@@ -11,15 +11,15 @@ primitives are fit to microbenchmarks (``dsv41.plan.primitives``, cited in the p
 
 - a ``collective`` node kind (``NodeKind.comm``: ``tp.all_gather`` / ``tp.reduce_scatter``, and the
   exact owner all-reduce, an all-gather) and every other gather (``lm_head.argmax``): one collective
-  call; ``tp.all_reduce``: two alphas (reduce-scatter then all-gather);
+  call each (``NodeKind.calls``: ``tp.all_reduce`` two alphas, reduce-scatter then all-gather);
 - an ``all_to_all`` kind (``moe.experts``, the dispatch receive, and ``moe.combine``): one all-to-all
   call over the EP ranks taking part, its alpha by that rank count; intra- and inter-node peers on
   their own links at once.
 
 The link is inter-node when any peer sits on another node (cards are numbered node by node). MoE
 load imbalance: the busiest EP rank receives ``imbalance`` times the mean (token, expert) pairs, so
-every card's expert compute and dispatch/combine bytes are scaled by it (the step waits on the
-busiest at the combine).
+every card's expert compute (a ``NodeKind.routed`` kind) and all-to-all bytes are scaled by it (the
+step waits on the busiest at the combine).
 
 Host: a per-step cost before any kernel can start, then either one graph replay (``graph``: every
 kernel is queued ahead) or one issue per kernel in each card's order (``eager``: a kernel cannot
@@ -90,9 +90,10 @@ def link_us(node, link_bytes: float, others: list[int], dev, scale: dict | None 
     scale = scale or {}
     home = node.card // dev.cards_per_node
     remote = [c for c in others if c // dev.cards_per_node != home]
-    if KINDS[node.kernel].comm != "all_to_all":
+    kind = KINDS[node.kernel]
+    if kind.comm != "all_to_all":
         prim = (dev.inter if remote else dev.intra).collective
-        calls = 2 if node.kernel == "tp.all_reduce" and "owners" not in node.attrs else 1
+        calls = kind.calls(node) if kind.calls else 1
         return calls * prim.alpha_us * scale.get("collective", 1.0), link_bytes / prim.bytes_per_s * 1e6
     ranks = len(others) + 1
     alpha = (dev.inter if remote else dev.intra).a2a.at(ranks).alpha_us * scale.get("a2a", 1.0)
@@ -112,7 +113,7 @@ def node_parts(graph, costs, dev, imbalance: float = 1.0, scale: dict | None = N
         cost = costs[key]
         kind = KINDS[node.kernel]
         moe = kind.comm == "all_to_all"
-        body, bound = body_us(cost, dev, kind.latency, load if node.kernel == "moe.experts" else 1.0)
+        body, bound = body_us(cost, dev, kind.latency, load if kind.routed else 1.0)
         sync, wire = link_us(node, cost.link * (load if moe else 1.0), peers(node, graph), dev, scale)
         parts[key] = Parts(gap * kind.kernels * per_node, wire, body, bound, sync)
     return parts

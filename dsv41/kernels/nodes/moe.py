@@ -183,7 +183,7 @@ RECORDS = (
              comm="none", no_pypto_parts="no pypto kernel for the dispatch layout"),
     NodeKind("moe.experts", experts, experts_cost,
              launches=(4, "dispatch receive, grouped GEMM w1/w3, SiLU-and-mul + quant, grouped GEMM w2"),
-             comm="all_to_all", latency="matmul", pypto_parts=experts_parts, sim_rows=experts_rows,
+             comm="all_to_all", routed=True, latency="matmul", pypto_parts=experts_parts, sim_rows=experts_rows,
              no_pypto="FP4 experts simulated as BF16"),
     NodeKind("moe.shared", shared, shared_cost, launches=(5, "quant + GEMM w1/w3, SiLU-and-mul, quant + GEMM w2"),
              comm="none", latency="matmul", no_pypto="MX linears simulated as BF16",
