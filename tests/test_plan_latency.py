@@ -12,7 +12,6 @@ from dsv41.config import TINY, Topology
 from dsv41.graph.graph import Graph
 from dsv41.kernels.kinds import KINDS
 from dsv41.plan.latency import FIXED_TERMS, PARTS, step_latency
-from dsv41.plan.launches import kernels
 from dsv41.plan.primitives import AlphaBeta, ByRanks
 from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
 from dsv41.plan.sizing import NodeCost
@@ -49,7 +48,7 @@ def test_kernel_at_the_bandwidth_bound():
     assert lat.on_path() == pytest.approx({"compute": 0, "memory": 2.0, "launch": 1.0, "sync": 0, "collectives": 0,
                                            "host": 50.0, "idle": 0, "cores": 0})
     # a projection is several kernels in a real stack (quant + GEMM, norm, quant + GEMM): 5 launch gaps
-    assert kernels("attn.q_proj") == 5
+    assert KINDS["attn.q_proj"].kernels == 5
     assert one_node("attn.q_proj", cost(read=1)).parts["n"].launch == pytest.approx(5 * 1.0)
 
 

@@ -122,14 +122,12 @@ def test_node_parts_cover_registered_kernels_and_sum(tmp_path):
 
 def test_attention_leaf_parts_cover_all_keys_in_one_call():
     h = FLASH.num_attention_heads // 4
-    for keys in (FLASH.sliding_window, FLASH.sliding_window + FLASH.index_topk):
-        parts = dict(node_parts(FLASH, 192, 4, 8, keys)["attn.leaf"])
-        assert parts["attn.qk_tile"] == parts["attn.pv_tile"] == dict(T=192, H=h, K=keys, d=FLASH.head_dim)
-        assert parts["attn.softmax_tile"] == dict(R=192 * h, K=keys)
-    default = dict(node_parts(FLASH, 192, 4, 8)["attn.leaf"])["attn.qk_tile"]["K"]
-    assert default == FLASH.sliding_window + FLASH.index_topk
-    with pytest.raises(ValueError, match="keys"):
-        node_parts(FLASH, 192, 4, 8, keys=-1)
+    parts = node_parts(FLASH, 192, 4, 8)
+    for mode, keys in (("swa", FLASH.sliding_window), ("c2a_full", FLASH.sliding_window + FLASH.index_topk),
+                       ("c1a_reuse", FLASH.sliding_window + FLASH.index_topk)):
+        leaf = dict(parts[f"attn.leaf.{mode}"])
+        assert leaf["attn.qk_tile"] == leaf["attn.pv_tile"] == dict(T=192, H=h, K=keys, d=FLASH.head_dim)
+        assert leaf["attn.softmax_tile"] == dict(R=192 * h, K=keys)
 
 
 def test_check_npu_message(monkeypatch):

@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-COLLECTIVES = ("tp.all_gather", "tp.reduce_scatter", "tp.all_reduce")
-
 
 @dataclass(frozen=True)
 class Node:
@@ -110,9 +108,11 @@ class Graph:
                                          f"does not wait for it")
 
     def _check_collectives(self):
+        """A collective's members are the nodes the builder gave its ``instance`` (and ``group``); the
+        graph knows no kernel names (the node kind records, above it, say which kinds are collectives)."""
         instances = defaultdict(list)
         for n in self.nodes.values():
-            if n.kernel in COLLECTIVES:
+            if "instance" in n.attrs:
                 instances[n.attrs["instance"]].append(n)
         for inst, members in instances.items():
             group = tuple(members[0].attrs["group"])

@@ -1,24 +1,25 @@
 """What a deployment takes per step, not only its roofline: a latency model on the planned graph.
 
 Every node is a kernel group: the launch gaps of the kernels a serving stack runs for it
-(``dsv41.plan.launches``), then, if it receives bytes from other cards, the fixed cost of that
-primitive (``sync``: its alpha, the device-side wait of the hand-off) and the time its bytes take
-(``collectives``: bytes / beta), then its body, max(bytes / achievable bandwidth, FLOPs / achievable
-rate), where "achievable" is the profile's fraction for the node kind's latency class
-(``NodeKind.latency``); a profile whose kernels decode weights on every use (``weight_use_ns``, the
-``cpu`` profile) adds that decode, per value read, to the compute side. The primitives are
-fit to microbenchmarks (``dsv41.plan.primitives``, cited in the profiles):
+(``NodeKind.launches``, the rule in ``dsv41.kernels.record``), then, if it receives bytes from other
+cards, the fixed cost of that primitive (``sync``: its alpha, the device-side wait of the hand-off)
+and the time its bytes take (``collectives``: bytes / beta), then its body, max(bytes / achievable
+bandwidth, FLOPs / achievable rate), where "achievable" is the profile's fraction for the node
+kind's latency class (``NodeKind.latency``); a profile whose kernels decode weights on every use
+(``weight_use_ns``, the ``cpu`` profile) adds that decode, per value read, to the compute side. The
+primitives are fit to microbenchmarks (``dsv41.plan.primitives``, cited in the profiles):
 
-- ``tp.all_gather`` / ``tp.reduce_scatter`` (and the exact owner all-reduce, an all-gather), and
-  every other gather (``lm_head.argmax``): one collective call; ``tp.all_reduce``: two alphas
-  (reduce-scatter then all-gather);
-- ``moe.experts`` (the dispatch receive) and ``moe.combine``: one all-to-all call over the EP ranks
-  taking part, its alpha by that rank count; intra- and inter-node peers on their own links at once.
+- a ``collective`` node kind (``NodeKind.comm``: ``tp.all_gather`` / ``tp.reduce_scatter``, and the
+  exact owner all-reduce, an all-gather) and every other gather (``lm_head.argmax``): one collective
+  call each (``NodeKind.calls``: ``tp.all_reduce`` two alphas, reduce-scatter then all-gather);
+- an ``all_to_all`` kind (``moe.experts``, the dispatch receive, and ``moe.combine``): one all-to-all
+  call over the EP ranks taking part, its alpha by that rank count; intra- and inter-node peers on
+  their own links at once.
 
 The link is inter-node when any peer sits on another node (cards are numbered node by node). MoE
 load imbalance: the busiest EP rank receives ``imbalance`` times the mean (token, expert) pairs, so
-every card's expert compute and dispatch/combine bytes are scaled by it (the step waits on the
-busiest at the combine).
+every card's expert compute (a ``NodeKind.routed`` kind) and all-to-all bytes are scaled by it (the
+step waits on the busiest at the combine).
 
 Host: a per-step cost before any kernel can start, then either one graph replay (``graph``: every
 kernel is queued ahead) or one issue per kernel in each card's order (``eager``: a kernel cannot
@@ -35,16 +36,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from dsv41.kernels.kinds import KINDS
-from dsv41.plan.launches import kernels
 from dsv41.plan.roofline import critical_path, simulate
 
 PARTS = ("compute", "memory", "launch", "sync", "collectives", "host", "idle", "cores")
 DISPATCH = ("graph", "eager")
-ALL_TO_ALL = ("moe.experts", "moe.combine")
 # Fixed costs the sensitivity table varies: what each scales.
 FIXED_TERMS = {
     "launch": "device gap per kernel (launch_us)",
-    "kernels": "kernels per node (dsv41/plan/launches.py)",
+    "kernels": "kernels per node (NodeKind.launches)",
     "collective": "TP collective alpha (small-message floor)",
     "a2a": "dispatch/combine alpha per call",
     "host": "host work per step and graph replay / eager issue",
@@ -91,9 +90,10 @@ def link_us(node, link_bytes: float, others: list[int], dev, scale: dict | None 
     scale = scale or {}
     home = node.card // dev.cards_per_node
     remote = [c for c in others if c // dev.cards_per_node != home]
-    if node.kernel not in ALL_TO_ALL:
+    kind = KINDS[node.kernel]
+    if kind.comm != "all_to_all":
         prim = (dev.inter if remote else dev.intra).collective
-        calls = 2 if node.kernel == "tp.all_reduce" and "owners" not in node.attrs else 1
+        calls = kind.calls(node) if kind.calls else 1
         return calls * prim.alpha_us * scale.get("collective", 1.0), link_bytes / prim.bytes_per_s * 1e6
     ranks = len(others) + 1
     alpha = (dev.inter if remote else dev.intra).a2a.at(ranks).alpha_us * scale.get("a2a", 1.0)
@@ -111,10 +111,11 @@ def node_parts(graph, costs, dev, imbalance: float = 1.0, scale: dict | None = N
     parts = {}
     for key, node in graph.nodes.items():
         cost = costs[key]
-        moe = node.kernel in ALL_TO_ALL
-        body, bound = body_us(cost, dev, KINDS[node.kernel].latency, load if node.kernel == "moe.experts" else 1.0)
+        kind = KINDS[node.kernel]
+        moe = kind.comm == "all_to_all"
+        body, bound = body_us(cost, dev, kind.latency, load if kind.routed else 1.0)
         sync, wire = link_us(node, cost.link * (load if moe else 1.0), peers(node, graph), dev, scale)
-        parts[key] = Parts(gap * kernels(node.kernel) * per_node, wire, body, bound, sync)
+        parts[key] = Parts(gap * kind.kernels * per_node, wire, body, bound, sync)
     return parts
 
 
@@ -130,7 +131,7 @@ def release_times(graph, dev, dispatch: str, host_scale: float = 1.0) -> dict[st
     release = {}
     for key in graph.topo_order():
         node = graph.nodes[key]
-        issued[node.card] += dev.host_launch_us * host_scale * kernels(node.kernel)
+        issued[node.card] += dev.host_launch_us * host_scale * KINDS[node.kernel].kernels
         release[key] = issued[node.card]
     return release
 

@@ -1,9 +1,9 @@
 """Roofline latency per node and a simulated per-card timeline of a step.
 
 A node takes max(HBM bytes / bandwidth, sum over FLOP kinds of FLOPs / rate) plus the bytes it
-receives over the interconnect / link bandwidth. Each card runs two streams: collectives (``tp.*``)
-on ``comm``, everything else on ``compute``; a node starts when its inputs are done and its stream is
-free. The makespan is the roofline step (``dsv41.plan.latency`` adds what a deployment pays on top,
+receives over the interconnect / link bandwidth. Each card runs two streams: collectives (node kinds
+whose ``NodeKind.comm`` is ``collective``) on ``comm``, everything else on ``compute``; a node starts
+when its inputs are done and its stream is free. The makespan is the roofline step (``dsv41.plan.latency`` adds what a deployment pays on top,
 on the same timeline); the memory-bound floor is the busiest card's bytes / bandwidth, with no
 compute, links or dependencies.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from dsv41.graph.graph import COLLECTIVES
+from dsv41.kernels.kinds import KINDS
 from dsv41.plan.profile_file import load_profile
 from dsv41.plan.profiles import PROFILES, DeviceProfile
 from dsv41.plan.sizing import NodeCost
@@ -30,7 +30,7 @@ def profile(name: str) -> DeviceProfile:
 
 
 def stream(kernel: str) -> str:
-    return "comm" if kernel in COLLECTIVES else "compute"
+    return "comm" if KINDS[kernel].comm == "collective" else "compute"
 
 
 def node_us(cost: NodeCost, dev: DeviceProfile) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.kernels.cost import F32_BYTES, I64, Cost, meta, nbytes, reads, row_bytes, valid
-from dsv41.kernels.record import NodeKind, at_rows
+from dsv41.kernels.record import NodeKind
 from dsv41.model.attention import Attention
 from dsv41.ops import kv_cache
 from dsv41.ops.compressor import Compressed
@@ -164,13 +164,14 @@ def leaf_cost(ctx, node, q, step, _window, *sources):
                 act_read=nbytes(q[1]), flops={"dense": 4 * t * heads * hd * keys, "vector": 6 * t * heads * keys})
 
 
-def leaf_device_time(st, node, args, mode):
-    """One pypto ``attn.leaf`` over the leaf's keys: the window, plus the Top-K when it has sources."""
-    from dsv41.kernels.pypto.backend import node_time_us   # pypto's modules load on first use
-
-    cfg, step = st.cfg, args[1]
-    keys = cfg.sliding_window + (cfg.index_topk if len(args) > 3 else 0)
-    return node_time_us("attn.leaf", cfg, step.md.num_tokens, st.topo.tp, st.topo.ep, keys=keys, mode=mode)
+def leaf_parts(window_only: bool):
+    """One attention leaf over all its keys per token (the window, plus the index Top-K unless the
+    layer is sliding-window only): scores, softmax and PV each one pypto call, every local head."""
+    def parts(cfg, rows, tp, ep):
+        h, keys = cfg.num_attention_heads // tp, cfg.sliding_window + (0 if window_only else cfg.index_topk)
+        tile = dict(T=rows, H=h, K=keys, d=cfg.head_dim)
+        return [("attn.qk_tile", tile), ("attn.softmax_tile", dict(R=rows * h, K=keys)), ("attn.pv_tile", tile)]
+    return parts
 
 
 def o_proj(st, node, attended, rope):
@@ -186,21 +187,51 @@ def o_proj_cost(ctx, node, attended, rope):
                        "vector": 6 * t * heads * hd})
 
 
-def _first_rows(node, args):
+def _first_rows(st, node, args):
     return args[0].shape[0]
 
 
+def _rope(cfg, rows, tp) -> dict:
+    return dict(T=rows, H=cfg.num_attention_heads // tp, dim=cfg.head_dim, half=cfg.qk_rope_head_dim // 2)
+
+
+def q_proj_parts(cfg, rows, tp, ep):
+    d, r, h = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads // tp
+    return [("attn.q_proj", dict(M=rows, K=d, N=r)), ("norm.rms", dict(T=rows, D=r)),
+            ("attn.q_proj", dict(M=rows, K=r, N=h * cfg.head_dim)), ("rope.apply", _rope(cfg, rows, tp))]
+
+
+def kv_proj_parts(cfg, rows, tp, ep):
+    hd = cfg.head_dim
+    return [("attn.kv_proj", dict(M=rows, K=cfg.hidden_size, N=hd)), ("norm.rms", dict(T=rows, D=hd)),
+            ("rope.apply", dict(_rope(cfg, rows, tp), H=1))]
+
+
+def o_proj_parts(cfg, rows, tp, ep):
+    groups = cfg.o_groups // tp
+    return ([("rope.apply", dict(_rope(cfg, rows, tp), inverse=1))]
+            + [("attn.o_proj", dict(M=rows, K=cfg.o_group_in, N=cfg.o_lora_rank))] * groups
+            + [("attn.o_proj", dict(M=rows, K=groups * cfg.o_lora_rank, N=cfg.hidden_size))])
+
+
 RECORDS = (
-    NodeKind("attn.q_proj", attn_q_proj, q_proj_cost, latency="matmul", device_time=at_rows(_first_rows),
-             no_pypto=MX_AS_BF16),
-    NodeKind("attn.kv_proj", attn_kv_proj, kv_proj_cost, latency="matmul", device_time=at_rows(_first_rows),
-             no_pypto=MX_AS_BF16),
-    NodeKind("attn.compress", compress, compress_cost, latency="matmul"),
-    NodeKind("attn.publish", publish, publish_cost, effects=True),
-    NodeKind("attn.index", index, index_cost, latency="matmul"),
-    NodeKind("attn.topk", topk, topk_cost),
-    *(NodeKind(f"attn.leaf.{mode}", leaf, leaf_cost, latency="gather", device_time=leaf_device_time,
+    NodeKind("attn.q_proj", attn_q_proj, q_proj_cost, launches=(5, "quant + GEMM wq_a, q_norm, quant + GEMM wq_b"),
+             comm="none", latency="matmul", pypto_parts=q_proj_parts, sim_rows=_first_rows, no_pypto=MX_AS_BF16),
+    NodeKind("attn.kv_proj", attn_kv_proj, kv_proj_cost, launches=(4, "quant + GEMM wkv, kv_norm, RoPE"),
+             comm="none", latency="matmul", pypto_parts=kv_proj_parts, sim_rows=_first_rows, no_pypto=MX_AS_BF16),
+    NodeKind("attn.compress", compress, compress_cost, launches=(3, "GEMM, norm, pooled write"), comm="none",
+             latency="matmul", no_pypto_parts="no pypto kernel for the compressor"),
+    NodeKind("attn.publish", publish, publish_cost, launches=(2, "cache write (KV rows), indexer key write"),
+             comm="none", effects=True, no_pypto_parts="cache writes: no pypto kernel for them"),
+    NodeKind("attn.index", index, index_cost,
+             launches=(5, "quant + GEMM wq_b, weights_proj GEMM, RoPE, MQA logits"), comm="none",
+             latency="matmul", no_pypto_parts="no pypto kernel for the indexer"),
+    NodeKind("attn.topk", topk, topk_cost, launches=(1, "top-k"), comm="none",
+             no_pypto_parts="no pypto kernel for the top-k"),
+    *(NodeKind(f"attn.leaf.{mode}", leaf, leaf_cost, launches=(2, "sparse decode metadata, sparse attention"),
+               comm="none", latency="gather", pypto_parts=leaf_parts(mode == "swa"),
+               sim_rows=lambda st, node, args: args[1].md.num_tokens,
                no_pypto="per-tile kernels (qk, softmax, pv)") for mode in LEAF_MODES),
-    NodeKind("attn.o_proj", o_proj, o_proj_cost, latency="matmul", device_time=at_rows(_first_rows),
-             no_pypto=MX_AS_BF16),
+    NodeKind("attn.o_proj", o_proj, o_proj_cost, launches=(4, "quant + GEMM wo_a, quant + GEMM wo_b"),
+             comm="none", latency="matmul", pypto_parts=o_proj_parts, sim_rows=_first_rows, no_pypto=MX_AS_BF16),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.kernels.cost import BF16_BYTES, F32_BYTES, Cost, meta, nbytes, reads
-from dsv41.kernels.record import NodeKind, at_rows
+from dsv41.kernels.record import NodeKind
 from dsv41.model.embedding import Engram
 from dsv41.ops.engram import table_slab
 from dsv41.ops.rope import materialize_rope_rows
@@ -109,11 +109,19 @@ def cache_commit_cost(ctx, node, *_done):
 
 
 RECORDS = (
-    NodeKind("rope.rows", rope_rows, rope_rows_cost, pypto=rope_rows_pypto,
-             device_time=at_rows(lambda node, args: args[0].md.num_tokens)),
-    NodeKind("embed", embed, embed_cost, latency="gather"),
-    NodeKind("hc.pack", hc_pack, hc_pack_cost),
-    NodeKind("engram.lookup", engram_lookup, engram_lookup_cost),
-    NodeKind("engram", engram, engram_cost, latency="gather"),
-    NodeKind("cache.commit", cache_commit, cache_commit_cost, effects=True),
+    NodeKind("rope.rows", rope_rows, rope_rows_cost, launches=(1, "cos/sin row gather"), comm="none",
+             pypto=rope_rows_pypto,
+             pypto_parts=lambda cfg, rows, tp, ep: [("rope.rows", dict(T=rows, C=cfg.max_position_embeddings,
+                                                                       half=cfg.qk_rope_head_dim // 2))],
+             sim_rows=lambda st, node, args: args[0].md.num_tokens),
+    NodeKind("embed", embed, embed_cost, launches=(1, "row gather"), comm="none", latency="gather",
+             no_pypto_parts="no pypto kernel for the vocabulary row gather"),
+    NodeKind("hc.pack", hc_pack, hc_pack_cost, launches=(1, "copy into the residual streams"), comm="none",
+             no_pypto_parts="a copy: no pypto kernel for it"),
+    NodeKind("engram.lookup", engram_lookup, engram_lookup_cost, launches=(2, "hash, row gather"), comm="none",
+             no_pypto_parts="no pypto kernel for the n-gram hash and table gather"),
+    NodeKind("engram", engram, engram_cost, launches=(3, "quant + GEMM of the gated projection, gate"),
+             comm="none", latency="gather", no_pypto_parts="no pypto kernel for the Engram gated projection"),
+    NodeKind("cache.commit", cache_commit, cache_commit_cost, launches=(1, "metadata update"), comm="none",
+             effects=True, no_pypto_parts="a metadata update: no pypto kernel for it"),
 )

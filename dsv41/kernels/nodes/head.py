@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.kernels.cost import F32_BYTES, I64, Cost, meta, reads
-from dsv41.kernels.record import NodeKind, at_rows
+from dsv41.kernels.record import NodeKind
 from dsv41.model.finite import LOGITS, ensure_finite
 from dsv41.model.head import Head
 from dsv41.ops.lm_head import select_rows
@@ -49,7 +49,11 @@ def argmax_cost(ctx, node, *inputs):
 
 
 RECORDS = (
-    NodeKind("lm_head.shard", shard, shard_cost, latency="matmul", pypto=shard_pypto,
-             device_time=at_rows(lambda node, args: args[1].logit_rows.shape[0])),
-    NodeKind("lm_head.argmax", argmax, argmax_cost),
+    NodeKind("lm_head.shard", shard, shard_cost, launches=(2, "quant + GEMM"), comm="none", latency="matmul",
+             pypto=shard_pypto,
+             pypto_parts=lambda cfg, rows, tp, ep: [("lm_head.shard", dict(M=rows, K=cfg.hidden_size,
+                                                                           N=cfg.vocab_size // tp))],
+             sim_rows=lambda st, node, args: args[1].logit_rows.shape[0]),
+    NodeKind("lm_head.argmax", argmax, argmax_cost, launches=(2, "gather of the vocabulary shards, argmax"),
+             comm="none", no_pypto_parts="no pypto kernel for the sampling over the gathered shards"),
 )

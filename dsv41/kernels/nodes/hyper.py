@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dsv41.kernels.cost import Cost, meta, reads
-from dsv41.kernels.record import NodeKind, at_rows
+from dsv41.kernels.record import NodeKind
 from dsv41.model.finite import ensure_finite
 from dsv41.model.hyper import HyperSite
 from dsv41.ops.norm import rms_norm
@@ -71,16 +71,33 @@ def norm_pypto(st, node, x):
         lambda o: o["y"].float()
 
 
-def _first_rows(node, args):
+def _first_rows(st, node, args):
     return args[0].shape[0]
 
 
+def norm_parts(cfg, rows, tp, ep):
+    return [("norm.rms", dict(T=rows, D=cfg.hidden_size))]
+
+
+def pre_parts(cfg, rows, tp, ep):
+    return [("hc.pre", dict(T=rows, hc=cfg.hc_mult, D=cfg.hidden_size))]
+
+
+def post_parts(cfg, rows, tp, ep):
+    return [("hc.post", dict(T=rows, hc=cfg.hc_mult, D=cfg.hidden_size))]
+
+
 RECORDS = (
-    NodeKind("hc.mixes", hc_mixes, hc_mixes_cost),
-    NodeKind("hc.pre", hc_pre, hc_pre_cost, pypto=hc_pre_pypto, device_time=at_rows(_first_rows)),
-    NodeKind("hc.head", hc_head, hc_pre_cost, pypto=hc_pre_pypto, device_time=at_rows(_first_rows)),
-    NodeKind("hc.post", hc_post, hc_post_cost, pypto=hc_post_pypto,
-             device_time=at_rows(lambda node, args: args[1].shape[0])),
-    NodeKind("norm.rms", norm, norm_cost, pypto=norm_pypto, device_time=at_rows(_first_rows)),
-    NodeKind("norm.final", norm, norm_cost, pypto=norm_pypto, device_time=at_rows(_first_rows)),
+    NodeKind("hc.mixes", hc_mixes, hc_mixes_cost, launches=(3, "mix GEMM, Sinkhorn normalisation, split"),
+             comm="none", no_pypto_parts="no pypto kernel for the mix GEMM and Sinkhorn normalisation"),
+    NodeKind("hc.pre", hc_pre, hc_pre_cost, launches=(1, "weighted stream reduction"), comm="none",
+             pypto=hc_pre_pypto, pypto_parts=pre_parts, sim_rows=_first_rows),
+    NodeKind("hc.head", hc_head, hc_pre_cost, launches=(1, "weighted stream reduction"), comm="none",
+             pypto=hc_pre_pypto, pypto_parts=pre_parts, sim_rows=_first_rows),
+    NodeKind("hc.post", hc_post, hc_post_cost, launches=(1, "weighted stream update"), comm="none",
+             pypto=hc_post_pypto, pypto_parts=post_parts, sim_rows=lambda st, node, args: args[1].shape[0]),
+    NodeKind("norm.rms", norm, norm_cost, launches=(1, "fused RMSNorm"), comm="none", pypto=norm_pypto,
+             pypto_parts=norm_parts, sim_rows=_first_rows),
+    NodeKind("norm.final", norm, norm_cost, launches=(1, "fused RMSNorm"), comm="none", pypto=norm_pypto,
+             pypto_parts=norm_parts, sim_rows=_first_rows),
 )

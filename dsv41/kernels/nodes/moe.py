@@ -6,7 +6,7 @@ import math
 import torch
 
 from dsv41.kernels.cost import BF16_BYTES, F32_BYTES, I64, Cost, meta, nbytes, reads
-from dsv41.kernels.record import NodeKind, at_rows
+from dsv41.kernels.record import NodeKind
 from dsv41.kernels.ties import tie_mismatch_rows
 from dsv41.kernels.verdict import Verdict, compare
 from dsv41.model.moe import MoE
@@ -130,14 +130,20 @@ def experts_cost(ctx, node, *dispatches):
                 flops={"mx": 2 * pairs * 3 * d * inter, "vector": 8 * pairs * inter})
 
 
-def experts_device_time(st, node, args, mode):
-    """One grouped GEMM at the mean routed rows per expert that this step's pairs give."""
-    from dsv41.kernels.pypto.backend import node_time_us   # pypto's modules load on first use
-
+def experts_rows(st, node, args):
+    """The rows per DP group that give this step's routed pairs on the card (see ``experts_parts``)."""
     cfg, tp, ep = st.cfg, st.topo.tp, st.topo.ep
     pairs = sum(len(d[dst][0]) for d in args for dst in d)
-    rows = max(1, math.ceil(pairs / ((ep // tp) * cfg.num_experts_per_tok)))
-    return node_time_us("moe.experts", cfg, rows, tp, ep, mode=mode)
+    return max(1, math.ceil(pairs / ((ep // tp) * cfg.num_experts_per_tok)))
+
+
+def experts_parts(cfg, rows, tp, ep):
+    """One grouped GEMM over the card's experts at the mean routed rows per expert (every card of the
+    EP world, ``ep // tp`` DP groups, routes its rows), padded to 16; FP4 experts simulated as BF16."""
+    routed = rows * (ep // tp) * cfg.num_experts_per_tok
+    per_expert = -(-max(1, -(-routed // cfg.n_routed_experts)) // 16) * 16
+    return [("moe.experts", dict(G=cfg.n_routed_experts // ep, T=per_expert, D=cfg.hidden_size,
+                                 I=cfg.moe_intermediate_size))]
 
 
 def shared(st, node, gate_out):
@@ -168,12 +174,22 @@ def combine_cost(ctx, node, gate_out, shared_out, *expert_outs):
 
 
 RECORDS = (
-    NodeKind("moe.gate", gate, gate_cost, latency="matmul", pypto=gate_pypto, compare=gate_compare,
-             device_time=at_rows(lambda node, args: len(node.attrs["rows"]))),
-    NodeKind("moe.dispatch", dispatch, dispatch_cost),
-    NodeKind("moe.experts", experts, experts_cost, latency="matmul", device_time=experts_device_time,
+    NodeKind("moe.gate", gate, gate_cost, launches=(2, "router GEMM, grouped top-k"), comm="none",
+             latency="matmul", pypto=gate_pypto, compare=gate_compare,
+             pypto_parts=lambda cfg, rows, tp, ep: [("moe.gate", dict(T=rows, D=cfg.hidden_size,
+                                                                      E=cfg.n_routed_experts))],
+             sim_rows=lambda st, node, args: len(node.attrs["rows"])),
+    NodeKind("moe.dispatch", dispatch, dispatch_cost, launches=(2, "dispatch layout, quant of the rows sent"),
+             comm="none", no_pypto_parts="no pypto kernel for the dispatch layout"),
+    NodeKind("moe.experts", experts, experts_cost,
+             launches=(4, "dispatch receive, grouped GEMM w1/w3, SiLU-and-mul + quant, grouped GEMM w2"),
+             comm="all_to_all", routed=True, latency="matmul", pypto_parts=experts_parts, sim_rows=experts_rows,
              no_pypto="FP4 experts simulated as BF16"),
-    NodeKind("moe.shared", shared, shared_cost, latency="matmul", no_pypto="MX linears simulated as BF16",
-             device_time=at_rows(lambda node, args: args[0][0].shape[0])),
-    NodeKind("moe.combine", moe_combine, combine_cost),
+    NodeKind("moe.shared", shared, shared_cost, launches=(5, "quant + GEMM w1/w3, SiLU-and-mul, quant + GEMM w2"),
+             comm="none", latency="matmul", no_pypto="MX linears simulated as BF16",
+             pypto_parts=lambda cfg, rows, tp, ep: [("moe.shared", dict(
+                 G=1, T=rows, D=cfg.hidden_size, I=cfg.moe_intermediate_size * cfg.n_shared_experts))],
+             sim_rows=lambda st, node, args: args[0][0].shape[0]),
+    NodeKind("moe.combine", moe_combine, combine_cost, launches=(2, "combine, weighted sum with the shared expert"),
+             comm="all_to_all", no_pypto_parts="no pypto kernel for the combine"),
 )

@@ -55,8 +55,14 @@ def all_reduce_cost(ctx, node, *parts):
     return Cost(meta(t, d), link=ring * (F32_BYTES + BF16_BYTES), flops={"vector": len(parts) * t * d})
 
 
+# one kernel of the collective library; its time is the link's (plan/latency), not a compute kernel's
+COLLECTIVE = dict(launches=(1, "collective"), comm="collective",
+                  no_pypto_parts="a collective: priced by the link, not simulated as a kernel")
+
 RECORDS = (
-    NodeKind("tp.all_gather", all_gather, all_gather_cost),
-    NodeKind("tp.reduce_scatter", reduce_scatter, reduce_scatter_cost),
-    NodeKind("tp.all_reduce", all_reduce, all_reduce_cost),
+    NodeKind("tp.all_gather", all_gather, all_gather_cost, **COLLECTIVE),
+    NodeKind("tp.reduce_scatter", reduce_scatter, reduce_scatter_cost, **COLLECTIVE),
+    # reduce-scatter then all-gather: two calls, but the exact owner all-reduce is one all-gather
+    NodeKind("tp.all_reduce", all_reduce, all_reduce_cost, calls=lambda node: 1 if "owners" in node.attrs else 2,
+             **COLLECTIVE),
 )
