@@ -45,6 +45,18 @@ def test_bad_arguments_name_the_field(capsys):
 SAMPLED = ["--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--sample-seed", "5"]
 
 
+def test_speculative_ngram_gives_the_tokens_and_logits_of_plain_decode(capsys):
+    plain = _run(capsys, "--executor", "reference", *SAMPLED)
+    spec = _run(capsys, "--executor", "reference", *SAMPLED, "--speculative", "ngram", "--ngram-min", "1")
+    graph = _run(capsys, "--executor", "sync", "--tp", "2", "--dp", "1", *SAMPLED, "--speculative", "ngram",
+                 "--draft-tokens", "3")
+    assert spec["tokens"] == graph["tokens"] == plain["tokens"]
+    assert spec["last_logits_sha256"] == graph["last_logits_sha256"] == plain["last_logits_sha256"]
+    s = spec["speculative"]
+    assert s["decode_steps"] == 2 and "speculative" not in plain
+    assert sum(s["tokens_per_request_step_histogram"].values()) == s["decode_steps"] * 2
+
+
 def test_sampling_flags_draw_the_same_tokens_on_every_executor(capsys):
     ref = _run(capsys, "--executor", "reference", *SAMPLED)
     graph = _run(capsys, "--executor", "sync", "--tp", "2", "--dp", "1", *SAMPLED)

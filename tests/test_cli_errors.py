@@ -63,6 +63,13 @@ MATRIX = [
     ("--executor reference --show-graph g.dot", "--show-graph", ["--executor reference"]),
     ("--executor reference --trace t", "--trace", ["--executor reference"]),
     ("--graph prefill --new-tokens 100", "--new-tokens", ["needs --graph decode"]),
+    ("--graph prefill --speculative ngram", "--speculative", ["needs --graph decode"]),
+    ("--draft-tokens 3", "--draft-tokens", ["needs --speculative"]),
+    ("--speculative ngram --draft-tokens 6", "--draft-tokens", ["[1, 5]", "6 rows per request"]),
+    ("--speculative ngram --draft-tokens 0", "--draft-tokens", ["[1, 5]"]),
+    ("--speculative ngram --ngram-min 0", "--ngram-min", [">= 1"]),
+    ("--speculative ngram --ngram-min 3 --ngram-max 2", "--ngram-max", [">= --ngram-min 3"]),
+    ("--ngram-max 4", "--ngram-max", ["needs --speculative ngram"]),
     ("--context 0", "--context", ["[1, 4039]", "drawn history"]),
     ("--context 4040", "--context", ["[1, 4039]", "--prompt-len 48"]),
     ("--dispatch eager", "--dispatch", ["--executor threads", "--plan"]),
@@ -162,6 +169,8 @@ def test_every_flag_has_a_row():
     ("--max-queue -1", "--max-queue: must be >= 0, got -1"),
     ("--executor reference --tp 2", "--tp: does not apply with --executor reference"),
     ("--temperature 1", "unrecognized arguments: --temperature"),     # per request, not per server
+    ("--speculative ngram --draft-tokens 9", "--draft-tokens: must be in [1, 5]"),
+    ("--ngram-min 2", "--ngram-min: needs --speculative ngram"),
 ])
 def test_serve_flags_are_checked_before_the_engine_is_built(capsys, line, message):
     from dsv41.cli import serve

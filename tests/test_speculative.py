@@ -81,8 +81,11 @@ def check_layout(engine, full: bool):
             # rejections at a page boundary and at odd and even positions (the ratio-2 pair state)
             assert any(p % BS == 0 for p in policy.rejected)
             assert {p % 2 for p in policy.rejected} == {0, 1}
-    if full:
-        assert_same(plain, generate(engine, NgramDrafter(5)))
+    if full:                                           # prompts that repeat themselves: n-gram proposes
+        periodic = [[5, 9, 2, 7] * 4, [3, 1] * 7]
+        ngram = generate(engine, NgramDrafter(5), prompts=periodic)
+        assert ngram[2].spec.drafted > 0
+        assert_same(generate(engine, prompts=periodic), ngram)
     sampled = generate(engine, sampling=SAMPLED)
     assert sampled[0] != plain[0]                      # the draws are not greedy
     assert_same(sampled, generate(engine, OracleDrafter(Policy(sampled[0], PREFIXES)), SAMPLED))
@@ -287,3 +290,16 @@ def test_verify_steps_recover_a_lost_card_and_abort_an_injected_failure():
         assert_same(plain, generate(engine, OracleDrafter(Policy(plain[0], PREFIXES))))
     finally:
         engine.close()
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    class J:
+        def __init__(self, prompt, made=()):
+            self.prompt, self.made = list(prompt), list(made)
+    d = NgramDrafter(3, 1, 3)
+    assert d.propose(J([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]), 5) == [8, 1, 2]    # latest 3-gram match
+    assert d.propose(J([4, 5, 6, 7], [5]), 5) == [6, 7, 5]                   # 1-gram, history includes made
+    assert d.propose(J([1, 2, 3, 4]), 5) == []                              # nothing repeats
+    assert d.propose(J([1, 2, 1, 2, 1, 2]), 2) == [1, 2]                    # room caps the proposal
+    with pytest.raises(ValueError, match="ngram_min"):
+        NgramDrafter(3, 4, 2)

@@ -1,0 +1,131 @@
+"""Speculative decoding on this machine: what a verify step costs per row, and what forced acceptance buys.
+
+    python bench/speculative.py --config tiny
+    python bench/speculative.py --config flash --layers 3 --experts 8 --batch 1 --tokens 12
+
+Part 1, step cost: the engine prefills ``--batch`` prompts, then runs ``--steps`` decode steps with
+R = 1, 2, 4, 6 rows per request (the last token and R - 1 drafts, all rejected, so every step
+starts at the same position); the figure is the median step's wall time and its ratio to R = 1.
+Part 2, tokens per second: plain greedy generation of ``--tokens`` tokens per request, then the
+same generation with an oracle drafter (``engine.drafters.OracleDrafter``) proposing ``--drafts``
+tokens a step and forced to an acceptance of 0, 50 and 100% (the accepted drafts are the plain
+run's tokens, the next one is wrong); the tokens are checked equal to the plain run's. One torch
+thread; wall time (run it on a quiet machine). Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dsv41.cluster.engine import GraphEngine
+from dsv41.config import PRESETS, Topology
+from dsv41.engine.drafters import OracleDrafter
+from dsv41.engine.reference import ReferenceEngine
+from dsv41.engine.scheduler import Scheduler, jobs_for
+
+
+def step_ms(engine, prompts, rows: int, steps: int) -> float:
+    out = engine.prefill(prompts)
+    rids, last = out.request_ids, out.last
+    vocab = engine.cfg.vocab_size
+    times = []
+    try:
+        for _ in range(steps):
+            drafts = [[(t + 1 + j) % vocab for j in range(rows - 1)] for t in last] if rows > 1 else None
+            t0 = time.perf_counter()
+            out = engine.decode(last, rids, drafts)
+            times.append((time.perf_counter() - t0) * 1e3)
+            # every draft rejected: the next step feeds the model's own token at the next position
+            last = out.last
+    finally:
+        for r in rids:
+            engine.release(r)
+    return statistics.median(times)
+
+
+def forced(truth: list[list[int]], prompts, rate: float, vocab: int):
+    """An oracle that accepts round(rate * drafts) of each step's drafts (alternating up and down
+    so the mean is the rate), then proposes a wrong token."""
+    steps = {}
+
+    def propose(job, room):
+        i = prompts.index(job.prompt)
+        n = steps[i] = steps.get(i, -1) + 1
+        m, t = len(job.made), truth[i]
+        want = rate * room
+        a = min(room, int(want) + (1 if (want - int(want)) * 2 >= 1 and n % 2 == 0 else 0))
+        drafts = t[m:m + a]
+        if a < room:
+            drafts = drafts + [(t[m + a] + 1) % vocab] + t[m + a + 1:m + room]
+        return drafts[:room]
+    return OracleDrafter(propose)
+
+
+def generation(engine, prompts, tokens: int, drafter=None):
+    jobs = jobs_for(prompts, None, tokens, None)
+    sched = Scheduler(engine, drafter)
+    t0 = time.perf_counter()
+    turns = sched.run(jobs)
+    wall = time.perf_counter() - t0
+    decode_s = sum(t.ms for t in turns if t.phase == "decode") / 1e3
+    made = sum(len(j.made) for j in jobs)
+    return [j.made for j in jobs], {"wall_s": wall, "decode_steps": sum(t.phase == "decode" for t in turns),
+                                    "decode_s": decode_s, "tokens": made,
+                                    "decode_tokens_per_s": (made - len(jobs)) / decode_s if decode_s else None,
+                                    "acceptance": sched.spec.summary()["acceptance"]}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--executor", default="reference", choices=("reference", "sync", "threads"))
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=3, help="decode steps timed per row count (median)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens generated per request in part 2")
+    p.add_argument("--drafts", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    cfg = PRESETS[args.config].reduced(args.layers, args.experts, None)
+    ctx = args.prompt_len + max(args.tokens, args.steps * 6) + 8
+    if args.executor == "reference":
+        engine = ReferenceEngine(cfg, seed=0, max_batch=args.batch, max_context=ctx)
+    else:
+        engine = GraphEngine(cfg, Topology(args.tp, args.dp, args.tp * args.dp), seed=0, executor=args.executor,
+                             max_batch=args.batch, max_context=ctx)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    out = {"config": cfg.name, "layers": len(cfg.layers), "experts": cfg.n_routed_experts, "hidden": cfg.hidden_size,
+           "executor": args.executor, "topology": f"tp{args.tp}-dp{args.dp}", "batch": args.batch,
+           "prompt_len": args.prompt_len, "step_ms": {}, "generation": {}}
+    try:
+        base = None
+        for rows in (1, 2, 4, 6):
+            ms = step_ms(engine, prompts, rows, args.steps)
+            base = base or ms
+            out["step_ms"][rows] = {"ms": ms, "ratio": ms / base}
+            print(f"rows/request {rows}: {ms:9.1f} ms  x{ms / base:.2f}", flush=True)
+        truth, plain = generation(engine, prompts, args.tokens)
+        out["generation"]["plain"] = plain
+        print(f"plain: {plain}", flush=True)
+        for rate in (0.0, 0.5, 1.0):
+            made, row = generation(engine, prompts, args.tokens, forced(truth, prompts, rate, cfg.vocab_size))
+            if made != truth:
+                raise SystemExit(f"acceptance {rate}: tokens differ from plain generation")
+            out["generation"][f"accept_{int(rate * 100)}"] = row
+            print(f"forced acceptance {rate:.0%}: {row}", flush=True)
+    finally:
+        engine.close()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
