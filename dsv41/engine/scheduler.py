@@ -224,9 +224,13 @@ class Scheduler:
             try:
                 out = self.engine.decode([j.last for j in jobs], [j.rid for j in jobs], drafts)
             except PoolExhausted:
-                if len(jobs) == 1:
-                    self._fail(jobs[0], "the cache pools cannot hold this request", PoolExhausted)
-                    return Turn("decode", (time.perf_counter() - t0) * 1e3, jobs)
+                if len(jobs) == 1 or self.context:     # a drawn history cannot be recomputed from tokens
+                    self._fail(jobs.pop(), "the cache pools cannot hold this request" +
+                               (" (started at a drawn context: not recomputable)" if self.context else ""),
+                               PoolExhausted)
+                    if not jobs:
+                        return Turn("decode", (time.perf_counter() - t0) * 1e3, [])
+                    continue
                 self._preempt(jobs.pop())
                 continue
             except Exception as e:

@@ -43,3 +43,37 @@ def accept(ids: torch.Tensor, logprobs: list | None, fed: list[list[int]], propo
         raise ValueError(f"fed: {len(keep)} rows, the step has {num_tokens}")
     return Accepted(tokens, None if logprobs is None else lps,
                     None if all(keep) else torch.tensor(keep, dtype=torch.bool), torch.tensor(last, dtype=torch.long))
+
+
+def draw_from(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from FP64 probabilities with one uniform draw (the inverse CDF, as ``sampling``)."""
+    cdf = torch.cumsum(probs, 0)
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    return int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=torch.float64), right=True))
+
+
+def speculative_tokens(target: torch.Tensor, draft: torch.Tensor, drafts: list[int], generators) -> list[int]:
+    """The speculative-sampling rule for a drafter with its own distribution (Leviathan et al.,
+    Chen et al.): draft j, drawn from draft[j], is accepted with probability
+    min(1, target[j][x] / draft[j][x]); the first rejected one is replaced by a draw from the
+    normalized max(0, target[j] - draft[j]); when every draft is accepted, one more token is drawn
+    from target[k]. The tokens made follow the target distribution exactly whatever the drafts.
+
+    target: FP64 [k + 1, V] the model's (filtered) probabilities at each row; draft: FP64 [k, V];
+    generators(j): the torch.Generator of row j (the request's draw at that position), used for
+    the acceptance test and, at the row where it stops, the replacement draw."""
+    out = []
+    for j, x in enumerate(drafts):
+        g = generators(j)
+        p, q = float(target[j, x]), float(draft[j, x])
+        u = torch.rand((), generator=g, dtype=torch.float64).item()
+        if q > 0 and u * q < p:
+            out.append(x)
+            continue
+        residual = (target[j] - draft[j]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:         # p <= q everywhere but x: the target row itself
+            residual = target[j]
+        out.append(draw_from(residual / residual.sum(), g))
+        return out
+    out.append(draw_from(target[len(drafts)], generators(len(drafts))))
+    return out
