@@ -1,7 +1,7 @@
 """Speculative decoding on this machine: what a verify step costs per row, and what forced acceptance buys.
 
     python bench/speculative.py --config tiny
-    python bench/speculative.py --config flash --layers 3 --experts 8 --batch 1 --tokens 12
+    python bench/speculative.py --config flash --layers 3 --experts 8 --engram-rows 4099 --batch 1 --tokens 8
 
 Part 1, step cost: the engine prefills ``--batch`` prompts, then runs ``--steps`` decode steps with
 R = 1, 2, 4, 6 rows per request (the last token and R - 1 drafts, all rejected, so every step
@@ -84,6 +84,7 @@ def main():
     p.add_argument("--config", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--engram-rows", type=int, default=None, help="rows per Engram table (FLASH's are 12 GB)")
     p.add_argument("--executor", default="reference", choices=("reference", "sync", "threads"))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
@@ -94,7 +95,7 @@ def main():
     p.add_argument("--drafts", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(1)
-    cfg = PRESETS[args.config].reduced(args.layers, args.experts, None)
+    cfg = PRESETS[args.config].reduced(args.layers, args.experts, args.engram_rows)
     ctx = args.prompt_len + max(args.tokens, args.steps * 6) + 8
     if args.executor == "reference":
         engine = ReferenceEngine(cfg, seed=0, max_batch=args.batch, max_context=ctx)
