@@ -11,7 +11,7 @@ from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import TINY, Topology
-from dsv41.engine.drafters import NgramDrafter, OracleDrafter
+from dsv41.engine.drafters import Drafter, NgramDrafter, OracleDrafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.model import caches as cache
 from dsv41.ops.sampling import SamplingParams
@@ -303,3 +303,31 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert d.propose(J([1, 2, 1, 2, 1, 2]), 2) == [1, 2]                    # room caps the proposal
     with pytest.raises(ValueError, match="ngram_min"):
         NgramDrafter(3, 4, 2)
+
+
+class Distributed(Drafter):
+    """Drafts drawn from a fixed distribution (one seeded stream per request and position), given
+    with it: a sampling request accepts them by the speculative-sampling rule."""
+
+    def propose_batch(self, jobs, rooms):
+        q = torch.softmax(torch.arange(V, dtype=torch.float64) % 7, 0)
+        drafts, probs = [], []
+        for job, room in zip(jobs, rooms):
+            g = torch.Generator().manual_seed(len(job.prompt) * 1000 + len(job.made))
+            drafts.append([int(t) for t in torch.multinomial(q, room, replacement=True, generator=g)] if room else [])
+            probs.append(q.expand(room, V).clone() if room else None)
+        return drafts, probs
+
+
+def test_drafts_with_their_distribution_draw_the_same_tokens_on_every_layout():
+    ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
+    graph = GraphEngine(TINY, Topology(2, 2, 4), seed=0, executor="threads", max_batch=4, max_context=CTX)
+    try:
+        a = generate(ref, Distributed(), SAMPLED)
+        b = generate(graph, Distributed(), SAMPLED)
+        assert_same(a, b)
+        assert a[2].spec.drafted > 0
+        # greedy requests ignore the distribution: drafts accepted while they equal the argmax
+        assert_same(generate(ref), generate(ref, Distributed()))
+    finally:
+        graph.close()

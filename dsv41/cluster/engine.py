@@ -235,7 +235,8 @@ class GraphEngine(Engine):
         return tokens, sum(len(r) for r in renamed.values()), steps
 
     # ---- steps -------------------------------------------------------------------------------------
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None) -> StepOutput:
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
+             draft_probs=None) -> StepOutput:
         if not batch:
             raise ValueError("batch: must contain at least one request, got an empty batch")
         if not self._finalizer.alive:
@@ -247,7 +248,7 @@ class GraphEngine(Engine):
             try:
                 if lost is not None:
                     self._recover(*lost)
-                return self._step(batch, phase, self.recoveries[first:], sampling, drafts)
+                return self._step(batch, phase, self.recoveries[first:], sampling, drafts, draft_probs)
             except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
@@ -255,10 +256,12 @@ class GraphEngine(Engine):
             except NonFiniteError as e:      # the cards found NaN/Inf: the step is aborted; say which step
                 raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
 
-    def _step(self, batch, phase: str, recovered: list[dict], sampling=None, drafts=None) -> StepOutput:
+    def _step(self, batch, phase: str, recovered: list[dict], sampling=None, drafts=None,
+              draft_probs=None) -> StepOutput:
         per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         params: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         proposals: dict[int, list] = {g: [] for g in range(self.topo.dp)}
+        dists: dict[int, list] = {g: [] for g in range(self.topo.dp)}
         sampling = [None] * len(batch) if sampling is None else list(sampling)
         if len(sampling) != len(batch):
             raise ValueError(f"sampling: expected one entry per request ({len(batch)}), found {len(sampling)}")
@@ -278,14 +281,17 @@ class GraphEngine(Engine):
                 raise ValueError(f"request_ids: unknown or released request {rid}")
             placed.append((grp, len(per_group[grp])))
             per_group[grp].append((local, toks))
-        for (grp, _), sp, d in zip(placed, sampling, drafts):
+        draft_probs = [None] * len(batch) if draft_probs is None else list(draft_probs)
+        for (grp, _), sp, d, q in zip(placed, sampling, drafts, draft_probs):
             params[grp].append(sp)
             proposals[grp].append(d)
+            dists[grp].append(q)
         steps = {}
         try:
             for g, b in per_group.items():
                 if b:
-                    steps[g] = self.tables[g].plan(b, phase, params[g], proposals[g])
+                    steps[g] = self.tables[g].plan(b, phase, params[g], proposals[g],
+                                                   dists[g] if any(q is not None for q in dists[g]) else None)
             t0 = time.perf_counter()
             values, graph, plan = self._execute(steps, phase)
         except BaseException:                # nothing of the step stays on the host either

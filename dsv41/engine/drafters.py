@@ -8,7 +8,19 @@ NGRAM, ORACLE = "ngram", "oracle"
 DRAFTERS = (NGRAM,)               # what --speculative offers (the oracle is the tests')
 
 
-class NgramDrafter:
+class Drafter:
+    """Proposes tokens for a batch of jobs; ``propose`` one job's (a drafter that also gives the
+    distribution its drafts were drawn from overrides ``propose_batch``)."""
+
+    def propose(self, job, room: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_batch(self, jobs, rooms: list[int]) -> tuple[list[list[int]], list | None]:
+        """(drafts per job, their distributions [k, V] per job or None: drafts without one)."""
+        return [self.propose(j, r) if r > 0 else [] for j, r in zip(jobs, rooms)], None
+
+
+class NgramDrafter(Drafter):
     """Prompt lookup, as vLLM's ``ngram`` method: find the latest earlier occurrence of the
     request's last n tokens (the longest n from max_n down to min_n that occurs) and propose the
     tokens that followed it there."""
@@ -31,7 +43,7 @@ class NgramDrafter:
         return []
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposals supplied by the caller: ``propose(job, room)`` asks ``fn(job, room)`` (the tests
     force accept-all, accept-none and any prefix with it)."""
 

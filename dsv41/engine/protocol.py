@@ -67,10 +67,12 @@ class Engine(ABC):
     @abstractmethod
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str,
              sampling: list[SamplingParams | None] | None = None,
-             drafts: list[list[int]] | None = None) -> StepOutput:
+             drafts: list[list[int]] | None = None, draft_probs: list | None = None) -> StepOutput:
         """Run one step; it publishes what it made or leaves every request and cache as it was.
         sampling: per pair, the settings of the request it starts (None: greedy). drafts: per pair,
-        tokens proposed after its new tokens (decode only); the step keeps the accepted prefix."""
+        tokens proposed after its new tokens (decode only); the step keeps the accepted prefix.
+        draft_probs: per pair, the distribution each draft was drawn from (FP64 [k, vocab]) or
+        None: a sampling request then accepts by the speculative-sampling rule (``ops.verify``)."""
 
     @property
     @abstractmethod
@@ -123,13 +125,14 @@ class Engine(ABC):
             raise
 
     def decode(self, token_ids: list[int], request_ids: list[int] | None = None,
-               drafts: list[list[int]] | None = None) -> StepOutput:
+               drafts: list[list[int]] | None = None, draft_probs: list | None = None) -> StepOutput:
         """One token per request (default: every active request, in admission order), and the
         drafts to verify after it."""
         rids = self.active if request_ids is None else list(request_ids)
         if len(token_ids) != len(rids):
             raise ValueError(f"token_ids: expected one token per request ({len(rids)}), got {len(token_ids)}")
-        return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode", drafts=drafts)
+        return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode", drafts=drafts,
+                         draft_probs=draft_probs)
 
     def restart(self, history: list[int], state: Sequence) -> int:
         """A request again from its token history (a preempted one: its caches recomputed by

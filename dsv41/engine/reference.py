@@ -61,8 +61,9 @@ class ReferenceEngine(Engine):
     def sequence(self, rid: int):
         return self.table.requests[rid]
 
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None) -> StepOutput:
-        step = self.table.plan(batch, phase, sampling=sampling, drafts=drafts)
+    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
+             draft_probs=None) -> StepOutput:
+        step = self.table.plan(batch, phase, sampling=sampling, drafts=drafts, draft_probs=draft_probs)
         try:
             logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options), None, LOGITS)
             made = Head.tokens(logits, step)     # made before anything commits, as on a card

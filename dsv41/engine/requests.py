@@ -32,6 +32,7 @@ class StepInputs:
     logit_rows: torch.Tensor                # i32 [R] the rows whose token is made: each request's last
     #                                         row, and every row of a draft block (the row before each draft)
     draws: list[RowDraw] | None = None      # per logit row, for the head; None: every row greedy argmax
+    draft_probs: list | None = None         # per request, its drafts' distribution [k, vocab] or None
     reservation: Reservation = field(default_factory=Reservation, repr=False)
     new: dict = field(default_factory=dict, repr=False)    # rid -> Sequence started by this step
 
@@ -71,7 +72,8 @@ class RequestTable:
         return self.blocks.pools
 
     # ---- planning --------------------------------------------------------------------------
-    def check(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None):
+    def check(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
+              draft_probs=None):
         """Every input of a step checked, nothing changed: returns (sampling, drafts) one per pair."""
         cfg = self.cfg
         if not batch:
@@ -82,6 +84,14 @@ class RequestTable:
         drafts = [[] for _ in batch] if drafts is None else [list(d or []) for d in drafts]
         if len(drafts) != len(batch):
             raise ValueError(f"drafts: expected one list per request ({len(batch)}), found {len(drafts)}")
+        if draft_probs is not None:
+            if len(draft_probs) != len(batch):
+                raise ValueError(f"draft_probs: expected one entry per request ({len(batch)}), found {len(draft_probs)}")
+            for d, q in zip(drafts, draft_probs):
+                if q is not None and (not isinstance(q, torch.Tensor) or tuple(q.shape) != (len(d), cfg.vocab_size)
+                                      or not q.is_floating_point()):
+                    raise ValueError(f"draft_probs: each must be a float tensor [drafts, {cfg.vocab_size}], got "
+                                     f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         starting, seen = 0, set()
         for (rid, toks), d in zip(batch, drafts):
             if not toks:
@@ -116,12 +126,13 @@ class RequestTable:
         return sampling, drafts
 
     def plan(self, batch: list[tuple[int | None, list[int]]], phase: str,
-             sampling: list[SamplingParams | None] | None = None, drafts: list[list[int]] | None = None) -> StepInputs:
+             sampling: list[SamplingParams | None] | None = None, drafts: list[list[int]] | None = None,
+             draft_probs: list | None = None) -> StepInputs:
         """batch: (request id, new tokens) pairs; rid None starts a new request at position 0.
         sampling: per pair, the settings of a request it starts (None: greedy; ignored for running
         requests, which keep their own). drafts: per pair, proposed tokens to verify after its new
         tokens (decode only). Reserves the step's pages: ``commit`` or ``abort`` the result."""
-        sampling, drafts = self.check(batch, phase, sampling, drafts)
+        sampling, drafts = self.check(batch, phase, sampling, drafts, draft_probs)
         res = Reservation()
         new: dict[int, Sequence] = {}
         seqs = []
@@ -144,7 +155,9 @@ class RequestTable:
             raise
         fed = [list(t) + d for (_, t), d in zip(batch, drafts)]
         proposed = [len(d) for d in drafts]
-        return self._inputs(seqs, fed, proposed, phase, res, new)
+        step = self._inputs(seqs, fed, proposed, phase, res, new)
+        step.draft_probs = draft_probs
+        return step
 
     def _inputs(self, seqs: list[Sequence], fed, proposed, phase, res, new) -> StepInputs:
         cfg = self.cfg
@@ -168,7 +181,8 @@ class RequestTable:
         draws = [d for seq, f, k in zip(seqs, fed, proposed) for d in seq.row_draws(f, k + 1)]
         ids = torch.tensor([t for f in fed for t in f], dtype=torch.int64)
         return StepInputs([s.rid for s in seqs], ids, md, {k: torch.cat(v) for k, v in hashes.items()}, phase,
-                          fed, proposed, logit_rows, None if all(d.plain for d in draws) else draws, res, new)
+                          fed, proposed, logit_rows, None if all(d.plain for d in draws) else draws,
+                          reservation=res, new=new)
 
     def start_at(self, histories: list[list[int]]) -> Started:
         """Plan new requests that have already read these token histories: the pages a prefill of each

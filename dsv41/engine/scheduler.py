@@ -205,24 +205,23 @@ class Scheduler:
             return Turn("prefill", ms, admit, dict(self.engine.last_stats), out)
         return None
 
-    def _drafts(self, jobs: list[Job]) -> list[list[int]] | None:
+    def _drafts(self, jobs: list[Job]) -> tuple[list[list[int]] | None, list | None]:
+        """Each job's drafts (capped by its token limit, the context and the step's rows) and,
+        from a drafter that gives them, their distributions."""
         if self.drafter is None:
-            return None
+            return None, None
         cfg, cap = self.engine.cfg, self.engine.max_context
-        out = []
-        for job in jobs:
-            room = min(job.stops.limit - len(job.stops.tokens) - 1,          # past the limit: wasted rows
-                       cap - self.engine.sequence(job.rid).kv_len - 1,
-                       cfg.decode_rows_per_request - 1)
-            out.append(self.drafter.propose(job, max(0, room)) if room > 0 else [])
-        return out
+        rooms = [max(0, min(job.stops.limit - len(job.stops.tokens) - 1,      # past the limit: wasted rows
+                            cap - self.engine.sequence(job.rid).kv_len - 1,
+                            cfg.decode_rows_per_request - 1)) for job in jobs]
+        return self.drafter.propose_batch(jobs, rooms)
 
     def _decode(self, jobs: list[Job]) -> Turn:
         while True:
-            drafts = self._drafts(jobs)
+            drafts, probs = self._drafts(jobs)
             t0 = time.perf_counter()
             try:
-                out = self.engine.decode([j.last for j in jobs], [j.rid for j in jobs], drafts)
+                out = self.engine.decode([j.last for j in jobs], [j.rid for j in jobs], drafts, probs)
             except PoolExhausted:
                 if len(jobs) == 1 or self.context:     # a drawn history cannot be recomputed from tokens
                     self._fail(jobs.pop(), "the cache pools cannot hold this request" +

@@ -7,7 +7,7 @@ from dsv41.config import ModelConfig
 from dsv41.ops.lm_head import logits_shard, select_rows
 from dsv41.ops.norm import rms_norm
 from dsv41.ops.sampling import sample_rows
-from dsv41.ops.verify import Accepted, accept
+from dsv41.ops.verify import Accepted, accept, sampled_rule
 
 
 class Head:
@@ -43,6 +43,10 @@ class Head:
     def tokens(logits, step) -> Accepted:
         """The step's tokens from its logit rows: each row drawn with its request's settings
         (``ops.sampling.RowDraw``; draws None is greedy, the lowest id on ties), a verify step's
-        drafts accepted while they equal the rows' tokens (``ops.verify``)."""
+        drafts accepted while they equal the rows' tokens, or by the speculative-sampling rule when
+        the drafter gave their distribution and the request samples (``ops.verify``)."""
         ids, logprobs = sample_rows(logits, step.draws)
-        return accept(ids, logprobs, step.fed, step.proposed, step.md.num_tokens)
+        decided = None
+        if step.draft_probs is not None:
+            decided, logprobs = sampled_rule(logits, step.draws, step.fed, step.proposed, step.draft_probs, logprobs)
+        return accept(ids, logprobs, step.fed, step.proposed, step.md.num_tokens, decided)

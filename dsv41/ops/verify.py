@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.ops.sampling import RequestGenerator, apply_penalties, filtered_probs
+
 
 @dataclass(frozen=True)
 class Accepted:
@@ -23,17 +25,20 @@ class Accepted:
 
 
 def accept(ids: torch.Tensor, logprobs: list | None, fed: list[list[int]], proposed: list[int],
-           num_tokens: int) -> Accepted:
+           num_tokens: int, decided: list | None = None) -> Accepted:
     """ids: the token of every logit row (each request's k + 1 rows, in batch order); fed: the rows
-    each request fed, its k drafts last."""
+    each request fed, its k drafts last; decided: per request, the tokens the speculative-sampling
+    rule already made (``sampled_rule``), or None where drafts are accepted while they equal ids."""
     ids = ids.tolist()
     tokens, lps, keep, last = [], [], [], []
     at = 0
-    for f, k in zip(fed, proposed):
+    for i, (f, k) in enumerate(zip(fed, proposed)):
         made = ids[at:at + k + 1]
         n = 1
         while n <= k and made[n - 1] == f[len(f) - k + n - 1]:
             n += 1
+        if decided is not None and decided[i] is not None:
+            made, n = decided[i], len(decided[i])
         tokens.append(made[:n])
         lps.append(None if logprobs is None else logprobs[at:at + n])
         keep += [True] * (len(f) - k + n - 1) + [False] * (k - n + 1)
@@ -77,3 +82,34 @@ def speculative_tokens(target: torch.Tensor, draft: torch.Tensor, drafts: list[i
         return out
     out.append(draw_from(target[len(drafts)], generators(len(drafts))))
     return out
+
+
+def _generator(draw) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(RequestGenerator.draw_seed(draw.seed, draw.draw))
+
+
+def sampled_rule(logits: torch.Tensor, draws: list | None, fed: list[list[int]], proposed: list[int],
+                 draft_probs: list, logprobs: list | None):
+    """Per request with drafts, their distribution (draft_probs[i]: FP64 [k, V]) and temperature
+    > 0: the tokens ``speculative_tokens`` makes from its rows' filtered target probabilities, each
+    row with its own draw (the request's generator at that position); None elsewhere. Returns
+    (decided, logprobs) with each decided token's raw-row logprob entry where one was asked."""
+    decided, at = [], 0
+    lps = None if logprobs is None else list(logprobs)
+    for f, k, q in zip(fed, proposed, draft_probs):
+        rows = list(range(at, at + k + 1))
+        at += k + 1
+        if q is None or not k or draws is None or draws[rows[0]].params.greedy:
+            decided.append(None)
+            continue
+        target = torch.stack([filtered_probs(apply_penalties(logits[r], draws[r].params, draws[r].output_ids,
+                                                             draws[r].prompt_ids), draws[r].params) for r in rows])
+        toks = speculative_tokens(target, q.to(torch.float64), f[len(f) - k:], lambda j: _generator(draws[rows[j]]))
+        decided.append(toks)
+        if lps is not None and draws[rows[0]].params.logprob:
+            for j, t in enumerate(toks):
+                raw = torch.log_softmax(logits[rows[j]].to(torch.float32), dim=-1)
+                n = draws[rows[j]].params.logprobs
+                top = [(int(x), float(raw[x])) for x in torch.sort(raw, descending=True, stable=True).indices[:n]]
+                lps[rows[j]] = (float(raw[t]), top if n else [])
+    return decided, lps
