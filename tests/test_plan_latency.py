@@ -303,3 +303,17 @@ def test_expected_experts_hit_match_a_monte_carlo_of_top_k_routing(experts, k, e
     picks = torch.rand(trials, tokens, experts, generator=g).argsort(-1)[..., :k]     # k distinct per token
     hit = torch.zeros(trials, experts, dtype=torch.bool).scatter_(1, picks.reshape(trials, -1), True)
     assert frac * local == pytest.approx(hit[:, :local].sum(1).float().mean().item(), rel=0.03)
+
+
+def test_verify_rows_and_acceptance_set_the_tokens_per_step():
+    from dsv41.plan.step import expected_tokens
+    assert expected_tokens(0.0, 5) == 1 and expected_tokens(1.0, 5) == 6
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    topo = Topology(1, 1, 1)
+    plain, _ = run_plan(replace(TINY, decode_rows_per_request=1), topo, requests=2, context=64)
+    spec, _ = run_plan(TINY, topo, requests=2, context=64, acceptance=0.5)
+    assert plain["rows_per_dp_group"] == 2 and spec["rows_per_dp_group"] == 12
+    assert plain["tokens_per_request_step"] == 1 and spec["tokens_per_request_step"] == expected_tokens(0.5, 5)
+    # six rows cost more than one, and the tokens they make are counted
+    assert spec["predicted_step_us"] > plain["predicted_step_us"]
+    assert spec["tokens_per_s"] == spec["tokens_per_request_step"] * 2 * 1e6 / spec["predicted_step_us"]

@@ -38,6 +38,9 @@ def add_arguments(g):
     g.add_argument("--explain", action="store_true",
                    help="--plan: the predicted step with each fixed cost halved and doubled (which assumption the "
                         "answer rests on)")
+    g.add_argument("--acceptance", type=float, default=0.0, metavar="A",
+                   help="--plan, decode: the chance each draft row is accepted (the tokens a request makes per "
+                        "step: 1 + A + ... + A^drafts; default 0: one token per request per step)")
     g.add_argument("--dispatch", choices=DISPATCH, default="graph",
                    help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
 
@@ -47,6 +50,8 @@ APPLIES = {
     "--context": (ALL, ("does not go with --temperature > 0: drawn-history requests are greedy",
                         lambda a: a.plan or not a.context or not a.temperature)),
     "--dispatch": (frozenset({PLAN}), None),
+    "--acceptance": (frozenset({PLAN}), ("needs --graph decode (a prefill verifies no drafts)",
+                                         lambda a: a.graph == "decode")),
     "--explain": (frozenset({PLAN}), None),
     "--device-profile": (GRAPH_OR_PLAN, ("needs --trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
                                          lambda a: a.plan or tracing_on(a))),
@@ -76,7 +81,12 @@ def _device_profile(a, cfg):
         return str(e).removeprefix("--device-profile").lstrip(": ")
 
 
-CHECKS = [("--context", _context), ("--device-profile", _device_profile)]
+def _acceptance(a, cfg):
+    if not 0.0 <= a.acceptance <= 1.0:
+        return f"must be in [0, 1] (a probability per draft), got {a.acceptance:g}"
+
+
+CHECKS = [("--context", _context), ("--device-profile", _device_profile), ("--acceptance", _acceptance)]
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -97,10 +107,19 @@ def _parts(breakdown: dict) -> str:
     return ", ".join(f"{k} {breakdown[k] / 1e3:.2f}" for k in PARTS)
 
 
+def _per_step(report) -> str:
+    if not report["acceptance"]:
+        return "one token per request per step"
+    return (f"{report['tokens_per_request_step']:.2f} tokens per request per step at acceptance "
+            f"{report['acceptance']:g} per draft")
+
+
 def plan_report(args, cfg, topo, say) -> dict:
     context = cfg.max_position_embeddings if args.context is None else args.context
+    if args.draft_tokens is not None and args.graph == "decode":    # rows per request: 1 + drafts
+        cfg = dataclasses.replace(cfg, decode_rows_per_request=1 + args.draft_tokens)
     report, planned = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
-                               args.device_profile, args.dispatch)
+                               args.device_profile, args.dispatch, args.acceptance)
     if args.trace:     # files only when asked, as in every other mode
         report["traces"] = write_traces(args.trace, *record_planned(planned, cfg, topo))
     requests = report["requests_per_dp_group"]
@@ -116,7 +135,7 @@ def plan_report(args, cfg, topo, say) -> dict:
         f"(BF16 rows: {report['cache_per_request_bf16_bytes'] / GB:.3f} GB)")
     say(f"  {report['device_profile']} ({report['dispatch']} dispatch): predicted step "
         f"{report['predicted_step_us'] / 1e3:.2f} ms; {report['tokens_per_s_per_request']:.1f} tokens/s per request, "
-        f"{report['tokens_per_s']:.0f} tokens/s in total (one token per request per step)")
+        f"{report['tokens_per_s']:.0f} tokens/s in total ({_per_step(report)})")
     say(f"  roofline {report['roofline_step_us'] / 1e3:.2f} ms, memory-bound floor {report['floor_us'] / 1e3:.2f} ms")
     say(f"  critical path (ms): {_parts(report['breakdown_us'])}")
     if args.explain:

@@ -2,7 +2,7 @@
 their flags, their rows of the command line's rules (``dsv41.cli.args``) and the drafter they make."""
 from __future__ import annotations
 
-from dsv41.cli.modes import RUN
+from dsv41.cli.modes import PLAN, RUN
 from dsv41.engine.drafters import DRAFTERS, NGRAM, NgramDrafter
 
 DEFAULT_DRAFTS = 5           # the seed's decode ABI: 1 target row + 5 draft rows per sequence
@@ -14,8 +14,9 @@ def add_arguments(g):
                    help="decode steps verify drafted tokens and keep the accepted prefix (the same tokens as "
                         "without; fewer steps when drafts are accepted). ngram: prompt lookup in the request's "
                         "own tokens")
-    g.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFTS, metavar="K",
-                   help="with --speculative: tokens proposed per request and step (default: %(default)s)")
+    g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help=f"with --speculative: tokens proposed per request and step (default: {DEFAULT_DRAFTS}); "
+                        "--plan: draft rows per request of the decode step (0: plain decode; default: the config's)")
     g.add_argument("--ngram-min", type=int, default=DEFAULT_NGRAM[0], metavar="N",
                    help="with --speculative ngram: the shortest suffix matched (default: %(default)s)")
     g.add_argument("--ngram-max", type=int, default=DEFAULT_NGRAM[1], metavar="N",
@@ -31,16 +32,18 @@ NEEDS_NGRAM = ("needs --speculative ngram", lambda a: a.speculative == NGRAM)
 APPLIES = {
     "--speculative": (RUN, ("needs --graph decode (a prefill makes one token per request)",
                             lambda a: a.graph == "decode")),
-    "--draft-tokens": (RUN, NEEDS),
+    "--draft-tokens": (RUN | {PLAN}, ("needs --speculative (or --plan)", lambda a: _speculating(a) or a.plan)),
     "--ngram-min": (RUN, NEEDS_NGRAM),
     "--ngram-max": (RUN, NEEDS_NGRAM),
 }
 
 
 def _draft_tokens(a, cfg):
-    top = cfg.decode_rows_per_request - 1
-    if not 1 <= a.draft_tokens <= top:
-        return (f"must be in [1, {top}] (a decode step holds {cfg.decode_rows_per_request} rows per request "
+    if a.draft_tokens is None:
+        return None
+    top, low = cfg.decode_rows_per_request - 1, 0 if a.plan else 1
+    if not low <= a.draft_tokens <= top:
+        return (f"must be in [{low}, {top}] (a decode step holds {cfg.decode_rows_per_request} rows per request "
                 f"on {cfg.name}), got {a.draft_tokens}")
 
 
@@ -60,5 +63,5 @@ CHECKS = [("--draft-tokens", _draft_tokens), ("--ngram-min", _ngram_min), ("--ng
 def drafter(a):
     """The drafter the flags ask for (None: plain decode steps)."""
     if a.speculative == NGRAM:
-        return NgramDrafter(a.draft_tokens, a.ngram_min, a.ngram_max)
+        return NgramDrafter(DEFAULT_DRAFTS if a.draft_tokens is None else a.draft_tokens, a.ngram_min, a.ngram_max)
     return None

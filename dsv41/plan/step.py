@@ -137,9 +137,16 @@ class PlannedStep:
     imbalance: float = 1.0
 
 
+def expected_tokens(acceptance: float, drafts: int) -> float:
+    """Tokens a request makes per verify step of ``drafts`` drafts when each is accepted with
+    probability ``acceptance`` given the ones before it were: 1 + a + a^2 + ... + a^drafts."""
+    return sum(acceptance ** i for i in range(drafts + 1))
+
+
 def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiring: str = SHARDED,
-             device: str = "a5", dispatch: str = "graph") -> tuple[dict, PlannedStep]:
-    """The report of one step and the planned step itself."""
+             device: str = "a5", dispatch: str = "graph", acceptance: float = 0.0) -> tuple[dict, PlannedStep]:
+    """The report of one step and the planned step itself. A decode step's rows per request are
+    1 + drafts (``decode_rows_per_request``); acceptance: each draft's, for the tokens per step."""
     check(cfg, requests, context, phase)
     topo.check(cfg)
     dev = profile(device)
@@ -173,7 +180,8 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
                       "transient_peak_bytes": led.peak_transient, "total_bytes": led.peak_bytes, "by_kind": by_kind,
                       "breakdown_us": by_card[c]})
     step_us = latency.step_us
-    tokens_per_step = requests * (1 if phase == "decode" else rows)
+    made = expected_tokens(acceptance, rows - 1) if phase == "decode" else rows
+    tokens_per_step = requests * made
     report = {
         "cards": cards, "nodes": len(graph.nodes), "submissions": len(plan.submissions),
         "requests_per_dp_group": requests, "rows_per_dp_group": requests * rows, "context": context,
@@ -181,6 +189,8 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
         "cache_per_request_bf16_bytes": sum(request_cache_bytes(cfg, context, bf16=True).values()),
         "device_profile": dev.name, "dispatch": dispatch, "predicted_step_us": step_us, "moe_imbalance": imbalance,
         "breakdown_us": latency.on_path(),
+        "acceptance": acceptance if phase == "decode" else None,
+        "tokens_per_request_step": made,
         "tokens_per_s_per_request": (tokens_per_step / requests) * 1e6 / step_us,
         "tokens_per_s": tokens_per_step * topo.dp * 1e6 / step_us,
         "roofline_step_us": max(end for _, end in roofline.values()),
