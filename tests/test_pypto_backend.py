@@ -225,6 +225,29 @@ def test_real_sim_rms_norm_and_disk_cache(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("output*")) and (tmp_path / "run" / "log").is_dir()
 
 
+class LinearSim(FakeSim):
+    """µs = fill + per_entry * G: the shape sliced pricing assumes, so it must come back exact."""
+
+    def __call__(self, kernel, shapes, dtypes):
+        self.calls.append((kernel, dict(shapes), dict(dtypes)))
+        return 40.0 + 30.0 * shapes["G"]
+
+
+def test_grouped_experts_priced_from_two_slices_never_whole(tmp_path):
+    from dsv41.kernels.pypto.sim import SIM_SLICE
+    cache, fake = SimCache(tmp_path / "sim.json"), LinearSim()
+    shapes = dict(G=48, T=16, D=256, I=64)
+    assert sim_time_us("moe.experts", shapes, cache=cache, simulate=fake) == 40.0 + 30.0 * 48
+    asked = [(c[1]["G"], c[1]["group"]) for c in fake.calls]
+    assert asked == [(SIM_SLICE, 48), (2 * SIM_SLICE, 48)]  # slices only, tiled as the whole group
+    assert sim_time_us("moe.experts", shapes, cache=SimCache(tmp_path / "sim.json"), simulate=fake) == 1480.0
+    assert len(fake.calls) == 2  # the whole call's value is cached under its own key
+    # small groups are simulated whole; a failed slice makes the whole call None
+    sim_time_us("moe.experts", dict(shapes, G=2 * SIM_SLICE), cache=cache, simulate=fake)
+    assert fake.calls[-1][1]["G"] == 2 * SIM_SLICE and fake.calls[-1][1]["group"] == 0
+    assert sim_time_us("moe.shared", dict(shapes, G=32), cache=cache, simulate=FakeSim(fail=RuntimeError("x"))) is None
+
+
 @pytest.mark.slow
 def test_real_failure_leaves_caller_alive(tmp_path):
     cache = SimCache(tmp_path / "sim.json")

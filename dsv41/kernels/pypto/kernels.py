@@ -292,8 +292,9 @@ def moe_experts(s, d, run_mode):
     """
     G, T, D, I, LIM = s["G"], s["T"], s["D"], s["I"], float(s["limit"])
     ACT, W = DT[d["act"]], DT[d["w"]]
-    T1, K1, N1 = cube_tiles(T, D, I, concurrent=2 * G)   # g and u side by side
-    T2, K2, N2 = cube_tiles(T, I, D, concurrent=G)
+    GROUP = s["group"] or G  # the tiles of the whole grouped GEMM when this call is one slice of it
+    T1, K1, N1 = cube_tiles(T, D, I, concurrent=2 * GROUP)   # g and u side by side
+    T2, K2, N2 = cube_tiles(T, I, D, concurrent=GROUP)
     RT = vec_rows(T, I)
 
     @pypto.frontend.jit(runtime_options=_opts(run_mode))

@@ -48,6 +48,9 @@ class KernelSpec:
     defaults: dict = field(default_factory=dict)  # optional shape keys (eps, ...)
     dtypes: dict = field(default_factory=dict)    # dtype knobs and their defaults
     consts: Callable[[dict], dict] = lambda s: {}
+    # a batch dim whose whole call is too big to simulate in one worker (sim.sliced_time_us prices it
+    # from two slices); "" for none. The spec then has a "group" shape key: the slices' tile choice.
+    sliced: str = ""
     rev: int = 1  # bump when a layout here changes; pypto_kernels code changes re-key by themselves
 
     def __call__(self, shapes: dict, dtypes: dict | None = None, run_mode: str = "sim"):
@@ -254,7 +257,7 @@ def _experts_spec(name: str) -> KernelSpec:
     return KernelSpec(name, "moe_experts", ("G", "T", "D", "I"), _experts_layout, _experts_golden,
                       dict(G=2, T=16, D=128, I=64),
                       lambda i: dict(G=i["x"].shape[0], T=i["x"].shape[1], D=i["x"].shape[2], I=i["w1"].shape[1]),
-                      defaults={"limit": 10.0}, dtypes={"act": "bf16", "w": "bf16"})
+                      defaults={"limit": 10.0, "group": 0}, dtypes={"act": "bf16", "w": "bf16"}, sliced="G")
 
 
 def _mm_spec(name: str, example: dict) -> KernelSpec:

@@ -20,9 +20,11 @@ import psutil
 from dsv41.kernels.pypto import env as pypto_env
 
 CYCLES_PER_US = 1800.0  # what pypto's own swimlane script divides by (--time_convert_denominator)
-# pypto 0.2.0 keeps every call's compiled kernel loaded (~45 MB a pass-verify call on this CPU), so a
-# worker past this RSS retires after its reply and the next call starts a fresh one
-MAX_RSS_BYTES = int(float(os.environ.get("DSV41_PYPTO_WORKER_MAX_GB", 3)) * 2 ** 30)
+# pypto 0.2.0 keeps every call's compiled kernel loaded (~45 MB a pass-verify call on this CPU, most
+# of a SIM call's peak), so a worker past this RSS retires after its reply and the next call starts a
+# fresh one. A call adds up to ~2.3 GB at the FLASH shapes (lm_head at 192 rows, a 6-expert slice),
+# so starting every call below 1.5 GB keeps a worker under 4 GB.
+MAX_RSS_BYTES = int(float(os.environ.get("DSV41_PYPTO_WORKER_MAX_GB", 1.5)) * 2 ** 30)
 
 
 def e2e_us(outdir: Path) -> tuple[float, int]:
