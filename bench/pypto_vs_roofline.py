@@ -10,7 +10,8 @@ the roofline from the node's signature on --device-profile (default a2: pypto 0.
 Ascend 910B), the pypto time from the node kind's record for the node's actual row count (cached
 in ~/.cache/dsv41/pypto). ``--step`` adds every node of the step: per card, the summed simulated µs
 of the nodes that have a pypto form against the summed roofline of the same nodes, busiest card
-first (the card's device time if it ran its pypto submissions back to back).
+first (the card's device time if it ran its pypto submissions back to back). Each row names the
+chip pypto simulated (``arch``: a2 only in pypto 0.2.0, docs/pypto.md).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from dsv41.graph.build import REPLICATED, build
 from dsv41.kernels.cost import nbytes
 from dsv41.kernels.device_time import node_sim_us
 from dsv41.kernels.kinds import KINDS
+from dsv41.kernels.pypto.env import SIM_ARCH
 from dsv41.plan.step import CardContext, step_inputs
 from dsv41.plan.roofline import node_us, profile
 from dsv41.plan.sizing import card_weights, node_cost
@@ -78,7 +80,7 @@ def main():
         roof = node_us(node_cost(held[node.card], sig, args, nbytes(sig.out)), dev)
         sim = node_sim_us(ctx[node.card], node, args)
         if key in NODES:
-            rows.append({"node": key, "kernel": node.kernel, "rows": requests * per_request,
+            rows.append({"node": key, "kernel": node.kernel, "rows": requests * per_request, "arch": SIM_ARCH,
                          "sim_us": None if sim is None else round(sim, 2), "roofline_us": round(roof, 2),
                          "ratio": None if sim is None or roof <= 0 else round(sim / roof, 1)})
         if a.step:

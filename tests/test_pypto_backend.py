@@ -269,6 +269,8 @@ def test_worker_past_its_rss_cap_retires_after_replying(monkeypatch):
         assert first["ok"] and first["us"] > 0 and "retire" not in first and w._proc is None
         second = w.run("norm.rms", shapes, dtypes)
         assert second["ok"] and w._proc is None
+        # the started worker names the chip it simulates: the arch the bench writes beside each row
+        assert pypto_env.NPU_ARCHS[w.arch] == pypto_env.SIM_ARCH
     finally:
         w.close()
 

@@ -14,6 +14,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 NPU_HINT = "pypto-npu needs an Ascend NPU and torch_npu"
+# The chip pypto 0.2.0's SIM models: Ascend 910B (DAV_2201), read from the platform file beside its
+# library; arch 3510 (A5) can only be forced by patching that file, and its cost model then prices
+# FP8 as BF16 and refuses the MX cube path (docs/pypto.md, "Arch 3510").
+SIM_ARCH = "a2"
+NPU_ARCHS = {"DAV_2201": "a2", "DAV_3510": "a5"}  # pypto.platform.npuarch -> device profile name
 
 
 def run_dir(path: str | os.PathLike | None = None) -> Path:

@@ -93,6 +93,7 @@ class PyptoWorker:
         self.mode, self.root = mode, pypto_env.run_dir(root)
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self.arch: str | None = None  # pypto.platform.npuarch as the last started worker reported it
         self._lock = threading.Lock()
 
     def _start(self) -> dict | None:
@@ -111,7 +112,10 @@ class PyptoWorker:
         theirs.close()
         self._conn = Connection(ours.detach())
         reply = self._recv(START_TIMEOUT_S)
-        return None if reply.get("ready") else reply
+        if not reply.get("ready"):
+            return reply
+        self.arch = reply.get("arch")
+        return None
 
     def _recv(self, timeout: float) -> dict:
         try:

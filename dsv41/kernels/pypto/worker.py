@@ -162,7 +162,8 @@ def main(conn, mode: str, root: str) -> None:
     except BaseException as e:  # report why the worker cannot start instead of dying silently
         send({"ok": False, "error": f"worker start failed: {_first_line(e)}"})
         return
-    send({"ok": True, "ready": True, "pid": os.getpid()})
+    import pypto
+    send({"ok": True, "ready": True, "pid": os.getpid(), "arch": str(pypto.platform.npuarch)})
     while True:
         try:
             msg = pickle.loads(conn.recv_bytes())
