@@ -246,6 +246,8 @@ def test_grouped_experts_priced_from_two_slices_never_whole(tmp_path):
     sim_time_us("moe.experts", dict(shapes, G=2 * SIM_SLICE), cache=cache, simulate=fake)
     assert fake.calls[-1][1]["G"] == 2 * SIM_SLICE and fake.calls[-1][1]["group"] == 0
     assert sim_time_us("moe.shared", dict(shapes, G=32), cache=cache, simulate=FakeSim(fail=RuntimeError("x"))) is None
+    sim_time_us("moe.experts", shapes, mode="npu", cache=cache, simulate=fake)  # a device measures it whole
+    assert fake.calls[-1][1]["G"] == 48
 
 
 @pytest.mark.slow
