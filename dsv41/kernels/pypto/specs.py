@@ -24,7 +24,8 @@ from dsv41.ops.projections import dense_linear
 from dsv41.ops.quant import round_bf16
 from dsv41.ops.rope import apply_rope, gather_rope_rows
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32,
+                "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,10 @@ class KernelSpec:
                 out[a.name] = p
             elif a.name in ("pre", "post", "comb", "weight", "probs"):
                 out[a.name] = torch.rand(a.shape, generator=g)
+            elif a.dtype == "int8":
+                out[a.name] = torch.randint(-127, 128, a.shape, generator=g, dtype=torch.int8)
+            elif a.name in ("s1", "s2", "s3"):  # per-channel weight scales, the size of absmax / 127
+                out[a.name] = torch.rand(a.shape, generator=g) * 0.02 + 1e-3
             else:
                 x = torch.randn(a.shape, generator=g)
                 out[a.name] = x.to(TORCH_DTYPES[a.dtype]) if a.dtype != "fp32" else round_bf16(x)
@@ -238,26 +243,35 @@ def _pv_golden(i, s, d):
 
 def _experts_layout(s, d):
     g, t, dd, n = s["G"], s["T"], s["D"], s["I"]
-    return [Arg("x", (g, t, dd), d["act"], "in"), Arg("w1", (g, n, dd), d["w"], "in"),
-            Arg("w3", (g, n, dd), d["w"], "in"), Arg("w2", (g, dd, n), d["w"], "in"),
+    return [Arg("x", (g, t, dd), d["act"], "in"), Arg("w1", (g, n, dd), "int8", "in"),
+            Arg("w3", (g, n, dd), "int8", "in"), Arg("w2", (g, dd, n), "int8", "in"),
+            Arg("s1", (g, 1, n), "fp32", "in"), Arg("s3", (g, 1, n), "fp32", "in"), Arg("s2", (g, 1, dd), "fp32", "in"),
             Arg("weight", (g, t, 1), "fp32", "in"), Arg("y", (g, t, dd), d["act"], "out")]
 
 
+def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT8 per row by absmax (round half to even), as the kernel's vector side does: (q as int64, scale)."""
+    scale = v.abs().amax(-1, keepdim=True) * (1.0 / 127) + 1e-30
+    return torch.round(v / scale).long(), scale
+
+
 def _experts_golden(i, s, d):
-    """dsv41.ops.moe.expert with dense BF16 linears in place of the MXFP8 ones."""
+    """dsv41.ops.moe.expert's SwiGLU with W8A8 linears (INT8 weights and per-channel scales, INT8
+    activations per row) in place of the MX ones; exact integer products like the cube's INT32."""
     lim = s["limit"]
-    x = i["x"].float()
-    g = round_bf16(x @ i["w1"].float().transpose(1, 2)).clamp(max=lim)
-    u = round_bf16(x @ i["w3"].float().transpose(1, 2)).clamp(-lim, lim)
-    h = F.silu(g) * u * i["weight"]
-    return {"y": _out(round_bf16(h) @ i["w2"].float().transpose(1, 2), d["act"])}
+    xq, xs = _quant_rows(i["x"].float())
+    g = (torch.matmul(xq, i["w1"].long().transpose(1, 2)).float() * xs * i["s1"]).clamp(max=lim)
+    u = (torch.matmul(xq, i["w3"].long().transpose(1, 2)).float() * xs * i["s3"]).clamp(-lim, lim)
+    h = g * torch.sigmoid(g) * u * i["weight"]
+    hq, hs = _quant_rows(h)
+    return {"y": _out(torch.matmul(hq, i["w2"].long().transpose(1, 2)).float() * hs * i["s2"], d["act"])}
 
 
 def _experts_spec(name: str) -> KernelSpec:
     return KernelSpec(name, "moe_experts", ("G", "T", "D", "I"), _experts_layout, _experts_golden,
                       dict(G=2, T=16, D=128, I=64),
                       lambda i: dict(G=i["x"].shape[0], T=i["x"].shape[1], D=i["x"].shape[2], I=i["w1"].shape[1]),
-                      defaults={"limit": 10.0, "group": 0}, dtypes={"act": "bf16", "w": "bf16"}, sliced="G")
+                      defaults={"limit": 10.0, "group": 0}, dtypes={"act": "bf16"}, sliced="G", rev=2)
 
 
 def _mm_spec(name: str, example: dict) -> KernelSpec:
