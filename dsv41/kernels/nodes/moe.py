@@ -186,7 +186,7 @@ RECORDS = (
              comm="all_to_all", routed=True, latency="matmul", pypto_parts=experts_parts, sim_rows=experts_rows,
              no_pypto="FP4 experts simulated as W8A8 (INT8)"),
     NodeKind("moe.shared", shared, shared_cost, launches=(5, "quant + GEMM w1/w3, SiLU-and-mul, quant + GEMM w2"),
-             comm="none", latency="matmul", no_pypto="MX linears simulated as W8A8 (INT8)",
+             comm="none", latency="matmul", no_pypto="MX linears simulated as BF16",
              pypto_parts=lambda cfg, rows, tp, ep: [("moe.shared", dict(
                  G=1, T=rows, D=cfg.hidden_size, I=cfg.moe_intermediate_size * cfg.n_shared_experts))],
              sim_rows=lambda st, node, args: args[0][0].shape[0]),

@@ -286,44 +286,70 @@ def attn_pv_tile(s, d, run_mode):
 
 
 def moe_experts(s, d, run_mode):
-    """G SwiGLU experts as batched W8A8 matmuls over padded rows [G, T, D] (a grouped GEMM).
+    """G SwiGLU experts as batched matmuls over padded rows [G, T, D] (a grouped GEMM).
 
-    The a2 stand-in for the seed's MXFP8 cube path with dynamically quantized activations (pypto
-    0.2.0 runs no FP8/FP4 matmul on a2, docs/pypto.md): INT8 weights, one byte each like FP8, with a
-    scale per output channel; each activation row quantized to INT8 by its absmax on the vector
-    cores; INT8 x INT8 -> INT32 on the cube; dequantized in FP32. g = min(x w1^T, limit),
-    u = clip(x w3^T, +-limit), h = silu(g) u weight, y = bf16(h w2^T). Against BF16 weights at the
-    FLASH slice shapes (3 and 6 of 48 experts, [16,5120]x[5120,2304]): 107.4 / 158.4 us against
-    123.3 / 215.5, half the weight bytes through the cube panels.
+    g = min(x w1^T, limit), u = clip(x w3^T, +-limit), h = silu(g) u weight, y = bf16(h w2^T).
+    ``w`` int8 (routed experts): W8A8, the a2 stand-in for the seed's MXFP8 cube path with
+    dynamically quantized activations (pypto 0.2.0 runs no FP8/FP4 matmul on a2, docs/pypto.md):
+    INT8 weights, one byte each like FP8, with a scale per output channel; each activation row
+    quantized to INT8 by its absmax on the vector cores; INT8 x INT8 -> INT32 on the cube; FP32
+    dequant. At the FLASH slices (3 and 6 of 48 experts, [16,5120]x[5120,2304]) 107.4 / 158.4 us
+    against 123.3 / 215.5 in BF16: half the weight bytes through the cube panels.
+    ``w`` bf16 (shared expert): BF16 weights, bf16(x w1^T) and bf16(x w3^T). W8A8 lost there (48 rows,
+    one expert: 74.3 us against 61.7): the two quantize stages and the dequant cost more than the
+    halved weight bytes save.
     """
     G, T, D, I, LIM = s["G"], s["T"], s["D"], s["I"], float(s["limit"])
-    ACT, I8, F32 = DT[d["act"]], pypto.DT_INT8, pypto.DT_FP32
+    ACT, F32 = DT[d["act"]], pypto.DT_FP32
     GROUP = s["group"] or G  # the tiles of the whole grouped GEMM when this call is one slice of it
-    T1, K1, N1 = cube_tiles(T, D, I, elem_bytes=1, concurrent=2 * GROUP)   # g and u side by side
-    T2, K2, N2 = cube_tiles(T, I, D, elem_bytes=1, concurrent=GROUP)
+    EB = 1 if d["w"] == "int8" else 2
+    T1, K1, N1 = cube_tiles(T, D, I, elem_bytes=EB, concurrent=2 * GROUP)   # g and u side by side
+    T2, K2, N2 = cube_tiles(T, I, D, elem_bytes=EB, concurrent=GROUP)
     RT, RX = vec_rows(T, I), vec_rows(T, D)
     Q = 1.0 / 127
 
+    if d["w"] == "int8":
+        I8 = pypto.DT_INT8
+
+        @pypto.frontend.jit(runtime_options=_opts(run_mode))
+        def experts_w8a8(x: pypto.Tensor((G, T, D), ACT), w1: pypto.Tensor((G, I, D), I8),
+                         w3: pypto.Tensor((G, I, D), I8), w2: pypto.Tensor((G, D, I), I8),
+                         s1: pypto.Tensor((G, 1, I), F32), s3: pypto.Tensor((G, 1, I), F32),
+                         s2: pypto.Tensor((G, 1, D), F32), weight: pypto.Tensor((G, T, 1), F32),
+                         y: pypto.Tensor((G, T, D), ACT)):
+            pypto.set_vec_tile_shapes(1, RX, D)
+            xf = pypto.cast(x, F32)
+            xs = pypto.add(pypto.mul(pypto.amax(pypto.abs(xf), -1, keepdim=True), Q), 1e-30)
+            xq = pypto.cast(pypto.cast(pypto.div(xf, xs), pypto.DT_INT32, pypto.CastMode.CAST_RINT), I8)
+            pypto.set_cube_tile_shapes(T1, K1, N1)
+            g = pypto.matmul(xq, w1, pypto.DT_INT32, b_trans=True)
+            u = pypto.matmul(xq, w3, pypto.DT_INT32, b_trans=True)
+            pypto.set_vec_tile_shapes(1, RT, I)
+            gf = pypto.minimum(pypto.mul(pypto.mul(pypto.cast(g, F32), xs), s1), LIM)
+            uf = pypto.minimum(pypto.maximum(pypto.mul(pypto.mul(pypto.cast(u, F32), xs), s3), -LIM), LIM)
+            h = pypto.mul(pypto.mul(pypto.mul(gf, pypto.sigmoid(gf)), uf), weight)
+            hs = pypto.add(pypto.mul(pypto.amax(pypto.abs(h), -1, keepdim=True), Q), 1e-30)
+            hq = pypto.cast(pypto.cast(pypto.div(h, hs), pypto.DT_INT32, pypto.CastMode.CAST_RINT), I8)
+            pypto.set_cube_tile_shapes(T2, K2, N2)
+            yi = pypto.matmul(hq, w2, pypto.DT_INT32, b_trans=True)
+            pypto.set_vec_tile_shapes(1, RX, D)
+            y[:] = pypto.cast(pypto.mul(pypto.mul(pypto.cast(yi, F32), hs), s2), ACT)
+        return experts_w8a8
+
+    W = DT[d["w"]]
+
     @pypto.frontend.jit(runtime_options=_opts(run_mode))
-    def experts_k(x: pypto.Tensor((G, T, D), ACT), w1: pypto.Tensor((G, I, D), I8), w3: pypto.Tensor((G, I, D), I8),
-                  w2: pypto.Tensor((G, D, I), I8), s1: pypto.Tensor((G, 1, I), F32), s3: pypto.Tensor((G, 1, I), F32),
-                  s2: pypto.Tensor((G, 1, D), F32), weight: pypto.Tensor((G, T, 1), F32),
+    def experts_k(x: pypto.Tensor((G, T, D), ACT), w1: pypto.Tensor((G, I, D), W), w3: pypto.Tensor((G, I, D), W),
+                  w2: pypto.Tensor((G, D, I), W), weight: pypto.Tensor((G, T, 1), F32),
                   y: pypto.Tensor((G, T, D), ACT)):
-        pypto.set_vec_tile_shapes(1, RX, D)
-        xf = pypto.cast(x, F32)
-        xs = pypto.add(pypto.mul(pypto.amax(pypto.abs(xf), -1, keepdim=True), Q), 1e-30)
-        xq = pypto.cast(pypto.cast(pypto.div(xf, xs), pypto.DT_INT32, pypto.CastMode.CAST_RINT), I8)
         pypto.set_cube_tile_shapes(T1, K1, N1)
-        g = pypto.matmul(xq, w1, pypto.DT_INT32, b_trans=True)
-        u = pypto.matmul(xq, w3, pypto.DT_INT32, b_trans=True)
+        g = pypto.matmul(x, w1, pypto.DT_BF16, b_trans=True)
+        u = pypto.matmul(x, w3, pypto.DT_BF16, b_trans=True)
         pypto.set_vec_tile_shapes(1, RT, I)
-        gf = pypto.minimum(pypto.mul(pypto.mul(pypto.cast(g, F32), xs), s1), LIM)
-        uf = pypto.minimum(pypto.maximum(pypto.mul(pypto.mul(pypto.cast(u, F32), xs), s3), -LIM), LIM)
+        gf = pypto.minimum(pypto.cast(g, F32), LIM)
+        uf = pypto.minimum(pypto.maximum(pypto.cast(u, F32), -LIM), LIM)
         h = pypto.mul(pypto.mul(pypto.mul(gf, pypto.sigmoid(gf)), uf), weight)
-        hs = pypto.add(pypto.mul(pypto.amax(pypto.abs(h), -1, keepdim=True), Q), 1e-30)
-        hq = pypto.cast(pypto.cast(pypto.div(h, hs), pypto.DT_INT32, pypto.CastMode.CAST_RINT), I8)
+        hb = pypto.cast(h, pypto.DT_BF16)
         pypto.set_cube_tile_shapes(T2, K2, N2)
-        yi = pypto.matmul(hq, w2, pypto.DT_INT32, b_trans=True)
-        pypto.set_vec_tile_shapes(1, RX, D)
-        y[:] = pypto.cast(pypto.mul(pypto.mul(pypto.cast(yi, F32), hs), s2), ACT)
+        y[:] = pypto.matmul(hb, w2, ACT, b_trans=True)
     return experts_k

@@ -242,11 +242,12 @@ def _pv_golden(i, s, d):
 
 
 def _experts_layout(s, d):
-    g, t, dd, n = s["G"], s["T"], s["D"], s["I"]
-    return [Arg("x", (g, t, dd), d["act"], "in"), Arg("w1", (g, n, dd), "int8", "in"),
-            Arg("w3", (g, n, dd), "int8", "in"), Arg("w2", (g, dd, n), "int8", "in"),
-            Arg("s1", (g, 1, n), "fp32", "in"), Arg("s3", (g, 1, n), "fp32", "in"), Arg("s2", (g, 1, dd), "fp32", "in"),
-            Arg("weight", (g, t, 1), "fp32", "in"), Arg("y", (g, t, dd), d["act"], "out")]
+    g, t, dd, n, w = s["G"], s["T"], s["D"], s["I"], d["w"]
+    scales = [Arg("s1", (g, 1, n), "fp32", "in"), Arg("s3", (g, 1, n), "fp32", "in"),
+              Arg("s2", (g, 1, dd), "fp32", "in")] if w == "int8" else []
+    return [Arg("x", (g, t, dd), d["act"], "in"), Arg("w1", (g, n, dd), w, "in"), Arg("w3", (g, n, dd), w, "in"),
+            Arg("w2", (g, dd, n), w, "in"), *scales, Arg("weight", (g, t, 1), "fp32", "in"),
+            Arg("y", (g, t, dd), d["act"], "out")]
 
 
 def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,9 +257,16 @@ def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _experts_golden(i, s, d):
-    """dsv41.ops.moe.expert's SwiGLU with W8A8 linears (INT8 weights and per-channel scales, INT8
-    activations per row) in place of the MX ones; exact integer products like the cube's INT32."""
+    """dsv41.ops.moe.expert's SwiGLU with dense linears in place of the MX ones: BF16 weights, or W8A8
+    (INT8 weights and per-channel scales, INT8 activations per row; exact integer products like the
+    cube's INT32)."""
     lim = s["limit"]
+    if d["w"] != "int8":
+        x = i["x"].float()
+        g = round_bf16(x @ i["w1"].float().transpose(1, 2)).clamp(max=lim)
+        u = round_bf16(x @ i["w3"].float().transpose(1, 2)).clamp(-lim, lim)
+        h = F.silu(g) * u * i["weight"]
+        return {"y": _out(round_bf16(h) @ i["w2"].float().transpose(1, 2), d["act"])}
     xq, xs = _quant_rows(i["x"].float())
     g = (torch.matmul(xq, i["w1"].long().transpose(1, 2)).float() * xs * i["s1"]).clamp(max=lim)
     u = (torch.matmul(xq, i["w3"].long().transpose(1, 2)).float() * xs * i["s3"]).clamp(-lim, lim)
@@ -267,11 +275,11 @@ def _experts_golden(i, s, d):
     return {"y": _out(torch.matmul(hq, i["w2"].long().transpose(1, 2)).float() * hs * i["s2"], d["act"])}
 
 
-def _experts_spec(name: str) -> KernelSpec:
+def _experts_spec(name: str, weights: str) -> KernelSpec:
     return KernelSpec(name, "moe_experts", ("G", "T", "D", "I"), _experts_layout, _experts_golden,
                       dict(G=2, T=16, D=128, I=64),
                       lambda i: dict(G=i["x"].shape[0], T=i["x"].shape[1], D=i["x"].shape[2], I=i["w1"].shape[1]),
-                      defaults={"limit": 10.0, "group": 0}, dtypes={"act": "bf16"}, sliced="G", rev=2)
+                      defaults={"limit": 10.0, "group": 0}, dtypes={"act": "bf16", "w": weights}, sliced="G", rev=2)
 
 
 def _mm_spec(name: str, example: dict) -> KernelSpec:
@@ -315,8 +323,8 @@ def _specs() -> dict[str, KernelSpec]:
                    lambda i: dict(T=i["probs"].shape[0], H=i["probs"].shape[1], K=i["probs"].shape[2],
                                   d=i["values"].shape[2]),
                    dtypes={"act": "bf16"}),
-        _experts_spec("moe.experts"),
-        _experts_spec("moe.shared"),
+        _experts_spec("moe.experts", "int8"),   # W8A8: see kernels.moe_experts
+        _experts_spec("moe.shared", "bf16"),
     ]
     mm_example = dict(M=48, K=256, N=128)
     for name in ("matmul", "attn.q_proj", "attn.kv_proj", "attn.o_proj", "lm_head.shard"):
