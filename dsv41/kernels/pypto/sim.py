@@ -261,7 +261,7 @@ def sim_time_us(kernel: str, shapes: dict, dtypes=None, *, mode: str = "sim", ca
 
 # Batch entries per slice when a sliced kernel is priced from slices (see sliced_time_us). pypto's
 # compile and cost model take memory per simulated task: FLASH moe.experts [16,5120]x[5120,2304]
-# per expert took 1.0 / 1.3 / 1.6 / 2.2 / 3.0 GB of worker RSS at 2 / 3 / 4 / 6 / 8 experts and the
+# per expert (BF16 weights) took 1.0 / 1.3 / 1.6 / 2.2 / 3.0 GB of worker RSS at 2 / 3 / 4 / 6 / 8 experts and the
 # whole 48 passed 7 GB (16 GB in issue 32), so slices of 3 and 6 keep a worker below 4 GB.
 SIM_SLICE = 3
 
@@ -271,8 +271,8 @@ def sliced_time_us(kernel: str, s: dict, d: dict, key: str, *, mode: str, cache:
     """A sliced kernel's µs from two simulated slices of g and 2g batch entries, same tiles as the whole:
     t(g) + (n - g) / g * (t(2g) - t(g)), one pipeline fill and drain plus the per-g cost of the rest.
 
-    FLASH moe.experts, 48 experts of [16,5120]x[5120,2304]: 123.3 and 215.5 µs at 3 and 6 give
-    1506.6 against 1439.5 simulated whole (+4.7%). Cached under the whole call's key.
+    FLASH moe.experts with BF16 weights, 48 experts of [16,5120]x[5120,2304]: 123.3 and 215.5 µs at
+    3 and 6 give 1506.6 against 1439.5 simulated whole (+4.7%). Cached under the whole call's key.
     """
     dim = PYPTO_KERNELS[kernel].sliced
     g, n = SIM_SLICE, s[dim]
