@@ -225,6 +225,26 @@ def test_real_sim_rms_norm_and_disk_cache(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("output*")) and (tmp_path / "run" / "log").is_dir()
 
 
+def test_w8a8_expert_golden_is_the_swiglu_of_its_dequantized_weights():
+    """The routed experts' W8A8 golden against float64 SwiGLU on w_int8 * scale with unquantized
+    activations. They differ by the two per-row INT8 activation roundings (uniform within +-absmax/254
+    per element: absmax / (254 rms sqrt 3), 1-2% of a row's norm for these randn / SwiGLU rows, per
+    stage) and the BF16 output, so within 5% per row; a wrong scale axis or transpose is O(1) off."""
+    spec = PYPTO_KERNELS["moe.experts"]
+    shapes = dict(G=3, T=8, D=256, I=64)
+    i = spec.random_inputs(shapes, seed=5)
+    i["weight"] = torch.ones_like(i["weight"])
+    out = spec.golden(i, *spec.normalize(shapes))["y"].double()
+    x = i["x"].double()
+    w1, w3, w2 = (i[k].double() * i[s].double().transpose(1, 2) for k, s in (("w1", "s1"), ("w3", "s3"), ("w2", "s2")))
+    g = (x @ w1.transpose(1, 2)).clamp(max=10.0)
+    u = (x @ w3.transpose(1, 2)).clamp(-10.0, 10.0)
+    ref = (g * torch.sigmoid(g) * u) @ w2.transpose(1, 2)
+    rel = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max() < 0.05, rel.max()
+    assert spec.dtypes["w"] == "int8" and PYPTO_KERNELS["moe.shared"].dtypes["w"] == "bf16"
+
+
 class LinearSim(FakeSim):
     """µs = fill + per_entry * G: the shape sliced pricing assumes, so it must come back exact."""
 
