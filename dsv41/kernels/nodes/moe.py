@@ -139,7 +139,7 @@ def experts_rows(st, node, args):
 
 def experts_parts(cfg, rows, tp, ep):
     """One grouped GEMM over the card's experts at the mean routed rows per expert (every card of the
-    EP world, ``ep // tp`` DP groups, routes its rows), padded to 16; FP4 experts simulated as BF16."""
+    EP world, ``ep // tp`` DP groups, routes its rows), padded to 16; FP4 experts simulated as W8A8 (INT8)."""
     routed = rows * (ep // tp) * cfg.num_experts_per_tok
     per_expert = -(-max(1, -(-routed // cfg.n_routed_experts)) // 16) * 16
     return [("moe.experts", dict(G=cfg.n_routed_experts // ep, T=per_expert, D=cfg.hidden_size,
