@@ -7,12 +7,9 @@ already happened) and the host request tables are left as they were.
 
 Every engine has an id; its cards' States and hooks live under that id (``cluster/registry.py``),
 here or on the dask workers, so engines and runs sharing a process or a scheduler stay apart. A
-step that finds a card's State missing or stale (``StateLost``: a worker restarted, replaced or
-gone) is recovered: the engine waits up to ``recovery_timeout`` seconds for a worker to serve the
-card, rebuilds the States of the card's DP group (weights from the same seed, empty caches),
-replays every request of that group as a prefill of its token history (exact: the graph is
-bit-identical to the reference, and a prefill of a history equals the steps that produced it) and
-retries the step.
+step that finds a card's State missing or stale (``StateLost``) is recovered (``cluster/recovery.py``)
+and retried. Requests are placed on DP groups by ``cluster/routing.py``; whoever watches the steps
+(tracing) registers as an observer (``cluster/observers.py``).
 """
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
 
@@ -32,8 +29,11 @@ import torch
 from dsv41.cluster import registry
 from dsv41.cluster.connect import Startup
 from dsv41.cluster.executors import CardUnavailable, DistributedRunner, run_local
+from dsv41.cluster.observers import StepObserver
 from dsv41.cluster.plan import Plan, make_plan
+from dsv41.cluster.recovery import recover
 from dsv41.cluster.registry import StateLost
+from dsv41.cluster.routing import Router
 from dsv41.cluster.runtime import NodeError
 from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
@@ -94,9 +94,8 @@ class GraphEngine(Engine):
         max_context = max_context or min(cfg.max_position_embeddings, 1024)
         token_map = None if checkpoint is None else checkpoint.token_map
         self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens) for _ in range(topo.dp)]
-        self.where: dict[int, tuple[int, int]] = {}   # global request id -> (DP group, local id)
+        self.router = Router(topo.dp)
         self.filled: set[int] = set()        # requests started at a drawn context: no history to replay
-        self.next_rid = 0
         self.step_id = 0
         self.generation = 0                  # steps committed on every card
         self.last_request_ids: list[int] = []
@@ -106,7 +105,7 @@ class GraphEngine(Engine):
         self._heads: dict[int, int] = {}     # DP group of the last step -> the card holding its logits
         self.recoveries: list[dict] = []     # one record per recovery, oldest first
         self.runner = None
-        self.trace = None            # a telemetry TraceSession while tracing
+        self.observers: list[StepObserver] = []
         self.id = uuid.uuid4().hex[:8]
         self.builds: dict[int, str] = {}      # card -> build id of the State this engine expects
         self._state_args = (seed, per_group, max_context, options, checkpoint, cache_tokens)
@@ -124,7 +123,7 @@ class GraphEngine(Engine):
 
     @property
     def active(self) -> list[int]:
-        return list(self.where)
+        return list(self.router.where)
 
     @property
     def max_batch(self) -> int:
@@ -135,7 +134,7 @@ class GraphEngine(Engine):
         return self.tables[0].max_context
 
     def sequence(self, rid: int):
-        grp, local = self.where[rid]
+        grp, local = self.router.locate(rid)
         return self.tables[grp].requests[local]
 
     # ---- State ownership ----------------------------------------------------------------------------
@@ -152,8 +151,8 @@ class GraphEngine(Engine):
                 self.runner.run_on_cards(_install_on_worker, *args, cards=cards)
             except OSError as e:             # the worker went away again
                 raise StateLost(cards, f"worker unreachable while installing State: {e}") from e
-            if self.trace is not None:
-                self.trace.attach(cards)
+            for observer in self.observers:
+                observer.attach(cards)
         self.builds.update(dict.fromkeys(cards, build_id))
 
     def _renew(self, cards: list[int]):
@@ -167,72 +166,13 @@ class GraphEngine(Engine):
             self.runner.run_on_cards(_renew_here, self.id, cards, build_id, self.generation, cards=cards)
         self.builds.update(dict.fromkeys(cards, build_id))
 
-    def _lost_cards(self) -> list[int]:
-        """Cards whose State is missing or not the one this engine expects (waits for workers)."""
-        expect = {c: (self.builds[c], self.generation) for c in self.topo.cards}
-        if self.runner is None:
-            found = registry.probe(self.id)
-            return [c for c, e in expect.items() if found.get(c) != e]
-        self.runner.wait_for_cards(list(self.topo.cards), self.recovery_timeout)
-        found = self.runner.run_on_cards(registry.probe, self.id, on_error="return")
-        return [c for c, e in expect.items()
-                if not isinstance(got := found.get(self.runner.address_of[c]), dict) or got.get(c) != e]
-
     def _recover(self, err: StateLost, failed_step_ms: float):
-        """failed_step_ms: how long the step ran before the loss was detected."""
-        t = [time.perf_counter()]
-        lost = self._lost_cards() or list(err.cards)
-        t.append(time.perf_counter())
-        groups = sorted({self.topo.dp_group(c) for c in lost})
-        drawn = sorted(r for r in self.filled if self.where[r][0] in groups)
-        if drawn:
-            raise RuntimeError(f"recovery: request(s) {drawn} started at a drawn context (start_at_context); "
-                               f"replaying their history would compute caches, not redraw them") from err
-        cards = [c for g in groups for c in self.topo.group_cards(g)]
-        self._install(lost)
-        self._renew([c for c in cards if c not in lost])
-        t.append(time.perf_counter())
-        tokens, requests, steps = self._replay(groups)
-        t.append(time.perf_counter())
-        record = {"lost_cards": lost, "rebuilt_cards": cards, "dp_groups": groups, "cause": err.reason,
-                  "replayed_requests": requests, "replayed_tokens": tokens, "replay_steps": steps,
-                  "failed_step_ms": failed_step_ms, "wait_ms": (t[1] - t[0]) * 1e3,
-                  "rebuild_ms": (t[2] - t[1]) * 1e3, "replay_ms": (t[3] - t[2]) * 1e3, "ms": (t[3] - t[0]) * 1e3}
+        record = recover(self, err, failed_step_ms)
         self.recoveries.append(record)
         log.warning("dsv41 engine %s: recovered card(s) %s (%s): rebuilt DP group(s) %s, replayed %d token(s) of "
-                    "%d request(s) in %d prefill step(s), %.0f ms", self.id, lost, err.reason, groups, tokens,
-                    requests, steps, record["ms"])
-
-    def _replay(self, groups: list[int]) -> tuple[int, int, int]:
-        """Rebuild the caches of these DP groups from their requests' token histories, as prefill steps of
-        at most prefill_max_tokens rows per group (a longer history in chunks), into fresh host tables."""
-        limit = self.cfg.prefill_max_tokens
-        fresh = {g: RequestTable(self.cfg, self.tables[g].max_batch, self.tables[g].max_context,
-                                 self.tables[g].token_map, self.tables[g].cache_tokens) for g in groups}
-        work = {g: [(local, req.tokens[i:i + limit]) for local, req in self.tables[g].requests.items()
-                    for i in range(0, len(req.tokens), limit)] for g in groups}
-        renamed = {g: {} for g in groups}                 # old local id -> new local id
-        tokens = steps = 0
-        while any(work.values()):
-            take = {g: _pack(work[g], limit) for g in groups if work[g]}
-            plans = {g: fresh[g].plan([(renamed[g].get(local), chunk) for local, chunk in items], "prefill")
-                     for g, items in take.items()}
-            self._execute(plans, "prefill")
-            for g, items in take.items():
-                fresh[g].commit(plans[g])
-                for (local, chunk), rid in zip(items, plans[g].rids):
-                    renamed[g].setdefault(local, rid)
-                    tokens += len(chunk)
-            steps += 1
-        for rid, (g, local) in self.where.items():
-            if g in groups:
-                self.where[rid] = (g, renamed[g][local])
-        for g in groups:   # the replay drew nothing: each request keeps its settings, draw count and prompt
-            for local, old in self.tables[g].requests.items():
-                new = fresh[g].requests[renamed[g][local]]
-                new.sampling, new.seed, new.drawn, new.prompt_len = old.sampling, old.seed, old.drawn, old.prompt_len
-            self.tables[g] = fresh[g]
-        return tokens, sum(len(r) for r in renamed.values()), steps
+                    "%d request(s) in %d prefill step(s), %.0f ms", self.id, record["lost_cards"], err.reason,
+                    record["dp_groups"], record["replayed_tokens"], record["replayed_requests"],
+                    record["replay_steps"], record["ms"])
 
     # ---- steps -------------------------------------------------------------------------------------
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
@@ -258,40 +198,13 @@ class GraphEngine(Engine):
 
     def _step(self, batch, phase: str, recovered: list[dict], sampling=None, drafts=None,
               draft_probs=None) -> StepOutput:
-        per_group: dict[int, list] = {g: [] for g in range(self.topo.dp)}
-        params: dict[int, list] = {g: [] for g in range(self.topo.dp)}
-        proposals: dict[int, list] = {g: [] for g in range(self.topo.dp)}
-        dists: dict[int, list] = {g: [] for g in range(self.topo.dp)}
-        sampling = [None] * len(batch) if sampling is None else list(sampling)
-        if len(sampling) != len(batch):
-            raise ValueError(f"sampling: expected one entry per request ({len(batch)}), found {len(sampling)}")
-        drafts = [[] for _ in batch] if drafts is None else list(drafts)
-        if len(drafts) != len(batch):
-            raise ValueError(f"drafts: expected one list per request ({len(batch)}), found {len(drafts)}")
-        placed = []                          # (group, index within the group's batch) per request
-        load = [len(t.requests) for t in self.tables]
-        for rid, toks in batch:
-            if rid is None:
-                grp = min(range(self.topo.dp), key=lambda g: (load[g], g))
-                load[grp] += 1
-                local = None
-            elif rid in self.where:
-                grp, local = self.where[rid]
-            else:
-                raise ValueError(f"request_ids: unknown or released request {rid}")
-            placed.append((grp, len(per_group[grp])))
-            per_group[grp].append((local, toks))
-        draft_probs = [None] * len(batch) if draft_probs is None else list(draft_probs)
-        for (grp, _), sp, d, q in zip(placed, sampling, drafts, draft_probs):
-            params[grp].append(sp)
-            proposals[grp].append(d)
-            dists[grp].append(q)
+        split = self.router.split(batch, [len(t.requests) for t in self.tables], sampling, drafts, draft_probs)
         steps = {}
         try:
-            for g, b in per_group.items():
-                if b:
-                    steps[g] = self.tables[g].plan(b, phase, params[g], proposals[g],
-                                                   dists[g] if any(q is not None for q in dists[g]) else None)
+            for g, b in split.batches.items():
+                dists = split.draft_probs[g]
+                steps[g] = self.tables[g].plan(b, phase, split.sampling[g], split.drafts[g],
+                                               dists if any(q is not None for q in dists) else None)
             t0 = time.perf_counter()
             values, graph, plan = self._execute(steps, phase)
         except BaseException:                # nothing of the step stays on the host either
@@ -301,12 +214,7 @@ class GraphEngine(Engine):
         heads = {g: values[head_key(g)] for g in steps}
         for g, s in steps.items():
             self.tables[g].commit(s, [len(t) for t in heads[g].tokens])
-        new_ids = []
-        for (rid, _), (grp, idx) in zip(batch, placed):
-            if rid is None:
-                rid, self.next_rid = self.next_rid, self.next_rid + 1
-                self.where[rid] = (grp, steps[grp].rids[idx])
-            new_ids.append(rid)
+        new_ids = self.router.admit(split, {g: s.rids for g, s in steps.items()})
         self.last_request_ids = new_ids
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
@@ -318,13 +226,14 @@ class GraphEngine(Engine):
         if self.backend != "torch":
             self.last_stats.update(self._device_summary())
         self._heads = {g: self.topo.group_cards(g)[0] for g in steps}
-        tokens = [heads[grp].tokens[idx] for grp, idx in placed]
-        logprobs = [heads[grp].logprobs[idx] if heads[grp].logprobs is not None else None for grp, idx in placed]
+        tokens = split.gather({g: h.tokens for g, h in heads.items()})
+        logprobs = split.gather({g: [None] * len(h.tokens) if h.logprobs is None else h.logprobs
+                                 for g, h in heads.items()})
         # each request's logit rows within its group's: the rows of the requests before it
         first = {g: list(itertools.accumulate([0] + [k + 1 for k in s.proposed]))[:-1] for g, s in steps.items()}
-        spans = [(grp, first[grp][idx], steps[grp].proposed[idx] + 1) for grp, idx in placed]
+        spans = [(grp, first[grp][idx], steps[grp].proposed[idx] + 1) for grp, idx in split.placed]
         step = self.step_id
-        verified = [steps[grp].proposed[idx] for grp, idx in placed]
+        verified = split.gather({g: s.proposed for g, s in steps.items()})
         return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, spans)),
                           logprobs if any(x is not None for x in logprobs) else None,
                           verified if any(verified) else None,
@@ -346,7 +255,9 @@ class GraphEngine(Engine):
         if self.backend != "torch":
             self._on_every_process(_clear_sim_log, self.id)
         try:
-            with self.trace.step(plan) if self.trace is not None else nullcontext():
+            with ExitStack() as observed:
+                for observer in self.observers:
+                    observed.enter_context(observer.step(plan))
                 values = self._run(plan)
         except BaseException:
             self._abort()
@@ -418,40 +329,41 @@ class GraphEngine(Engine):
         fills its replica of the group's caches with the same drawn rows."""
         if not self._finalizer.alive:
             raise RuntimeError(f"engine {self.id} is closed")
-        seed = self._state_args[0]
-        load = [len(t.requests) for t in self.tables]
-        histories: dict[int, list] = {}            # group -> (global id, history)
-        for rid in range(self.next_rid, self.next_rid + count):
-            grp = min(range(self.topo.dp), key=lambda g: (load[g], g))
-            load[grp] += 1
-            histories.setdefault(grp, []).append((rid, draw_history(self.cfg, seed, rid, context)))
+        seed, first = self._state_args[0], self.router.next_rid
+        split = self.router.split([(None, draw_history(self.cfg, seed, rid, context))
+                                   for rid in range(first, first + count)], [len(t.requests) for t in self.tables])
         started = {}
         try:
-            for g, items in histories.items():
+            for g, items in split.batches.items():
                 started[g] = self.tables[g].start_at([h for _, h in items])
-            fills = {g: [(rid, started[g].requests[local]) for (rid, _), local in zip(items, started[g].rids)]
-                     for g, items in histories.items()}
+            rids = {g: [] for g in started}             # group -> global ids, in its batch order
+            for i, (g, _) in enumerate(split.placed):
+                rids[g].append(first + i)
+            fills = {g: [(rid, s.requests[local]) for rid, local in zip(rids[g], s.rids)] for g, s in started.items()}
             self._on_every_process(_fill_here, self.id, self.cfg, seed, fills)
         except BaseException:
             for g, s in started.items():
                 self.tables[g].abort(s)
             raise
-        for g, items in histories.items():
-            self.tables[g].commit(started[g])
-            for (rid, _), local in zip(items, started[g].rids):
-                self.where[rid] = (g, local)
-                self.filled.add(rid)
-        self.next_rid += count
-        return list(range(self.next_rid - count, self.next_rid))
+        for g, s in started.items():
+            self.tables[g].commit(s)
+        ids = self.router.admit(split, {g: s.rids for g, s in started.items()})
+        self.filled.update(ids)
+        return ids
 
     def release(self, rid: int):
-        if rid not in self.where:
-            raise ValueError(f"request_ids: unknown or released request {rid}")
-        grp, local = self.where.pop(rid)
+        grp, local = self.router.release(rid)
         self.filled.discard(rid)
         self.tables[grp].release(local)
 
     # ---- tools ------------------------------------------------------------------------------------------
+    def observe(self, observer: StepObserver):
+        """Tell observer about every following step (``cluster/observers.py``) until ``unobserve``."""
+        self.observers.append(observer)
+
+    def unobserve(self, observer: StepObserver):
+        self.observers.remove(observer)
+
     def inject_failure(self, node_key: str | None):
         """Make the node with this key raise the next time it runs (once; tests)."""
         self._on_every_process(_set_fail_at, self.id, node_key)
@@ -487,23 +399,6 @@ class GraphEngine(Engine):
         """Free this engine's States and hooks everywhere (its workers too) and leave the cluster."""
         self._finalizer()
         self.runner = None
-
-
-def _pack(work: list, limit: int) -> list:
-    """Take from the front of work the (request, chunk) items of one prefill step: at least one, up to
-    limit rows, at most one chunk per request and a request's chunks in order."""
-    items = [work.pop(0)]
-    rows, seen = len(items[0][1]), {items[0][0]}
-    i = 0
-    while i < len(work):
-        local, chunk = work[i]
-        if local not in seen and rows + len(chunk) <= limit:
-            items.append(work.pop(i))
-            rows += len(chunk)
-        else:
-            i += 1
-        seen.add(local)
-    return items
 
 
 def _free_everywhere(engine: str, runner):

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from time import perf_counter_ns
 
 from dsv41.cluster import registry
+from dsv41.cluster.observers import StepObserver
 from dsv41.plan.hbm import annotate
 from dsv41.plan.roofline import profile
 from dsv41.telemetry.buffer import unix_ns
@@ -26,7 +27,7 @@ def resource_attributes(cfg, topo, executor: str, device: str) -> dict:
             "dsv41.ep": topo.ep, "dsv41.executor": executor, "dsv41.device_profile": device}
 
 
-class TraceSession:
+class TraceSession(StepObserver):
     """keep: hold every span for ``collect`` (files); spans also go live to an OTLP collector when the
     OTEL_* variables name one (``spans.otlp_configured``), in this process and on every worker."""
 
@@ -39,7 +40,7 @@ class TraceSession:
             registry.owned(engine.id).hooks.tracer = NodeTracer(self.recorder, self.device)
         else:
             engine.runner.run_on_cards(_install, engine.id, self.resource, device, keep)
-        engine.trace = self
+        engine.observe(self)
 
     @contextmanager
     def step(self, plan):
@@ -98,7 +99,7 @@ class TraceSession:
         else:
             lost = sum(self.engine.runner.run_on_cards(_uninstall, self.engine.id).values())
         lost += self.recorder.shutdown()
-        self.engine.trace = None
+        self.engine.unobserve(self)
         return lost
 
 
