@@ -17,7 +17,9 @@ from dsv41.engine.requests import RequestTable
 
 def recover(engine, err: StateLost, failed_step_ms: float) -> dict:
     """Rebuild and replay the DP groups of the cards lost; the record of what was done and how long it
-    took. failed_step_ms: how long the step ran before the loss was detected."""
+    took. engine: the GraphEngine, whose own install, renew and execute steps do the work (so a replay
+    step is aborted, stamped and observed as any step); failed_step_ms: how long the step ran before the
+    loss was detected."""
     t = [time.perf_counter()]
     lost = lost_cards(engine) or list(err.cards)
     t.append(time.perf_counter())
