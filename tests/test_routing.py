@@ -29,7 +29,8 @@ def test_split_and_gather_keep_batch_order_and_running_requests_stay_put():
         if not batch:
             continue
         drafts = [[k] * k for k in range(len(batch))]
-        split = r.split(batch, [2, 2, 1, 1], drafts=drafts)
+        probs = [f"q{k}" if k % 2 else None for k in range(len(batch))]
+        split = r.split(batch, [2, 2, 1, 1], drafts=drafts, draft_probs=probs)
         assert list(split.batches) == sorted(split.batches)            # groups in ascending order
         for (rid, toks), (g, i) in zip(batch, split.placed):
             local, got = split.batches[g][i]
@@ -37,6 +38,7 @@ def test_split_and_gather_keep_batch_order_and_running_requests_stay_put():
             assert (g, local) == (r.where[rid] if rid is not None else (g, None))
         assert split.gather({g: [t for _, t in b] for g, b in split.batches.items()}) == [t for _, t in batch]
         assert split.gather(split.drafts) == drafts
+        assert split.gather(split.draft_probs) == probs
         assert split.gather(split.sampling) == [None] * len(batch)
         assert [g for (rid, _), (g, _) in zip(batch, split.placed) if rid is None] == \
             r.place([2, 2, 1, 1], sum(rid is None for rid, _ in batch))
@@ -50,6 +52,8 @@ def test_unknown_ids_and_mismatched_lists_are_refused():
         r.split([(None, [1])], [0, 0], sampling=[None, None])
     with pytest.raises(ValueError, match=r"drafts: expected one list per request \(1\), found 0"):
         r.split([(None, [1])], [0, 0], drafts=[])
+    with pytest.raises(ValueError, match=r"draft_probs: expected one entry per request \(1\), found 2"):
+        r.split([(None, [1])], [0, 0], draft_probs=[None, None])
     split = r.split([(None, [1]), (None, [2])], [0, 0])
     a, b = r.admit(split, {0: [5], 1: [3]})
     assert r.release(a) == (0, 5) and r.where == {b: (1, 3)}
