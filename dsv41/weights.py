@@ -105,7 +105,7 @@ def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tens
         v = block_mxfp8_decode64(t, _codes(scale))
     if key.endswith(".attn.wo_a"):
         v = v.reshape(-1, cfg.o_lora_rank, cfg.o_group_in)
-    return v.double() if v.dim() >= 2 and key != "embed.weight" else v
+    return v.double() if v.dim() >= 2 and not key.endswith("embed.weight") else v   # lookups stay FP32
 
 
 def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
