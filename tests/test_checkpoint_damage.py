@@ -258,7 +258,9 @@ def test_released_style_config_is_read(tiny_checkpoint):
     """No dsv41 section (engine constants default), draft-layer ratios appended, FLASH round trip."""
     doc = config_json.to_json(config_json.from_json(_config_doc(tiny_checkpoint), "x"))
     del doc["dsv41"]
-    doc["text_config"].update(num_nextn_predict_layers=3, compress_ratios=doc["text_config"]["compress_ratios"] + [0] * 3)
+    # TINY's three DSpark stages are written as the released file lists draft layers: a 0 ratio each
+    assert doc["text_config"]["num_nextn_predict_layers"] == 3
+    assert doc["text_config"]["compress_ratios"] == list(TINY.compress_ratios) + [0] * 3
     del doc["text_config"]["candidate_source_layer_id"]     # defaults to the last KV source
     cfg = config_json.from_json(doc, "folder")
     assert cfg.name == "folder" and cfg.compress_ratios == TINY.compress_ratios and cfg.block_size == 128
