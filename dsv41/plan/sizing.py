@@ -32,7 +32,7 @@ from dsv41.model.head import Head
 from dsv41.ops import kv_cache
 from dsv41.weights import checkpoint_specs, runtime_key
 
-WEIGHT_KINDS = ("routed_experts", "engram_tables", "fp8_linears", "dense", "embed_head")
+WEIGHT_KINDS = ("routed_experts", "engram_tables", "fp8_linears", "dense", "embed_head", "dspark")
 CACHE_KINDS = ("window", "compressed", "index", "ring")
 _TP_SPLIT = (".attn.wq_b", ".attn.wo_a", ".attn.wo_b", ".attn.attn_sink")
 
@@ -44,6 +44,8 @@ def state_key(name: str, specs: dict) -> str:
 
 
 def _kind(name: str, key: str) -> str:
+    if name.startswith("mtp."):      # the drafter's stages, apart: the backbone's figures stay the seed's
+        return "dspark"
     if ".ffn.experts." in name:
         return "routed_experts"
     if ".engram.embed." in name:
