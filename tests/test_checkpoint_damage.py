@@ -204,9 +204,28 @@ def symlink_leaves_folder(folder):   # a name inside the folder, a file outside 
     return INDEX, "head.weight", "'linked.safetensors', which is outside it"
 
 
+# DSpark's stages (mtp.*) are held to the same rules once any of them is listed
+
+
+def dspark_missing(folder):   # one stage tensor gone while the others are listed: damaged, not "no DSpark"
+    _rewrite(folder, "mtp.1.attn.wkv.scale", None)
+    return INDEX, "mtp.1.attn.wkv.scale", "missing"
+
+
+def dspark_wrong_shape(folder):   # a Markov head of another rank
+    name = "mtp.2.markov_head.head.weight"
+    return _rewrite(folder, name, _tensor(folder, name)[:, :16].contiguous()), name, "shape [512, 32]"
+
+
+def dspark_nan_scale(folder):
+    name = "mtp.0.ffn.experts.3.w2.scale"
+    return _patch_bytes(folder, name, lambda b: b"\xff" + b[1:]), name, "non-finite, first 255"
+
+
 DAMAGES = [missing, extra, wrong_shape, uint8_for_fp8, bf16_for_fp4, truncated, shard_gone, random_bytes,
            nan_scale, config_disagrees, junk_appended, overlapping_offsets, gap_between, metadata_not_string,
-           entry_not_object, index_leaves_folder, index_absolute_path, symlink_leaves_folder]
+           entry_not_object, index_leaves_folder, index_absolute_path, symlink_leaves_folder,
+           dspark_missing, dspark_wrong_shape, dspark_nan_scale]
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=[d.__name__ for d in DAMAGES])

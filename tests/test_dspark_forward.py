@@ -323,3 +323,35 @@ def test_flash_width_dspark_matches_the_independent_forward(monkeypatch):
         run.seed(b, n, n + 1)
     forced = torch.randint(0, cfg.vocab_size, (2, cfg.dspark_block_size), generator=run.g)
     run.draft(torch.randint(0, cfg.vocab_size, (2,), generator=run.g), lambda lg, i: forced[:, i], forced)
+
+
+def test_the_reference_forward_hands_out_the_taps_and_its_logits_do_not_move(monkeypatch):
+    """Taps asked of ``Transformer.forward``: for each target layer the lane mean (BF16) of the stream
+    entering its attention site, every row of the step; the logits bit for bit those of a run without."""
+    from dsv41.engine.reference import ReferenceEngine
+    from dsv41.model.hyper import HyperSite
+    from dsv41.model.transformer import Transformer
+
+    prompts = [[5, 9, 200, 31, 7, 7, 64], [1, 2, 3]]
+    plain = ReferenceEngine(TINY, seed=0).prefill(prompts).logits
+    taps, streams = [], {}
+    forward, mixes = Transformer.forward, HyperSite.mixes
+
+    def with_taps(self, *args):
+        taps.append({})
+        return forward(self, *args, taps=taps[-1])
+
+    def seen(self, x):
+        if self.site == "attn" and self.layer in TINY.dspark_target_layer_ids:
+            streams[self.layer] = x
+        return mixes(self, x)
+
+    monkeypatch.setattr(Transformer, "forward", with_taps)
+    monkeypatch.setattr(HyperSite, "mixes", seen)
+    tapped = ReferenceEngine(TINY, seed=0).prefill(prompts).logits
+    assert torch.equal(tapped, plain)
+    (got,) = taps
+    assert sorted(got) == sorted(TINY.dspark_target_layer_ids)
+    for layer, t in got.items():
+        assert t.shape == (sum(map(len, prompts)), TINY.hidden_size)
+        assert torch.equal(t, S.bf16(streams[layer].double().mean(1))), layer
