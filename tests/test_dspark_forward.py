@@ -201,9 +201,8 @@ class SpecWeights(Mapping):
                       for n in ck if not (n.endswith(".scale") and not n.endswith("_scale"))]
 
     def __getitem__(self, key):
-        if key + ".scale" in self.ck:
-            return S.decode_weights({key + ".weight": self.ck[key + ".weight"], key + ".scale": self.ck[key + ".scale"]})[key]
-        return S.decode_weights({key: self.ck[key]})[key]
+        names = [key + ".weight", key + ".scale"] if key + ".scale" in self.ck else [key]
+        return S.decode_weights({n: self.ck[n] for n in names})[key]
 
     def __iter__(self):
         return iter(self.keys_)

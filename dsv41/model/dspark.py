@@ -81,11 +81,14 @@ class DSparkWindow:
         if pos.numel() == 0:
             return self
         first, last = int(pos[0]), int(pos[-1])
-        if not bool((pos == torch.arange(first, last + 1)).all()) or first < 0:
+        if first < 0 or not torch.equal(pos, torch.arange(first, first + pos.numel())):
             raise ValueError(f"positions: must be consecutive and >= 0, got {pos.tolist()}")
         if first > self.length and pos.numel() < w:
             raise ValueError(f"positions: must continue the window (next position {self.length}) or span "
                              f"at least the window ({w}), got {first}..{last}")
+        if last + 1 < self.length:   # its slots hold newer positions' rows now
+            raise ValueError(f"positions: must reach the window's end (next position {self.length}), "
+                             f"got {first}..{last}")
         keep = slice(max(0, pos.numel() - w), None)
         slots = (pos[keep] % w).unsqueeze(0) + (torch.arange(cfg.n_mtp_layers) * w).unsqueeze(1)
         payload, scale = self.payload.clone(), self.scale.clone()
