@@ -15,7 +15,8 @@ Each stage is fed the model's own inputs (teacher forcing, as ``test_spec_forwar
 within that test's per-row bounds: BF16 stages at most MAX_BF16_ULPS BF16 ulps of the row RMS
 (elementwise FP32 work such as exp/sigmoid is evaluated differently on the two sides, which can
 flip a BF16 rounding by one ulp), FP32 results (pre mixes, logits, confidences) within
-MAX_FP32_ULPS FP32 ulps of the row RMS; drafted tokens exactly, and greedy drafts also end to end
+MAX_FP32_ULPS FP32 ulps of the row RMS (each mHC site fed the model's own stream, the FFN site's
+included); drafted tokens exactly, and greedy drafts also end to end
 (the independent side from its own windows). A wrong rounding point, position, slot list, source
 or expert count moves whole rows far past these bounds.
 """
@@ -33,6 +34,7 @@ from dsv41.config import FLASH, TINY
 from dsv41.model.dspark import DSpark, DSparkStage, DSparkWindow
 from dsv41.model.embedding import Embedding
 from dsv41.model.head import Head
+from dsv41.model.hyper import HyperSite
 from dsv41.ops.rope import PLAIN, precompute_rope_tables
 from dsv41.weights import decode_checkpoint, draw, init_checkpoint
 
@@ -170,15 +172,22 @@ def _close_fp32(what, mine, ref):
 
 
 def _recording(monkeypatch) -> list[dict]:
-    """Wrap the stages and the heads: each draft appends {stage: ((x, pre, rings), (x, pre)), 'heads': Draft}."""
+    """Wrap the stages, their mHC sites and the heads: each draft appends {stage: ((x, pre, rings),
+    (x, pre)), 'mixes': [(block, site, stream in, (pre, post, comb))], 'heads': Draft}."""
     calls: list[dict] = []
-    stage_forward, heads = DSparkStage.forward, DSpark.heads
+    stage_forward, heads, mixes = DSparkStage.forward, DSpark.heads, HyperSite.mixes
 
     def on_stage(self, x, pre, rings, cos, sin):
-        result = stage_forward(self, x, pre, rings, cos, sin)
         if self.stage == 0:
-            calls.append({})
+            calls.append({"mixes": []})
+        result = stage_forward(self, x, pre, rings, cos, sin)
         calls[-1][self.stage] = ((x, pre, rings), result)
+        return result
+
+    def on_mixes(self, x):
+        result = mixes(self, x)
+        if self.block.startswith("mtp."):
+            calls[-1]["mixes"].append((self.block, self.site, x, result))
         return result
 
     def on_heads(self, hidden, last, sample_fn):
@@ -188,6 +197,7 @@ def _recording(monkeypatch) -> list[dict]:
 
     monkeypatch.setattr(DSparkStage, "forward", on_stage)
     monkeypatch.setattr(DSpark, "heads", on_heads)
+    monkeypatch.setattr(HyperSite, "mixes", on_mixes)
     return calls
 
 
@@ -257,13 +267,17 @@ class Run:
         positions = [w.length - 1 for w in self.windows]
         rings = self.rings(self.mine_rows)
         for s in range(cfg.n_mtp_layers):
-            (x, pre, mine_rings), (x_out, pre_out) = rec[s]
+            (x, pre, mine_rings), (x_out, _) = rec[s]
             for b, (ring, filled) in enumerate(rings[s]):
                 assert mine_rings[b][1] == filled and torch.equal(mine_rings[b][0][:filled], ring[:filled]), \
                     f"stage {s} request {b}: the window ring"
-            ref_x, ref_pre = spec_stage(cfg, W, s, x, pre, rings[s], positions, self.table)
+            ref_x, _ = spec_stage(cfg, W, s, x, pre, rings[s], positions, self.table)
             _close_bf16(f"stage {s} stream", x_out, ref_x)
-            _close_fp32(f"stage {s} pre mix", pre_out, ref_pre)
+        assert len(rec["mixes"]) == 2 * cfg.n_mtp_layers
+        for block, site, x, got in rec["mixes"]:   # each site fed the model's stream (the FFN site's is inside)
+            ref = S.mixes(x, W[f"{block}hc_{site}_fn"], W[f"{block}hc_{site}_scale"], W[f"{block}hc_{site}_base"], cfg)
+            for part, a, b in zip(("pre", "post", "comb"), got, ref):
+                _close_fp32(f"{block}{site} {part} mix", a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
         x, pre = rec[cfg.n_mtp_layers - 1][1]
         toks, logits, conf = spec_heads(cfg, W, x, pre, last, pick)
         assert torch.equal(out.tokens, toks), (out.tokens, toks)
@@ -328,7 +342,6 @@ def test_the_reference_forward_hands_out_the_taps_and_its_logits_do_not_move(mon
     """Taps asked of ``Transformer.forward``: for each target layer the lane mean (BF16) of the stream
     entering its attention site, every row of the step; the logits bit for bit those of a run without."""
     from dsv41.engine.reference import ReferenceEngine
-    from dsv41.model.hyper import HyperSite
     from dsv41.model.transformer import Transformer
 
     prompts = [[5, 9, 200, 31, 7, 7, 64], [1, 2, 3]]
