@@ -11,7 +11,8 @@ projection, the stage's own MoE (its own expert count and top-k), the collapse w
 mix, the stage's norm, the shared LM head, the Markov bias added position by position from the
 previous drawn token, and the FP32 confidence head over [hidden, Markov embedding].
 
-Each stage is fed the model's own inputs (teacher forcing, as ``test_spec_forward``) and compared
+Each part of a stage (mHC mixes, collapse + norm, attention, expand, MoE) is fed the model's own
+inputs (teacher forcing, as ``test_spec_forward``) and compared
 within that test's per-row bounds: BF16 stages at most MAX_BF16_ULPS BF16 ulps of the row RMS
 (elementwise FP32 work such as exp/sigmoid is evaluated differently on the two sides, which can
 flip a BF16 rounding by one ulp), FP32 results (pre mixes, logits, confidences) within
@@ -35,6 +36,7 @@ from dsv41.model.dspark import DSpark, DSparkStage, DSparkWindow
 from dsv41.model.embedding import Embedding
 from dsv41.model.head import Head
 from dsv41.model.hyper import HyperSite
+from dsv41.model.moe import MoE
 from dsv41.ops.rope import PLAIN, precompute_rope_tables
 from dsv41.weights import decode_checkpoint, draw, init_checkpoint
 
@@ -176,6 +178,7 @@ def _recording(monkeypatch) -> list[dict]:
     (x, pre)), 'mixes': [(block, site, stream in, (pre, post, comb))], 'heads': Draft}."""
     calls: list[dict] = []
     stage_forward, heads, mixes = DSparkStage.forward, DSpark.heads, HyperSite.mixes
+    attend, moe = DSparkStage.attend, MoE.forward
 
     def on_stage(self, x, pre, rings, cos, sin):
         if self.stage == 0:
@@ -190,6 +193,17 @@ def _recording(monkeypatch) -> list[dict]:
             calls[-1]["mixes"].append((self.block, self.site, x, result))
         return result
 
+    def on_attend(self, x, rings, cos, sin):
+        result = attend(self, x, rings, cos, sin)
+        calls[-1][("attn", self.stage)] = (x, result)
+        return result
+
+    def on_moe(self, x):
+        result = moe(self, x)
+        if self.prefix.startswith("mtp."):
+            calls[-1][("moe", int(self.prefix.split(".")[1]))] = (x, result)
+        return result
+
     def on_heads(self, hidden, last, sample_fn):
         result = heads(self, hidden, last, sample_fn)
         calls[-1]["heads"] = result
@@ -198,6 +212,8 @@ def _recording(monkeypatch) -> list[dict]:
     monkeypatch.setattr(DSparkStage, "forward", on_stage)
     monkeypatch.setattr(DSpark, "heads", on_heads)
     monkeypatch.setattr(HyperSite, "mixes", on_mixes)
+    monkeypatch.setattr(DSparkStage, "attend", on_attend)
+    monkeypatch.setattr(MoE, "forward", on_moe)
     return calls
 
 
@@ -266,18 +282,29 @@ class Run:
         rec = self.calls[-1]
         positions = [w.length - 1 for w in self.windows]
         rings = self.rings(self.mine_rows)
-        for s in range(cfg.n_mtp_layers):
-            (x, pre, mine_rings), (x_out, _) = rec[s]
-            for b, (ring, filled) in enumerate(rings[s]):
-                assert mine_rings[b][1] == filled and torch.equal(mine_rings[b][0][:filled], ring[:filled]), \
-                    f"stage {s} request {b}: the window ring"
-            ref_x, _ = spec_stage(cfg, W, s, x, pre, rings[s], positions, self.table)
-            _close_bf16(f"stage {s} stream", x_out, ref_x)
         assert len(rec["mixes"]) == 2 * cfg.n_mtp_layers
         for block, site, x, got in rec["mixes"]:   # each site fed the model's stream (the FFN site's is inside)
             ref = S.mixes(x, W[f"{block}hc_{site}_fn"], W[f"{block}hc_{site}_scale"], W[f"{block}hc_{site}_base"], cfg)
             for part, a, b in zip(("pre", "post", "comb"), got, ref):
                 _close_fp32(f"{block}{site} {part} mix", a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
+        k, eps = cfg.dspark_block_size, cfg.rms_norm_eps
+        for s in range(cfg.n_mtp_layers):   # each stage's parts fed the model's own inputs
+            p = f"mtp.{s}."
+            (x, pre, mine_rings), (x_out, _) = rec[s]
+            for b, (ring, filled) in enumerate(rings[s]):
+                assert mine_rings[b][1] == filled and torch.equal(mine_rings[b][0][:filled], ring[:filled]), \
+                    f"stage {s} request {b}: the window ring"
+            (_, _, _, a_mix), (_, _, h, f_mix) = rec["mixes"][2 * s:2 * s + 2]
+            a, att = rec[("attn", s)]
+            _close_bf16(f"stage {s} attention input", a, S.rms_norm(S.collapse(x, pre), W[p + "attn_norm.weight"], eps))
+            _close_bf16(f"stage {s} attention", att, torch.cat([
+                spec_attention(cfg, W, s, a[b * k:(b + 1) * k], *rings[s][b], positions[b], self.table)
+                for b in range(len(positions))]))
+            _close_bf16(f"stage {s} stream after attention", h, S.expand(att, x, a_mix[1], a_mix[2]))
+            f, m = rec[("moe", s)]
+            _close_bf16(f"stage {s} MoE input", f, S.rms_norm(S.collapse(h, a_mix[0]), W[p + "ffn_norm.weight"], eps))
+            _close_bf16(f"stage {s} MoE", m, spec_moe(cfg, W, s, f))
+            _close_bf16(f"stage {s} stream", x_out, S.expand(m, h, f_mix[1], f_mix[2]))
         x, pre = rec[cfg.n_mtp_layers - 1][1]
         toks, logits, conf = spec_heads(cfg, W, x, pre, last, pick)
         assert torch.equal(out.tokens, toks), (out.tokens, toks)
