@@ -246,7 +246,8 @@ class ModelConfig:
                 engram_rows: int | None = None) -> "ModelConfig":
         """This model with only what memory forces made smaller, every per-layer dimension kept: the
         first ``layers`` of the schedule (the head after the last), ``experts`` routed experts (top-k
-        kept), Engram tables of ``engram_rows`` rows (each table the smallest unused prime >= that).
+        kept; DSpark's stages as many, at most their own count), Engram tables of ``engram_rows`` rows
+        (each table the smallest unused prime >= that); DSpark taps the prefix's last layers.
         The name says what was reduced (``flash-L40-E8-R4099``). A reduction that breaks the schedule
         raises ValueError naming the option (``--layers``, ``--experts``, ``--engram-rows``) and the rule."""
         changes, tags = {}, []
