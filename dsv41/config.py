@@ -85,6 +85,14 @@ class ModelConfig:
     engram_head_dim: int
     engram_pad_token_id: int
     engram_compressed_vocab_size: int
+    # DSpark, the model's own drafter: n_mtp_layers stages stored as mtp.0.. after the backbone (0: none)
+    n_mtp_layers: int = 0
+    dspark_block_size: int = 0            # draft rows per block: the last sampled token, then noise tokens
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()   # layers whose attention input (lane mean) feeds stage 0
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 0
+    dspark_n_activated_experts: int = 0
     # engine constants (serving ABI, not model math)
     block_size: int = 128            # paged-cache rows per block
     state_capacity: int = 4          # ratio-2 compressor ring slots per request
@@ -116,6 +124,15 @@ class ModelConfig:
     @property
     def decode_max_tokens(self) -> int:
         return self.max_batch_per_dp * self.decode_rows_per_request
+
+    @property
+    def dspark(self) -> bool:
+        """Whether the config has DSpark draft stages."""
+        return self.n_mtp_layers > 0
+
+    def routed_experts_of(self, name: str) -> int:
+        """Routed experts of the MoE a checkpoint tensor belongs to (DSpark stages have their own count)."""
+        return self.dspark_n_routed_experts if name.startswith("mtp.") else self.n_routed_experts
 
     @property
     def engram_ids_per_token(self) -> int:
@@ -208,13 +225,29 @@ class ModelConfig:
         need(c >= self.num_hidden_layers or (c in self.kv_source_layer_ids and c in self.index_source_layer_ids),
              "candidate_source_layer_id", "must be both a KV and an index source (or past the last layer: none)")
         need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
+        need(0 <= self.n_mtp_layers <= MAX_DIM, "n_mtp_layers", f"must be in [0, {MAX_DIM}], got {self.n_mtp_layers}")
+        if self.dspark:
+            self._validate_dspark(need)
         return self
+
+    def _validate_dspark(self, need):
+        for name in ["dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts"]:
+            need(0 < getattr(self, name) <= MAX_DIM, name, f"must be in [1, {MAX_DIM}], got {getattr(self, name)}")
+        need(1 <= self.dspark_n_activated_experts <= self.dspark_n_routed_experts, "dspark_n_activated_experts",
+             f"must be in [1, dspark_n_routed_experts={self.dspark_n_routed_experts}], "
+             f"got {self.dspark_n_activated_experts}")
+        need(0 <= self.dspark_noise_token_id < self.vocab_size, "dspark_noise_token_id",
+             f"must be in [0, {self.vocab_size - 1}], got {self.dspark_noise_token_id}")
+        ids = self.dspark_target_layer_ids
+        need(len(ids) > 0 and all(0 <= i < self.num_hidden_layers for i in ids), "dspark_target_layer_ids",
+             f"must be one or more layer ids in [0, {self.num_hidden_layers - 1}], got {list(ids)}")
 
     def reduced(self, layers: int | None = None, experts: int | None = None,
                 engram_rows: int | None = None) -> "ModelConfig":
         """This model with only what memory forces made smaller, every per-layer dimension kept: the
         first ``layers`` of the schedule (the head after the last), ``experts`` routed experts (top-k
-        kept), Engram tables of ``engram_rows`` rows (each table the smallest unused prime >= that).
+        kept; DSpark's stages as many, at most their own count), Engram tables of ``engram_rows`` rows
+        (each table the smallest unused prime >= that); DSpark taps the prefix's last layers.
         The name says what was reduced (``flash-L40-E8-R4099``). A reduction that breaks the schedule
         raises ValueError naming the option (``--layers``, ``--experts``, ``--engram-rows``) and the rule."""
         changes, tags = {}, []
@@ -236,6 +269,11 @@ class ModelConfig:
                     if src is not None and src >= layers:
                         raise ValueError(f"--layers: must keep every cache source of the layers kept; layer "
                                          f"{spec.layer} reads the {what} cache of layer {src}, got {layers}")
+            if self.dspark:
+                # the drafter reads the last layers' streams: a prefix keeps the same count of the last
+                # layers it has (repeating layer 0 when it has fewer), so the stage-0 shapes stay
+                cut = n - layers
+                changes["dspark_target_layer_ids"] = tuple(max(0, i - cut) for i in self.dspark_target_layer_ids)
             tags.append(f"L{layers}")
         if experts is not None:
             k, n = self.num_experts_per_tok, self.n_routed_experts
@@ -243,6 +281,9 @@ class ModelConfig:
                 raise ValueError(f"--experts: must be in [{k}, {n}] (top-{k} routing keeps {k} experts per "
                                  f"token; at most {self.name}'s {n}), got {experts}")
             changes["n_routed_experts"] = experts
+            if self.dspark:
+                changes["dspark_n_routed_experts"] = max(self.dspark_n_activated_experts,
+                                                         min(experts, self.dspark_n_routed_experts))
             tags.append(f"E{experts}")
         if engram_rows is not None:
             top = self.engram_vocab_size
@@ -278,11 +319,14 @@ FLASH = ModelConfig(
     rms_norm_eps=1e-20, max_position_embeddings=1048576, rope_theta=10000.0, compress_rope_theta=160000.0,
     rope_factor=16.0, beta_fast=32, beta_slow=1, original_max_position_embeddings=65536,
     engram_vocab_size=16000000, engram_max_ngram_size=4, engram_n_heads=8, engram_head_dim=256,
-    engram_pad_token_id=2, engram_compressed_vocab_size=99092, **_SCHEDULE,
+    engram_pad_token_id=2, engram_compressed_vocab_size=99092, n_mtp_layers=3, dspark_block_size=5,
+    dspark_noise_token_id=128799, dspark_target_layer_ids=(37, 38, 39), dspark_markov_rank=256,
+    dspark_n_routed_experts=128, dspark_n_activated_experts=3, **_SCHEDULE,
 ).validate()
 
 # Same 40-layer schedule and sources, small dims. Window 16, Top-K 8 and 3 candidate blocks of 4 are
-# all truncated by a 64-token prompt (64 window rows, 32 ratio-2 rows, 16 ratio-1 blocks).
+# all truncated by a 64-token prompt (64 window rows, 32 ratio-2 rows, 16 ratio-1 blocks). DSpark as
+# FLASH's (3 stages, block 5, target layers 37-39, top-3) with 16 experts, Markov rank 32, noise id 500.
 TINY = replace(
     FLASH, name="tiny", vocab_size=512, hidden_size=64, num_attention_heads=8, head_dim=64,
     qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=4, sliding_window=16,
@@ -291,6 +335,7 @@ TINY = replace(
     max_position_embeddings=4096, original_max_position_embeddings=256, engram_vocab_size=1000,
     engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=512, block_size=16,
     max_batch_per_dp=8, prefill_max_tokens=512, index_score_budget_bytes=4096, index_score_leaf=64,
+    dspark_noise_token_id=500, dspark_markov_rank=32, dspark_n_routed_experts=16,
 ).validate()
 
 SMALL = replace(
@@ -300,7 +345,7 @@ SMALL = replace(
     candidate_topk_blocks=16, candidate_block_size=8, max_position_embeddings=16384,
     original_max_position_embeddings=4096, engram_vocab_size=5000, engram_n_heads=2, engram_head_dim=32,
     engram_compressed_vocab_size=4096, block_size=64, max_batch_per_dp=16, prefill_max_tokens=2048,
-    index_score_budget_bytes=1 << 20, index_score_leaf=512,
+    index_score_budget_bytes=1 << 20, index_score_leaf=512, n_mtp_layers=0,
 ).validate()
 
 PRESETS = {"tiny": TINY, "small": SMALL, "flash": FLASH}
@@ -355,6 +400,8 @@ class Topology:
             (cfg.num_attention_heads % self.tp == 0, "tp", f"must divide num_attention_heads={cfg.num_attention_heads}"),
             (cfg.o_groups % self.tp == 0, "tp", f"must divide o_groups={cfg.o_groups}"),
             (cfg.n_routed_experts % self.ep == 0, "ep", f"must divide n_routed_experts={cfg.n_routed_experts}"),
+            (not cfg.dspark or cfg.dspark_n_routed_experts % self.ep == 0, "ep",
+             f"must divide dspark_n_routed_experts={cfg.dspark_n_routed_experts}"),
         ]
         for ok, name, rule in rules:
             if not ok:

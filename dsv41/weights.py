@@ -61,8 +61,14 @@ def _spec(name: str, fmt: str, shape: tuple[int, ...], g: int) -> dict[str, tupl
 def draw_checkpoint(cfg: ModelConfig, seed: int = 0):
     """(name, tensor) of the checkpoint one by one, in drawing order: a consumer that keeps only what
     it needs never holds the whole draw (FLASH's 40 layers are ~9 GB even reduced)."""
+    yield from draw(Transformer.tensors(cfg), seed)
+
+
+def draw(tensors, seed: int = 0):
+    """(name, tensor) in checkpoint format of declared tensors ((name, shape, format, std, mean), as the
+    blocks' ``tensors`` give them), drawn in order from one generator seeded ``seed``."""
     g = torch.Generator().manual_seed(seed)
-    for name, shape, fmt, std, mean in Transformer.tensors(cfg):
+    for name, shape, fmt, std, mean in tensors:
         yield from _encode(name, fmt, torch.randn(*shape, generator=g) * std + mean).items()
 
 
@@ -105,7 +111,7 @@ def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tens
         v = block_mxfp8_decode64(t, _codes(scale))
     if key.endswith(".attn.wo_a"):
         v = v.reshape(-1, cfg.o_lora_rank, cfg.o_group_in)
-    return v.double() if v.dim() >= 2 and key != "embed.weight" else v
+    return v.double() if v.dim() >= 2 and not key.endswith("embed.weight") else v   # lookups stay FP32
 
 
 def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -204,9 +204,28 @@ def symlink_leaves_folder(folder):   # a name inside the folder, a file outside 
     return INDEX, "head.weight", "'linked.safetensors', which is outside it"
 
 
+# DSpark's stages (mtp.*) are held to the same rules once any of them is listed
+
+
+def dspark_missing(folder):   # one stage tensor gone while the others are listed: damaged, not "no DSpark"
+    _rewrite(folder, "mtp.1.attn.wkv.scale", None)
+    return INDEX, "mtp.1.attn.wkv.scale", "missing"
+
+
+def dspark_wrong_shape(folder):   # a Markov head of another rank
+    name = "mtp.2.markov_head.head.weight"
+    return _rewrite(folder, name, _tensor(folder, name)[:, :16].contiguous()), name, "shape [512, 32]"
+
+
+def dspark_nan_scale(folder):
+    name = "mtp.0.ffn.experts.3.w2.scale"
+    return _patch_bytes(folder, name, lambda b: b"\xff" + b[1:]), name, "non-finite, first 255"
+
+
 DAMAGES = [missing, extra, wrong_shape, uint8_for_fp8, bf16_for_fp4, truncated, shard_gone, random_bytes,
            nan_scale, config_disagrees, junk_appended, overlapping_offsets, gap_between, metadata_not_string,
-           entry_not_object, index_leaves_folder, index_absolute_path, symlink_leaves_folder]
+           entry_not_object, index_leaves_folder, index_absolute_path, symlink_leaves_folder,
+           dspark_missing, dspark_wrong_shape, dspark_nan_scale]
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=[d.__name__ for d in DAMAGES])
@@ -258,7 +277,9 @@ def test_released_style_config_is_read(tiny_checkpoint):
     """No dsv41 section (engine constants default), draft-layer ratios appended, FLASH round trip."""
     doc = config_json.to_json(config_json.from_json(_config_doc(tiny_checkpoint), "x"))
     del doc["dsv41"]
-    doc["text_config"].update(num_nextn_predict_layers=3, compress_ratios=doc["text_config"]["compress_ratios"] + [0] * 3)
+    # TINY's three DSpark stages are written as the released file lists draft layers: a 0 ratio each
+    assert doc["text_config"]["num_nextn_predict_layers"] == 3
+    assert doc["text_config"]["compress_ratios"] == list(TINY.compress_ratios) + [0] * 3
     del doc["text_config"]["candidate_source_layer_id"]     # defaults to the last KV source
     cfg = config_json.from_json(doc, "folder")
     assert cfg.name == "folder" and cfg.compress_ratios == TINY.compress_ratios and cfg.block_size == 128

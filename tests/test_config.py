@@ -199,6 +199,8 @@ def test_a_layer_prefix_keeps_the_schedule_of_its_layers(n):
     assert cfg.layers == FLASH.layers[:n]              # every layer's mode and sources as in the whole model
     assert cfg.engram_layer_ids == tuple(i for i in FLASH.engram_layer_ids if i < n)
     assert cfg.name == f"flash-L{n}"
+    # DSpark taps the last layers kept (layer 0 repeated when fewer than its three): stage 0 keeps its shape
+    assert cfg.dspark_target_layer_ids == tuple(max(0, i - (40 - n)) for i in (37, 38, 39))
     assert (cfg.hidden_size, cfg.head_dim, cfg.index_topk, cfg.candidate_topk_blocks) == \
         (FLASH.hidden_size, FLASH.head_dim, FLASH.index_topk, FLASH.candidate_topk_blocks)
 
@@ -206,7 +208,9 @@ def test_a_layer_prefix_keeps_the_schedule_of_its_layers(n):
 def test_experts_and_engram_rows_reduce_only_themselves():
     cfg = FLASH.reduced(experts=8, engram_rows=4099)
     assert cfg.name == "flash-E8-R4099"
-    assert replace(cfg, name=FLASH.name, n_routed_experts=384, engram_vocab_size=16000000) == FLASH
+    assert cfg.dspark_n_routed_experts == 8 and cfg.dspark_n_activated_experts == 3   # the drafter's MoE too
+    assert replace(cfg, name=FLASH.name, n_routed_experts=384, engram_vocab_size=16000000,
+                   dspark_n_routed_experts=128) == FLASH
     from dsv41.ops.engram import engram_primes
     primes = [p for ps in engram_primes(cfg).values() for p in ps]
     assert min(primes) == 4099 and len(set(primes)) == len(primes)    # 4099 is prime

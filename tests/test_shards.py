@@ -35,10 +35,10 @@ def _engram_slab(cfg, topo, card, layer) -> tuple[int, int]:
 
 def _expected_bytes(cfg, topo, card) -> int:
     """Bytes this card holds, from the checkpoint specs and the sharding policy written out by hand."""
-    per = cfg.n_routed_experts // topo.ep
     held = 0
     for name, (shape, dtype) in checkpoint_specs(cfg).items():
         n = math.prod(shape) * dtype.itemsize
+        per = (cfg.dspark_n_routed_experts if name.startswith("mtp.") else cfg.n_routed_experts) // topo.ep
         if ".ffn.experts." in name:
             held += n if int(name.split(".")[4]) // per == card else 0
         elif any(s in name for s in (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".attn.attn_sink")) \
@@ -91,10 +91,10 @@ def _old_shard(cfg, topo, card, w):
     """The previous path: decode the whole model, then view this card's runtime slices."""
     r, tp = topo.tp_rank(card), topo.tp
     hl, gl = cfg.num_attention_heads // tp, cfg.o_groups // tp
-    per = cfg.n_routed_experts // topo.ep
     v = cfg.vocab_size // tp
     out = {}
     for k, t in w.items():
+        per = (cfg.dspark_n_routed_experts if k.startswith("mtp.") else cfg.n_routed_experts) // topo.ep
         if ".ffn.experts." in k:
             if int(k.split(".")[4]) // per == card:
                 out[k] = t
@@ -145,7 +145,8 @@ def test_decoded_per_use_equals_whole_decode_and_hand_decode(drawn, card):
         got = mine[k]
         if isinstance(got, RowLookup):   # lookup tables decode only the rows looked up (shard rows)
             first = (card % topo.tp) * (cfg.vocab_size // topo.tp) if k == "embed.weight" else \
-                _engram_slab(cfg, topo, card, int(k.split(".")[1]))[0]
+                0 if k.endswith("markov_head.embed.weight") else \
+                _engram_slab(cfg, topo, card, int(k.split(".")[1]))[0]     # DSpark's Markov table: whole
             assert got.first == first, k
             assert got.shape == old[k].shape and torch.equal(got[ids], old[k][ids]), k
             assert got[ids[:0]].shape == (0, 3, old[k].shape[1])   # an empty slab looks up nothing

@@ -2,7 +2,8 @@
 
 The file follows the released checkpoint: model fields under ``text_config`` with the Hugging Face
 names (``rope_scaling`` holds YaRN, ``engram_pad_id`` the Engram pad, ``compress_ratios`` may carry
-trailing 0s for the draft layers), plus ``quantization_config``. Engine constants (paged-cache block
+trailing 0s for the draft layers, ``num_nextn_predict_layers`` counts DSpark's stages and the
+``dspark_*`` keys describe them), plus ``quantization_config``. Engine constants (paged-cache block
 size, batch and score budgets) are not model math and are absent from released files; test
 checkpoints written here keep theirs under a ``dsv41`` section so they run as their preset does.
 """
@@ -17,7 +18,14 @@ from dsv41.ops.engram import engram_table_rows
 
 FILE = "config.json"
 # ModelConfig field -> text_config key, where the names differ
-RENAMED = {"engram_pad_token_id": "engram_pad_id"}
+RENAMED = {"engram_pad_token_id": "engram_pad_id", "n_mtp_layers": "num_nextn_predict_layers",
+           "dspark_n_activated_experts": "dspark_num_experts_per_tok"}
+# DSpark's fields: present together when num_nextn_predict_layers > 0 and dspark_block_size is set; a
+# file without them (or with draft layers of another kind) has no DSpark
+DSPARK = ("n_mtp_layers", "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+          "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts")
+# the official inference code's name for dspark_num_experts_per_tok, read when that one is absent
+ACTIVATED_ALIAS = "dspark_n_activated_experts"
 ROPE_SCALING = ("rope_factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
 ENGINE = ("block_size", "state_capacity", "max_batch_per_dp", "decode_rows_per_request", "prefill_max_tokens",
           "index_score_budget_bytes", "index_score_leaf")
@@ -28,7 +36,7 @@ QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [32, 32]}
 
 
 def _model_fields() -> list[str]:
-    skip = set(ROPE_SCALING) | set(ENGINE) | {"name", "mx_group", "extra"}
+    skip = set(ROPE_SCALING) | set(ENGINE) | set(DSPARK) | {"name", "mx_group", "extra"}
     return [f.name for f in fields(ModelConfig) if f.name not in skip]
 
 
@@ -39,7 +47,12 @@ def to_json(cfg: ModelConfig) -> dict:
                             "beta_slow": cfg.beta_slow,
                             "original_max_position_embeddings": cfg.original_max_position_embeddings}
     text["engram_num_embeddings"] = [engram_table_rows(cfg, layer) for layer in cfg.engram_layer_ids]
-    text["num_nextn_predict_layers"] = 0
+    text["num_nextn_predict_layers"] = cfg.n_mtp_layers
+    if cfg.dspark:
+        # the released file lists a ratio per draft layer too: 0, window-only attention
+        text["compress_ratios"] = text["compress_ratios"] + [0] * cfg.n_mtp_layers
+        text.update({RENAMED.get(k, k): list(v) if isinstance(v, tuple) else v
+                     for k, v in ((k, getattr(cfg, k)) for k in DSPARK[1:])})
     text.update(ASSUMED)
     return {"model_type": "deepseek_v41", "text_config": text, "quantization_config": dict(QUANTIZATION),
             "dsv41": {"name": cfg.name, **{k: getattr(cfg, k) for k in ENGINE}}}
@@ -81,6 +94,22 @@ def _kind(name: str):
     return {"int": int, "float": float}.get(hint, tuple)
 
 
+def _dspark_values(text: dict, draft: int) -> dict:
+    """DSpark's fields from text_config: all of them when it has draft layers and a DSpark block, else
+    none (n_mtp_layers 0: no DSpark)."""
+    if draft <= 0 or "dspark_block_size" not in text:
+        return {"n_mtp_layers": 0}
+    values = {"n_mtp_layers": draft}
+    for field in DSPARK[1:]:
+        key = RENAMED.get(field, field)
+        if key not in text and field == "dspark_n_activated_experts" and ACTIVATED_ALIAS in text:
+            key = ACTIVATED_ALIAS
+        if key not in text:
+            _fail(f"text_config.{key}", "present (the file declares DSpark: dspark_block_size)", "missing")
+        values[field] = _typed(f"text_config.{key}", text[key], _kind(field))
+    return values
+
+
 def from_json(doc, name: str) -> ModelConfig:
     """A validated ModelConfig; the first missing, mistyped or inconsistent field raises
     CheckpointError naming it."""
@@ -110,7 +139,9 @@ def from_json(doc, name: str) -> ModelConfig:
             _fail(f"text_config.rope_scaling.{key}", "present", "missing")
         values[field] = _typed(f"text_config.rope_scaling.{key}", scaling[key], _kind(field))
     n = values["num_hidden_layers"]
-    ratios, draft = values["compress_ratios"], text.get("num_nextn_predict_layers", 0)
+    draft = _typed("text_config.num_nextn_predict_layers", text.get("num_nextn_predict_layers", 0), int)
+    values.update(_dspark_values(text, draft))
+    ratios = values["compress_ratios"]
     if len(ratios) > n and (len(ratios) > n + draft or any(ratios[n:])):
         _fail("text_config.compress_ratios", f"{n} ratios plus at most num_nextn_predict_layers={draft} "
               "trailing 0s", list(ratios))

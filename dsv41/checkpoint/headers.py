@@ -7,12 +7,16 @@ path, no ``..``, no symlink that leads out), and each shard's header must descri
 exactly: entries are objects, ``__metadata__`` maps strings to strings, and the data offsets tile
 the region with no gap, no overlap and nothing after the last tensor (safetensors' own rule).
 Tensors of parts this project does not serve (the image-token gate bias, draft layers numbered
-past the backbone, the draft/vision modules, ``hc_head``) are recognised and skipped. The first problem raises ``CheckpointError``.
+past the backbone, the vision modules, ``hc_head``) are recognised and skipped. DSpark's stages
+(``mtp.S.*``) are validated like any tensor when the config declares DSpark and the index lists
+them; an index listing none of them serves the backbone alone (``dspark_listed`` tells which). The
+first problem raises ``CheckpointError``.
 """
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +28,10 @@ from dsv41.weights import checkpoint_specs
 INDEX = "model.safetensors.index.json"
 DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
           torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8"}
-_OUT_OF_SCOPE_MODULES = ("mtp.", "vision.", "aligner.", "hc_head")
+_OUT_OF_SCOPE_MODULES = ("vision.", "aligner.", "hc_head")
+# a DSpark stage's parts the official forward does not read: references to the shared embedding and
+# LM head, and a final-collapse module (the stage collapses with its pre mix)
+_DSPARK_UNREAD = re.compile(r"mtp\.\d+\.(embed\.|head\.|hc_head)")
 
 
 def fail(file, tensor: str | None, expected, found):
@@ -36,7 +43,15 @@ def out_of_scope(name: str, cfg: ModelConfig) -> bool:
     layer = re.match(r"layers\.(\d+)\.", name)
     if layer:
         return int(layer.group(1)) >= cfg.num_hidden_layers or name.endswith(".gate.bias_vl")
+    if name.startswith("mtp."):
+        # without DSpark in the config, draft modules of any kind are not served
+        return not cfg.dspark or bool(_DSPARK_UNREAD.match(name))
     return name.startswith(_OUT_OF_SCOPE_MODULES)
+
+
+def dspark_listed(weight_map: dict, cfg: ModelConfig) -> bool:
+    """Whether the index lists DSpark's stages (any ``mtp.*`` tensor the config implies)."""
+    return cfg.dspark and any(n.startswith("mtp.") and not _DSPARK_UNREAD.match(n) for n in weight_map)
 
 
 def read_index(folder: Path) -> dict[str, str]:
@@ -126,9 +141,11 @@ def _check_coverage(file: str, header: dict, data_bytes: int) -> None:
 
 
 def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
-    """Tensor name -> shard file of every tensor served, in layout order, after checking them all."""
+    """Tensor name -> shard file of every tensor served, in layout order, after checking them all.
+    With DSpark in ``cfg`` but no ``mtp.*`` tensor listed, the backbone's alone (served without DSpark);
+    with some listed, every one the config implies must be there."""
     weight_map = read_index(folder)
-    specs = checkpoint_specs(cfg)
+    specs = checkpoint_specs(cfg if dspark_listed(weight_map, cfg) else without_dspark(cfg))
     for name in specs:
         if name not in weight_map:
             fail(INDEX, name, "listed (the config implies it)", "missing")
@@ -158,3 +175,8 @@ def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
             if end - begin != want:
                 fail(file, name, f"{want} data bytes", f"{end - begin}")
     return served
+
+
+def without_dspark(cfg: ModelConfig) -> ModelConfig:
+    """The config served when the checkpoint has no DSpark stages: the backbone alone."""
+    return replace(cfg, n_mtp_layers=0) if cfg.dspark else cfg

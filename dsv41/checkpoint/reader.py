@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from dsv41.checkpoint import config_json
 from dsv41.checkpoint.errors import CheckpointError
-from dsv41.checkpoint.headers import DTYPES, check_headers, fail
+from dsv41.checkpoint.headers import DTYPES, INDEX, check_headers, fail, without_dspark
 from dsv41.checkpoint.text import TextCodec
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
@@ -38,12 +38,32 @@ def _bad_values(t: torch.Tensor) -> tuple[torch.Tensor, str] | None:
 
 
 class Checkpoint:
-    """Served tensors of one validated folder. Pickles without its open files (workers reopen)."""
+    """Served tensors of one validated folder. Pickles without its open files (workers reopen).
+    ``cfg`` is the config served: config.json's, less DSpark when the folder has no ``mtp.*`` tensors
+    (``declared`` keeps config.json's own)."""
 
-    def __init__(self, path: Path, cfg: ModelConfig, files: dict[str, str], token_map: torch.Tensor):
+    def __init__(self, path: Path, cfg: ModelConfig, files: dict[str, str], token_map: torch.Tensor,
+                 declared: ModelConfig | None = None):
         self.path, self.cfg, self.files, self.token_map = path, cfg, files, token_map
+        self.declared = declared or cfg
         self._open: dict[str, object] = {}
         self._maps: dict[str, tuple] = {}
+
+    @property
+    def has_dspark(self) -> bool:
+        """Whether DSpark's draft stages are served (config.json declares them and the folder has them)."""
+        return self.cfg.dspark
+
+    def require_dspark(self) -> None:
+        """CheckpointError, one line saying what is missing, unless DSpark's stages are served."""
+        if self.has_dspark:
+            return
+        if self.declared.dspark:
+            found = (f"no mtp.* tensors in {INDEX} (config.json declares {self.declared.n_mtp_layers} stages): "
+                     "it serves the backbone alone")
+        else:
+            found = "none declared (config.json: no num_nextn_predict_layers with dspark_block_size)"
+        raise CheckpointError(f"{self.path}: expected DSpark draft stages (mtp.*) for DSpark drafting, found {found}")
 
     def __getstate__(self):
         return {**self.__dict__, "_open": {}, "_maps": {}}
@@ -119,8 +139,9 @@ def read_config(path) -> ModelConfig:
 def open_checkpoint(path) -> Checkpoint:
     """Validate a folder in the released layout (spec 03 §8); raises CheckpointError."""
     path = Path(path)
-    cfg = read_config(path)
-    files = check_headers(path, cfg)
+    declared = read_config(path)
+    files = check_headers(path, declared)
+    cfg = declared if any(n.startswith("mtp.") for n in files) else without_dspark(declared)
     codec = TextCodec.load(path)
     try:
         token_map, compressed = build_token_map(codec.tokenizer, cfg.vocab_size, cfg.engram_pad_token_id)
@@ -129,4 +150,4 @@ def open_checkpoint(path) -> Checkpoint:
     if compressed != cfg.engram_compressed_vocab_size:
         raise CheckpointError(f"{path / 'tokenizer.json'}: expected config.json's engram_compressed_vocab_size="
                               f"{cfg.engram_compressed_vocab_size} compressed token ids, found {compressed}")
-    return Checkpoint(path, cfg, files, token_map)
+    return Checkpoint(path, cfg, files, token_map, declared)

@@ -22,6 +22,7 @@ Engram tables), as ``dsv41.plan.sizing`` sizes it:
 | wo_b columns                              | its TP rank's groups' input columns            |
 | embed.weight and head.weight rows         | its TP rank's vocabulary shard                 |
 | Engram tables (payload + scale rows)      | its EP slab of the rows (``ops.engram.table_slab``) |
+| DSpark stages ``mtp.S.*``                 | as the backbone blocks' (own expert count); Markov tables whole |
 | everything else                           | the whole tensor                               |
 
 A sharded lookup table is a ``RowLookup`` that knows its first row; the graph looks up every card's
@@ -77,7 +78,7 @@ def card_index(cfg: ModelConfig, topo: Topology, card: int, name: str) -> tuple 
     base, _, part = name.rpartition(".")
     div = g if part == "scale" else 1
     if ".ffn.experts." in name:
-        per = cfg.n_routed_experts // topo.ep
+        per = cfg.routed_experts_of(name) // topo.ep
         return () if int(name.split(".ffn.experts.")[1].split(".")[0]) // per == card else None
     r, tp = topo.tp_rank(card), topo.tp
     hl, gl = cfg.num_attention_heads // tp, cfg.o_groups // tp
@@ -139,7 +140,7 @@ class RowLookup:
 
 
 def _is_lookup(key: str) -> bool:
-    return key == "embed.weight" or key.endswith(".engram.embed")
+    return key.endswith(("embed.weight", ".engram.embed"))    # embed, DSpark's Markov embedding, Engram
 
 
 class CardWeights(Mapping):

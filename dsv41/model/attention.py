@@ -22,6 +22,20 @@ from dsv41.ops.projections import kv_proj, q_proj
 from dsv41.ops.rope import COMPRESSED, apply_rope, profile_for
 
 
+def projection_tensors(cfg: ModelConfig, prefix: str):
+    """The Q/KV/output projections, norms and sinks every attention has (a DSpark stage's too)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    o_in = cfg.o_groups * cfg.o_lora_rank
+    yield prefix + "wq_a", (cfg.q_lora_rank, d), "fp8", d ** -0.5, 0.0
+    yield prefix + "wq_b", (cfg.num_attention_heads * hd, cfg.q_lora_rank), "fp8", cfg.q_lora_rank ** -0.5, 0.0
+    yield prefix + "wkv", (hd, d), "fp8", d ** -0.5, 0.0
+    yield prefix + "wo_a", (o_in, cfg.o_group_in), "fp8", cfg.o_group_in ** -0.5, 0.0
+    yield prefix + "wo_b", (d, o_in), "fp8", o_in ** -0.5, 0.0
+    yield prefix + "q_norm.weight", (cfg.q_lora_rank,), "bf16", 0.05, 1.0
+    yield prefix + "kv_norm.weight", (hd,), "bf16", 0.05, 1.0
+    yield prefix + "attn_sink", (cfg.num_attention_heads,), "f32", 1.0, 0.0
+
+
 class Attention:
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, weights):
         self.cfg, self.spec, self.weights = cfg, spec, weights
@@ -38,15 +52,7 @@ class Attention:
     def tensors(cfg: ModelConfig, spec: LayerSpec):
         """(name, logical shape, format, std, mean) of the block's checkpoint tensors, in drawing order."""
         d, hd, k = cfg.hidden_size, cfg.head_dim, lambda n: Attention.key(spec.layer, n)
-        o_in = cfg.o_groups * cfg.o_lora_rank
-        yield k("wq_a"), (cfg.q_lora_rank, d), "fp8", d ** -0.5, 0.0
-        yield k("wq_b"), (cfg.num_attention_heads * hd, cfg.q_lora_rank), "fp8", cfg.q_lora_rank ** -0.5, 0.0
-        yield k("wkv"), (hd, d), "fp8", d ** -0.5, 0.0
-        yield k("wo_a"), (o_in, cfg.o_group_in), "fp8", cfg.o_group_in ** -0.5, 0.0
-        yield k("wo_b"), (d, o_in), "fp8", o_in ** -0.5, 0.0
-        yield k("q_norm.weight"), (cfg.q_lora_rank,), "bf16", 0.05, 1.0
-        yield k("kv_norm.weight"), (hd,), "bf16", 0.05, 1.0
-        yield k("attn_sink"), (cfg.num_attention_heads,), "f32", 1.0, 0.0
+        yield from projection_tensors(cfg, Attention.key(spec.layer, ""))
         if spec.mode == FULL:
             yield k("compressor.wkv.weight"), (hd, d), "bf16", d ** -0.5, 0.0
             if spec.ratio == 2:

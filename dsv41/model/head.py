@@ -28,16 +28,7 @@ class Head:
 
     def logits(self, hidden, logit_rows) -> torch.Tensor:
         """FP32 logits of the selected rows over this card's vocabulary rows (all of them at TP=1)."""
-        rows = select_rows(hidden, logit_rows)
-        blocks = getattr(self.weights, "row_blocks", None)     # weights decoded per use decode a block at a time
-        if blocks is None:
-            return logits_shard(rows, self.weights[self.HEAD])
-        # FP64 accumulation makes each logit independent of the block it is computed in
-        parts = []
-        for w in blocks(self.HEAD, self.VOCAB_BLOCK):
-            parts.append(logits_shard(rows, w))
-            del w   # before the next block decodes: one block in FP64 at a time, not two (a 671 MB FLASH block)
-        return torch.cat(parts, dim=1)
+        return vocab_logits(self.weights, self.HEAD, select_rows(hidden, logit_rows))
 
     @staticmethod
     def tokens(logits, step) -> Accepted:
@@ -50,3 +41,17 @@ class Head:
         if step.draft_probs is not None:
             decided, logprobs = sampled_rule(logits, step.draws, step.fed, step.proposed, step.draft_probs, logprobs)
         return accept(ids, logprobs, step.fed, step.proposed, step.md.num_tokens, decided)
+
+
+def vocab_logits(weights, key: str, rows) -> torch.Tensor:
+    """FP32 rows x weights[key]^T over a vocabulary-row matrix (the LM head, DSpark's Markov head),
+    decoded ``Head.VOCAB_BLOCK`` rows at a time where the weights decode per use."""
+    blocks = getattr(weights, "row_blocks", None)
+    if blocks is None:
+        return logits_shard(rows, weights[key])
+    # FP64 accumulation makes each logit independent of the block it is computed in
+    parts = []
+    for w in blocks(key, Head.VOCAB_BLOCK):
+        parts.append(logits_shard(rows, w))
+        del w   # before the next block decodes: one block in FP64 at a time, not two (a 671 MB FLASH block)
+    return torch.cat(parts, dim=1)

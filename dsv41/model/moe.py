@@ -8,8 +8,13 @@ from dsv41.ops.moe import combine, dispatch_rows, expert, experts_grouped, route
 
 
 class MoE:
-    def __init__(self, cfg: ModelConfig, layer: int, weights):
+    def __init__(self, cfg: ModelConfig, layer: int, weights, block: str | None = None):
+        """block: the weight-name prefix of the block (``layers.L.`` unless given); a DSpark stage's
+        (``mtp.S.``) routes to its own dspark_n_routed_experts, top dspark_n_activated_experts."""
         self.cfg, self.layer, self.weights = cfg, layer, weights
+        self.prefix = f"{block}ffn." if block is not None else self.key(layer, "")
+        self.n_experts = cfg.routed_experts_of(self.prefix)
+        self.top_k = cfg.dspark_n_activated_experts if self.prefix.startswith("mtp.") else cfg.num_experts_per_tok
 
     @staticmethod
     def key(layer: int, name: str) -> str:
@@ -20,17 +25,22 @@ class MoE:
         return MoE.key(layer, f"experts.{e}.{name}")
 
     def w(self, name: str) -> torch.Tensor:
-        return self.weights[self.key(self.layer, name)]
+        return self.weights[self.prefix + name]
+
+    def _expert(self, e: int, name: str) -> torch.Tensor:
+        return self.weights[f"{self.prefix}experts.{e}.{name}"]
 
     @staticmethod
-    def tensors(cfg: ModelConfig, layer: int):
-        d, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, lambda n: MoE.key(layer, n)
-        yield k("gate.weight"), (cfg.n_routed_experts, d), "bf16", d ** -0.5, 0.0
-        yield k("gate.bias"), (cfg.n_routed_experts,), "f32", 0.1, 0.0
-        for e in range(cfg.n_routed_experts):
-            yield MoE.expert_key(layer, e, "w1"), (inter, d), "fp4", d ** -0.5, 0.0
-            yield MoE.expert_key(layer, e, "w2"), (d, inter), "fp4", inter ** -0.5, 0.0
-            yield MoE.expert_key(layer, e, "w3"), (inter, d), "fp4", d ** -0.5, 0.0
+    def tensors(cfg: ModelConfig, layer: int, block: str | None = None):
+        prefix = f"{block}ffn." if block is not None else MoE.key(layer, "")
+        n = cfg.routed_experts_of(prefix)
+        d, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, lambda name: prefix + name
+        yield k("gate.weight"), (n, d), "bf16", d ** -0.5, 0.0
+        yield k("gate.bias"), (n,), "f32", 0.1, 0.0
+        for e in range(n):
+            yield k(f"experts.{e}.w1"), (inter, d), "fp4", d ** -0.5, 0.0
+            yield k(f"experts.{e}.w2"), (d, inter), "fp4", inter ** -0.5, 0.0
+            yield k(f"experts.{e}.w3"), (inter, d), "fp4", d ** -0.5, 0.0
         yield k("shared_experts.w1"), (inter, d), "fp8", d ** -0.5, 0.0
         yield k("shared_experts.w2"), (d, inter), "fp8", inter ** -0.5, 0.0
         yield k("shared_experts.w3"), (inter, d), "fp8", d ** -0.5, 0.0
@@ -38,7 +48,7 @@ class MoE:
     def gate(self, x):
         """(expert indices [T, k], routing weights [T, k])."""
         cfg = self.cfg
-        return route(x, self.w("gate.weight"), self.w("gate.bias"), cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        return route(x, self.w("gate.weight"), self.w("gate.bias"), self.top_k, cfg.routed_scaling_factor)
 
     def shared(self, x):
         w = lambda n: self.w(f"shared_experts.{n}")
@@ -46,7 +56,7 @@ class MoE:
 
     def routed(self, x, indices, weights, expert_ids) -> dict:
         """Outputs of the given experts for their dispatched rows: expert id -> (rows, BF16 [n, D])."""
-        w = lambda e, n: self.weights[self.expert_key(self.layer, e, n)]
+        w = self._expert
         return {e: (rows, expert(x[rows], w(e, "w1"), w(e, "w2"), w(e, "w3"), self.cfg.swiglu_limit,
                                  weights[rows, slots]))
                 for e, (rows, slots) in dispatch_rows(indices, expert_ids).items()}
@@ -54,9 +64,9 @@ class MoE:
     def grouped(self, x, weight, experts: list[int], counts: list[int]):
         """Rows sorted by expert (``counts`` per expert) through their experts in one pass."""
         return experts_grouped(x, weight, experts, counts,
-                               lambda e, name: self.weights[self.expert_key(self.layer, e, name)],
+                               self._expert,
                                self.cfg.swiglu_limit)
 
     def forward(self, x) -> torch.Tensor:
         indices, weights = self.gate(x)
-        return combine(self.routed(x, indices, weights, range(self.cfg.n_routed_experts)), self.shared(x))
+        return combine(self.routed(x, indices, weights, range(self.n_experts)), self.shared(x))

@@ -1,11 +1,13 @@
 """The whole model on one process: embedding, 40 blocks, head. ``Transformer.forward`` is the
-reference forward (prefill, decode and verify steps alike: rows are packed per request, causal)."""
+reference forward (prefill, decode and verify steps alike: rows are packed per request, causal). The
+DSpark stages' tensors are declared (drawn) after the backbone's, so they leave its draws unchanged."""
 from __future__ import annotations
 
 import torch
 
 from dsv41.config import LayerSpec, ModelConfig
 from dsv41.model.attention import Attention
+from dsv41.model.dspark import DSpark
 from dsv41.model.embedding import Embedding, Engram
 from dsv41.model.finite import ATTN, FFN, ensure_finite
 from dsv41.model.head import Head
@@ -48,11 +50,13 @@ class Block:
         """The RMSNorm before the site's sub-layer."""
         return rms_norm(x, self.weights[self.norm_key(self.layer, site)], self.cfg.rms_norm_eps)
 
-    def forward(self, x, pre, caches, md, rope, selections: dict, hash_ids, opts: Options):
+    def forward(self, x, pre, caches, md, rope, selections: dict, hash_ids, opts: Options, taps: dict | None = None):
         """(stream after the layer, its FFN site's pre mix: the next collapse's); NonFiniteError when
-        either site hands on NaN/Inf."""
+        either site hands on NaN/Inf. ``taps``: where a DSpark target layer records its tap."""
         if self.engram is not None:
             x = self.engram.forward(x, hash_ids[self.layer])
+        if taps is not None and self.layer in self.cfg.dspark_target_layer_ids:
+            taps[self.layer] = DSpark.tap(x)
         a, f = self.sites["attn"], self.sites["ffn"]
         a_pre, a_post, a_comb = a.mixes(x)
         h = a.post(self.attn.forward(caches, md, self.norm("attn", a.pre(x, pre)), rope, selections, opts),
@@ -77,10 +81,13 @@ class Transformer:
         yield from Head.tensors(cfg)
         for spec in cfg.layers:
             yield from Block.tensors(cfg, spec)
+        yield from DSpark.tensors(cfg)
 
-    def forward(self, caches, tables: dict, step, opts: Options = Options()) -> torch.Tensor:
+    def forward(self, caches, tables: dict, step, opts: Options = Options(), taps: dict | None = None) -> torch.Tensor:
         """FP32 logits [R, vocab] of the step's logit rows (each request's last row, every row of a
-        draft block); cache writes are staged in ``caches``."""
+        draft block); cache writes are staged in ``caches``. ``taps``, when given, receives each DSpark
+        target layer's tap (``DSpark.tap``: [rows, D] of the rows that layer ran, all of the step's rows
+        unless bounded replay cut them) by layer id."""
         cfg, md = self.cfg, step.md
         rope = rope_rows(tables, md, cfg)
         x = self.embed.forward(step.input_ids)
@@ -93,7 +100,7 @@ class Transformer:
                 x, pre = x[rows], pre[rows]
                 rope = {k: (c[rows], s[rows]) for k, (c, s) in rope.items()}
                 selections = {k: v[rows] for k, v in selections.items()}
-            x, pre = block.forward(x, pre, caches, md, rope, selections, step.hash_ids, opts)
+            x, pre = block.forward(x, pre, caches, md, rope, selections, step.hash_ids, opts, taps)
         hidden = self.head.norm(HyperSite.head(x, pre))
         # a replayed prefill re-lowers md (and its last rows); a verify step's rows are the step's own
         return self.head.logits(hidden, step.logit_rows if step.verifies else md.logit_row_indices)

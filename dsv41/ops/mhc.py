@@ -59,3 +59,10 @@ def initial_pre(t: int, hc: int) -> torch.Tensor:
 def hc_head(x_hc: torch.Tensor, last_pre: torch.Tensor) -> torch.Tensor:
     """Final collapse: no learned parameters in V4.1, just the last delayed pre mix."""
     return hc_pre(x_hc, last_pre)
+
+
+def lane_mean(x_hc: torch.Tensor) -> torch.Tensor:
+    """The mean of the lanes [T, hc, D] -> [T, D] BF16 (DSpark's tap of a layer's input stream). The
+    lanes hold BF16 values, so their FP64 sum is exact: one rounding to FP32, the division by hc
+    (a power of two) exact, then BF16."""
+    return round_bf16(x_hc.double().sum(1).float() / x_hc.shape[1])

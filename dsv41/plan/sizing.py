@@ -10,6 +10,8 @@ FP4 experts + scales, BF16 dense, FP32 mHC/bias/sinks). Sharding policy per card
 | wq_b rows, wo_a groups, wo_b columns, sinks    | 1/TP (head-parallel attention, as state.py)     |
 | head and embed (vocab rows)                    | 1/TP (vocab-parallel, like DeepSeek's inference |
 |                                                | ParallelEmbedding / ColumnParallelLinear head)  |
+| DSpark stages (mtp.S.*)                        | as the backbone blocks (experts: the stages'    |
+|                                                | own count / EP); Markov tables replicated       |
 | everything else                                | replicated                                      |
 
 The graph serves the two sharded lookups by summing every shard's share (-0.0 outside it): the TP
@@ -30,7 +32,7 @@ from dsv41.model.head import Head
 from dsv41.ops import kv_cache
 from dsv41.weights import checkpoint_specs, runtime_key
 
-WEIGHT_KINDS = ("routed_experts", "engram_tables", "fp8_linears", "dense", "embed_head")
+WEIGHT_KINDS = ("routed_experts", "engram_tables", "fp8_linears", "dense", "embed_head", "dspark")
 CACHE_KINDS = ("window", "compressed", "index", "ring")
 _TP_SPLIT = (".attn.wq_b", ".attn.wo_a", ".attn.wo_b", ".attn.attn_sink")
 
@@ -42,6 +44,8 @@ def state_key(name: str, specs: dict) -> str:
 
 
 def _kind(name: str, key: str) -> str:
+    if name.startswith("mtp."):      # the drafter's stages, apart: the backbone's figures stay the seed's
+        return "dspark"
     if ".ffn.experts." in name:
         return "routed_experts"
     if ".engram.embed." in name:
@@ -54,7 +58,7 @@ def _kind(name: str, key: str) -> str:
 def _held(name: str, nbytes_: int, cfg, topo, card: int) -> int:
     """Bytes of one checkpoint tensor this card holds under the sharding policy."""
     if ".ffn.experts." in name:
-        per = cfg.n_routed_experts // topo.ep
+        per = cfg.routed_experts_of(name) // topo.ep
         return nbytes_ if int(name.split(".ffn.experts.")[1].split(".")[0]) // per == card else 0
     if ".engram.embed." in name:
         return nbytes_ // topo.ep
@@ -78,7 +82,8 @@ def _decoded_at_once(cfg, key: str, values: int) -> int:
     return min(values, Head.VOCAB_BLOCK * cfg.hidden_size) if key == Head.HEAD else values
 
 
-_LOOKED_UP = ("embed.weight",)   # read a row at a time (as the Engram tables), never decoded whole
+# read a row at a time (as the Engram tables), never decoded whole: the embedding, DSpark's Markov embedding
+_LOOKED_UP = ("embed.weight", "markov_head.embed.weight")
 
 
 @lru_cache(maxsize=64)
@@ -93,7 +98,7 @@ def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int], d
             key = state_key(name, specs)
             by_key[key] += held
             by_kind[_kind(name, key)] += held
-            if dtype in _DECODED and key not in _LOOKED_UP and _kind(name, key) != "engram_tables":
+            if dtype in _DECODED and not key.endswith(_LOOKED_UP) and _kind(name, key) != "engram_tables":
                 fmt, per_byte = _DECODED[dtype]
                 n = int(held * per_byte)
                 values[key] = (fmt, n, _decoded_at_once(cfg, key, n))
