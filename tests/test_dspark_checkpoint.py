@@ -71,6 +71,10 @@ def test_a_folder_without_stages_serves_the_backbone_and_refuses_dspark_in_one_l
     assert "found no mtp.* tensors in model.safetensors.index.json (config.json declares 3 stages)" in line
     # plain generation is the same with or without the stages in the folder
     assert _logits_sha(capsys, folder) == _logits_sha(capsys, tiny_checkpoint)
+    # and the command line refuses DSpark drafting on it in one line, exit status 2
+    assert main(["--checkpoint", str(folder), "--prompt", "the river", "--speculative", "dspark"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "expected DSpark draft stages (mtp.*)" in err and "Traceback" not in err
 
 
 def test_stages_a_config_does_not_declare_are_skipped(tiny_checkpoint, tmp_path):

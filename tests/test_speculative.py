@@ -12,6 +12,7 @@ from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import TINY, Topology
 from dsv41.engine.drafters import Drafter, NgramDrafter, OracleDrafter
+from dsv41.engine.dspark import DSparkDrafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.model import caches as cache
 from dsv41.ops.sampling import SamplingParams
@@ -90,6 +91,44 @@ def check_layout(engine, full: bool):
     assert sampled[0] != plain[0]                      # the draws are not greedy
     assert_same(sampled, generate(engine, OracleDrafter(Policy(sampled[0], PREFIXES)), SAMPLED))
     assert engine.blocks_in_use()[0] == 0              # every request released
+
+
+def check_dspark(engine, other):
+    """DSpark drafting: greedy tokens and logits equal plain generation; seeded sampling (the
+    speculative-sampling rule over the stages' draft distribution) equal on both engines."""
+    plain = generate(engine)
+    spec = generate(engine, DSparkDrafter(engine, engine.host_weights()))
+    assert_same(plain, spec)
+    assert spec[2].spec.drafted > 0
+    a = generate(engine, DSparkDrafter(engine, engine.host_weights()), SAMPLED)
+    b = generate(other, DSparkDrafter(other, other.host_weights()), SAMPLED)
+    assert_same(a, b)
+    assert a[2].spec.drafted > 0
+
+
+def test_dspark_drafts_on_the_reference_and_the_graph():
+    ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
+    graph = GraphEngine(TINY, Topology(2, 2, 4), seed=0, executor="threads", max_batch=4, max_context=CTX)
+    try:
+        check_dspark(ref, graph)
+        plain = generate(graph)
+        assert_same(plain, generate(graph, DSparkDrafter(graph, graph.host_weights(), k=3, confidence=0.5)))
+    finally:
+        graph.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("executor,topo,wiring", [
+    ("sync", Topology(1, 1, 1), "sharded"), ("distributed", Topology(2, 2, 4), "sharded"),
+    ("threads", Topology(4, 1, 4), "sharded"), ("threads", Topology(4, 1, 4), "replicated")])
+def test_dspark_drafts_on_every_layout(executor, topo, wiring):
+    ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
+    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=4, max_context=CTX)
+    try:
+        check_dspark(engine, ref)
+    finally:
+        engine.close()
 
 
 def test_reference_speculative_equals_plain():

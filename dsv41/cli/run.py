@@ -199,6 +199,11 @@ def run(args) -> int:
             return _refuse(e, args)
         except OSError as e:      # a file of the folder that cannot be read (permissions)
             return _refuse(rules.unreadable(e), args)
+        if args.speculative == "dspark":
+            try:
+                ckpt.require_dspark()
+            except CheckpointError as e:
+                return _refuse(e, args)
     cfg = rules.preset(args) if ckpt is None else ckpt.cfg
     topo = topology(args)
     progress = Progress(args.json)
@@ -308,7 +313,7 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
     for j, job in enumerate(jobs):
         job.say, job.index = (progress.say if codec is not None and n else None), j
         job.eos = codec.eos_id if codec is not None else None
-    sched = Scheduler(engine, speculative.drafter(args), keep_logits=True, context=context)
+    sched = Scheduler(engine, speculative.drafter(args, engine), keep_logits=True, context=context)
     for job in jobs:
         sched.add(job)
     done = Steps(tokens=[[] for _ in prompts])

@@ -130,6 +130,8 @@ def serve(args) -> int:
     if args.checkpoint is not None:
         from dsv41.checkpoint.reader import open_checkpoint
         ckpt = open_checkpoint(args.checkpoint)
+        if args.speculative == "dspark":
+            ckpt.require_dspark()            # a CheckpointError: one line, exit 2
     cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
     progress = Progress(json_mode=True)       # every line to stderr
     engine = run.make_engine(args, cfg, topology(args), progress, ckpt)
@@ -138,7 +140,7 @@ def serve(args) -> int:
                     vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes)
     metrics = Metrics()
     batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, cfg.prefill_max_tokens,
-                      speculative.drafter(args))
+                      speculative.drafter(args, engine))
     batcher.start()
     try:
         server = Server(batcher, args.codec, name, limits, metrics)

@@ -3,7 +3,7 @@ their flags, their rows of the command line's rules (``dsv41.cli.args``) and the
 from __future__ import annotations
 
 from dsv41.cli.modes import PLAN, RUN
-from dsv41.engine.drafters import DRAFTERS, NGRAM, NgramDrafter
+from dsv41.engine.drafters import DRAFTERS, DSPARK, NGRAM, NgramDrafter
 
 DEFAULT_DRAFTS = 5           # the seed's decode ABI: 1 target row + 5 draft rows per sequence
 DEFAULT_NGRAM = (1, 3)
@@ -13,10 +13,13 @@ def add_arguments(g):
     g.add_argument("--speculative", choices=DRAFTERS, default=None,
                    help="decode steps verify drafted tokens and keep the accepted prefix (the same tokens as "
                         "without; fewer steps when drafts are accepted). ngram: prompt lookup in the request's "
-                        "own tokens")
+                        "own tokens; dspark: the model's own DSpark stages (mtp.*), fed by the verify step")
     g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
                    help=f"with --speculative: tokens proposed per request and step (default: {DEFAULT_DRAFTS}); "
                         "--plan: draft rows per request of the decode step (0: plain decode; default: the config's)")
+    g.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
+                   help="with --speculative dspark: a block ends at the first draft whose confidence is below C "
+                        "(default: off)")
     g.add_argument("--ngram-min", type=int, default=DEFAULT_NGRAM[0], metavar="N",
                    help="with --speculative ngram: the shortest suffix matched (default: %(default)s)")
     g.add_argument("--ngram-max", type=int, default=DEFAULT_NGRAM[1], metavar="N",
@@ -34,6 +37,7 @@ APPLIES = {
                             lambda a: a.graph == "decode")),
     "--draft-tokens": (RUN | {PLAN}, ("needs --speculative (or --plan)", lambda a: _speculating(a) or a.plan)),
     "--ngram-min": (RUN, NEEDS_NGRAM),
+    "--confidence-threshold": (RUN, ("needs --speculative dspark", lambda a: a.speculative == DSPARK)),
     "--ngram-max": (RUN, NEEDS_NGRAM),
 }
 
@@ -57,11 +61,29 @@ def _ngram_max(a, cfg):
         return f"must be >= --ngram-min {a.ngram_min}, got {a.ngram_max}"
 
 
-CHECKS = [("--draft-tokens", _draft_tokens), ("--ngram-min", _ngram_min), ("--ngram-max", _ngram_max)]
+def _speculative(a, cfg):
+    if a.speculative != DSPARK:
+        return None
+    if not cfg.dspark:
+        return f"dspark needs a model with DSpark stages; {cfg.name} has none (n_mtp_layers 0)"
+    if getattr(a, "context", None):
+        return "dspark does not go with --context: a drawn history has no taps to seed the drafter with"
 
 
-def drafter(a):
+def _confidence(a, cfg):
+    if a.confidence_threshold is not None and not 0.0 <= a.confidence_threshold <= 1.0:
+        return f"must be in [0, 1], got {a.confidence_threshold:g}"
+
+
+CHECKS = [("--speculative", _speculative), ("--draft-tokens", _draft_tokens), ("--ngram-min", _ngram_min),
+          ("--ngram-max", _ngram_max), ("--confidence-threshold", _confidence)]
+
+
+def drafter(a, engine):
     """The drafter the flags ask for (None: plain decode steps)."""
     if a.speculative == NGRAM:
         return NgramDrafter(DEFAULT_DRAFTS if a.draft_tokens is None else a.draft_tokens, a.ngram_min, a.ngram_max)
+    if a.speculative == DSPARK:
+        from dsv41.engine.dspark import DSparkDrafter
+        return DSparkDrafter(engine, engine.host_weights(), a.draft_tokens, a.confidence_threshold)
     return None

@@ -35,13 +35,13 @@ from dsv41.cluster.recovery import recover
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.routing import Router
 from dsv41.cluster.runtime import NodeError
-from dsv41.checkpoint.shards import card_bytes, return_freed_memory
+from dsv41.checkpoint.shards import DrawnCheckpoint, card_bytes, read_card, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.context import draw_history, fill_caches
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
-from dsv41.graph.build import SHARDED, build, commit_key, feed, head_key, shape, step_outputs
+from dsv41.graph.build import SHARDED, build, commit_key, feed, head_key, shape, step_outputs, tap_key
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
 from dsv41.model.finite import NonFiniteError
 from dsv41.model.options import FULL_PREFILL, Options
@@ -132,6 +132,11 @@ class GraphEngine(Engine):
     @property
     def max_context(self) -> int:
         return self.tables[0].max_context
+
+    def host_weights(self):
+        """The checkpoint's tensors read whole into this process (a drafter running here)."""
+        seed, _, _, _, source, _ = self._state_args
+        return read_card(DrawnCheckpoint(self.cfg, seed) if source is None else source, Topology(1, 1, 1), 0)
 
     def sequence(self, rid: int):
         grp, local = self.router.locate(rid)
@@ -234,10 +239,20 @@ class GraphEngine(Engine):
         spans = [(grp, first[grp][idx], steps[grp].proposed[idx] + 1) for grp, idx in split.placed]
         step = self.step_id
         verified = split.gather({g: s.proposed for g, s in steps.items()})
+        taps = split.gather({g: self._taps(values, g, s) for g, s in steps.items()}) if self.taps else None
         return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, spans)),
                           logprobs if any(x is not None for x in logprobs) else None,
                           verified if any(verified) else None,
-                          list(itertools.accumulate([0] + [n for _, _, n in spans]))[:-1])
+                          list(itertools.accumulate([0] + [n for _, _, n in spans]))[:-1], taps)
+
+    def _taps(self, values: dict, grp: int, step) -> list[dict]:
+        """Per request of a group, {target layer: its rows' taps}: the cards' slabs in rank order
+        (sharded), or any one card's rows (replicated)."""
+        cards = self.topo.group_cards(grp)
+        rows = {L: torch.cat([values[tap_key(L, c)] for c in (cards if self.wiring == SHARDED else cards[:1])])
+                for L in self.taps}
+        qsl = step.md.query_start_loc.tolist()
+        return [{L: r[a:b] for L, r in rows.items()} for a, b in zip(qsl[:-1], qsl[1:])]
 
     def _logits(self, step: int, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """A step's logit rows from the cards that made them, each request's in batch order."""
@@ -268,15 +283,15 @@ class GraphEngine(Engine):
     def _plan(self, steps: dict, phase: str) -> tuple[Plan, bool]:
         """This step's plan: the built, validated and planned graph of its shape (cached), fed this
         step's inputs, with submissions stamped with this engine, step and expected States."""
-        key = (phase, self.wiring, self.granularity, shape(self.cfg, steps))
+        key = (phase, self.wiring, self.granularity, self.taps, shape(self.cfg, steps))
         template = self._graphs.get(key)
         reused = template is not None
         if reused:
             self._graphs.move_to_end(key)
             feed(template.graph, self.topo, steps)
         else:
-            graph = build(self.cfg, self.topo, steps, self.wiring, phase)
-            template = make_plan(graph, self.topo, self.granularity, step_outputs(self.topo, steps))
+            graph = build(self.cfg, self.topo, steps, self.wiring, phase, self.taps)
+            template = make_plan(graph, self.topo, self.granularity, step_outputs(self.topo, steps, self.taps))
             if self.graph_cache:
                 self._graphs[key] = template
                 while len(self._graphs) > self.graph_cache:

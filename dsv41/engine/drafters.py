@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-NGRAM, ORACLE = "ngram", "oracle"
-DRAFTERS = (NGRAM,)               # what --speculative offers (the oracle is the tests')
+NGRAM, DSPARK, ORACLE = "ngram", "dspark", "oracle"
+DRAFTERS = (NGRAM, DSPARK)        # what --speculative offers (the oracle is the tests')
 
 
 class Drafter:
@@ -14,6 +14,12 @@ class Drafter:
 
     def propose(self, job, room: int) -> list[int]:
         raise NotImplementedError
+
+    def observe(self, phase: str, jobs, out):
+        """What a step made (a drafter fed by the model's own states reads it here)."""
+
+    def forget(self, job):
+        """The job left the engine (finished or preempted)."""
 
     def propose_batch(self, jobs, rooms: list[int]) -> tuple[list[list[int]], list | None]:
         """(drafts per job, their distributions [k, V] per job or None: drafts without one)."""

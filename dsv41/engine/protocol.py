@@ -28,6 +28,7 @@ class StepOutput:
     logprobs: list | None = None                # per request, one (logprob, [(id, logprob)] top) per token; None: nobody asked
     proposed: list[int] | None = None           # per request, the drafts the step verified (None: none)
     first_rows: list[int] | None = field(default=None, repr=False)   # per request, its first logit row
+    taps: list[dict] | None = field(default=None, repr=False)   # per request, {DSpark target layer: [rows, D]}
 
     @property
     def last(self) -> list[int]:
@@ -63,6 +64,7 @@ class Engine(ABC):
 
     last_request_ids: list[int]
     last_stats: dict
+    taps: tuple = ()            # DSpark target layers whose taps each step hands back (the drafter sets them)
 
     @abstractmethod
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str,

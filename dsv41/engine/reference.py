@@ -58,6 +58,9 @@ class ReferenceEngine(Engine):
     def max_context(self) -> int:
         return self.table.max_context
 
+    def host_weights(self):
+        return self.weights
+
     def sequence(self, rid: int):
         return self.table.requests[rid]
 
@@ -65,7 +68,9 @@ class ReferenceEngine(Engine):
              draft_probs=None) -> StepOutput:
         step = self.table.plan(batch, phase, sampling=sampling, drafts=drafts, draft_probs=draft_probs)
         try:
-            logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options), None, LOGITS)
+            taps = {} if self.taps else None
+            logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options, taps),
+                                   None, LOGITS)
             made = Head.tokens(logits, step)     # made before anything commits, as on a card
         except NonFiniteError as e:
             self._abort(step)
@@ -77,8 +82,10 @@ class ReferenceEngine(Engine):
         self.table.commit(step, [len(t) for t in made.tokens])
         self.last_request_ids = step.rids
         first = [0] + list(itertools.accumulate(k + 1 for k in step.proposed))[:-1]
+        qsl = step.md.query_start_loc.tolist()
+        per_request = None if taps is None else [{L: taps[L][a:b] for L in self.taps} for a, b in zip(qsl, qsl[1:])]
         return StepOutput(step.rids, made.tokens, self._steps.guard(self._steps.next(), lambda: logits),
-                          made.logprobs, step.proposed if step.verifies else None, first)
+                          made.logprobs, step.proposed if step.verifies else None, first, per_request)
 
     def _abort(self, step):
         self.caches.abort()

@@ -201,6 +201,8 @@ class Scheduler:
                 self.waiting.remove(job)
                 job.rid = rid
                 self.running[rid] = job
+            if self.drafter is not None:
+                self.drafter.observe("prefill", admit, out)
             self._deliver(admit, out)
             return Turn("prefill", ms, admit, dict(self.engine.last_stats), out)
         return None
@@ -238,10 +240,13 @@ class Scheduler:
             ms = (time.perf_counter() - t0) * 1e3
             if drafts is not None:
                 self.spec.add([len(d) for d in drafts], out.tokens)
+                self.drafter.observe("decode", jobs, out)
             self._deliver(jobs, out)
             return Turn("decode", ms, jobs, dict(self.engine.last_stats), out)
 
     def _preempt(self, job: Job):
+        if self.drafter is not None:
+            self.drafter.forget(job)
         seq = self.engine.sequence(job.rid)
         job.saved = Sequence(-1, [], sampling=seq.sampling, seed=seq.seed, drawn=seq.drawn,
                              prompt_len=seq.prompt_len)
@@ -273,6 +278,8 @@ class Scheduler:
 
     # ---- leaving ----------------------------------------------------------------------------------
     def _leave(self, job: Job):
+        if self.drafter is not None:
+            self.drafter.forget(job)
         if job.rid is not None and job.rid in self.running:
             del self.running[job.rid]
             self.engine.release(job.rid)

@@ -34,9 +34,15 @@ def commit_key(card: int) -> str:
     return f"cache.commit@c{card}"
 
 
-def step_outputs(topo: Topology, steps: dict) -> list[str]:
-    """What a step hands back: each group's tokens and every card's commit."""
-    return [head_key(g) for g in steps] + [commit_key(c) for c in topo.cards]
+def tap_key(layer: int, card: int) -> str:
+    return f"L{layer}/dspark.tap@c{card}"
+
+
+def step_outputs(topo: Topology, steps: dict, taps: tuple = ()) -> list[str]:
+    """What a step hands back: each group's tokens, every card's commit and, for DSpark drafting,
+    the taps of these layers on the cards of groups with work."""
+    return [head_key(g) for g in steps] + [commit_key(c) for c in topo.cards] + \
+        [tap_key(L, c) for L in taps for g in steps for c in topo.group_cards(g)]
 
 
 def local_rows(t: int, tp: int, rank: int, wiring: str) -> list[int]:
@@ -55,10 +61,10 @@ def moe_rows(t: int, tp: int, rank: int, wiring: str) -> list[int]:
 
 
 class _Builder:
-    def __init__(self, cfg: ModelConfig, topo: Topology, steps: dict, wiring: str, phase: str):
+    def __init__(self, cfg: ModelConfig, topo: Topology, steps: dict, wiring: str, phase: str, taps: tuple = ()):
         if wiring not in (REPLICATED, SHARDED):
             raise ValueError(f"wiring: must be {REPLICATED!r} or {SHARDED!r}, got {wiring!r}")
-        self.cfg, self.topo, self.steps, self.wiring = cfg, topo, steps, wiring
+        self.cfg, self.topo, self.steps, self.wiring, self.taps = cfg, topo, steps, wiring, taps
         self.g = Graph(phase)
 
     def collective(self, key_fn, kernel: str, group: list[int], inputs_fn, instance: str, layer=None,
@@ -137,6 +143,9 @@ class _Builder:
         norm = {}
         if L in cfg.engram_layer_ids:
             self._engram(L, grp, group, t, x, step_key)
+        if L in self.taps:
+            for c in group:
+                g.add(tap_key(L, c), "dspark.tap", [x[c]], c, L)
         for c in group:
             site = g.add(f"{p}/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="attn")
             pre_in = [mixes[c]] if mixes[c] else []
@@ -274,8 +283,10 @@ def feed(graph: Graph, topo: Topology, steps: dict):
                 graph.literals[key] = (step, c)
 
 
-def build(cfg: ModelConfig, topo: Topology, steps: dict, wiring: str = SHARDED, phase: str = "decode") -> Graph:
-    """steps: DP group -> StepInputs for groups with work this step."""
+def build(cfg: ModelConfig, topo: Topology, steps: dict, wiring: str = SHARDED, phase: str = "decode",
+          taps: tuple = ()) -> Graph:
+    """steps: DP group -> StepInputs for groups with work this step; taps: the layers whose DSpark
+    taps the step hands back."""
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase: must be 'decode' or 'prefill', got {phase!r}")
-    return _Builder(cfg, topo, steps, wiring, phase).build()
+    return _Builder(cfg, topo, steps, wiring, phase, taps).build()

@@ -4,7 +4,7 @@ A new node kind is one record in its subject's module under ``kernels/nodes/`` (
 call in ``graph/build.py``)."""
 from __future__ import annotations
 
-from dsv41.kernels.nodes import attention, boundary, head, hyper, moe, transport
+from dsv41.kernels.nodes import attention, boundary, dspark, head, hyper, moe, transport
 from dsv41.kernels.record import NodeKind
 
 
@@ -18,4 +18,4 @@ def _index(*modules) -> dict[str, NodeKind]:
     return kinds
 
 
-KINDS: dict[str, NodeKind] = _index(boundary, hyper, transport, attention, moe, head)
+KINDS: dict[str, NodeKind] = _index(boundary, hyper, transport, attention, moe, head, dspark)
