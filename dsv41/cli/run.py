@@ -199,7 +199,7 @@ def run(args) -> int:
             return _refuse(e, args)
         except OSError as e:      # a file of the folder that cannot be read (permissions)
             return _refuse(rules.unreadable(e), args)
-    cfg = rules.preset(args) if ckpt is None else ckpt.cfg
+    cfg = rules.resolve_model(args, ckpt)
     topo = topology(args)
     progress = Progress(args.json)
     if args.plan:
