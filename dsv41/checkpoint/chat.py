@@ -396,9 +396,12 @@ class ChatTokenizer:
         return self.plain.encode(text, add_special_tokens=False).ids
 
     def encode(self, messages, thinking: bool = False, add_generation_prompt: bool = True,
-               tools=None, variant: str = "v4", effort: int | None = None) -> list[int]:
+               tools=None, variant: str = "v4", effort: int | None = None,
+               allow_special: bool = False) -> list[int]:
+        """allow_special: the messages' text is parsed for control tokens too (--allow-special-tokens)."""
+        text = (lambda s: self.tokenizer.encode(s, add_special_tokens=False).ids) if allow_special \
+            else self.encode_text
         ids: list[int] = []
         for piece in chat_pieces(messages, thinking, add_generation_prompt, tools, variant, effort):
-            ids += [self.control_id(piece.text)] if isinstance(piece, Control) \
-                else self.encode_text(piece)
+            ids += [self.control_id(piece.text)] if isinstance(piece, Control) else text(piece)
         return ids

@@ -75,8 +75,7 @@ class TextCodec:
         self.bos_id = self._id(self.bos, source, "bos_token")
         self.eos_id = self._id(self.eos, source, "eos_token")
         self._chat: ChatTokenizer | None = None    # made on first use; shares self.plain
-        self.chat_format = TEMPLATE if self.chat_template else \
-            "v4.1" if tokenizer.token_to_id(SYSTEM) is not None else "v4"
+        self.chosen_format: str | None = None      # use_chat_format's choice; None: found from the files
         self.source = source
         self.markers = {tid: t for t in ANSWER_MARKERS if (tid := tokenizer.token_to_id(t)) is not None}
         self.added = {tid: t.content for tid, t in tokenizer.get_added_tokens_decoder().items()}
@@ -89,6 +88,14 @@ class TextCodec:
         if tid is None:
             raise CheckpointError(f"{source}: {key}: expected a token of {TOKENIZER}, found {token!r}")
         return tid
+
+    @property
+    def chat_format(self) -> str:
+        if self.chosen_format is not None:
+            return self.chosen_format
+        if self.chat_template:
+            return TEMPLATE
+        return "v4.1" if self.tokenizer.token_to_id(SYSTEM) is not None else "v4"
 
     def use_chat_format(self, name: str | None) -> str | None:
         """Render chats in ``name`` (None: the format found at load); returns what is wrong (the
@@ -104,7 +111,7 @@ class TextCodec:
             if self.tokenizer.token_to_id(token) is None:
                 return (f"{tokenizer_file}: expected the control token {token!r} that the {name} chat format "
                         f"needs, found none (--chat-format chooses another format)")
-        self.chat_format = name
+        self.chosen_format = name
         return None
 
     @classmethod
@@ -152,7 +159,8 @@ class TextCodec:
         if self._chat is None:
             self._chat = ChatTokenizer(self.tokenizer, self.plain)
         return self._chat.encode(messages, thinking=thinking, tools=tools, variant=self.chat_format,
-                                 effort=effort, add_generation_prompt=add_generation_prompt)
+                                 effort=effort, add_generation_prompt=add_generation_prompt,
+                                 allow_special=allow_special)
 
     def _encode_template(self, messages: list[dict], thinking: bool, tools, allow_special: bool,
                          add_generation_prompt: bool = True) -> list[int]:

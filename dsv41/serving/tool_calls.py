@@ -74,8 +74,11 @@ class ToolCallSplit:
                     content += self.buffer[:len(self.buffer) - keep]
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     return content, calls
-                content += self.buffer[:m.start()].rstrip()
-                self.block, self.buffer, self.state = self.buffer[m.start():m.end()], self.buffer[m.end():], "block"
+                before = self.buffer[:m.start()]
+                content += before.rstrip()
+                # the block's text, with the blank lines before it, in case no call parses
+                self.block = before[len(before.rstrip()):] + self.buffer[m.start():m.end()]
+                self.buffer, self.state = self.buffer[m.end():], "block"
             elif self.state == "block":
                 invoke, end = INVOKE.search(self.buffer), BLOCK_END.search(self.buffer)
                 if invoke is not None and (end is None or invoke.start() < end.start()):
