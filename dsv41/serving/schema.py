@@ -162,8 +162,9 @@ def check_fields(body: dict, chat: bool):
         if name in IDENTIFIERS:
             if value is not None and not isinstance(value, str):
                 raise bad(f"expected a string, found {value!r}", name)
-        elif name in REFUSED and chat and value is not None:
-            raise bad(f"not served: {REFUSED[name]}", name)
+        elif name in REFUSED and chat:
+            if value is not None:             # null: the field left unset
+                raise bad(f"not served: {REFUSED[name]}", name)
         elif name not in SERVED[chat]:
             where = "/v1/chat/completions" if chat else "/v1/completions"
             raise bad(f"not a field {where} takes", name)
