@@ -145,10 +145,10 @@ def test_logit_bias_and_min_tokens_draw_alike_on_every_layout():
     def run(engine):
         try:
             out = engine.prefill(PROMPTS, params)
-            rids, steps = list(out.request_ids), [(out.tokens, out.logits)]
+            rids, steps = list(out.request_ids), [(out.last, out.logits)]
             for _ in range(STEPS - 1):
                 out = engine.decode(steps[-1][0], rids)
-                steps.append((out.tokens, out.logits))
+                steps.append((out.last, out.logits))
             return steps
         finally:
             engine.close()

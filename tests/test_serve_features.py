@@ -47,6 +47,7 @@ class ScriptedEngine:
 
     def __init__(self, codec: TextCodec):
         self.codec, self.script, self.at, self.next = codec, [], {}, 0
+        self.last_stats = {}
 
     def answer(self, text: str):
         self.script = self.codec.tokenizer.encode(text, add_special_tokens=False).ids + [self.codec.eos_id]
@@ -57,13 +58,13 @@ class ScriptedEngine:
         self.at.update(dict.fromkeys(rids, 0))
         return self._out(rids)
 
-    def decode(self, tokens, rids):
+    def decode(self, tokens, rids, drafts=None):
         return self._out(rids)
 
     def _out(self, rids):
         tokens = []
         for r in rids:
-            tokens.append(self.script[min(self.at[r], len(self.script) - 1)])
+            tokens.append([self.script[min(self.at[r], len(self.script) - 1)]])
             self.at[r] += 1
         return StepOutput(rids, tokens, fetch=lambda: None)
 

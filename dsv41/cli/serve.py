@@ -154,8 +154,9 @@ def serve(args) -> int:
     batcher.start()
     try:
         server = Server(batcher, args.codec, name, limits, metrics)
-        progress.say(f"dsv41 serve: model {name!r} ({cfg.name}, executor {args.executor}), "
-                     f"{f'text, chat format {args.codec.chat_format}' if args.codec is not None else 'token ids only (no --checkpoint)'}, "
+        answers = "token ids only (no --checkpoint)" if args.codec is None else \
+            f"text, chat format {args.codec.chat_format}"
+        progress.say(f"dsv41 serve: model {name!r} ({cfg.name}, executor {args.executor}), {answers}, "
                      f"max_batch={args.max_batch} max_context={args.max_context}; "
                      f"listening on http://{args.host}:{args.port}")
         uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
