@@ -16,7 +16,8 @@ CALLS = [{"id": "a", "type": "function", "function": {"name": "get_weather",
                                                       "arguments": {"city": "Paris", "days": 2, "units": None}}},
          {"id": "b", "type": "function", "function": {"name": "lookup",
                                                       "arguments": {"q": "a \"quoted\" </tag>", "n": [1, 2]}}}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "function": {"name": "lookup"}}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}},
+         {"type": "function", "function": {"name": "lookup"}}]
 
 
 def _answer(variant: str, reasoning: str, content: str, calls=None) -> str:

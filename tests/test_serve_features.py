@@ -255,7 +255,8 @@ def test_unsupported_fields_are_refused_naming_them(scripted):
               "modalities": ["text"], "store": False, "parallel_tool_calls": True, "tool_choice": "auto",
               "user": "u1", "metadata": None}
         assert c.post("/v1/chat/completions", json=ok).status_code == 200
-        for kwargs, param in (({"thinking": False, "reasoning_effort": "high"}, "chat_template_kwargs.reasoning_effort"),
+        for kwargs, param in (({"thinking": False, "reasoning_effort": "high"},
+                               "chat_template_kwargs.reasoning_effort"),
                               ({"temperature": 1}, "chat_template_kwargs")):
             r = c.post("/v1/chat/completions", json={**ok, "chat_template_kwargs": kwargs})
             assert (r.status_code, r.json()["error"]["param"]) == (400, param)

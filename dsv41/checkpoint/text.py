@@ -6,7 +6,8 @@ prompt as one user turn; the server: the request's messages) is rendered in the 
 format: the config's Jinja ``chat_template`` when it has one (BOS then comes from the template),
 else the DeepSeek encoding (``checkpoint/chat.py``), as the V4 releases, which ship no template,
 are: V4.1 when the tokenizer has V4.1's ``<｜System｜>`` control token, else V4
-(``use_chat_format`` overrides, and refuses a tokenizer missing a control token the format needs). User text
+(``use_chat_format`` overrides, and refuses a tokenizer missing a control token the format
+needs). User text
 never becomes a control token: it is encoded by a copy of the tokenizer that knows no added tokens
 (:func:`plain_tokenizer`), so typing the text of EOS gives those characters; only the template's
 own text (or ``allow_special=True``, the ``--allow-special-tokens`` flag) is parsed for them.

@@ -2,9 +2,10 @@
 
 Order, as vLLM applies it: the request's own edits of the row (``logit_bias`` added, and while
 fewer than ``min_tokens`` tokens are out its stop ids and EOS masked), penalties on the logits
-(repetition, then frequency, then presence), temperature, top-k, top-p, min-p, then one draw. Temperature 0 is greedy: ``argmax`` of the
-(penalised) logits, lowest id on ties; with the penalties at their neutral values nothing touches
-the row, so greedy is exactly ``torch.argmax`` of the raw logits, bit for bit. The edits act on
+(repetition, then frequency, then presence), temperature, top-k, top-p, min-p, then one draw.
+Temperature 0 is greedy: ``argmax`` of the (edited, penalised) logits, lowest id on ties; with no
+edits and the penalties at their neutral values nothing touches the row, so greedy is exactly
+``torch.argmax`` of the raw logits, bit for bit. The edits act on
 the whole row the head gathers, so a request's tokens stay the same on every layout.
 
 The draw takes one uniform number from a generator made from (request seed, index of the draw),

@@ -55,9 +55,10 @@ class Job(ScheduledJob):
         return len(self.made)
 
     def emit(self, kind: str, **fields):
-        if self.metrics is not None and kind in ("token", "done"):
-            (self.metrics.on_token(self, time.monotonic()) if kind == "token"
-             else self.metrics.on_finish(self, fields["finish"], time.monotonic()))
+        if self.metrics is not None and kind == "token":
+            self.metrics.on_token(self, time.monotonic())
+        elif self.metrics is not None and kind == "done":
+            self.metrics.on_finish(self, fields["finish"], time.monotonic())
         self.loop.call_soon_threadsafe(self.events.put_nowait, Event(kind, **fields))
 
 
