@@ -392,3 +392,17 @@ def test_a_tokenizer_missing_a_control_token_is_refused_at_start_up(capsys, tiny
     assert _serve_error(capsys, ["--chat-format", "v4"]) == prog + "--chat-format: needs --checkpoint (chats need " \
                                                                    "its tokenizer)"
     assert "--dashboard" in _serve_error(capsys, ["--executor", "threads", "--dashboard"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_serve_distributed_prints_the_dashboard_link():
+    server = Served("--executor", "distributed", "--tp", "1", "--dp", "1", "--dashboard")
+    try:
+        c = _client(server)
+        assert c.completions.create(model="tiny", prompt=[5, 9, 100], max_tokens=2, temperature=0).usage \
+            .completion_tokens == 2
+    finally:
+        server.stop()
+    out = server.proc.stdout.read()
+    assert "  dashboard: http://" in out, out
