@@ -184,3 +184,17 @@ def test_stops_honour_min_tokens_and_ignore_eos():
 def test_new_fields_name_field_and_range(fields, message):
     with pytest.raises(ValueError, match="^" + message):
         SamplingParams(**fields)
+
+
+def test_stop_strings_count_from_min_tokens_on():
+    """A stop string written before min_tokens tokens are out does not end the request later on
+    (vLLM looks for stop strings only in text made from then on)."""
+    from dsv41.ops.stopping import Stops
+    words = {1: "ab", 2: "END", 3: "cd"}
+    s = Stops(SamplingParams(max_tokens=9, min_tokens=2, stop=("END",)),
+              decode_text=lambda ids: "".join(words[i] for i in ids))
+    for t in (2, 1, 3):
+        s.push(t)
+    assert s.finish is None and s.text == "ENDabcd"
+    s.push(2)
+    assert s.finish == "stop" and s.text == "ENDabcd"

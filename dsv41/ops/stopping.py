@@ -40,17 +40,15 @@ class Stops:
         the request ends)."""
         if self.finish is not None:
             raise ValueError("token: the request has already ended")
-        early = len(self.tokens) < self.params.min_tokens
-        if token in self.stop_ids and not early:
+        if token in self.stop_ids and len(self.tokens) >= self.params.min_tokens:
             self.finish = STOP
         else:
             self.tokens.append(token)
             if self.decode_text is not None:
+                settled = len(self.text.rstrip("\ufffd"))     # text that more tokens cannot change
                 self.text = self.decode_text(self.tokens)
-                cut = -1 if early else min((i for i in (self.text.find(s) for s in self.params.stop) if i >= 0),
-                                           default=-1)
-                if cut >= 0:
-                    self.text, self.finish = self.text[:cut], STOP
+                if len(self.tokens) >= self.params.min_tokens:
+                    self._cut(settled)
             if self.finish is None and len(self.tokens) >= self.limit:
                 self.finish = LENGTH
         end = len(self.text) if self.finish is not None else self._safe_end()
@@ -58,6 +56,13 @@ class Stops:
             end = len(self.text)         # a partial sequence at the end stays what it is
         delta, self.shown = self.text[self.shown:max(end, self.shown)], max(end, self.shown)
         return delta
+
+    def _cut(self, settled: int):
+        """End at the first stop string the new text completes (text before ``settled`` was searched
+        already, or came before min_tokens, where stop strings do not count, as in vLLM)."""
+        found = [i for s in self.params.stop if (i := self.text.find(s, max(0, settled - len(s) + 1))) >= 0]
+        if found:
+            self.text, self.finish = self.text[:min(found)], STOP
 
     def _safe_end(self) -> int:
         """How much of the text cannot change or turn into a stop string with more tokens."""
