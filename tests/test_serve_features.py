@@ -58,7 +58,7 @@ class ScriptedEngine:
         self.at.update(dict.fromkeys(rids, 0))
         return self._out(rids)
 
-    def decode(self, tokens, rids, drafts=None):
+    def decode(self, tokens, rids, drafts=None, draft_probs=None):
         return self._out(rids)
 
     def _out(self, rids):

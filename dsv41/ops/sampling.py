@@ -162,6 +162,13 @@ def apply_edits(logits: torch.Tensor, params: SamplingParams, generated: int) ->
     return x
 
 
+def processed(logits: torch.Tensor, params: SamplingParams, output_ids=(), prompt_ids=(),
+              generated: int = 0) -> torch.Tensor:
+    """A row as a draw sees it: the request's edits, then the penalties (the plain draw and the
+    speculative-sampling rule of ``ops/verify.py`` both take it from here)."""
+    return apply_penalties(apply_edits(logits, params, generated), params, output_ids, prompt_ids)
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids,
                     prompt_ids=()) -> torch.Tensor:
     """vLLM's penalties: repetition over prompt and output tokens (positive logits divided,
@@ -219,7 +226,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGener
     if logits.dim() != 1 or not logits.is_floating_point():
         raise ValueError(f"logits: expected one floating-point row, found "
                          f"{tuple(logits.shape)} {logits.dtype}")
-    x = apply_penalties(apply_edits(logits, params, generated), params, history_token_ids, prompt_token_ids)
+    x = processed(logits, params, history_token_ids, prompt_token_ids, generated)
     if params.greedy:
         token = int(torch.argmax(x))
     else:
