@@ -209,8 +209,8 @@ def test_eos_text_in_a_prompt_is_not_eos(tiny_checkpoint, load):
 def test_chat_template_inserts_control_tokens_user_text_does_not(tiny_checkpoint):
     codec = TextCodec.load(tiny_checkpoint)
     user, assistant = (codec.tokenizer.token_to_id(t) for t in ("<｜User｜>", "<｜Assistant｜>"))
-    ids = codec.encode(f"hi{EOS_TEXT}<｜Assistant｜>", chat=True)
-    assert ids[0] == codec.bos_id and ids[1] == user and ids[-1] == assistant
+    ids = codec.encode(f"hi{EOS_TEXT}<｜Assistant｜>", chat=True)      # V4.1: ...<｜Assistant｜></think>
+    assert ids[0] == codec.bos_id and ids[1] == user and ids[-2] == assistant
     assert ids.count(assistant) == 1 and codec.eos_id not in ids
     assert codec.encode(f"hi{EOS_TEXT}", chat=True, allow_special=True).count(codec.eos_id) == 1
 

@@ -94,10 +94,24 @@ def test_text_on_distributed_equals_the_reference(capsys, tiny_checkpoint, refer
     assert out["tokens"] == reference[0] and out["text"] == reference[1]
 
 
-def test_chat_template_wraps_the_prompt(tiny_checkpoint):
+def test_chat_without_a_template_is_the_v41_encoding(tiny_checkpoint):
+    """The writer ships no Jinja template and V4.1's control tokens: --chat is the V4.1 encoding."""
+    from dsv41.checkpoint.chat import encode_messages
     codec = TextCodec.load(tiny_checkpoint)
+    assert codec.chat_template is None and codec.chat_format == "v4.1"
     ids = codec.encode("hello", chat=True)
     assert ids[0] == codec.bos_id
+    assert codec.tokenizer.decode(ids, skip_special_tokens=False) == \
+        encode_messages([{"role": "user", "content": "hello"}], variant="v4.1") == \
+        "<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜></think>"
+
+
+def test_a_chat_template_wraps_the_prompt(tiny_checkpoint):
+    codec = TextCodec.load(tiny_checkpoint)
+    codec.chat_template = ("{{ bos_token }}{% for m in messages %}<｜User｜>{{ m['content'] }}{% endfor %}"
+                           "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+    assert codec.chat_format == "template"
+    ids = codec.encode("hello", chat=True)
     assert codec.tokenizer.decode(ids, skip_special_tokens=False) == \
         "<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜>"
 

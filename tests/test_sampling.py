@@ -137,3 +137,79 @@ def test_valid_params_normalise():
         sample(LOGITS, p, None)
     with pytest.raises(ValueError, match="^logits: "):
         sample(LOGITS.view(2, 4), p, RequestGenerator(0))
+
+
+def test_logit_bias_moves_the_argmax_and_the_draws():
+    # 3 and 5 are the biggest (ties: 5); +2 on token 0 makes it the argmax, -100 on 5 leaves 6
+    assert sample(LOGITS, SamplingParams(logit_bias={0: 2.0}), None)[0] == 0
+    assert sample(LOGITS, SamplingParams(logit_bias={5: -100}), None)[0] == 6
+    biased = SamplingParams(temperature=1.0, logit_bias={7: 100.0})
+    assert set(draws(biased, 20)) == {7}
+    # logprobs stay those of the raw row
+    token, lp, _ = sample(LOGITS, SamplingParams(logit_bias={0: 2.0}, logprob=True), None)
+    assert lp == pytest.approx(float(torch.log_softmax(LOGITS, -1)[0]))
+
+
+def test_min_tokens_keeps_stop_ids_and_eos_from_being_drawn():
+    p = SamplingParams(min_tokens=2, eos_token_id=5, stop_token_ids=(6,))
+    assert sample(LOGITS, p, None, generated=0)[0] == 0       # 5 and 6 masked: the next best is 0
+    assert sample(LOGITS, p, None, generated=1)[0] == 0
+    assert sample(LOGITS, p, None, generated=2)[0] == 5       # min_tokens reached: the raw argmax
+    # with ignore_eos, EOS is an ordinary token (not masked, not a stop id)
+    q = SamplingParams(min_tokens=2, eos_token_id=5, ignore_eos=True)
+    assert q.stop_ids == frozenset() and sample(LOGITS, q, None, generated=0)[0] == 5
+
+
+def test_stops_honour_min_tokens_and_ignore_eos():
+    from dsv41.ops.stopping import Stops
+    s = Stops(SamplingParams(max_tokens=5, min_tokens=2, eos_token_id=1))
+    s.push(1)                                 # before min_tokens: not an end (the sampler keeps it from being drawn)
+    assert s.finish is None and s.tokens == [1]
+    s.push(7)
+    s.push(1)
+    assert s.finish == "stop" and s.tokens == [1, 7]
+    t = Stops(SamplingParams(max_tokens=3, ignore_eos=True, eos_token_id=1))
+    for _ in range(3):
+        t.push(1)
+    assert t.finish == "length" and t.tokens == [1, 1, 1]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"logit_bias": {3: 101}}, r"logit_bias\[3\]: expected a value in \[-100.0, 100.0\]"),
+    ({"logit_bias": {-1: 1}}, r"logit_bias\[-1\]: expected an integer >= 0"),
+    ({"logit_bias": [1, 2]}, "logit_bias: expected a map of token id to bias"),
+    ({"min_tokens": 17}, r"min_tokens: expected an integer in \[0, 16\]"),
+    ({"ignore_eos": 1}, "ignore_eos: expected true or false"),
+])
+def test_new_fields_name_field_and_range(fields, message):
+    with pytest.raises(ValueError, match="^" + message):
+        SamplingParams(**fields)
+
+
+def test_stop_strings_count_from_min_tokens_on():
+    """A stop string written before min_tokens tokens are out does not end the request later on
+    (vLLM looks for stop strings only in text made from then on)."""
+    from dsv41.ops.stopping import Stops
+    words = {1: "ab", 2: "END", 3: "cd"}
+    s = Stops(SamplingParams(max_tokens=9, min_tokens=2, stop=("END",)),
+              decode_text=lambda ids: "".join(words[i] for i in ids))
+    for t in (2, 1, 3):
+        s.push(t)
+    assert s.finish is None and s.text == "ENDabcd"
+    s.push(2)
+    assert s.finish == "stop" and s.text == "ENDabcd"
+
+
+def test_speculative_sampling_rule_sees_the_row_edits():
+    """A verify step of a sampling request with a drafter's distribution draws from the same edited
+    rows as a plain step: +100 on token 3 makes every token 3, whatever the drafts."""
+    from dsv41.ops.sampling import RowDraw
+    from dsv41.ops.verify import sampled_rule
+    p = SamplingParams(temperature=1.0, seed=4, logit_bias={3: 100.0})
+    rows = torch.stack([LOGITS] * 3)
+    draws = [RowDraw(p, 4, j, generated=j) for j in range(3)]
+    uniform = torch.full((2, LOGITS.numel()), 1 / LOGITS.numel(), dtype=torch.float64)
+    for drafts in ([1, 2], [3, 5], [3, 3]):
+        decided, _ = sampled_rule(rows, draws, [[0, *drafts]], [2], [uniform], None)
+        made = decided[0]
+        assert set(made) == {3} and len(made) == 1 + (drafts[0] == 3) + (drafts == [3, 3])

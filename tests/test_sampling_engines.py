@@ -133,3 +133,32 @@ def test_stops_hold_back_what_could_become_a_stop_string():
     assert [s.push(t) for t in (1, 3, 2)] == ["ab", "", "Xc"] and s.finish == "length"
     with pytest.raises(ValueError, match="^stop: "):
         Stops(SamplingParams(stop=("x",)))
+
+
+def test_logit_bias_and_min_tokens_draw_alike_on_every_layout():
+    """The row edits happen where the head draws, on the gathered row: the same seeded tokens on the
+    reference and a TP2/DP2 graph, each the golden sample of its logits with the edits."""
+    params = [SamplingParams(temperature=1.0, seed=5, logit_bias={17: 6.0, 300: -100.0}, max_tokens=STEPS),
+              SamplingParams(temperature=0.7, seed=6, min_tokens=3, eos_token_id=9, stop_token_ids=(2,),
+                             logit_bias={9: 50.0}, max_tokens=STEPS)]
+
+    def run(engine):
+        try:
+            out = engine.prefill(PROMPTS, params)
+            rids, steps = list(out.request_ids), [(out.last, out.logits)]
+            for _ in range(STEPS - 1):
+                out = engine.decode(steps[-1][0], rids)
+                steps.append((out.last, out.logits))
+            return steps
+        finally:
+            engine.close()
+
+    ref = run(ReferenceEngine(TINY, seed=0, max_batch=2, max_context=CTX))
+    graph = run(GraphEngine(TINY, Topology(2, 2, 4), seed=0, executor="sync", max_batch=2, max_context=CTX))
+    assert [t for t, _ in graph] == [t for t, _ in ref]
+    gens = [RequestGenerator(p.seed) for p in params]
+    for n, (tokens, logits) in enumerate(ref):
+        assert tokens == [sample(logits[j], p, gens[j], generated=n)[0] for j, p in enumerate(params)]
+    second = [t[1] for t, _ in ref]
+    assert second[:3].count(9) == 0 and second[3:] == [9, 9]     # +50 on EOS wins once min_tokens allows it
+    assert all(t[0] != 300 for t, _ in ref)

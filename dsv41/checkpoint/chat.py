@@ -17,7 +17,10 @@ in the model folder. This module implements that format from its published rules
 V4.1 differs in four places: system text follows ``<｜System｜>`` (and a system message after the
 first counts as a user turn), the DSML tag names carry a leading space (`` calls``, `` invoke``,
 `` parameter``), tool-call arguments must be a JSON object, and thinking mode states a reasoning
-effort at the start (the default, "high", is 50 on its 1-100 scale).
+effort at the start (the default, "high", is 50 on its 1-100 scale; ``effort`` sets another).
+
+A ``developer`` message (what current OpenAI clients send in place of ``system``) is rendered as
+the reference encoding renders it: as a user message.
 
 Only the encoder inserts control tokens: :class:`ChatTokenizer` turns the encoder's control
 pieces into their single ids and encodes all other text with the tokenizer's added tokens
@@ -41,7 +44,9 @@ THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+EFFORT_RANGE = (1, 100)         # V4.1's reasoning-effort scale
+DEFAULT_EFFORT = 50             # V4.1's default ("high")
 
 
 @dataclass(frozen=True)
@@ -56,17 +61,23 @@ class _Variant:
     calls: str                  # DSML block name around the tool calls
     invoke: str
     parameter: str
-    effort_prefix: str          # stated at the start in thinking mode
+    states_effort: bool         # thinking mode opens with the reasoning effort
     arguments_must_be_object: bool
 
+    def effort_prefix(self, effort: int | None) -> str:
+        if not self.states_effort:
+            return ""
+        return (f"Reasoning Effort: {DEFAULT_EFFORT if effort is None else effort} "
+                "(range 1-100, the higher the value, the more thorough the reasoning)\n\n")
 
-_EFFORT_V41 = ("Reasoning Effort: 50 "
-               "(range 1-100, the higher the value, the more thorough the reasoning)\n\n")
 
 VARIANTS = {
-    "v4": _Variant(False, "tool_calls", "invoke", "parameter", "", False),
-    "v4.1": _Variant(True, " calls", " invoke", " parameter", _EFFORT_V41, True),
+    "v4": _Variant(False, "tool_calls", "invoke", "parameter", False, False),
+    "v4.1": _Variant(True, " calls", " invoke", " parameter", True, True),
 }
+# the control tokens each variant's prompts and answers use
+CONTROLS = {"v4": (BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML),
+            "v4.1": (BOS, EOS, USER, ASSISTANT, SYSTEM, THINK, END_THINK, DSML)}
 
 # The tools section of the system prompt, as the model was trained on it (byte for byte).
 # {D} {T} {E}: the DSML, <think> and </think> control tokens; {C} {I} {P}: the variant's DSML
@@ -224,7 +235,7 @@ def _turns(messages, variant: _Variant) -> list[_Turn]:
         if role == "system":
             turns.append(_Turn("system", text=text))
             continue
-        part = ("text", text) if role == "user" else ("tool", text, msg.get("tool_call_id"))
+        part = ("tool", text, msg.get("tool_call_id")) if role == "tool" else ("text", text)
         # a run of user / tool messages is one user turn
         if turns and turns[-1].role == "user":
             turns[-1].parts.append(part)
@@ -294,12 +305,25 @@ def _render_calls(out: _Out, calls, variant: _Variant):
     out.text(variant.calls + ">")
 
 
+def _effort(effort, v: _Variant) -> int | None:
+    if effort is None:
+        return None
+    low, high = EFFORT_RANGE
+    if not v.states_effort:
+        raise ValueError("reasoning_effort: the V4 format states no reasoning effort (V4.1 does)")
+    if isinstance(effort, bool) or not isinstance(effort, int) or not low <= effort <= high:
+        raise ValueError(f"reasoning_effort: expected an integer in [{low}, {high}], found {effort!r}")
+    return effort
+
+
 def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = True,
-                tools=None, variant: str = "v4") -> list[str | Control]:
-    """The prompt as pieces: ``Control`` tokens the format places, and text (str) between them."""
+                tools=None, variant: str = "v4", effort: int | None = None) -> list[str | Control]:
+    """The prompt as pieces: ``Control`` tokens the format places, and text (str) between them.
+    effort: V4.1's reasoning effort in thinking mode (None: its default)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, found {variant!r}")
     v = VARIANTS[variant]
+    prefix = v.effort_prefix(_effort(effort, v)) if thinking else ""
     turns = _turns(messages, v)
     schemas = _tool_schemas(tools) if tools else []
     if schemas:  # request tools are described in the (first) system prompt
@@ -313,10 +337,10 @@ def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = 
     out = _Out()
     out.control(BOS)
     for i, turn in enumerate(turns):
-        if i == 0 and (turn.role == "system" or (thinking and v.effort_prefix)) and v.system_token:
+        if i == 0 and (turn.role == "system" or prefix) and v.system_token:
             out.control(SYSTEM)
-        if i == 0 and thinking:
-            out.text(v.effort_prefix)
+        if i == 0:
+            out.text(prefix)
         if turn.role == "system":
             if i > 0 and v.system_token:
                 out.control(SYSTEM)
@@ -345,10 +369,10 @@ def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = 
 
 
 def encode_messages(messages, thinking: bool = False, add_generation_prompt: bool = True,
-                    tools=None, variant: str = "v4") -> str:
+                    tools=None, variant: str = "v4", effort: int | None = None) -> str:
     """The prompt text of a chat (thinking or non-thinking mode)."""
     return "".join(p.text if isinstance(p, Control) else p
-                   for p in chat_pieces(messages, thinking, add_generation_prompt, tools, variant))
+                   for p in chat_pieces(messages, thinking, add_generation_prompt, tools, variant, effort))
 
 
 class ChatTokenizer:
@@ -372,9 +396,12 @@ class ChatTokenizer:
         return self.plain.encode(text, add_special_tokens=False).ids
 
     def encode(self, messages, thinking: bool = False, add_generation_prompt: bool = True,
-               tools=None, variant: str = "v4") -> list[int]:
+               tools=None, variant: str = "v4", effort: int | None = None,
+               allow_special: bool = False) -> list[int]:
+        """allow_special: the messages' text is parsed for control tokens too (--allow-special-tokens)."""
+        text = (lambda s: self.tokenizer.encode(s, add_special_tokens=False).ids) if allow_special \
+            else self.encode_text
         ids: list[int] = []
-        for piece in chat_pieces(messages, thinking, add_generation_prompt, tools, variant):
-            ids += [self.control_id(piece.text)] if isinstance(piece, Control) \
-                else self.encode_text(piece)
+        for piece in chat_pieces(messages, thinking, add_generation_prompt, tools, variant, effort):
+            ids += [self.control_id(piece.text)] if isinstance(piece, Control) else text(piece)
         return ids

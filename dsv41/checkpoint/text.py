@@ -2,9 +2,12 @@
 
 Prompts are encoded without the tokenizer's own post-processing; BOS is prepended when
 ``tokenizer_config.json`` names one (unless ``add_bos_token`` is false). A chat (``--chat``: the
-prompt as one user turn; the server: the request's messages) is rendered by the config's Jinja
-``chat_template`` when it has one (BOS then comes from the template), else by the DeepSeek-V4
-chat encoding (``checkpoint/chat.py``), as the V4 releases, which ship no template, are. User text
+prompt as one user turn; the server: the request's messages) is rendered in the codec's chat
+format: the config's Jinja ``chat_template`` when it has one (BOS then comes from the template),
+else the DeepSeek encoding (``checkpoint/chat.py``), as the V4 releases, which ship no template,
+are: V4.1 when the tokenizer has V4.1's ``<｜System｜>`` control token, else V4
+(``use_chat_format`` overrides, and refuses a tokenizer missing a control token the format
+needs). User text
 never becomes a control token: it is encoded by a copy of the tokenizer that knows no added tokens
 (:func:`plain_tokenizer`), so typing the text of EOS gives those characters; only the template's
 own text (or ``allow_special=True``, the ``--allow-special-tokens`` flag) is parsed for them.
@@ -17,9 +20,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
-from dsv41.checkpoint.chat import ChatTokenizer
+from dsv41.checkpoint.chat import CONTROLS, DSML, END_THINK, SYSTEM, THINK, VARIANTS, ChatTokenizer
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.plain import plain_tokenizer
 
@@ -27,6 +30,22 @@ TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 # stands for the user text while the chat template renders, so the template's text and the user's
 # can be encoded apart (NUL and a private-use character: no template writes them)
 _USER_TEXT = "\x00\ue000dsv41-user-text\ue000\x00"
+TEMPLATE = "template"
+CHAT_FORMATS = (*VARIANTS, TEMPLATE)
+# the controls an answer's text keeps (the reasoning and tool-call parsers read them)
+ANSWER_MARKERS = (THINK, END_THINK, DSML)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet's characters back to their bytes (GPT-2's printable remapping:
+    printable Latin-1 bytes stand for themselves, the other 68 bytes for chr(256 + k) in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _token(value, source: str, key: str) -> str | None:
@@ -57,6 +76,11 @@ class TextCodec:
         self.bos_id = self._id(self.bos, source, "bos_token")
         self.eos_id = self._id(self.eos, source, "eos_token")
         self._chat: ChatTokenizer | None = None    # made on first use; shares self.plain
+        self.chosen_format: str | None = None      # use_chat_format's choice; None: found from the files
+        self.source = source
+        self.markers = {tid: t for t in ANSWER_MARKERS if (tid := tokenizer.token_to_id(t)) is not None}
+        self.added = {tid: t.content for tid, t in tokenizer.get_added_tokens_decoder().items()}
+        self._bytes = _byte_decoder() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
 
     def _id(self, token: str | None, source: str, key: str) -> int | None:
         if token is None:
@@ -65,6 +89,31 @@ class TextCodec:
         if tid is None:
             raise CheckpointError(f"{source}: {key}: expected a token of {TOKENIZER}, found {token!r}")
         return tid
+
+    @property
+    def chat_format(self) -> str:
+        if self.chosen_format is not None:
+            return self.chosen_format
+        if self.chat_template:
+            return TEMPLATE
+        return "v4.1" if self.tokenizer.token_to_id(SYSTEM) is not None else "v4"
+
+    def use_chat_format(self, name: str | None) -> str | None:
+        """Render chats in ``name`` (None: the format found at load); returns what is wrong (the
+        format unknown, no template for "template", a control token the format needs missing from
+        the tokenizer), else None."""
+        name = name or self.chat_format
+        if name not in CHAT_FORMATS:
+            return f"expected one of {', '.join(CHAT_FORMATS)}, found {name!r}"
+        if name == TEMPLATE and not self.chat_template:
+            return f"{self.source}: has no chat_template to render chats with"
+        tokenizer_file = str(Path(self.source).with_name(TOKENIZER))
+        for token in (CONTROLS[name] if name != TEMPLATE else ()):
+            if self.tokenizer.token_to_id(token) is None:
+                return (f"{tokenizer_file}: expected the control token {token!r} that the {name} chat format "
+                        f"needs, found none (--chat-format chooses another format)")
+        self.chosen_format = name
+        return None
 
     @classmethod
     def load(cls, folder) -> "TextCodec":
@@ -99,16 +148,23 @@ class TextCodec:
         return [self.bos_id] + ids if self.add_bos else ids
 
     def encode_chat(self, messages: list[dict], thinking: bool = False, tools=None,
-                    allow_special: bool = False) -> list[int]:
-        """A chat's prompt ids, ending in the generation prompt: the Jinja chat_template when the
-        config has one, else the DeepSeek-V4 encoding (raises ValueError naming a bad field)."""
-        if self.chat_template:
-            return self._encode_template(messages, thinking, tools, allow_special)
+                    allow_special: bool = False, effort: int | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """A chat's prompt ids (ending in the generation prompt unless add_generation_prompt is
+        false) in the chat format: the Jinja chat_template, or the DeepSeek V4 / V4.1 encoding
+        (raises ValueError naming a bad field). effort: V4.1's reasoning effort."""
+        if self.chat_format == TEMPLATE:
+            if effort is not None:
+                raise ValueError("reasoning_effort: the checkpoint's chat_template takes no reasoning effort")
+            return self._encode_template(messages, thinking, tools, allow_special, add_generation_prompt)
         if self._chat is None:
             self._chat = ChatTokenizer(self.tokenizer, self.plain)
-        return self._chat.encode(messages, thinking=thinking, tools=tools)
+        return self._chat.encode(messages, thinking=thinking, tools=tools, variant=self.chat_format,
+                                 effort=effort, add_generation_prompt=add_generation_prompt,
+                                 allow_special=allow_special)
 
-    def _encode_template(self, messages: list[dict], thinking: bool, tools, allow_special: bool) -> list[int]:
+    def _encode_template(self, messages: list[dict], thinking: bool, tools, allow_special: bool,
+                         add_generation_prompt: bool = True) -> list[int]:
         """The template's text with its control tokens, each message's text as plain text: the
         messages render with stand-ins, which must each come out once and unchanged."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -118,7 +174,7 @@ class TextCodec:
         shown = [{**m, "content": c} if isinstance(m, dict) else m for m, c in zip(messages, stand_in)]
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         rendered = env.from_string(self.chat_template).render(
-            messages=shown, add_generation_prompt=True, tools=tools, thinking=thinking,
+            messages=shown, add_generation_prompt=add_generation_prompt, tools=tools, thinking=thinking,
             bos_token=self.bos or "", eos_token=self.eos or "")
         ids = []
         for marker, text in ((c, t) for c, t in zip(stand_in, texts) if isinstance(t, str)):
@@ -134,3 +190,27 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_answer(self, ids: list[int]) -> str:
+        """A chat answer's text: as ``decode``, but ``<think>``, ``</think>`` and the DSML marker keep
+        their text, for the reasoning and tool-call parsers (``serving/reasoning.py``,
+        ``serving/tool_calls.py``) to find."""
+        out, run = [], []
+        for t in ids:
+            if t in self.markers:
+                out += [self.decode(run), self.markers[t]]
+                run = []
+            else:
+                run.append(t)
+        return "".join(out) + self.decode(run)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a byte-level token can be part of one UTF-8 character, whose
+        decoded text alone is only U+FFFD); an added token: its text's UTF-8."""
+        if token in self.added:
+            return self.added[token].encode()
+        piece = self.tokenizer.id_to_token(token)
+        if self._bytes is not None and piece is not None and all(c in self._bytes for c in piece):
+            return bytes(self._bytes[c] for c in piece)
+        return self.tokenizer.decode([token], skip_special_tokens=False).encode()
+

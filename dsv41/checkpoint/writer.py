@@ -3,8 +3,10 @@
 Random weights of a preset (``weights.draw_checkpoint``, written as drawn) in sharded safetensors with
 ``model.safetensors.index.json``, ``config.json``, a byte-level BPE ``tokenizer.json`` trained on a
 few paragraphs (aiming at the config's vocab_size; a small corpus can fall short for larger
-vocabularies, leaving spare embedding rows as the released model has), and a
-``tokenizer_config.json`` with BOS/EOS and a chat template. The config's Engram compressed
+vocabularies, leaving spare embedding rows as the released model has) whose added tokens are the
+V4.1 chat format's control tokens, and a ``tokenizer_config.json`` with BOS/EOS and, as the V4
+releases, no Jinja chat template: chats are rendered by the encoder (``checkpoint/chat.py``),
+which the server picks as V4.1 from these tokens. The config's Engram compressed
 vocabulary is set to what the tokenizer's token map gives, as the released checkpoint's is.
 """
 from __future__ import annotations
@@ -17,17 +19,16 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsv41.checkpoint import config_json
+from dsv41.checkpoint.chat import BOS, CONTROLS, EOS
 from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
 from dsv41.weights import draw_checkpoint
 
-BOS, EOS, PAD, USER, ASSISTANT = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>",
-                                  "<｜Assistant｜>")
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}" + USER +
-                 "{{ m['content'] }}{% else %}" + ASSISTANT + "{{ m['content'] }}{{ eos_token }}{% endif %}"
-                 "{% endfor %}{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
+PAD = "<｜▁pad▁｜>"
+# BOS and EOS first (ids 0 and 1, as in the released tokenizer), then the rest of V4.1's controls
+SPECIAL_TOKENS = [BOS, EOS, PAD] + [t for t in CONTROLS["v4.1"] if t not in (BOS, EOS)]
 
 CORPUS = """\
 The river runs past the old mill every morning, and the miller counts the sacks of grain before the
@@ -57,7 +58,7 @@ def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD, USER, ASSISTANT],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus.split("\n\n"), trainer)
     return tok
@@ -104,6 +105,6 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0, s
     (path / config_json.FILE).write_text(json.dumps(config_json.to_json(cfg), indent=1))
     tok.save(str(path / TOKENIZER))
     (path / TOKENIZER_CONFIG).write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": True, "add_eos_token": False,
-         "chat_template": CHAT_TEMPLATE}, indent=1))
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": True, "add_eos_token": False},
+        indent=1))
     return cfg

@@ -138,9 +138,13 @@ def shown(a, flag: str) -> str:
     return flag
 
 
-def preset(a):
-    """The --config preset with --layers/--experts/--engram-rows applied; a reduction that breaks
-    the schedule is a usage error naming its option."""
+def resolve_model(a, checkpoint=None):
+    """The model a command serves, the one place it is decided (run, serve and the checkpoint writer
+    call it, so a reduction is never dropped): the opened checkpoint's config, else the --config
+    preset with --layers/--experts/--engram-rows applied; a reduction that breaks the schedule is a
+    usage error naming its option."""
+    if checkpoint is not None:
+        return checkpoint.cfg
     from dsv41.config import PRESETS
     try:
         return PRESETS[a.config].reduced(a.layers, a.experts, a.engram_rows)
@@ -155,7 +159,7 @@ def model_config(a):
     naming the flag and the file."""
     a.codec, a.prompt_ids = None, []
     if a.checkpoint is None:
-        return preset(a)
+        return resolve_model(a)
     from dsv41.checkpoint.reader import read_config
     from dsv41.cli.prompts import PromptError, encode_prompts
     try:

@@ -204,7 +204,7 @@ def run(args) -> int:
                 ckpt.require_dspark()
             except CheckpointError as e:
                 return _refuse(e, args)
-    cfg = rules.preset(args) if ckpt is None else ckpt.cfg
+    cfg = rules.resolve_model(args, ckpt)
     topo = topology(args)
     progress = Progress(args.json)
     if args.plan:

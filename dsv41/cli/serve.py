@@ -3,7 +3,8 @@
 The model flags are ``python -m dsv41.run``'s (``run.add_model_arguments``, with the same rows of
 ``dsv41.cli.args``); TINY random weights by default, ``--checkpoint DIR`` for a folder (and its
 tokenizer: without one the server takes and returns token ids). Every argument is checked before
-the engine is built.
+the engine is built, the chat format among them: a tokenizer missing a control token the format
+needs is refused at start-up, naming the file and the token.
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import argparse
 import os
 
 from dsv41.checkpoint.errors import CheckpointError
+from dsv41.checkpoint.text import CHAT_FORMATS
 from dsv41.cli import args as rules
 from dsv41.cli import run, speculative
-from dsv41.cli.modes import RUN, groups, topology
+from dsv41.cli.modes import DIST, RUN, groups, topology
 from dsv41.cli.progress import Progress
 from dsv41.cluster.connect import ConnectError
-from dsv41.config import PRESETS
 
 PROG = "python -m dsv41.serve"
 DEFAULT_CONTEXT = 512
@@ -24,7 +25,9 @@ MIN_BODY_BYTES = 1024
 
 SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative.APPLIES,
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
-                                  "--max-body-bytes", "--served-model-name"), (RUN, None))}
+                                  "--max-body-bytes", "--served-model-name"), (RUN, None)),
+                 "--chat-format": (RUN, ("needs --checkpoint (chats need its tokenizer)", lambda a: a.checkpoint)),
+                 "--dashboard": (DIST, None)}     # the server runs until stopped: no --hold
 
 
 def build_parser() -> rules.Parser:
@@ -42,13 +45,18 @@ def build_parser() -> rules.Parser:
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot; one more is answered 429 (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    g.add_argument("--chat-format", default=None, choices=CHAT_FORMATS,
+                   help="how chats are rendered (default: the checkpoint's chat_template if it has one, else "
+                        "v4.1 when its tokenizer has V4.1's <｜System｜> token, else v4)")
+    g.add_argument("--dashboard", action="store_true",
+                   help="distributed: print the dask dashboard's link once the cluster is up")
     g.add_argument("--served-model-name", default=None,
                    help="the model name requests must name (default: the config's name, or the checkpoint "
                         "folder's)")
     speculative.add_arguments(p.add_argument_group("speculative decoding"))
     # what the shared checks read from a run that a server does not have
     p.set_defaults(plan=False, graph="decode", context=None, prompt=None, prompt_file=None, chat=False,
-                   allow_special_tokens=False, dashboard=False, hold=None, show_graph=None, check=False, trace=None,
+                   allow_special_tokens=False, hold=None, show_graph=None, check=False, trace=None,
                    report=False, new_tokens=0)
     return p
 
@@ -89,7 +97,7 @@ def _sizes(a, cfg):
     a.batch, a.prompt_len = a.max_batch, a.max_context - 1
 
 
-CHECKS = [(f, c) for f, c in rules.CHECKS if f in SERVE_APPLIES] + [
+CHECKS = [(f, c) for f, c in rules.CHECKS if f in SERVE_APPLIES and f != "--dashboard"] + [
     ("--port", _port), ("--max-batch", _max_batch), ("--max-context", _max_context), ("--max-queue", _max_queue),
     ("--max-body-bytes", _max_body_bytes)] + speculative.CHECKS + rules.LAST
 
@@ -103,6 +111,10 @@ def _check_values(a) -> None:
     cfg = rules.model_config(a)
     _sizes(a, cfg)
     rules.run_checks(a, cfg, CHECKS, SERVE_APPLIES)
+    if a.codec is not None:
+        problem = a.codec.use_chat_format(a.chat_format)
+        if problem:
+            raise rules.UsageError(f"{'--chat-format' if a.chat_format else '--checkpoint'}: {problem}")
 
 
 def main(argv=None) -> int:
@@ -132,7 +144,7 @@ def serve(args) -> int:
         ckpt = open_checkpoint(args.checkpoint)
         if args.speculative == "dspark":
             ckpt.require_dspark()            # a CheckpointError: one line, exit 2
-    cfg = PRESETS[args.config] if ckpt is None else ckpt.cfg
+    cfg = rules.resolve_model(args, ckpt)
     progress = Progress(json_mode=True)       # every line to stderr
     engine = run.make_engine(args, cfg, topology(args), progress, ckpt)
     name = args.served_model_name or (cfg.name if ckpt is None else os.path.basename(os.path.abspath(args.checkpoint)))
@@ -144,8 +156,9 @@ def serve(args) -> int:
     batcher.start()
     try:
         server = Server(batcher, args.codec, name, limits, metrics)
-        progress.say(f"dsv41 serve: model {name!r} ({cfg.name}, executor {args.executor}), "
-                     f"{'text' if args.codec is not None else 'token ids only (no --checkpoint)'}, "
+        answers = "token ids only (no --checkpoint)" if args.codec is None else \
+            f"text, chat format {args.codec.chat_format}"
+        progress.say(f"dsv41 serve: model {name!r} ({cfg.name}, executor {args.executor}), {answers}, "
                      f"max_batch={args.max_batch} max_context={args.max_context}; "
                      f"listening on http://{args.host}:{args.port}")
         uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")

@@ -12,7 +12,7 @@ import os
 import shutil
 
 from dsv41.checkpoint.writer import write_checkpoint
-from dsv41.cli.args import add_reductions
+from dsv41.cli.args import UsageError, add_reductions, resolve_model
 from dsv41.config import PRESETS
 from dsv41.plan.sizing import checkpoint_bytes
 
@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     if a.shard_mb <= 0:
         p.error("--shard-mb: must be > 0")
     try:
-        cfg = PRESETS[a.config].reduced(a.layers, a.experts, a.engram_rows)
-    except ValueError as e:
+        cfg = resolve_model(a)
+    except UsageError as e:
         p.error(str(e))
     need, free = checkpoint_bytes(cfg), shutil.disk_usage(os.path.dirname(os.path.abspath(a.path))).free
     if need > free:

@@ -26,7 +26,7 @@ class Sequence:
         """The draws of a step that feeds ``fed`` and makes a token at its last ``drawing`` rows:
         row j's draw has index drawn + j and reads the history up to and including its own row
         (the penalties see the proposals before it, which equal the real tokens whenever the row's
-        token is kept)."""
+        token is kept) and counts the tokens generated before it (min_tokens)."""
         p = self.sampling
         penalties = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
         first = len(fed) - drawing
@@ -37,7 +37,8 @@ class Sequence:
                 seen = self.tokens + fed[:first + j + 1]
                 out = tuple(seen[self.prompt_len:])
                 prompt = tuple(seen[:self.prompt_len]) if p.repetition_penalty != 1.0 else ()
-            draws.append(RowDraw(p, self.seed, self.drawn + j, out, prompt))
+            generated = len(self.tokens) + first + j + 1 - self.prompt_len
+            draws.append(RowDraw(p, self.seed, self.drawn + j, out, prompt, generated))
         return draws
 
     def publish(self, fed: list[int], kept: int, emitted: int):

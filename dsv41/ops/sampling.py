@@ -1,9 +1,12 @@
 """Drawing the next token from one row of logits: the golden definition of sampling.
 
-Order, as vLLM applies it: penalties on the logits (repetition, then frequency, then presence),
-temperature, top-k, top-p, min-p, then one draw. Temperature 0 is greedy: ``argmax`` of the
-(penalised) logits, lowest id on ties; with the penalties at their neutral values nothing touches
-the row, so greedy is exactly ``torch.argmax`` of the raw logits, bit for bit.
+Order, as vLLM applies it: the request's own edits of the row (``logit_bias`` added, and while
+fewer than ``min_tokens`` tokens are out its stop ids and EOS masked), penalties on the logits
+(repetition, then frequency, then presence), temperature, top-k, top-p, min-p, then one draw.
+Temperature 0 is greedy: ``argmax`` of the (edited, penalised) logits, lowest id on ties; with no
+edits and the penalties at their neutral values nothing touches the row, so greedy is exactly
+``torch.argmax`` of the raw logits, bit for bit. The edits act on
+the whole row the head gathers, so a request's tokens stay the same on every layout.
 
 The draw takes one uniform number from a generator made from (request seed, index of the draw),
 so a request replayed, resumed or moved to another executor draws the same tokens; the
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0             # OpenAI's range for logit_bias values: [-100, 100]
 _SEED_LIMIT = 2 ** 63
 
 
@@ -57,6 +61,10 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     stop: tuple = ()                   # stop strings
     max_tokens: int = 16
+    logit_bias: tuple = ()             # ((token id, bias), ...), bias in [-100, 100], added to the row
+    min_tokens: int = 0                # stop ids and EOS cannot be drawn before this many tokens
+    ignore_eos: bool = False           # EOS neither ends the request nor is kept from being drawn
+    eos_token_id: int | None = None    # the tokenizer's EOS: a stop id unless ignore_eos
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -87,10 +95,31 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}]: expected a non-empty string, found {s!r}")
         set_("stop", tuple(stop))
+        bias = list(self.logit_bias.items()) if isinstance(self.logit_bias, dict) else self.logit_bias
+        if not (isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias)):
+            raise ValueError(f"logit_bias: expected a map of token id to bias, found {self.logit_bias!r}")
+        set_("logit_bias", tuple(sorted((_integer(f"logit_bias[{t!r}]", t, 0),
+                                         _number(f"logit_bias[{t!r}]", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS))
+                                        for t, b in bias)))
+        _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected true or false, found {self.ignore_eos!r}")
+        if self.eos_token_id is not None:
+            _integer("eos_token_id", self.eos_token_id, 0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def stop_ids(self) -> frozenset:
+        """The ids that end the request: stop_token_ids, and EOS unless ignore_eos."""
+        eos = {self.eos_token_id} if self.eos_token_id is not None and not self.ignore_eos else set()
+        return frozenset(self.stop_token_ids) | eos
+
+    def edits_row(self, generated: int) -> bool:
+        """Whether the row is edited before the draw that follows ``generated`` tokens."""
+        return bool(self.logit_bias) or (generated < self.min_tokens and bool(self.stop_ids))
 
 
 class RequestGenerator:
@@ -114,6 +143,30 @@ class RequestGenerator:
         g.manual_seed(self.draw_seed(self.seed, self.drawn))
         self.drawn += 1
         return g
+
+
+def apply_edits(logits: torch.Tensor, params: SamplingParams, generated: int) -> torch.Tensor:
+    """The request's own edits of the row (OpenAI's logit_bias added; vLLM's min_tokens: the stop
+    ids and EOS at -inf while fewer than min_tokens tokens are out). Returns the row itself when
+    there is nothing to edit, so a plain greedy row stays bit for bit the argmax of the logits."""
+    if not params.edits_row(generated):
+        return logits
+    x = logits.to(torch.float64).clone()
+    vocab = x.numel()
+    for token, bias in params.logit_bias:
+        if token < vocab:        # the server checks ids against the vocabulary; a direct caller may not
+            x[token] += bias
+    if generated < params.min_tokens:
+        masked = [t for t in params.stop_ids if t < vocab]
+        x[masked] = -math.inf
+    return x
+
+
+def processed(logits: torch.Tensor, params: SamplingParams, output_ids=(), prompt_ids=(),
+              generated: int = 0) -> torch.Tensor:
+    """A row as a draw sees it: the request's edits, then the penalties (the plain draw and the
+    speculative-sampling rule of ``ops/verify.py`` both take it from here)."""
+    return apply_penalties(apply_edits(logits, params, generated), params, output_ids, prompt_ids)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids,
@@ -162,17 +215,18 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGenerator | None,
-           history_token_ids=(), prompt_token_ids=()):
+           history_token_ids=(), prompt_token_ids=(), generated: int = 0):
     """One token from one row of logits.
 
     ``history_token_ids``: the tokens generated so far (frequency/presence/repetition);
-    ``prompt_token_ids``: the prompt (repetition only). Returns (token id, its logprob,
+    ``prompt_token_ids``: the prompt (repetition only); ``generated``: how many tokens the request
+    has already produced (min_tokens). Returns (token id, its logprob,
     top alternatives as [(id, logprob)] best first, lower id first among equals); logprobs are those of the raw row, as
     vLLM reports them by default. Greedy needs no generator and draws nothing from it."""
     if logits.dim() != 1 or not logits.is_floating_point():
         raise ValueError(f"logits: expected one floating-point row, found "
                          f"{tuple(logits.shape)} {logits.dtype}")
-    x = apply_penalties(logits, params, history_token_ids, prompt_token_ids)
+    x = processed(logits, params, history_token_ids, prompt_token_ids, generated)
     if params.greedy:
         token = int(torch.argmax(x))
     else:
@@ -194,19 +248,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGener
 @dataclass(frozen=True)
 class RowDraw:
     """What drawing one row's token needs besides its logits: the request's settings, its seed and
-    the index of this draw, and (for the penalties) its generated and prompt token ids."""
+    the index of this draw, (for the penalties) its generated and prompt token ids, and how many
+    tokens it has produced (min_tokens)."""
     params: SamplingParams
     seed: int
     draw: int
     output_ids: tuple = ()
     prompt_ids: tuple = ()
+    generated: int = 0
 
     @property
     def plain(self) -> bool:
-        """Greedy with neutral penalties and no logprobs: exactly the row's argmax."""
+        """Greedy with neutral penalties, no edits of the row and no logprobs: exactly the row's argmax."""
         p = self.params
         return p.greedy and not p.logprob and p.repetition_penalty == 1.0 \
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and not p.edits_row(self.generated)
 
 
 def sample_rows(logits: torch.Tensor, rows: list[RowDraw] | None):
@@ -219,7 +275,8 @@ def sample_rows(logits: torch.Tensor, rows: list[RowDraw] | None):
         raise ValueError(f"rows: expected one RowDraw per logits row ({logits.shape[0]}), found {len(rows)}")
     ids, logprobs = [], []
     for row, r in zip(logits, rows):
-        token, lp, top = sample(row, r.params, RequestGenerator(r.seed, r.draw), r.output_ids, r.prompt_ids)
+        token, lp, top = sample(row, r.params, RequestGenerator(r.seed, r.draw), r.output_ids, r.prompt_ids,
+                                r.generated)
         ids.append(token)
         logprobs.append((lp, top) if r.params.logprob else None)
     return torch.tensor(ids, dtype=torch.int64), (logprobs if any(x is not None for x in logprobs) else None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv41.ops.sampling import RequestGenerator, apply_penalties, filtered_probs
+from dsv41.ops.sampling import RequestGenerator, filtered_probs, processed
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,12 @@ def speculative_tokens(target: torch.Tensor, draft: torch.Tensor, drafts: list[i
     return out
 
 
+def _target(row: torch.Tensor, draw) -> torch.Tensor:
+    """A logit row's filtered probabilities as its plain draw would see them (edits, penalties)."""
+    p = draw.params
+    return filtered_probs(processed(row, p, draw.output_ids, draw.prompt_ids, draw.generated), p)
+
+
 def _generator(draw) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(RequestGenerator.draw_seed(draw.seed, draw.draw))
 
@@ -102,8 +108,7 @@ def sampled_rule(logits: torch.Tensor, draws: list | None, fed: list[list[int]],
         if q is None or not k or draws is None or draws[rows[0]].params.greedy:
             decided.append(None)
             continue
-        target = torch.stack([filtered_probs(apply_penalties(logits[r], draws[r].params, draws[r].output_ids,
-                                                             draws[r].prompt_ids), draws[r].params) for r in rows])
+        target = torch.stack([_target(logits[r], draws[r]) for r in rows])
         toks = speculative_tokens(target, q.to(torch.float64), f[len(f) - k:], lambda j: _generator(draws[rows[j]]))
         decided.append(toks)
         if lps is not None and draws[rows[0]].params.logprob:

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from dsv41.ops.stopping import Stops
 from dsv41.serving import schema
 from dsv41.serving.batcher import Batcher, Job, QueueFull
+from dsv41.serving.chat_answer import ChatAnswer
 from dsv41.serving.metrics import Metrics
 from dsv41.serving.schema import ApiError, Limits
 
@@ -70,8 +71,7 @@ class Server:
             body = schema.parse_body(await self._read(request), self.limits)
             schema.check_model(body, self.model)
             gen = schema.generation(body, chat, self.codec, self.limits)
-            job = Job(gen.prompt, gen.params, Stops(gen.params, eos_id=None if self.codec is None else self.codec.eos_id,
-                                                    decode_text=None if self.codec is None else self.codec.decode),
+            job = Job(gen.prompt, gen.params, Stops(gen.params, decode_text=self._decoder(gen)),
                       asyncio.get_running_loop())
             self.batcher.submit(job)
         except ApiError as e:
@@ -92,6 +92,12 @@ class Server:
         status, body = await answer.whole(request)
         self.metrics.requests.labels(endpoint, str(status)).inc()
         return JSONResponse(body, status_code=status)
+
+    def _decoder(self, gen: schema.Generation):
+        """ids -> text: a parsed chat answer keeps the control tokens its parsers read."""
+        if self.codec is None:
+            return None
+        return self.codec.decode_answer if gen.thinking or gen.tool_calls else self.codec.decode
 
     async def _read(self, request: Request) -> bytes:
         """The body, refused as soon as it passes the limit (a lying Content-Length too)."""
@@ -115,6 +121,7 @@ class Answer:
         self.server, self.job, self.gen, self.chat = server, job, gen, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.logprobs: list = []         # (token, (logprob, top)) per generated token
+        self.parsed = ChatAnswer(gen.thinking, gen.tool_calls) if chat else None
 
     def _take(self, event):
         if self.gen.top_logprobs is not None and event.logprob is not None:
@@ -132,7 +139,8 @@ class Answer:
     def _choice(self, text: str, tokens: list[int], entries, finish):
         c = {"index": 0, "logprobs": self._logprobs(entries), "finish_reason": finish}
         if self.chat:
-            c["message"] = {"role": "assistant", "content": text}
+            c["message"] = self.parsed.message(text)
+            c["finish_reason"] = self.parsed.finish_reason(finish)
         else:
             c["text"] = text
         if self.server.codec is None:
@@ -175,11 +183,16 @@ class Answer:
                     self._take(event)
                     tokens = [event.token] if event.kept else []
                     entries = self.logprobs[-1:] if event.logprob is not None else []
-                    if not event.text and self.server.codec is not None and not entries:
+                    fields = self._fields(event.text)
+                    if not fields and self.server.codec is not None and not entries:
                         continue
-                    yield self._sse(kind, self._delta(event.text, tokens, entries, None))
+                    yield self._sse(kind, self._delta(fields, tokens, entries, None))
                     continue
-                yield self._sse(kind, self._delta("", [], [], event.finish))
+                rest = self.parsed.flush() if self.chat else {}
+                if rest:
+                    yield self._sse(kind, self._delta(rest, [], [], None))
+                finish = self.parsed.finish_reason(event.finish) if self.chat else event.finish
+                yield self._sse(kind, self._delta({}, [], [], finish))
                 if self.gen.include_usage:
                     body = schema.envelope(kind, self.id, self.server.model)
                     body["choices"], body["usage"] = [], self._usage()
@@ -190,12 +203,19 @@ class Answer:
             if not self.job.finished:        # the client went away (or the server is stopping)
                 self.server.batcher.cancel(self.job)
 
-    def _delta(self, text: str, tokens: list[int], entries, finish) -> dict:
+    def _fields(self, text: str) -> dict:
+        """A streamed chunk's fields for new answer text: chat deltas (reasoning_content, content,
+        tool_calls) through the parsers, or the completion's text."""
+        if not self.chat:
+            return {"text": text} if text else {}
+        return self.parsed.feed(text) if text else {}
+
+    def _delta(self, fields: dict, tokens: list[int], entries, finish) -> dict:
         c = {"index": 0, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish}
         if self.chat:
-            c["delta"] = {"content": text} if (text or finish is None) else {}
+            c["delta"] = fields
         else:
-            c["text"] = text
+            c["text"] = fields.get("text", "")
         if self.server.codec is None:
             c["token_ids"] = tokens
         return c

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 from dsv41.engine.scheduler import Job as ScheduledJob
@@ -44,6 +45,9 @@ class Job(ScheduledJob):
     event loop)."""
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    metrics: object = None        # the server's Metrics (set at submit): hears each token and the end
+    accepted: float = field(default_factory=time.monotonic)     # the latency metrics' times
+    last_token_at: float | None = None
 
     @property
     def generated(self) -> int:
@@ -51,6 +55,10 @@ class Job(ScheduledJob):
         return len(self.made)
 
     def emit(self, kind: str, **fields):
+        if self.metrics is not None and kind == "token":
+            self.metrics.on_token(self, time.monotonic())
+        elif self.metrics is not None and kind == "done":
+            self.metrics.on_finish(self, fields["finish"], time.monotonic())
         self.loop.call_soon_threadsafe(self.events.put_nowait, Event(kind, **fields))
 
 
@@ -91,6 +99,7 @@ class Batcher:
             if waiting >= self.max_queue + free:
                 raise QueueFull(f"{len(self.scheduler.running)} requests running and {waiting} waiting "
                                 f"(the queue holds {self.max_queue}); retry later")
+            job.metrics = self.metrics
             self.incoming.append(job)
             self.metrics.queue_depth.set(waiting + 1)
             self.cond.notify()
@@ -138,6 +147,9 @@ class Batcher:
             return
         if turn.phase == "prefill":
             m.prompt_tokens.inc(sum(len(j.prompt) for j in turn.jobs))
+            started = time.monotonic() - turn.ms / 1e3
+            for job in turn.jobs:
+                m.on_admit(job, started)
         m.generation_tokens.inc(sum(map(len, turn.out.tokens)))
         if turn.out.proposed is not None:
             m.draft_tokens.inc(sum(turn.out.proposed))

@@ -5,6 +5,11 @@ the field. The ranges are ``SamplingParams``' own (its messages start with the f
 Without a tokenizer (no ``--checkpoint``) prompts are token ids (``"prompt": [ints]``) and the
 answers carry ``token_ids`` (their ``text`` is empty); chat, text prompts and stop strings need
 the checkpoint's tokenizer.
+
+No field is taken and ignored: each field of a body is one this endpoint serves (``SERVED``), one
+that identifies the caller and has no effect on the answer (``IDENTIFIERS``, as in vLLM), or it is
+refused with a 400 naming it (``REFUSED``: what its value would ask for is not implemented; an
+unknown name likewise).
 """
 from __future__ import annotations
 
@@ -16,7 +21,26 @@ from dsv41.ops.sampling import SamplingParams
 
 # body fields that go straight to SamplingParams (same names)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "stop_token_ids")
+                   "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos")
+_BOTH = ("model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", *SAMPLING_FIELDS)
+SERVED = {
+    False: frozenset(_BOTH + ("prompt", "logprobs", "echo", "best_of", "suffix")),
+    True: frozenset(_BOTH + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                             "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs",
+                             "add_generation_prompt", "continue_final_message", "response_format", "modalities",
+                             "store")),
+}
+IDENTIFIERS = ("user", "safety_identifier", "prompt_cache_key")
+REFUSED = {      # OpenAI chat fields whose every value asks for what this server does not do
+    "audio": "audio output is not served", "functions": "the legacy functions API is not served; use tools",
+    "function_call": "the legacy functions API is not served; use tool_choice", "metadata": "nothing is stored",
+    "moderation": "moderation is not served", "prediction": "predicted outputs are not served",
+    "prompt_cache_options": "there is no prompt cache", "prompt_cache_retention": "there is no prompt cache",
+    "service_tier": "there is one service tier", "verbosity": "verbosity is not served",
+    "web_search_options": "web search is not served",
+}
+CHAT_KWARGS = ("thinking", "enable_thinking", "reasoning_effort")   # what the DeepSeek encoding takes
+EFFORTS = {"high": None, "max": 100}    # named efforts on V4.1's scale (None: its default, "high")
 DEFAULT_TEMPERATURE = 1.0          # OpenAI's default; send 0 for greedy
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
 
@@ -53,6 +77,8 @@ class Generation:
     include_usage: bool
     chat: bool
     top_logprobs: int | None       # None: no logprobs asked
+    thinking: bool = False         # chat: split reasoning_content off the answer
+    tool_calls: bool = False       # chat: parse tool calls out of the answer
 
 
 def parse_body(raw: bytes, limits: Limits) -> dict:
@@ -72,8 +98,9 @@ def parse_body(raw: bytes, limits: Limits) -> dict:
 
 
 def check_model(body: dict, served: str):
-    if "model" not in body:
-        raise bad("missing (this server serves " + repr(served) + ")", "model")
+    """``model`` may be left out (as vLLM allows: the served model answers), else must name it."""
+    if body.get("model") is None:
+        return
     if body["model"] != served:
         raise ApiError(404, f"model: {body['model']!r} is not served here; the model is {served!r}", "model",
                        code="model_not_found")
@@ -129,28 +156,113 @@ def completion_prompt(body: dict, codec, limits: Limits) -> list[int]:
     return _token_ids(prompt, "prompt", limits.vocab_size)
 
 
-def chat_prompt(body: dict, codec) -> list[int]:
+def check_fields(body: dict, chat: bool):
+    """Every field is served, an identifier, or refused naming it."""
+    for name, value in body.items():
+        if name in IDENTIFIERS:
+            if value is not None and not isinstance(value, str):
+                raise bad(f"expected a string, found {value!r}", name)
+        elif name in REFUSED and chat:
+            if value is not None:             # null: the field left unset
+                raise bad(f"not served: {REFUSED[name]}", name)
+        elif name not in SERVED[chat]:
+            where = "/v1/chat/completions" if chat else "/v1/completions"
+            raise bad(f"not a field {where} takes", name)
+    if chat:
+        _check_chat_only(body)
+    else:
+        if _flag(body, "echo"):
+            raise bad("echo is not served", "echo")
+        if _int(body, "best_of", 1, 1) != 1:
+            raise bad("only best_of = 1 is served", "best_of")
+        if body.get("suffix") not in (None, ""):
+            raise bad("insertion (a suffix after the answer) is not served", "suffix")
+
+
+def _check_chat_only(body: dict):
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad(f"only {{\"type\": \"text\"}} is served (structured output is not implemented), found {fmt!r}",
+                  "response_format")
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad(f"only [\"text\"] is served, found {body['modalities']!r}", "modalities")
+    if _flag(body, "store"):
+        raise bad("nothing is stored", "store")
+    if not _flag(body, "parallel_tool_calls", True):
+        raise bad("false is not served (an answer may call several tools)", "parallel_tool_calls")
+    if _flag(body, "continue_final_message"):
+        raise bad("continuing the final message is not served", "continue_final_message")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad(f"expected \"auto\" or \"none\" (forcing a call needs constrained decoding, not served), "
+                  f"found {choice!r}", "tool_choice")
+
+
+def _chat_options(body: dict, codec) -> tuple[bool, int | None]:
+    """(thinking, effort): chat_template_kwargs' thinking (or enable_thinking) and reasoning_effort
+    (there or at the top level) on the format's scale; an effort asks for thinking."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad("expected an object", "chat_template_kwargs")
+    for key in kwargs:
+        if key not in CHAT_KWARGS:
+            raise bad(f"expected only {', '.join(CHAT_KWARGS)}, found {key!r}", "chat_template_kwargs")
+    given = [k for k in ("thinking", "enable_thinking") if kwargs.get(k) is not None]
+    thinking = _flag(kwargs, given[0]) if given else None
+    if len(given) == 2 and _flag(kwargs, given[1]) != thinking:
+        raise bad("thinking and enable_thinking disagree", "chat_template_kwargs")
+    names = [n for n, v in (("reasoning_effort", body.get("reasoning_effort")),
+                            ("chat_template_kwargs.reasoning_effort", kwargs.get("reasoning_effort")))
+             if v is not None]
+    if not names:
+        return bool(thinking), None
+    name = names[0]
+    value = body.get("reasoning_effort") if name == "reasoning_effort" else kwargs["reasoning_effort"]
+    if thinking is False:
+        raise bad("needs thinking mode, and chat_template_kwargs.thinking is false", name)
+    if codec.chat_format != "v4.1":
+        if value != "high":
+            raise bad(f"the {codec.chat_format} chat format has one effort, \"high\" (V4.1 has a scale), "
+                      f"found {value!r}", name)
+        return True, None
+    if isinstance(value, str):
+        if value not in EFFORTS:
+            raise bad(f"expected one of {', '.join(map(repr, EFFORTS))} or an integer in [1, 100], "
+                      f"found {value!r}", name)
+        return True, EFFORTS[value]
+    return True, value           # the encoder checks the range
+
+
+def chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool]:
+    """(prompt ids, thinking, tools offered and to be parsed)."""
     if "messages" not in body:
         raise bad("missing", "messages")
     if codec is None:
         raise bad("chat needs the checkpoint's tokenizer (this server was started without --checkpoint); "
                   "use /v1/completions with token ids", "messages")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise bad("expected an object", "chat_template_kwargs")
-    thinking = _flag(kwargs, "thinking")
+    thinking, effort = _chat_options(body, codec)
+    generation_prompt = _flag(body, "add_generation_prompt", True)
+    tools = body.get("tools") if body.get("tool_choice") != "none" else None
     try:
-        return codec.encode_chat(body["messages"], thinking=thinking, tools=body.get("tools"))
+        ids = codec.encode_chat(body["messages"], thinking=thinking, tools=tools, effort=effort,
+                                add_generation_prompt=generation_prompt)
+        return ids, thinking and generation_prompt, bool(tools)
     except ValueError as e:               # the encoder's messages start with the field
         param = str(e).split(": ", 1)[0]
-        raise ApiError(400, str(e), param if param.startswith(("messages", "tools")) else "messages") from None
+        raise ApiError(400, str(e), param if param.startswith(("messages", "tools", "reasoning_effort"))
+                       else "messages") from None
     except Exception as e:                # a Jinja template that cannot render these messages
         raise bad(f"the chat template cannot render them: {e}", "messages") from None
 
 
 def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
     """A request body checked against the served engine; raises ApiError naming the field."""
-    prompt = chat_prompt(body, codec) if chat else completion_prompt(body, codec, limits)
+    check_fields(body, chat)
+    thinking = tool_calls = False
+    if chat:
+        prompt, thinking, tool_calls = chat_prompt(body, codec)
+    else:
+        prompt = completion_prompt(body, codec, limits)
     where = "messages" if chat else "prompt"
     if len(prompt) > limits.max_prompt:
         raise bad(f"{len(prompt)} tokens is longer than the {limits.max_prompt} this server takes", where)
@@ -163,8 +275,6 @@ def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
     else:
         name = "max_tokens"
         max_tokens = _int(body, name, min(DEFAULT_COMPLETION_TOKENS, room), 1)
-        if _flag(body, "echo"):
-            raise bad("echo is not served", "echo")
     if max_tokens > room:
         raise bad(f"{max_tokens} new tokens after a {len(prompt)}-token prompt exceed the context of "
                   f"{limits.max_context} tokens (at most {room})", name)
@@ -185,7 +295,9 @@ def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
         fields["stop_token_ids"] = tuple(_token_ids(fields["stop_token_ids"], "stop_token_ids", limits.vocab_size))
     try:
         params = SamplingParams(**fields, stop=() if stop is None else stop, max_tokens=max_tokens,
-                                logprobs=top or 0, logprob=top is not None)
+                                logprobs=top or 0, logprob=top is not None,
+                                logit_bias=_logit_bias(body, limits.vocab_size),
+                                eos_token_id=None if codec is None else codec.eos_id)
     except ValueError as e:
         field, _, message = str(e).partition(": ")
         raise bad(message, field.split("[")[0]) from None
@@ -193,7 +305,24 @@ def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("expected an object", "stream_options")
-    return Generation(prompt, params, stream, _flag(options, "include_usage"), chat, top)
+    return Generation(prompt, params, stream, _flag(options, "include_usage"), chat, top, thinking, tool_calls)
+
+
+def _logit_bias(body: dict, vocab: int) -> tuple:
+    """OpenAI's logit_bias, {"token id": bias}, as (id, bias) pairs (the bias range is
+    SamplingParams')."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise bad(f"expected an object of token id to bias, found {bias!r}", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else None
+        if token is None or token >= vocab:
+            raise bad(f"keys must be token ids in [0, {vocab - 1}], found {key!r}", "logit_bias")
+        pairs.append((token, value))
+    return tuple(pairs)
 
 
 # ---- responses -------------------------------------------------------------------------------------------
@@ -227,6 +356,7 @@ def completion_logprobs(entries: list, codec) -> dict:
 def chat_logprobs(entries: list, codec) -> dict:
     def one(token, lp):
         text = token_text(codec, token)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        raw = text.encode() if codec is None else codec.token_bytes(token)   # the token's own bytes, not U+FFFD's
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
     return {"content": [{**one(token, lp), "top_logprobs": [one(i, v) for i, v in top]}
                         for token, (lp, top) in entries]}
