@@ -236,3 +236,28 @@ def test_load_32_clients_answers_equal_solo_runs(tmp_path):
         _check_load(_load(server, "--clients", "32", "--requests", "300"), 300)
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("drafter", ["ngram", "dspark"])
+def test_speculative_server_answers_the_plain_tokens_and_counts_drafts(reference, drafter):
+    server = Served("--speculative", drafter)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+        greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert greedy.choices[0].token_ids == reference.generate([prompt], 8)[0]
+        streamed = [c.choices[0].token_ids for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True) if c.choices[0].token_ids]
+        assert sum(streamed, []) == greedy.choices[0].token_ids
+        text = httpx.get(server.url + "/metrics").text
+        drafted = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("dsv41_spec_decode_draft_tokens_total ")]
+        # DSpark drafts every step; n-gram only where the history repeats its tail (random weights' tokens
+        # seldom do)
+        assert drafted and (drafted[0] > 0 if drafter == "dspark" else drafted[0] >= 0)
+        if drafter == "dspark":
+            assert 'dsv41_spec_decode_draft_tokens_by_position_total{position="0"}' in text
+        assert server.settled()["cache_blocks_in_use"] == 0
+    finally:
+        server.stop()

@@ -154,6 +154,11 @@ class Batcher:
         if turn.out.proposed is not None:
             m.draft_tokens.inc(sum(turn.out.proposed))
             m.accepted_tokens.inc(sum(turn.out.accepted))
+            for k, a in zip(turn.out.proposed, turn.out.accepted):
+                for j in range(k):           # vLLM's acceptance by draft position
+                    m.draft_by_position.labels(str(j)).inc()
+                    if j < a:
+                        m.accepted_by_position.labels(str(j)).inc()
 
     def _finished(self, job: Job, reason: str):
         if reason == "error":

@@ -40,6 +40,12 @@ class Metrics:
                                     registry=r)
         self.accepted_tokens = Counter("dsv41_spec_decode_accepted_tokens",
                                        "Draft tokens accepted (speculative decoding)", registry=r)
+        self.draft_by_position = Counter("dsv41_spec_decode_draft_tokens_by_position",
+                                         "Draft tokens verified, by position in the draft block", ["position"],
+                                         registry=r)
+        self.accepted_by_position = Counter("dsv41_spec_decode_accepted_tokens_by_position",
+                                            "Draft tokens accepted, by position in the draft block", ["position"],
+                                            registry=r)
         latency = dict(buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("dsv41_time_to_first_token_seconds", "From acceptance to the first token", **latency)
         self.itl = Histogram("dsv41_inter_token_latency_seconds", "Between two tokens of one request", **latency)
