@@ -4,6 +4,8 @@ generation without one (greedy and seeded sampling), on every layout; preemption
 same tokens; a lost card mid-verify recovers to them.
 
 Oracle: plain generation on the same engine (the scheduler with no drafter)."""
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -106,29 +108,33 @@ def check_dspark(engine, other):
     assert a[2].spec.drafted > 0
 
 
-def test_dspark_drafts_on_the_reference_and_the_graph():
-    ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
-    graph = GraphEngine(TINY, Topology(2, 2, 4), seed=0, executor="threads", max_batch=4, max_context=CTX)
+LAYOUTS = [("sync", Topology(1, 1, 1), "sharded"), ("threads", Topology(2, 2, 4), "sharded"),
+           ("distributed", Topology(2, 2, 4), "sharded"), ("threads", Topology(4, 1, 4), "sharded"),
+           ("threads", Topology(4, 1, 4), "replicated")]
+
+
+@contextmanager
+def graph_engine(executor="threads", topo=Topology(2, 2, 4), wiring="sharded"):
+    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=4, max_context=CTX)
     try:
-        check_dspark(ref, graph)
+        yield engine
+    finally:
+        engine.close()
+
+
+def test_dspark_drafts_on_the_reference_and_the_graph():
+    with graph_engine() as graph:
+        check_dspark(ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX), graph)
         plain = generate(graph)
         assert_same(plain, generate(graph, DSparkDrafter(graph, graph.host_weights(), k=3, confidence=0.5)))
-    finally:
-        graph.close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("executor,topo,wiring", [
-    ("sync", Topology(1, 1, 1), "sharded"), ("distributed", Topology(2, 2, 4), "sharded"),
-    ("threads", Topology(4, 1, 4), "sharded"), ("threads", Topology(4, 1, 4), "replicated")])
+@pytest.mark.parametrize("executor,topo,wiring", LAYOUTS)
 def test_dspark_drafts_on_every_layout(executor, topo, wiring):
-    ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
-    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=4, max_context=CTX)
-    try:
-        check_dspark(engine, ref)
-    finally:
-        engine.close()
+    with graph_engine(executor, topo, wiring) as engine:
+        check_dspark(engine, ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX))
 
 
 def test_reference_speculative_equals_plain():
@@ -136,25 +142,16 @@ def test_reference_speculative_equals_plain():
 
 
 def test_graph_speculative_equals_plain_on_tp2_dp2():
-    engine = GraphEngine(TINY, Topology(2, 2, 4), seed=0, executor="threads", max_batch=4, max_context=CTX)
-    try:
+    with graph_engine() as engine:
         check_layout(engine, full=False)
-    finally:
-        engine.close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("executor,topo,wiring", [
-    ("sync", Topology(1, 1, 1), "sharded"), ("threads", Topology(2, 2, 4), "sharded"),
-    ("distributed", Topology(2, 2, 4), "sharded"), ("threads", Topology(4, 1, 4), "sharded"),
-    ("threads", Topology(4, 1, 4), "replicated")])
+@pytest.mark.parametrize("executor,topo,wiring", LAYOUTS)
 def test_every_layout_speculative_equals_plain(executor, topo, wiring):
-    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=4, max_context=CTX)
-    try:
+    with graph_engine(executor, topo, wiring) as engine:
         check_layout(engine, full=True)
-    finally:
-        engine.close()
 
 
 @pytest.mark.slow
@@ -360,13 +357,10 @@ class Distributed(Drafter):
 
 def test_drafts_with_their_distribution_draw_the_same_tokens_on_every_layout():
     ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
-    graph = GraphEngine(TINY, Topology(2, 2, 4), seed=0, executor="threads", max_batch=4, max_context=CTX)
-    try:
+    with graph_engine() as graph:
         a = generate(ref, Distributed(), SAMPLED)
         b = generate(graph, Distributed(), SAMPLED)
-        assert_same(a, b)
-        assert a[2].spec.drafted > 0
-        # greedy requests ignore the distribution: drafts accepted while they equal the argmax
-        assert_same(generate(ref), generate(ref, Distributed()))
-    finally:
-        graph.close()
+    assert_same(a, b)
+    assert a[2].spec.drafted > 0
+    # greedy requests ignore the distribution: drafts accepted while they equal the argmax
+    assert_same(generate(ref), generate(ref, Distributed()))
