@@ -39,13 +39,6 @@ def _pow2(codes: torch.Tensor, shift: int) -> torch.Tensor:
     return ((codes.view(torch.uint8).to(torch.int64) + (896 + shift)) << 52).view(torch.float64)
 
 
-def _fp8_fp16(payload: torch.Tensor) -> torch.Tensor:
-    x = payload.view(torch.int8).to(torch.int16)
-    x <<= 7
-    x &= -16385                      # 0xBFFF: clear bit 14, which a negative byte's sign extension set
-    return x.view(torch.float16)
-
-
 def _fp4_pair_table() -> torch.Tensor:
     """Packed byte -> its (low, high) E2M1 values as one complex128 element (two FP64 halves), so
     one lookup per byte writes both values in place."""
@@ -56,18 +49,35 @@ def _fp4_pair_table() -> torch.Tensor:
 _FP4_PAIRS64 = _fp4_pair_table()
 
 
-class PackedMatrix:
-    """[N, K] weight in checkpoint format ``fmt`` ('fp8', 'fp4', 'bf16', 'f32'); see the module."""
+class _Scratch:
+    """One product's tile buffers, reused by each of its tiles: a fresh allocation per tile costs page
+    faults on every tile (buffers this size come from ``mmap`` whenever the allocator gives memory back)."""
 
-    def __init__(self, fmt: str, payload: torch.Tensor, scale: torch.Tensor | None = None):
+    def __init__(self, fmt: str, rows: int, k: int):
+        self.f64 = torch.empty(rows, k, dtype=torch.float64)
+        if fmt == "fp8":
+            self.i16 = torch.empty(rows, k, dtype=torch.int16)
+            self.f32 = torch.empty(rows, k, dtype=torch.float32)
+        elif fmt == "fp4":
+            self.i32 = torch.empty(rows * k // 2, dtype=torch.int32)
+
+
+class PackedMatrix:
+    """[N, K] weight in checkpoint format ``fmt`` ('fp8', 'fp4', 'bf16', 'f32'); see the module.
+    ``exact_tables`` is for slices of a checked matrix (None: check this one)."""
+
+    def __init__(self, fmt: str, payload: torch.Tensor, scale: torch.Tensor | None = None,
+                 exact_tables: bool | None = None):
         if fmt not in ("fp8", "fp4", "bf16", "f32"):
             raise ValueError(f"PackedMatrix: fmt must be fp8, fp4, bf16 or f32, got {fmt!r}")
         self.fmt, self.payload, self.scale = fmt, payload, scale
         k = payload.shape[1] * (2 if fmt == "fp4" else 1)
         self.shape = torch.Size((payload.shape[0], k))
-        self._exact_tables = fmt in ("fp8", "fp4") and self._needs_tables()
+        self._exact_tables = self._needs_tables() if exact_tables is None else exact_tables
 
     def _needs_tables(self) -> bool:
+        if self.fmt not in ("fp8", "fp4"):
+            return False
         if self.scale.numel() and int(self.scale.view(torch.uint8).max()) > _FAST_SCALE_MAX:
             return True
         if self.fmt == "fp8":
@@ -76,56 +86,61 @@ class PackedMatrix:
 
     def rows(self, a: int, b: int) -> "PackedMatrix":
         """Rows [a, b) (whole 32-row blocks for fp8)."""
-        if self.fmt == "fp8":
-            return PackedMatrix("fp8", self.payload[a:b], self.scale[a // 32:b // 32])
-        return PackedMatrix(self.fmt, self.payload[a:b], None if self.scale is None else self.scale[a:b])
+        scale = None if self.scale is None else self.scale[a // 32:b // 32] if self.fmt == "fp8" else self.scale[a:b]
+        return PackedMatrix(self.fmt, self.payload[a:b], scale, self._exact_tables)
 
     def cols(self, a: int, b: int) -> "PackedMatrix":
         """Columns [a, b) (whole 32-column groups for fp8 and fp4)."""
-        if self.fmt == "fp8":
-            return PackedMatrix("fp8", self.payload[:, a:b], self.scale[:, a // 32:b // 32])
-        if self.fmt == "fp4":
-            return PackedMatrix("fp4", self.payload[:, a // 2:b // 2], self.scale[:, a // 32:b // 32])
-        return PackedMatrix(self.fmt, self.payload[:, a:b])
+        if self.scale is None:
+            return PackedMatrix(self.fmt, self.payload[:, a:b], None, False)
+        half = 2 if self.fmt == "fp4" else 1
+        return PackedMatrix(self.fmt, self.payload[:, a // half:b // half], self.scale[:, a // 32:b // 32],
+                            self._exact_tables)
 
     def _tile_rows(self) -> int:
         rows = max(1, TILE_VALUES // max(1, self.shape[1]))
-        return max(32, rows - rows % 32) if self.fmt == "fp8" else rows
+        rows = max(32, rows - rows % 32) if self.fmt == "fp8" else rows
+        return min(rows, self.shape[0])
 
-    def _values(self, a: int, b: int) -> torch.Tensor:
-        """Rows [a, b) as FP64 values before their scales (fp8: times 2^-8), [b - a, K]."""
-        if self.fmt == "fp8":
-            return _fp8_fp16(self.payload[a:b]).float().double()
-        if self.fmt == "fp4":
-            idx = self.payload[a:b].view(torch.uint8).reshape(-1).to(torch.int32)
-            return _FP4_PAIRS64.index_select(0, idx).view(torch.float64).view(b - a, -1)
-        return self.payload[a:b].double()
-
-    def tile64(self, a: int, b: int) -> torch.Tensor:
-        """Rows [a, b) decoded to FP64 [b - a, K] (fp8: a and b on 32-row blocks)."""
+    def _tile(self, a: int, b: int, scratch: _Scratch) -> torch.Tensor:
+        """Rows [a, b) decoded to FP64 [b - a, K] in ``scratch`` (fp8: a and b on 32-row blocks)."""
+        out = scratch.f64[:b - a]
         if self._exact_tables:
             p = self.rows(a, b)
             decode = block_mxfp8_decode64 if self.fmt == "fp8" else expert_mxfp4_decode64
-            return decode(p.payload, p.scale.view(torch.uint8))
-        v = self._values(a, b)
+            return out.copy_(decode(p.payload, p.scale.view(torch.uint8)))
         if self.fmt == "fp8":
+            x = scratch.i16[:b - a]
+            x.copy_(self.payload[a:b].view(torch.int8))
+            x <<= 7
+            x &= -16385                    # 0xBFFF: clear bit 14, which a negative byte's sign extension set
+            out.copy_(scratch.f32[:b - a].copy_(x.view(torch.float16)))
             s = _pow2(self.scale[a // 32:b // 32], _FP8_SHIFT)
-            v.view((b - a) // 32, 32, -1, 32).mul_(s[:, None, :, None])
+            out.view((b - a) // 32, 32, -1, 32).mul_(s[:, None, :, None])
         elif self.fmt == "fp4":
+            idx = scratch.i32[:(b - a) * self.shape[1] // 2]
+            idx.copy_(self.payload[a:b].view(torch.uint8).reshape(-1))
+            torch.index_select(_FP4_PAIRS64, 0, idx, out=out.view(torch.complex128).view(-1))
             s = _pow2(self.scale[a:b], 0)
-            v.view(b - a, s.shape[1], -1).mul_(s[:, :, None])
-        return v
+            out.view(b - a, s.shape[1], -1).mul_(s[:, :, None])
+        else:
+            out.copy_(self.payload[a:b])
+        return out
+
+    def _tiles(self):
+        """(first row, FP64 tile) over the matrix; each tile is overwritten by the next."""
+        step = self._tile_rows()
+        scratch = _Scratch(self.fmt, step, self.shape[1])
+        for a in range(0, self.shape[0], step):
+            yield a, self._tile(a, min(self.shape[0], a + step), scratch)
 
     def dense(self) -> torch.Tensor:
         """The whole matrix decoded to FP64 (what ``weights.decode_tensor`` gives for it)."""
-        if self.fmt in ("bf16", "f32"):
-            return self.payload.double()
-        n, step = self.shape[0], self._tile_rows()
-        return torch.cat([self.tile64(a, min(n, a + step)) for a in range(0, n, step)])
+        return torch.cat([t.clone() for _, t in self._tiles()]) if self.shape[0] else \
+            torch.empty(self.shape, dtype=torch.float64)
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ self^T in FP64, rounded to FP32 once -> [M, N]."""
         x64 = x.double()
-        n, step = self.shape[0], self._tile_rows()
-        parts = [torch.mm(x64, self.tile64(a, min(n, a + step)).t()) for a in range(0, n, step)]
-        return torch.cat(parts, dim=1).float()
+        parts = [torch.mm(x64, t.t()) for _, t in self._tiles()]
+        return (torch.cat(parts, dim=1) if parts else x64.new_empty(x.shape[0], 0)).float()
