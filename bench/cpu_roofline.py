@@ -10,7 +10,9 @@ summed per node kind and over the step. Bandwidth: a 256 MiB FP32 copy (read + w
 best of 5. Floor: bytes / bandwidth. Measured: one ``python -m dsv41.run`` (``sync``, TP1) that starts
 each request at ``--context`` tokens of drawn history, runs the one-token prompt step, then
 ``--steps`` decode steps; the step is their median wall time, a node kind's time the median over
-those steps of its node spans' summed wall time (``--trace``). Weights are drawn at random (``--config``
+those steps of its node spans' summed wall time (``--trace``). Per weight value: for each checkpoint
+format, the time of the node kinds that multiply weights of that format only (and take at least 5% of
+the step) over the weight values the plan says they multiply: the ``cpu`` profile's ``weight_use_ns``. Weights are drawn at random (``--config``
 and the reductions) or served from ``--checkpoint`` (drawing FLASH-width layers takes about a minute
 each; a written checkpoint is read in seconds).
 """
@@ -63,14 +65,34 @@ def model_cfg(a):
     return cfg
 
 
-def planned_bytes(cfg, batch: int, context: int) -> tuple[dict[str, int], dict]:
-    """Node kind -> bytes the plan's decode step moves (reads + writes), and the plan's report."""
+def planned(cfg, batch: int, context: int) -> tuple[dict[str, int], dict[str, dict[str, int]], dict]:
+    """Node kind -> bytes the plan's decode step moves (reads + writes); node kind -> weight values it
+    multiplies by checkpoint format; the plan's report."""
     cfg = dataclasses.replace(cfg, decode_rows_per_request=1)
-    report, planned = run_plan(cfg, Topology(1, 1, 1), batch, context, phase="decode", device="cpu")
+    report, step = run_plan(cfg, Topology(1, 1, 1), batch, context, phase="decode", device="cpu")
     by_kind: dict[str, int] = defaultdict(int)
-    for key, c in planned.costs.items():
-        by_kind[planned.plan.graph.nodes[key].kernel] += c.bytes_read + c.bytes_written
-    return dict(by_kind), report
+    values: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for key, c in step.costs.items():
+        kind = step.plan.graph.nodes[key].kernel
+        by_kind[kind] += c.bytes_read + c.bytes_written
+        for fmt, n in c.decoded.items():
+            values[kind][fmt] += n
+    return dict(by_kind), {k: dict(v) for k, v in values.items()}, report
+
+
+def weight_use_ns(measured_ms: dict[str, float], values: dict[str, dict[str, int]], least: float = 0.05) -> dict:
+    """Checkpoint format -> ns per weight value, from the node kinds whose multiplied weights are all of
+    that one format and take at least ``least`` of the step's node time (their time over their values:
+    what the ``cpu`` profile's ``weight_use_ns`` prices, measured in the step itself)."""
+    total = sum(measured_ms.values())
+    time_ns: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for kind, by_fmt in values.items():
+        if len(by_fmt) == 1 and measured_ms.get(kind, 0.0) >= least * total:
+            (fmt, n), = by_fmt.items()
+            time_ns[fmt] += measured_ms[kind] * 1e6
+            count[fmt] += n
+    return {fmt: time_ns[fmt] / count[fmt] for fmt in sorted(count)}
 
 
 def _attrs(span: dict) -> dict:
@@ -125,7 +147,7 @@ def main(argv=None) -> int:
     if a.engram_rows is None and a.config == "flash" and not a.checkpoint:
         a.engram_rows = 4099
     cfg = model_cfg(a)
-    by_kind_bytes, report = planned_bytes(cfg, a.batch, a.context + a.steps)
+    by_kind_bytes, values, report = planned(cfg, a.batch, a.context + a.steps)
     bw = copy_bytes_per_s()
     run = measure(a, tempfile.mkdtemp(prefix="cpu_roofline-"))
     step_ms = statistics.median(run["step_ms"])
@@ -137,7 +159,8 @@ def main(argv=None) -> int:
     out = {"config": run["config"], "batch": a.batch, "context": a.context, "steps": run["step_ms"],
            "bytes": total, "copy_bytes_per_s": bw, "floor_ms": floor_ms, "measured_step_ms": step_ms,
            "ratio": step_ms / floor_ms, "predicted_step_ms": report["predicted_step_us"] / 1e3,
-           "tokens": run["tokens"], "last_logits_sha256": run["last_logits_sha256"], "kinds": rows}
+           "tokens": run["tokens"], "last_logits_sha256": run["last_logits_sha256"], "kinds": rows,
+           "weight_use_ns": weight_use_ns(run["by_kind_ms"], values)}
     if a.json:
         print(json.dumps(out))
         return 0
@@ -145,6 +168,8 @@ def main(argv=None) -> int:
           f"copy {bw / 1e9:.2f} GB/s -> floor {floor_ms:.0f} ms; measured {step_ms:.0f} ms (median of "
           f"{len(run['step_ms'])}: {', '.join(f'{s:.0f}' for s in run['step_ms'])}) = {out['ratio']:.1f}x the floor; "
           f"the cpu profile predicts {out['predicted_step_ms']:.0f} ms ({out['predicted_step_ms'] / step_ms - 1:+.0%})")
+    print("  per weight value in the step (kinds of one format, >= 5% of it): "
+          + ", ".join(f"{fmt} {ns:.2f} ns" for fmt, ns in out["weight_use_ns"].items()))
     for r in rows:
         ratio = f"{r['measured_ms'] / r['floor_ms']:8.1f}x" if r["floor_ms"] else "       -"
         print(f"  {r['kernel']:<22} {r['measured_ms']:10.1f} ms  {r['bytes'] / 1e6:10.1f} MB  floor "
