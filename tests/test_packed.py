@@ -68,21 +68,18 @@ def test_fp8_tiles_decode_every_byte_at_every_scale_to_its_definition():
 
 
 def test_fp4_tiles_decode_every_byte_at_every_scale_to_its_definition():
-    codes = [0, 1, 60, 127, 128, 200, 246, 252]
+    codes = [0, 1, 60, 127, 128, 200, 246, 252]       # 6 x 2^(252-127) is still a finite FP32
     packed_bytes = torch.arange(256, dtype=torch.uint8).repeat(len(codes), 1)     # [8, 256] -> K = 512
     scale = torch.tensor(codes, dtype=torch.uint8)[:, None].repeat(1, 16)
     scale[:, 1::2] = scale[:, 1::2].flip(0)                                    # mixed codes within a row
     pairs = torch.tensor([[fp4_value_ref(b & 15), fp4_value_ref(b >> 4)] for b in range(256)], dtype=torch.float64)
-    want = pairs[packed_bytes.long()].reshape(len(codes), 512) * torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 1)
-    m = PackedMatrix("fp4", packed_bytes.view(torch.int8), scale)
-    assert m._exact_tables            # 252 is past the fast path's range: the table decode, the same values
-    assert _same_bits(m.dense(), want)
-    fast = PackedMatrix("fp4", packed_bytes[:6].view(torch.int8), scale[:6].clamp(max=246))
-    assert not fast._exact_tables
-    assert _same_bits(fast.dense(), expert_mxfp4_decode64(fast.payload, fast.scale))
-    want_fast = pairs[packed_bytes[:6].long()].reshape(6, 512) * \
-        torch.pow(2.0, scale[:6].clamp(max=246).double() - 127).repeat_interleave(32, 1)
-    assert _same_bits(fast.dense(), want_fast)
+    want = pairs[packed_bytes.long()].reshape(len(codes), 512) * \
+        torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 1)
+    assert _same_bits(PackedMatrix("fp4", packed_bytes.view(torch.int8), scale).dense(), want)
+    # every scale code, overflowing ones included, as the decoder gives it
+    every = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
+    m = PackedMatrix("fp4", torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(torch.int8), every)
+    assert _same_bits(m.dense(), expert_mxfp4_decode64(m.payload, m.scale))
 
 
 def _matrices(n: int, k: int, seed: int) -> dict[str, PackedMatrix]:

@@ -7,25 +7,26 @@ decoded matrix: a tile of rows small enough to stay in the core's cache is decod
 multiplied while it is there. Decoding the whole matrix first wrote and read it back through memory
 at 8 B a value, on every use; at FLASH widths that, not the arithmetic, was the step.
 
-A tile decodes with bit moves and one small table, never a per-value index into a big one:
+How a tile decodes (each the cheapest of the forms measured here, ``bench/cpu_rates.py``):
 
-- an E4M3 byte sign-extended to 16 bits and shifted left by 7, with bit 14 cleared, is the FP16 whose
-  value is the E4M3 value times 2^-8 (the FP16 exponent field holds the E4M3 one, subnormals included),
-  widened exactly to FP64;
-- a packed E2M1 byte looks up its two values as one 16-byte element of a 256-entry table;
-- the E8M0 scale, a power of two built from its exponent bits, multiplies the FP64 values.
+- FP8: an E4M3 byte sign-extended to 16 bits and shifted left by 7, with bit 14 cleared, is the FP16
+  whose value is the E4M3 value times 2^-8 (the FP16 exponent field holds the E4M3 one, subnormals
+  included); it widens exactly to FP64, where the block's scale 2^(s-119), built from its exponent
+  bits, multiplies it. That is the exact product E4M3 x 2^(s-127); ``quant``'s decoders form it in
+  FP32, where it is exact as well (at most 4 significant bits, none below 2^-139) unless it
+  overflows, so the two agree bit for bit. A matrix with a scale code above 246 (where 448 x
+  2^(s-127) overflows FP32) or an E4M3 NaN byte is decoded by ``quant``'s table instead.
+- FP4: one lookup per packed byte in ``quant``'s table of (scale code, byte) -> the byte's two scaled
+  values (the decoders' own FP32 products in FP64), read as one 16-byte element.
+- BF16, FP32: widened to FP64.
 
-Each value is then the exact product ``value x 2^(s-127)``. ``quant``'s decoders form that product in
-FP32, where it is exact as well (at most 4 significant bits, none below 2^-139) unless it overflows,
-so the two agree bit for bit (``tests/test_packed.py`` holds them to the table decoders over every
-byte and scale). A matrix with a scale code above 246 (where 448 x 2^(s-127) overflows FP32) or an
-E4M3 NaN byte is decoded by those tables instead.
+``tests/test_packed.py`` holds every byte at every scale to the formats' definitions.
 """
 from __future__ import annotations
 
 import torch
 
-from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64, fp4_values, unpack_nibbles
+from dsv41.ops.quant import FP4_PAIRS_BY_SCALE, block_mxfp8_decode64
 
 TILE_VALUES = 1 << 19     # values per decoded tile: 4 MiB in FP64, in the L3 (bench/cpu_roofline.py: 2^16-2^21
                           # measured, 2^19-2^20 fastest with other work on the cores; smaller tiles pay per-op costs)
@@ -39,14 +40,9 @@ def _pow2(codes: torch.Tensor, shift: int) -> torch.Tensor:
     return ((codes.view(torch.uint8).to(torch.int64) + (896 + shift)) << 52).view(torch.float64)
 
 
-def _fp4_pair_table() -> torch.Tensor:
-    """Packed byte -> its (low, high) E2M1 values as one complex128 element (two FP64 halves), so
-    one lookup per byte writes both values in place."""
-    pairs = fp4_values(unpack_nibbles(torch.arange(256, dtype=torch.uint8)[:, None]))
-    return pairs.double().contiguous().view(torch.complex128).reshape(256)
-
-
-_FP4_PAIRS64 = _fp4_pair_table()
+# (scale code << 8 | packed byte) -> the byte's two scaled E2M1 values as one complex128 element (two
+# FP64 halves, low nibble first): one lookup per byte writes both decoded values in place
+_FP4_PAIRS64 = FP4_PAIRS_BY_SCALE.view(torch.complex128).reshape(-1)
 
 
 class _Scratch:
@@ -59,7 +55,7 @@ class _Scratch:
             self.i16 = torch.empty(rows, k, dtype=torch.int16)
             self.f32 = torch.empty(rows, k, dtype=torch.float32)
         elif fmt == "fp4":
-            self.i32 = torch.empty(rows * k // 2, dtype=torch.int32)
+            self.i32 = torch.empty(rows, k // 32, 16, dtype=torch.int32)
 
 
 class PackedMatrix:
@@ -76,13 +72,11 @@ class PackedMatrix:
         self._exact_tables = self._needs_tables() if exact_tables is None else exact_tables
 
     def _needs_tables(self) -> bool:
-        if self.fmt not in ("fp8", "fp4"):
+        if self.fmt != "fp8":
             return False
         if self.scale.numel() and int(self.scale.view(torch.uint8).max()) > _FAST_SCALE_MAX:
             return True
-        if self.fmt == "fp8":
-            return bool(((self.payload.view(torch.uint8) & 0x7F) == 0x7F).any())   # E4M3 NaN
-        return False
+        return bool(((self.payload.view(torch.uint8) & 0x7F) == 0x7F).any())   # E4M3 NaN
 
     def rows(self, a: int, b: int) -> "PackedMatrix":
         """Rows [a, b) (whole 32-row blocks for fp8)."""
@@ -107,8 +101,7 @@ class PackedMatrix:
         out = scratch.f64[:b - a]
         if self._exact_tables:
             p = self.rows(a, b)
-            decode = block_mxfp8_decode64 if self.fmt == "fp8" else expert_mxfp4_decode64
-            return out.copy_(decode(p.payload, p.scale.view(torch.uint8)))
+            return out.copy_(block_mxfp8_decode64(p.payload, p.scale.view(torch.uint8)))
         if self.fmt == "fp8":
             x = scratch.i16[:b - a]
             x.copy_(self.payload[a:b].view(torch.int8))
@@ -118,11 +111,10 @@ class PackedMatrix:
             s = _pow2(self.scale[a // 32:b // 32], _FP8_SHIFT)
             out.view((b - a) // 32, 32, -1, 32).mul_(s[:, None, :, None])
         elif self.fmt == "fp4":
-            idx = scratch.i32[:(b - a) * self.shape[1] // 2]
-            idx.copy_(self.payload[a:b].view(torch.uint8).reshape(-1))
-            torch.index_select(_FP4_PAIRS64, 0, idx, out=out.view(torch.complex128).view(-1))
-            s = _pow2(self.scale[a:b], 0)
-            out.view(b - a, s.shape[1], -1).mul_(s[:, :, None])
+            idx = scratch.i32[:b - a]
+            idx.copy_(self.payload[a:b].view(torch.uint8).view(idx.shape))
+            idx += (self.scale[a:b].view(torch.uint8).to(torch.int32) << 8)[:, :, None]
+            torch.index_select(_FP4_PAIRS64, 0, idx.view(-1), out=out.view(torch.complex128).view(-1))
         else:
             out.copy_(self.payload[a:b])
         return out
