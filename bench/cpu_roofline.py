@@ -2,7 +2,8 @@
 copy bandwidth, the measured step, their ratio, and the same per node kind.
 
     python bench/cpu_roofline.py --config flash --layers 4 --experts 8 --context 16384 --batch 1
-    python bench/cpu_roofline.py --checkpoint /tmp/flash-L4-E8 --context 16384 --steps 3 --json
+    python bench/cpu_roofline.py --checkpoint /tmp/flash-L4-E8 --context 16384 --steps 3 --json > l4.json
+    python bench/cpu_roofline.py --replan l4.json     # that step planned again on the cpu profile as it is now
 
 Bytes: the plan of the same decode step (``plan.step.run_plan``, TP1, one row per request as the
 engine decodes): every node's reads and writes (weights in their stored formats, caches, activations),
@@ -141,7 +142,16 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="decode steps measured (the median is reported)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--replan", metavar="JSON", help="plan the step an earlier --json run measured again (no run)")
     a = p.parse_args(argv)
+    if a.replan:
+        row = json.loads(Path(a.replan).read_text())
+        _, _, report = planned(model_cfg(argparse.Namespace(**row["model"])), row["batch"],
+                               row["context"] + len(row["steps"]))
+        ms = report["predicted_step_us"] / 1e3
+        print(f"{row['config']} batch {row['batch']} context {row['context']}: measured {row['measured_step_ms']:.0f} "
+              f"ms, the cpu profile now predicts {ms:.0f} ms ({ms / row['measured_step_ms'] - 1:+.0%})")
+        return 0
     if a.steps < 1 or a.batch < 1 or a.context < 1:
         p.error("--steps, --batch and --context must be at least 1")
     if a.engram_rows is None and a.config == "flash" and not a.checkpoint:
@@ -156,7 +166,8 @@ def main(argv=None) -> int:
     kinds = sorted(run["by_kind_ms"], key=run["by_kind_ms"].get, reverse=True)[:a.top]
     rows = [{"kernel": k, "measured_ms": run["by_kind_ms"][k], "bytes": by_kind_bytes.get(k, 0),
              "floor_ms": by_kind_bytes.get(k, 0) / bw * 1e3} for k in kinds]
-    out = {"config": run["config"], "batch": a.batch, "context": a.context, "steps": run["step_ms"],
+    model = {k: getattr(a, k) for k in ("config", "layers", "experts", "engram_rows", "checkpoint")}
+    out = {"config": run["config"], "model": model, "batch": a.batch, "context": a.context, "steps": run["step_ms"],
            "bytes": total, "copy_bytes_per_s": bw, "floor_ms": floor_ms, "measured_step_ms": step_ms,
            "ratio": step_ms / floor_ms, "predicted_step_ms": report["predicted_step_us"] / 1e3,
            "tokens": run["tokens"], "last_logits_sha256": run["last_logits_sha256"], "kinds": rows,
