@@ -12,7 +12,7 @@ best of 5. Floor: bytes / bandwidth. Measured: one ``python -m dsv41.run`` (``sy
 each request at ``--context`` tokens of drawn history, runs the one-token prompt step, then
 ``--steps`` decode steps; the step is their median wall time, a node kind's time the median over
 those steps of its node spans' summed wall time (``--trace``). Per weight value: for each checkpoint
-format, the time of the node kinds that multiply weights of that format only (and take at least 5% of
+format, the time of the node kinds that multiply weights of that format only (and take at least 1% of
 the step) over the weight values the plan says they multiply: the ``cpu`` profile's ``weight_use_ns``. Weights are drawn at random (``--config``
 and the reductions) or served from ``--checkpoint`` (drawing FLASH-width layers takes about a minute
 each; a written checkpoint is read in seconds).
@@ -81,7 +81,7 @@ def planned(cfg, batch: int, context: int) -> tuple[dict[str, int], dict[str, di
     return dict(by_kind), {k: dict(v) for k, v in values.items()}, report
 
 
-def weight_use_ns(measured_ms: dict[str, float], values: dict[str, dict[str, int]], least: float = 0.05) -> dict:
+def weight_use_ns(measured_ms: dict[str, float], values: dict[str, dict[str, int]], least: float = 0.01) -> dict:
     """Checkpoint format -> ns per weight value, from the node kinds whose multiplied weights are all of
     that one format and take at least ``least`` of the step's node time (their time over their values:
     what the ``cpu`` profile's ``weight_use_ns`` prices, measured in the step itself)."""
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
           f"copy {bw / 1e9:.2f} GB/s -> floor {floor_ms:.0f} ms; measured {step_ms:.0f} ms (median of "
           f"{len(run['step_ms'])}: {', '.join(f'{s:.0f}' for s in run['step_ms'])}) = {out['ratio']:.1f}x the floor; "
           f"the cpu profile predicts {out['predicted_step_ms']:.0f} ms ({out['predicted_step_ms'] / step_ms - 1:+.0%})")
-    print("  per weight value in the step (kinds of one format, >= 5% of it): "
+    print("  per weight value in the step (kinds of one format, >= 1% of it): "
           + ", ".join(f"{fmt} {ns:.2f} ns" for fmt, ns in out["weight_use_ns"].items()))
     for r in rows:
         ratio = f"{r['measured_ms'] / r['floor_ms']:8.1f}x" if r["floor_ms"] else "       -"
