@@ -32,6 +32,13 @@ def _g(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 1,024 values: the matrices below decode tile by tile (one that fits a single tile is
+    decoded whole by ``quant``'s tables instead)."""
+    monkeypatch.setattr(packed, "TILE_VALUES", 1 << 10)
+
+
 def _fp8_every_byte(scales: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """[32 * len(scales), 256]: every byte in every row (a row per 8 codes shifted), one scale code per
     32x32 block column group, blocks cycling through ``scales``."""
@@ -42,7 +49,7 @@ def _fp8_every_byte(scales: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return payload.view(torch.float8_e4m3fn), scale
 
 
-def test_fp8_tiles_decode_every_byte_at_every_scale_to_its_definition():
+def test_fp8_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tiles):
     scales = [0, 1, 20, 100, 127, 128, 200, 246]
     payload, scale = _fp8_every_byte(scales)
     byte = payload.view(torch.uint8).long()
@@ -67,7 +74,7 @@ def test_fp8_tiles_decode_every_byte_at_every_scale_to_its_definition():
     assert big._exact_tables and _same_bits(big.dense(), block_mxfp8_decode64(big.payload, big.scale))
 
 
-def test_fp4_tiles_decode_every_byte_at_every_scale_to_its_definition():
+def test_fp4_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tiles):
     codes = [0, 1, 60, 127, 128, 200, 246, 252]       # 6 x 2^(252-127) is still a finite FP32
     packed_bytes = torch.arange(256, dtype=torch.uint8).repeat(len(codes), 1)     # [8, 256] -> K = 512
     scale = torch.tensor(codes, dtype=torch.uint8)[:, None].repeat(1, 16)
@@ -105,7 +112,9 @@ def test_tiled_product_is_the_whole_matrix_product(monkeypatch, tile, rows):
         assert torch.equal(torch.cat([m.matmul_t(x[i:i + 1]) for i in range(rows)]), got), fmt
 
 
-def test_row_and_column_slices_are_the_dense_slices():
+@pytest.mark.parametrize("tile", [1 << 10, 1 << 19])
+def test_row_and_column_slices_are_the_dense_slices(monkeypatch, tile):
+    monkeypatch.setattr(packed, "TILE_VALUES", tile)
     for fmt, m in _matrices(96, 128, 8).items():
         d = m.dense()
         assert torch.equal(m.rows(32, 96).dense(), d[32:96]), fmt

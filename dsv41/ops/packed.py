@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.ops.quant import FP4_PAIRS_BY_SCALE, block_mxfp8_decode64
+from dsv41.ops.quant import FP4_PAIRS_BY_SCALE, block_mxfp8_decode64, expert_mxfp4_decode64
 
 TILE_VALUES = 1 << 19     # values per decoded tile: 4 MiB in FP64, in the L3 (bench/cpu_roofline.py: 2^16-2^21
                           # measured, 2^19-2^20 fastest with other work on the cores; smaller tiles pay per-op costs)
@@ -119,9 +119,21 @@ class PackedMatrix:
             out.copy_(self.payload[a:b])
         return out
 
+    def _whole(self) -> torch.Tensor:
+        """The matrix decoded at once by ``quant``'s tables: for one that fits a tile, whose cost is
+        the number of Torch ops (TINY, SMALL, a TP shard's small matrices), not its bytes."""
+        if self.fmt == "fp8":
+            return block_mxfp8_decode64(self.payload, self.scale.view(torch.uint8))
+        if self.fmt == "fp4":
+            return expert_mxfp4_decode64(self.payload, self.scale.view(torch.uint8))
+        return self.payload.double()
+
     def _tiles(self):
         """(first row, FP64 tile) over the matrix; each tile is overwritten by the next."""
         step = self._tile_rows()
+        if step >= self.shape[0]:
+            yield 0, self._whole()
+            return
         scratch = _Scratch(self.fmt, step, self.shape[1])
         for a in range(0, self.shape[0], step):
             yield a, self._tile(a, min(self.shape[0], a + step), scratch)
@@ -135,4 +147,4 @@ class PackedMatrix:
         """x [M, K] @ self^T in FP64, rounded to FP32 once -> [M, N]."""
         x64 = x.double()
         parts = [torch.mm(x64, t.t()) for _, t in self._tiles()]
-        return (torch.cat(parts, dim=1) if parts else x64.new_empty(x.shape[0], 0)).float()
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
