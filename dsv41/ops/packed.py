@@ -129,22 +129,21 @@ class PackedMatrix:
         return self.payload.double()
 
     def _tiles(self):
-        """(first row, FP64 tile) over the matrix; each tile is overwritten by the next."""
+        """The FP64 tiles, top to bottom; each is overwritten by the next."""
         step = self._tile_rows()
         if step >= self.shape[0]:
-            yield 0, self._whole()
+            yield self._whole()
             return
         scratch = _Scratch(self.fmt, step, self.shape[1])
         for a in range(0, self.shape[0], step):
-            yield a, self._tile(a, min(self.shape[0], a + step), scratch)
+            yield self._tile(a, min(self.shape[0], a + step), scratch)
 
     def dense(self) -> torch.Tensor:
         """The whole matrix decoded to FP64 (what ``weights.decode_tensor`` gives for it)."""
-        return torch.cat([t.clone() for _, t in self._tiles()]) if self.shape[0] else \
-            torch.empty(self.shape, dtype=torch.float64)
+        return torch.cat([t.clone() for t in self._tiles()])
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ self^T in FP64, rounded to FP32 once -> [M, N]."""
         x64 = x.double()
-        parts = [torch.mm(x64, t.t()) for _, t in self._tiles()]
+        parts = [torch.mm(x64, t.t()) for t in self._tiles()]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
