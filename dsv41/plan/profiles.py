@@ -270,7 +270,7 @@ _CPU_WEIGHT_USE = ("bench/cpu_roofline.py --context 16384 on the flash-L4-E8 and
                    "product), at load average 2.6 and 3.4: the node kinds of one weight format, their step time over "
                    "the weight values they multiply, FP8 0.89 and 1.14, FP4 0.70 and 0.93, BF16 0.28 and 0.37 ns; "
                    "the mean of the two runs; FP32 (only the mHC mixes, under 1% of a step) from "
-                   "bench/cpu_rates.py: 0.26 ns")
+                   "bench/cpu_rates.py at load 2.5: 0.27 ns")
 _CPU_LOOPBACK = ("assumption: dask workers on one host talk over loopback TCP; a collective and a dispatch/combine "
                  "call alike cost 100 us per message (the order of a Python asyncio round trip) and the bytes at the "
                  "measured copy bandwidth; not measured")
@@ -282,7 +282,7 @@ CPU = DeviceProfile(
     {"mx": 62.7 * G, "dense": 62.7 * G, "vector": 157.7 * G},
     {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
     launch_us=1.56, host_launch_us=1.56, graph_launch_us=1.56, host_step_us=100.0, token_sync_us=1.56,
-    weight_use_ns={"fp8": 1.01, "fp4": 0.81, "bf16": 0.33, "f32": 0.26}, shared_cores=2,
+    weight_use_ns={"fp8": 1.01, "fp4": 0.81, "bf16": 0.33, "f32": 0.27}, shared_cores=2,
     sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM", "hbm_bytes_per_s": _CPU_RATES,
              "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (FP64 products of decoded tiles); "
                                          "vector at the FP32 GEMM rate (assumption: an upper bound)",
