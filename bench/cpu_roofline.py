@@ -13,9 +13,9 @@ each request at ``--context`` tokens of drawn history, runs the one-token prompt
 ``--steps`` decode steps; the step is their median wall time, a node kind's time the median over
 those steps of its node spans' summed wall time (``--trace``). Per weight value: for each checkpoint
 format, the time of the node kinds that multiply weights of that format only (and take at least 1% of
-the step) over the weight values the plan says they multiply: the ``cpu`` profile's ``weight_use_ns``. Weights are drawn at random (``--config``
-and the reductions) or served from ``--checkpoint`` (drawing FLASH-width layers takes about a minute
-each; a written checkpoint is read in seconds).
+the step) over the weight values the plan says they multiply: the ``cpu`` profile's ``weight_use_ns``.
+Weights are drawn at random (``--config`` and the reductions) or served from ``--checkpoint``
+(drawing FLASH-width layers takes about a minute each; a written checkpoint is read in seconds).
 """
 from __future__ import annotations
 

@@ -50,8 +50,12 @@ class Engram:
         yield k("q_weight"), (hc, d), "bf16", 0.05, 1.0
         yield k("k_weight"), (hc, d), "bf16", 0.05, 1.0
 
+    def wkv(self):
+        """The value/key projection in its checkpoint format (decoded inside the product)."""
+        return self.weights.matrix(self.key(self.layer, "wkv"))
+
     def forward(self, x_hc, ids) -> torch.Tensor:
-        return engram(x_hc, ids, self.w("embed"), self.weights.matrix(self.key(self.layer, "wkv")), self.w("q_weight"), self.w("k_weight"),
+        return engram(x_hc, ids, self.w("embed"), self.wkv(), self.w("q_weight"), self.w("k_weight"),
                       self.cfg.rms_norm_eps)
 
     def lookup_share(self, ids) -> torch.Tensor:
@@ -61,5 +65,5 @@ class Engram:
 
     def apply(self, x_hc, shares: list) -> torch.Tensor:
         """The update from every slab's share of the rows (summed in card order: exact)."""
-        return engram_apply(x_hc, sum_shares(shares), self.weights.matrix(self.key(self.layer, "wkv")), self.w("q_weight"), self.w("k_weight"),
+        return engram_apply(x_hc, sum_shares(shares), self.wkv(), self.w("q_weight"), self.w("k_weight"),
                             self.cfg.rms_norm_eps)
