@@ -18,6 +18,7 @@ from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, key_bl
                                score_chunks, topk_positions)
 from dsv41.ops.metadata import window_list_width
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
+from dsv41.ops.packed import matrix
 from dsv41.ops.projections import kv_proj, q_proj
 from dsv41.ops.rope import COMPRESSED, apply_rope, profile_for
 
@@ -50,7 +51,7 @@ class Attention:
 
     def linear(self, name: str):
         """A matrix this block multiplies by, in its checkpoint format (decoded inside the product)."""
-        return self.weights.matrix(self.key(self.layer, name))
+        return matrix(self.weights, self.key(self.layer, name))
 
     @staticmethod
     def tensors(cfg: ModelConfig, spec: LayerSpec):

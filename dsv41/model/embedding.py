@@ -6,6 +6,7 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.ops.embed import embed_shard, pack_lanes, pack_x_hc, shard_rows
 from dsv41.ops.engram import engram, engram_apply, engram_table_rows, sum_shares
+from dsv41.ops.packed import matrix
 
 
 class Embedding:
@@ -52,7 +53,7 @@ class Engram:
 
     def wkv(self):
         """The value/key projection in its checkpoint format (decoded inside the product)."""
-        return self.weights.matrix(self.key(self.layer, "wkv"))
+        return matrix(self.weights, self.key(self.layer, "wkv"))
 
     def forward(self, x_hc, ids) -> torch.Tensor:
         return engram(x_hc, ids, self.w("embed"), self.wkv(), self.w("q_weight"), self.w("k_weight"),

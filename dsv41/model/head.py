@@ -6,6 +6,7 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.ops.lm_head import logits_shard, select_rows
 from dsv41.ops.norm import rms_norm
+from dsv41.ops.packed import matrix
 from dsv41.ops.sampling import sample_rows
 from dsv41.ops.verify import Accepted, accept, sampled_rule
 
@@ -45,4 +46,4 @@ class Head:
 def vocab_logits(weights, key: str, rows) -> torch.Tensor:
     """FP32 rows x weights[key]^T over a vocabulary-row matrix (the LM head, DSpark's Markov head),
     decoded a tile of rows at a time inside the product (``ops.packed``): never whole."""
-    return logits_shard(rows, weights.matrix(key))
+    return logits_shard(rows, matrix(weights, key))

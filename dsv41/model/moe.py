@@ -5,6 +5,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.ops.moe import combine, dispatch_rows, expert, experts_grouped, route
+from dsv41.ops.packed import matrix
 
 
 class MoE:
@@ -29,7 +30,7 @@ class MoE:
 
     def linear(self, name: str):
         """A matrix this block multiplies by, in its checkpoint format (decoded inside the product)."""
-        return self.weights.matrix(self.prefix + name)
+        return matrix(self.weights, self.prefix + name)
 
     def _expert(self, e: int, name: str):
         return self.linear(f"experts.{e}.{name}")

@@ -147,3 +147,11 @@ class PackedMatrix:
         x64 = x.double()
         parts = [torch.mm(x64, t.t()) for t in self._tiles()]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
+
+
+def matrix(weights, key: str):
+    """The weight ``key`` as a product takes it: in its checkpoint format where ``weights`` holds
+    those (``CardWeights.matrix``), else the decoded tensor of a plain mapping
+    (``weights.decode_checkpoint``, as the DSpark tests build their blocks)."""
+    get = getattr(weights, "matrix", None)
+    return get(key) if get is not None else weights[key]
