@@ -5,12 +5,12 @@ of a few repeats (other work on the machine only ever slows a repeat down).
     python bench/cpu_rates.py [--json]
 
 Bandwidth: a 256 MiB FP32 copy (read + write bytes over time). Matmul: square GEMMs of 2048
-(2 n^3 FLOPs over time). Dispatch: a 1-element add, per call. Weight use: the kernels decode a
-checkpoint-format weight to FP64 on every use (``dsv41.weights.decode_tensor``) and multiply one row
-by it; per value of a FLASH-width matrix (an FP8 linear 4096 x 5120, an FP4 expert matrix
-2304 x 5120, a BF16 head block 16384 x 5120, an FP32 matrix 4096 x 5120), that decode plus the
-one-row product. Importing dsv41 sets Torch's threads as the engine runs them (``DSV41_TORCH_THREADS``,
-default 1), so every rate is the engine's.
+(2 n^3 FLOPs over time). Dispatch: a 1-element add, per call. Weight use: the kernels multiply a
+weight held in its checkpoint format, decoding it to FP64 a tile at a time inside the product
+(``dsv41.ops.packed.PackedMatrix.matmul_t``); per value of a FLASH matrix (the FP8 ``wq_b``
+32768 x 1280, an FP4 expert ``w1`` 2304 x 5120, 16384 rows of the BF16 head, the FP32 mHC ``fn``
+24 x 20480), one row multiplied by it. Importing dsv41 sets Torch's threads as the engine runs them
+(``DSV41_TORCH_THREADS``, default 1), so every rate is the engine's.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
-from dsv41.weights import decode_tensor
 from dsv41.config import FLASH
+from dsv41.ops.packed import PackedMatrix
+from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
 
 
 def best(fn, repeats: int) -> float:
@@ -51,19 +51,18 @@ def rates(repeats: int = 5) -> dict:
 
 
 def weight_use_ns(repeats: int) -> dict:
-    """Format -> ns per value of decoding a weight to FP64 and multiplying one row by it."""
+    """Format -> ns per value of multiplying one row by a weight held in that format."""
     g = torch.Generator().manual_seed(0)
-    fp8 = block_mxfp8_encode(torch.randn(4096, 5120, generator=g) * 0.02)
-    fp4 = expert_mxfp4_encode(torch.randn(2304, 5120, generator=g) * 0.02)
-    weights = {"fp8": ("layers.0.attn.wq_b", fp8[0], fp8[1]),
-               "fp4": ("layers.0.ffn.experts.0.w1", fp4[0].view(torch.int8), fp4[1]),
-               "bf16": ("head.weight", torch.randn(16384, 5120, generator=g).to(torch.bfloat16), None),
-               "f32": ("layers.0.hc_attn_fn", torch.randn(4096, 5120, generator=g), None)}
+    d, f = FLASH.hidden_size, FLASH
+    fp8 = block_mxfp8_encode(torch.randn(f.num_attention_heads * f.head_dim, f.q_lora_rank, generator=g) * 0.02)
+    fp4 = expert_mxfp4_encode(torch.randn(f.moe_intermediate_size, d, generator=g) * 0.02)
+    weights = {"fp8": PackedMatrix("fp8", *fp8), "fp4": PackedMatrix("fp4", fp4[0].view(torch.int8), fp4[1]),
+               "bf16": PackedMatrix("bf16", torch.randn(16384, d, generator=g).to(torch.bfloat16)),
+               "f32": PackedMatrix("f32", torch.randn(f.mix_hc, f.hc_dim, generator=g))}
     out = {}
-    for fmt, (key, t, scale) in weights.items():
-        row = torch.randn(1, 5120, dtype=torch.float64, generator=g)
-        s = best(lambda: row @ decode_tensor(FLASH, key, t, scale).T, repeats)
-        out[fmt] = s / (t.shape[0] * 5120) * 1e9
+    for fmt, w in weights.items():
+        row = torch.randn(1, w.shape[1], generator=g)
+        out[fmt] = best(lambda: w.matmul_t(row), repeats) / w.shape.numel() * 1e9
     return out
 
 
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     else:
         print(f"threads {r['threads']}: copy {r['bytes_per_s'] / 1e9:.2f} GB/s, FP32 GEMM "
               f"{r['fp32_flops_per_s'] / 1e9:.1f} GFLOP/s, FP64 GEMM {r['fp64_flops_per_s'] / 1e9:.1f} GFLOP/s, "
-              f"dispatch {r['dispatch_us']:.2f} us per small op; a weight's decode + one-row product: "
+              f"dispatch {r['dispatch_us']:.2f} us per small op; a one-row product with a weight held as "
               + ", ".join(f"{k} {v:.2f} ns" for k, v in r["weight_use_ns"].items()) + " per value")
     return 0
 

@@ -16,3 +16,15 @@ def test_chunked_scoring_equals_unchunked():
     a = ReferenceEngine(TINY, seed=0, max_batch=1, max_context=80).prefill([prompt]).logits
     b = ReferenceEngine(whole, seed=0, max_batch=1, max_context=80).prefill([prompt]).logits
     assert torch.equal(a, b)
+
+
+def test_scoring_keys_a_block_at_a_time_equals_all_at_once(monkeypatch):
+    """Index keys read and scored in blocks of 5 positions (prefill: up to 32 compressed keys a row,
+    so several blocks, a short last one) give the logits of one block holding them all."""
+    from dsv41.ops import indexer
+    prompt = torch.randint(0, TINY.vocab_size, (64,), generator=torch.Generator().manual_seed(6)).tolist()
+    whole = ReferenceEngine(TINY, seed=0, max_batch=1, max_context=80).prefill([prompt]).logits
+    monkeypatch.setattr(indexer, "KEY_BLOCK", 5)
+    assert indexer.key_blocks(12) == [(0, 5), (5, 10), (10, 12)] and indexer.key_blocks(0) == [(0, 0)]
+    blocked = ReferenceEngine(TINY, seed=0, max_batch=1, max_context=80).prefill([prompt]).logits
+    assert torch.equal(blocked, whole)

@@ -110,6 +110,7 @@ def test_plan_counts_the_values_each_node_decodes_on_its_card():
 
 def test_a_part_that_decodes_per_use_holds_its_largest_decoded_weight_at_the_peak():
     from dsv41.model.head import Head
+    from dsv41.ops.packed import TILE_VALUES
     from dsv41.plan.sizing import card_values
     from dsv41.plan.step import DECODE_BYTES_PER_VALUE
     from dsv41.config import FLASH
@@ -120,9 +121,9 @@ def test_a_part_that_decodes_per_use_holds_its_largest_decoded_weight_at_the_pea
     assert largest == max(block for _, _, block in card_values(TINY, topo, 0).values())
     assert cpu["cards"][0]["transient_peak_bytes"] >= DECODE_BYTES_PER_VALUE * largest \
         > device["cards"][0]["transient_peak_bytes"]
-    # FLASH's head is decoded a block of vocabulary rows at a time
+    # FLASH's head is decoded a tile of vocabulary rows at a time, inside the product
     head = card_values(FLASH.reduced(layers=1, experts=8, engram_rows=4099), topo, 0)[Head.HEAD]
-    assert head[2] == Head.VOCAB_BLOCK * FLASH.hidden_size < head[1]
+    assert head[2] == TILE_VALUES < head[1]
 
 
 def all_gather(cards, link_bytes):

@@ -9,7 +9,8 @@ A weight source serves named checkpoint tensors, or slices of them, in their che
 ``DrawnCheckpoint`` is the random-weights source (one deterministic draw); the checkpoint reader
 serves folders. ``read_card`` asks a source for exactly the slices one card holds (scales sliced
 with their payloads) and keeps them as they came: FP8 E4M3 + E8M0, packed MXFP4 + E8M0, BF16, FP32.
-``CardWeights`` decodes a runtime weight on each use (a lookup table only the rows looked up), so
+``CardWeights`` decodes a runtime weight on each use (a lookup table only the rows looked up, a matrix
+a tile at a time inside its product: ``matrix``), so
 nothing larger than the checkpoint bytes stays resident; the decoded values are those of
 ``weights.decode_checkpoint`` bit for bit.
 
@@ -37,6 +38,7 @@ import torch
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.config import ModelConfig, Topology
 from dsv41.ops.engram import table_slab
+from dsv41.ops.packed import PackedMatrix
 from dsv41.weights import checkpoint_specs, decode_tensor, draw_checkpoint, runtime_key
 
 
@@ -154,6 +156,7 @@ class CardWeights(Mapping):
         self.keys_ = [k for k in (runtime_key(n, held) for n in held) if k is not None]
         self._known = set(self.keys_)
         self._scaled = {k for k in self.keys_ if k + ".scale" in held}
+        self._matrices: dict[str, PackedMatrix] = {}
 
     def __getitem__(self, key: str) -> torch.Tensor | RowLookup:
         if _is_lookup(key):
@@ -164,11 +167,20 @@ class CardWeights(Mapping):
             return decode_tensor(self.cfg, key, self.held[key + ".weight"], self.held[key + ".scale"])
         return decode_tensor(self.cfg, key, self.held[key])
 
-    def row_blocks(self, key: str, rows: int):
-        """An unscaled weight decoded ``rows`` rows at a time (the LM head: never decoded whole)."""
-        t = self.held[key]
-        for a in range(0, t.shape[0], rows):
-            yield decode_tensor(self.cfg, key, t[a:a + rows])
+    def matrix(self, key: str) -> PackedMatrix:
+        """A weight matrix a block multiplies by, as held (FP8, FP4, BF16 or FP32): the product decodes
+        it a tile at a time (``ops.packed``), to the values ``__getitem__`` decodes it to whole.
+        Made once per key (the format check reads the payload once)."""
+        m = self._matrices.get(key)
+        if m is None:
+            if key in self._scaled:
+                t = self.held[key + ".weight"]
+                m = PackedMatrix("fp4" if t.dtype == torch.int8 else "fp8", t, self.held[key + ".scale"])
+            else:
+                t = self.held[key]
+                m = PackedMatrix("bf16" if t.dtype == torch.bfloat16 else "f32", t)
+            self._matrices[key] = m
+        return m
 
     def __iter__(self):
         return iter(self.keys_)

@@ -14,10 +14,11 @@ from dsv41.model import caches as cache
 from dsv41.model.options import Options
 from dsv41.ops.attention import slot_list, sparse_attention
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
-from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
-                               topk_positions)
+from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, key_blocks, physical_rows,
+                               score_chunks, topk_positions)
 from dsv41.ops.metadata import window_list_width
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
+from dsv41.ops.packed import matrix
 from dsv41.ops.projections import kv_proj, q_proj
 from dsv41.ops.rope import COMPRESSED, apply_rope, profile_for
 
@@ -47,6 +48,10 @@ class Attention:
 
     def w(self, name: str) -> torch.Tensor:
         return self.weights[self.key(self.layer, name)]
+
+    def linear(self, name: str):
+        """A matrix this block multiplies by, in its checkpoint format (decoded inside the product)."""
+        return matrix(self.weights, self.key(self.layer, name))
 
     @staticmethod
     def tensors(cfg: ModelConfig, spec: LayerSpec):
@@ -78,11 +83,11 @@ class Attention:
     def q_proj(self, x, cos, sin, heads: int | None = None):
         """(q LoRA latent, RoPE'd query heads); ``heads``: this card's heads under TP."""
         cfg = self.cfg
-        return q_proj(x, self.w("wq_a"), self.w("q_norm.weight"), self.w("wq_b"), cos, sin, cfg.rms_norm_eps,
+        return q_proj(x, self.linear("wq_a"), self.w("q_norm.weight"), self.linear("wq_b"), cos, sin, cfg.rms_norm_eps,
                       heads or cfg.num_attention_heads, cfg.head_dim)
 
     def kv_proj(self, x, cos, sin):
-        return kv_proj(x, self.w("wkv"), self.w("kv_norm.weight"), cos, sin, self.cfg.rms_norm_eps)
+        return kv_proj(x, self.linear("wkv"), self.w("kv_norm.weight"), cos, sin, self.cfg.rms_norm_eps)
 
     def publish_window(self, caches, md, kv):
         cache.publish(caches, self.window_cache, md.window_slots, kv)
@@ -92,17 +97,17 @@ class Attention:
         cfg, s, eps = self.cfg, self.layer, self.cfg.rms_norm_eps
         if self.spec.ratio == 2:
             (ring,) = caches.read(cache.ring(s))
-            return compress_ratio2(x, self.w("compressor.wkv.weight"), self.w("compressor.wgate.weight"),
+            return compress_ratio2(x, self.linear("compressor.wkv.weight"), self.linear("compressor.wgate.weight"),
                                    self.w("compressor.norm.weight"), eps, md, ring, md.state_block_tables[s],
                                    cfg.state_capacity)
-        return compress_ratio1(x, self.w("compressor.wkv.weight"), self.w("compressor.norm.weight"), eps, md)
+        return compress_ratio1(x, self.linear("compressor.wkv.weight"), self.w("compressor.norm.weight"), eps, md)
 
     def publish_compressed(self, caches, md, comp, cmp_rope):
         """Stage the ring writes, then publish compressed KV (RoPE'd latent) and index keys."""
         s = self.layer
         caches.put(cache.ring(s), comp.ring_slots, (comp.ring_rows,), comp.ring_token_rows)
         cos, sin = cmp_rope
-        key = apply_rope(index_key(comp.latent, self.w("indexer.wk.weight"), self.w("indexer.k_norm.weight"),
+        key = apply_rope(index_key(comp.latent, self.linear("indexer.wk.weight"), self.w("indexer.k_norm.weight"),
                                    self.cfg.rms_norm_eps), cos, sin)
         slots = torch.where(comp.closes, md.compressed_slots[s], torch.full_like(md.compressed_slots[s], -1))
         cache.publish(caches, cache.compressed(s), slots, apply_rope(comp.latent, cos, sin))
@@ -117,14 +122,19 @@ class Attention:
         pos = torch.arange(width).expand(req.shape[0], width)
         visible = pos < lens.unsqueeze(1).long()
         table = md.compressed_block_tables[src]
-        keys = cache.read(caches, cache.index(src), physical_rows(torch.where(visible, pos, -1), req, table,
-                                                                  cfg.block_size))
         cos, sin = rope
-        q, wts = index_query(qr[rows], x[rows], self.w("indexer.wq_b"), self.w("indexer.weights_proj.weight"),
+        q, wts = index_query(qr[rows], x[rows], self.linear("indexer.wq_b"), self.linear("indexer.weights_proj.weight"),
                              cos[rows], sin[rows], cfg.index_n_heads, cfg.index_head_dim, opts.fp4_index_query)
         if cand is not None:
             visible = visible & cand[rows]
-        scores = index_scores(q, wts, keys, visible)
+        # a block of keys at a time: read, decoded and scored while its [rows, heads, block] terms are in cache
+        parts = []
+        for a, b in key_blocks(width):
+            vis = visible[:, a:b]
+            keys = cache.read(caches, cache.index(src), physical_rows(torch.where(vis, pos[:, a:b], -1), req, table,
+                                                                      cfg.block_size))
+            parts.append(index_scores(q, wts, keys, vis))
+        scores = torch.cat(parts, 1)
         top = physical_rows(topk_positions(scores, cfg.index_topk), req, table, cfg.block_size)
         mask = None
         if self.layer == cfg.candidate_source_layer_id:
@@ -155,7 +165,7 @@ class Attention:
 
     def o_proj(self, attended, cos, sin):
         """This card's FP32 partial of the output projection (TP partials meet in a reduction)."""
-        return o_proj_partial(attended, cos, sin, self.w("wo_a"), self.w("wo_b"))
+        return o_proj_partial(attended, cos, sin, self.linear("wo_a"), self.linear("wo_b"))
 
     # ---- the whole block on one process -----------------------------------------------------------
     def forward(self, caches, md, x, rope, selections: dict, opts: Options = Options()) -> torch.Tensor:

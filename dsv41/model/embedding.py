@@ -6,6 +6,7 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.ops.embed import embed_shard, pack_lanes, pack_x_hc, shard_rows
 from dsv41.ops.engram import engram, engram_apply, engram_table_rows, sum_shares
+from dsv41.ops.packed import matrix
 
 
 class Embedding:
@@ -50,8 +51,12 @@ class Engram:
         yield k("q_weight"), (hc, d), "bf16", 0.05, 1.0
         yield k("k_weight"), (hc, d), "bf16", 0.05, 1.0
 
+    def wkv(self):
+        """The value/key projection in its checkpoint format (decoded inside the product)."""
+        return matrix(self.weights, self.key(self.layer, "wkv"))
+
     def forward(self, x_hc, ids) -> torch.Tensor:
-        return engram(x_hc, ids, self.w("embed"), self.w("wkv"), self.w("q_weight"), self.w("k_weight"),
+        return engram(x_hc, ids, self.w("embed"), self.wkv(), self.w("q_weight"), self.w("k_weight"),
                       self.cfg.rms_norm_eps)
 
     def lookup_share(self, ids) -> torch.Tensor:
@@ -61,5 +66,5 @@ class Engram:
 
     def apply(self, x_hc, shares: list) -> torch.Tensor:
         """The update from every slab's share of the rows (summed in card order: exact)."""
-        return engram_apply(x_hc, sum_shares(shares), self.w("wkv"), self.w("q_weight"), self.w("k_weight"),
+        return engram_apply(x_hc, sum_shares(shares), self.wkv(), self.w("q_weight"), self.w("k_weight"),
                             self.cfg.rms_norm_eps)

@@ -6,13 +6,13 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.ops.lm_head import logits_shard, select_rows
 from dsv41.ops.norm import rms_norm
+from dsv41.ops.packed import matrix
 from dsv41.ops.sampling import sample_rows
 from dsv41.ops.verify import Accepted, accept, sampled_rule
 
 
 class Head:
     NORM, HEAD = "norm.weight", "head.weight"
-    VOCAB_BLOCK = 16384     # head rows decoded at once: FLASH's whole head in FP64 would be 5.3 GB
 
     def __init__(self, cfg: ModelConfig, weights):
         self.cfg, self.weights = cfg, weights
@@ -45,13 +45,5 @@ class Head:
 
 def vocab_logits(weights, key: str, rows) -> torch.Tensor:
     """FP32 rows x weights[key]^T over a vocabulary-row matrix (the LM head, DSpark's Markov head),
-    decoded ``Head.VOCAB_BLOCK`` rows at a time where the weights decode per use."""
-    blocks = getattr(weights, "row_blocks", None)
-    if blocks is None:
-        return logits_shard(rows, weights[key])
-    # FP64 accumulation makes each logit independent of the block it is computed in
-    parts = []
-    for w in blocks(key, Head.VOCAB_BLOCK):
-        parts.append(logits_shard(rows, w))
-        del w   # before the next block decodes: one block in FP64 at a time, not two (a 671 MB FLASH block)
-    return torch.cat(parts, dim=1)
+    decoded a tile of rows at a time inside the product (``ops.packed``): never whole."""
+    return logits_shard(rows, matrix(weights, key))

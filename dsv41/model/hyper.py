@@ -6,6 +6,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.ops import mhc
+from dsv41.ops.packed import matrix
 
 SITES = ("attn", "ffn")
 
@@ -33,7 +34,8 @@ class HyperSite:
     def mixes(self, x_hc):
         """(pre, post, comb) of this site from the stream entering it."""
         w, cfg = lambda n: self.weights[f"{self.block}hc_{self.site}_{n}"], self.cfg
-        return mhc.hc_mixes(x_hc, w("fn"), w("scale"), w("base"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        return mhc.hc_mixes(x_hc, matrix(self.weights, f"{self.block}hc_{self.site}_fn"), w("scale"), w("base"),
+                            cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
     pre = staticmethod(mhc.hc_pre)          # (x_hc, pre) -> the collapsed sub-layer input
     post = staticmethod(mhc.hc_post)        # (sub, x_hc, post, comb) -> the new stream

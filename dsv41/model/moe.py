@@ -5,6 +5,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.ops.moe import combine, dispatch_rows, expert, experts_grouped, route
+from dsv41.ops.packed import matrix
 
 
 class MoE:
@@ -27,8 +28,12 @@ class MoE:
     def w(self, name: str) -> torch.Tensor:
         return self.weights[self.prefix + name]
 
-    def _expert(self, e: int, name: str) -> torch.Tensor:
-        return self.weights[f"{self.prefix}experts.{e}.{name}"]
+    def linear(self, name: str):
+        """A matrix this block multiplies by, in its checkpoint format (decoded inside the product)."""
+        return matrix(self.weights, self.prefix + name)
+
+    def _expert(self, e: int, name: str):
+        return self.linear(f"experts.{e}.{name}")
 
     @staticmethod
     def tensors(cfg: ModelConfig, layer: int, block: str | None = None):
@@ -48,10 +53,10 @@ class MoE:
     def gate(self, x):
         """(expert indices [T, k], routing weights [T, k])."""
         cfg = self.cfg
-        return route(x, self.w("gate.weight"), self.w("gate.bias"), self.top_k, cfg.routed_scaling_factor)
+        return route(x, self.linear("gate.weight"), self.w("gate.bias"), self.top_k, cfg.routed_scaling_factor)
 
     def shared(self, x):
-        w = lambda n: self.w(f"shared_experts.{n}")
+        w = lambda n: self.linear(f"shared_experts.{n}")
         return expert(x, w("w1"), w("w2"), w("w3"), self.cfg.swiglu_limit)
 
     def routed(self, x, indices, weights, expert_ids) -> dict:

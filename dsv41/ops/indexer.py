@@ -16,6 +16,13 @@ from dsv41.ops.quant import mxfp4_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
+KEY_BLOCK = 2048      # index keys scored at once: a row's [64 heads, block] FP64 dots are 1 MiB (in cache)
+
+
+def key_blocks(width: int) -> list[tuple[int, int]]:
+    """[a, b) blocks of ``KEY_BLOCK`` key positions covering [0, width) (one empty block for none).
+    Each score is computed alone (no sum crosses positions), so blocks give the unblocked bits."""
+    return [(a, min(a + KEY_BLOCK, width)) for a in range(0, max(width, 1), KEY_BLOCK)]
 
 
 def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int, fp4_query: bool = True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.ops.norm import rms_norm
+from dsv41.ops.packed import PackedMatrix
 from dsv41.ops.quant import mxfp8_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
@@ -14,8 +15,12 @@ def matmul_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     FP32 BLAS results depend on how many rows are multiplied together, so a row computed on a
     slab (sequence-parallel) or a subset (one source card's MoE rows) would differ in the last
     ulp from the same row in a full batch, and Top-K/router choices amplify such ulps. With FP64
-    accumulation every row's FP32 result is independent of batching and partitioning.
+    accumulation every row's FP32 result is independent of batching and partitioning. w is a dense
+    tensor or a ``PackedMatrix`` in its checkpoint format, decoded a tile at a time inside the
+    product (the same FP64 values; the whole matrix is never decoded at once).
     """
+    if isinstance(w, PackedMatrix):
+        return w.matmul_t(a)
     return (a.double() @ w.double().t()).float()
 
 

@@ -201,7 +201,7 @@ def _scaled_tables() -> tuple[torch.Tensor, torch.Tensor]:
     return fp8, fp4
 
 
-_FP8_BY_SCALE, _FP4_BY_SCALE = _scaled_tables()
+FP8_BY_SCALE, FP4_PAIRS_BY_SCALE = _scaled_tables()   # index: scale code << 8 | payload byte
 
 
 def block_mxfp8_decode64(payload: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -210,7 +210,7 @@ def block_mxfp8_decode64(payload: torch.Tensor, scale: torch.Tensor, block: int 
     n, k = payload.shape
     idx = payload.view(torch.uint8).to(torch.int32).view(n // block, block, k // block, block) \
         + (scale.view(torch.uint8).to(torch.int32) << 8).view(n // block, 1, k // block, 1)
-    return _FP8_BY_SCALE.to(payload.device).index_select(0, idx.reshape(-1)).view(n, k)
+    return FP8_BY_SCALE.to(payload.device).index_select(0, idx.reshape(-1)).view(n, k)
 
 
 def expert_mxfp4_decode64(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -218,7 +218,7 @@ def expert_mxfp4_decode64(packed: torch.Tensor, scale: torch.Tensor) -> torch.Te
     n, half = packed.shape
     idx = packed.view(torch.uint8).to(torch.int32).view(n, scale.shape[1], -1) \
         + (scale.view(torch.uint8).to(torch.int32) << 8).view(n, -1, 1)
-    return _FP4_BY_SCALE.to(packed.device).index_select(0, idx.reshape(-1)).view(n, 2 * half)
+    return FP4_PAIRS_BY_SCALE.to(packed.device).index_select(0, idx.reshape(-1)).view(n, 2 * half)
 
 
 def expert_mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

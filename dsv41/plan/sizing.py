@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 
 from dsv41.kernels.cost import nbytes
-from dsv41.model.head import Head
+from dsv41.ops.packed import TILE_VALUES
 from dsv41.ops import kv_cache
 from dsv41.weights import checkpoint_specs, runtime_key
 
@@ -77,9 +77,10 @@ _DECODED = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2), torch.bfloa
             torch.float32: ("f32", 0.25)}
 
 
-def _decoded_at_once(cfg, key: str, values: int) -> int:
-    """Values one use decodes at a time: the LM head in blocks of vocabulary rows, any other whole."""
-    return min(values, Head.VOCAB_BLOCK * cfg.hidden_size) if key == Head.HEAD else values
+def _decoded_at_once(values: int) -> int:
+    """Values one use decodes at a time: one tile of the product (``ops.packed``; a tile is whole rows,
+    so it may exceed TILE_VALUES by less than a row, or up to 32 rows for FP8's blocks)."""
+    return min(values, TILE_VALUES)
 
 
 # read a row at a time (as the Engram tables), never decoded whole: the embedding, DSpark's Markov embedding
@@ -101,7 +102,7 @@ def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int], d
             if dtype in _DECODED and not key.endswith(_LOOKED_UP) and _kind(name, key) != "engram_tables":
                 fmt, per_byte = _DECODED[dtype]
                 n = int(held * per_byte)
-                values[key] = (fmt, n, _decoded_at_once(cfg, key, n))
+                values[key] = (fmt, n, _decoded_at_once(n))
     return dict(by_key), by_kind, values
 
 

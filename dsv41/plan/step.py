@@ -95,8 +95,8 @@ def walk(graph, contexts) -> dict:
     return costs
 
 
-# a per-use decode holds its FP64 values (8 B) and its index or widened input (4 B) at once
-DECODE_BYTES_PER_VALUE = 12
+# a product's tile buffers (``ops.packed``): FP64 values (8 B) and, for FP8, the 16-bit and FP32 stages
+DECODE_BYTES_PER_VALUE = 14
 
 
 def replay_hbm(plan, costs, times, ledgers, decodes: bool = False) -> dict[str, tuple[int, int]]:

@@ -1,0 +1,192 @@
+"""A decode step on this CPU against its memory floor: the bytes the step must read over the measured
+copy bandwidth, the measured step, their ratio, and the same per node kind.
+
+    python bench/cpu_roofline.py --config flash --layers 4 --experts 8 --context 16384 --batch 1
+    python bench/cpu_roofline.py --checkpoint /tmp/flash-L4-E8 --context 16384 --steps 3 --json > l4.json
+    python bench/cpu_roofline.py --replan l4.json     # that step planned again on the cpu profile as it is now
+
+Bytes: the plan of the same decode step (``plan.step.run_plan``, TP1, one row per request as the
+engine decodes): every node's reads and writes (weights in their stored formats, caches, activations),
+summed per node kind and over the step. Bandwidth: a 256 MiB FP32 copy (read + write bytes over time),
+best of 5. Floor: bytes / bandwidth. Measured: one ``python -m dsv41.run`` (``sync``, TP1) that starts
+each request at ``--context`` tokens of drawn history, runs the one-token prompt step, then
+``--steps`` decode steps; the step is their median wall time, a node kind's time the median over
+those steps of its node spans' summed wall time (``--trace``). Per weight value: for each checkpoint
+format, the time of the node kinds that multiply weights of that format only (and take at least 1% of
+the step) over the weight values the plan says they multiply: the ``cpu`` profile's ``weight_use_ns``.
+Weights are drawn at random (``--config`` and the reductions) or served from ``--checkpoint``
+(drawing FLASH-width layers takes about a minute each; a written checkpoint is read in seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from dsv41.config import PRESETS, Topology
+from dsv41.plan.step import run_plan
+
+
+def copy_bytes_per_s(repeats: int = 5) -> float:
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def model_args(a) -> list[str]:
+    if a.checkpoint:
+        return ["--checkpoint", a.checkpoint]
+    return ["--config", a.config, *(["--layers", str(a.layers)] if a.layers else []),
+            *(["--experts", str(a.experts)] if a.experts else []),
+            *(["--engram-rows", str(a.engram_rows)] if a.engram_rows else [])]
+
+
+def model_cfg(a):
+    if a.checkpoint:
+        from dsv41.checkpoint.reader import open_checkpoint
+        return open_checkpoint(a.checkpoint).cfg
+    cfg = PRESETS[a.config]
+    if a.layers or a.experts or a.engram_rows:
+        cfg = cfg.reduced(layers=a.layers, experts=a.experts, engram_rows=a.engram_rows)
+    return cfg
+
+
+def planned(cfg, batch: int, context: int) -> tuple[dict[str, int], dict[str, dict[str, int]], dict]:
+    """Node kind -> bytes the plan's decode step moves (reads + writes); node kind -> weight values it
+    multiplies by checkpoint format; the plan's report."""
+    cfg = dataclasses.replace(cfg, decode_rows_per_request=1)
+    report, step = run_plan(cfg, Topology(1, 1, 1), batch, context, phase="decode", device="cpu")
+    by_kind: dict[str, int] = defaultdict(int)
+    values: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for key, c in step.costs.items():
+        kind = step.plan.graph.nodes[key].kernel
+        by_kind[kind] += c.bytes_read + c.bytes_written
+        for fmt, n in c.decoded.items():
+            values[kind][fmt] += n
+    return dict(by_kind), {k: dict(v) for k, v in values.items()}, report
+
+
+def weight_use_ns(measured_ms: dict[str, float], values: dict[str, dict[str, int]], least: float = 0.01) -> dict:
+    """Checkpoint format -> ns per weight value, from the node kinds whose multiplied weights are all of
+    that one format and take at least ``least`` of the step's node time (their time over their values:
+    what the ``cpu`` profile's ``weight_use_ns`` prices, measured in the step itself)."""
+    total = sum(measured_ms.values())
+    time_ns: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for kind, by_fmt in values.items():
+        if len(by_fmt) == 1 and measured_ms.get(kind, 0.0) >= least * total:
+            (fmt, n), = by_fmt.items()
+            time_ns[fmt] += measured_ms[kind] * 1e6
+            count[fmt] += n
+    return {fmt: time_ns[fmt] / count[fmt] for fmt in sorted(count)}
+
+
+def _attrs(span: dict) -> dict:
+    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+
+def measured_by_kind(otlp: Path) -> dict[str, float]:
+    """Node kind -> median over the decode steps of its node spans' summed wall time, in ms."""
+    by_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for line in otlp.read_text().splitlines():
+        for rs in json.loads(line)["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for sp in ss["spans"]:
+                    a = _attrs(sp)
+                    if a.get("dsv41.span") == "node" and a.get("dsv41.phase") == "decode":
+                        ms = (int(sp["endTimeUnixNano"]) - int(sp["startTimeUnixNano"])) / 1e6
+                        by_step[int(a["dsv41.step"])][a["dsv41.kernel"]] += ms
+    kinds = {k for s in by_step.values() for k in s}
+    return {k: statistics.median(s.get(k, 0.0) for s in by_step.values()) for k in kinds}
+
+
+def measure(a, work: str) -> dict:
+    argv = [sys.executable, "-m", "dsv41.run", *model_args(a), "--executor", "sync", "--tp", "1", "--dp", "1",
+            "--batch", str(a.batch), "--prompt-len", "1", "--new-tokens", str(a.steps + 1),
+            "--context", str(a.context), "--trace", "roofline", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=work,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    run = json.loads(proc.stdout)
+    run["by_kind_ms"] = measured_by_kind(Path(work) / run["traces"]["otlp"])
+    return run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="flash", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int)
+    p.add_argument("--experts", type=int)
+    p.add_argument("--engram-rows", type=int, help="default 4099 with --config flash (the docs' runs: FLASH's "
+                                                   "whole tables do not fit here), else the preset's")
+    p.add_argument("--checkpoint", help="serve the weights from this checkpoint folder (its config.json holds "
+                                        "the model) instead of drawing them")
+    p.add_argument("--context", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="decode steps measured (the median is reported)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--replan", metavar="JSON", help="plan the step an earlier --json run measured again (no run)")
+    a = p.parse_args(argv)
+    if a.replan:
+        row = json.loads(Path(a.replan).read_text())
+        _, _, report = planned(model_cfg(argparse.Namespace(**row["model"])), row["batch"],
+                               row["context"] + len(row["steps"]))
+        ms = report["predicted_step_us"] / 1e3
+        print(f"{row['config']} batch {row['batch']} context {row['context']}: measured {row['measured_step_ms']:.0f} "
+              f"ms, the cpu profile now predicts {ms:.0f} ms ({ms / row['measured_step_ms'] - 1:+.0%})")
+        return 0
+    if a.steps < 1 or a.batch < 1 or a.context < 1:
+        p.error("--steps, --batch and --context must be at least 1")
+    if a.engram_rows is None and a.config == "flash" and not a.checkpoint:
+        a.engram_rows = 4099
+    cfg = model_cfg(a)
+    by_kind_bytes, values, report = planned(cfg, a.batch, a.context + a.steps)
+    bw = copy_bytes_per_s()
+    run = measure(a, tempfile.mkdtemp(prefix="cpu_roofline-"))
+    step_ms = statistics.median(run["step_ms"])
+    total = sum(by_kind_bytes.values())
+    floor_ms = total / bw * 1e3
+    kinds = sorted(run["by_kind_ms"], key=run["by_kind_ms"].get, reverse=True)[:a.top]
+    rows = [{"kernel": k, "measured_ms": run["by_kind_ms"][k], "bytes": by_kind_bytes.get(k, 0),
+             "floor_ms": by_kind_bytes.get(k, 0) / bw * 1e3} for k in kinds]
+    model = {k: getattr(a, k) for k in ("config", "layers", "experts", "engram_rows", "checkpoint")}
+    out = {"config": run["config"], "model": model, "batch": a.batch, "context": a.context, "steps": run["step_ms"],
+           "bytes": total, "copy_bytes_per_s": bw, "floor_ms": floor_ms, "measured_step_ms": step_ms,
+           "ratio": step_ms / floor_ms, "predicted_step_ms": report["predicted_step_us"] / 1e3,
+           "tokens": run["tokens"], "last_logits_sha256": run["last_logits_sha256"], "kinds": rows,
+           "weight_use_ns": weight_use_ns(run["by_kind_ms"], values)}
+    if a.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{out['config']} batch {a.batch} context {a.context}: a decode step moves {total / 1e9:.3f} GB (plan); "
+          f"copy {bw / 1e9:.2f} GB/s -> floor {floor_ms:.0f} ms; measured {step_ms:.0f} ms (median of "
+          f"{len(run['step_ms'])}: {', '.join(f'{s:.0f}' for s in run['step_ms'])}) = {out['ratio']:.1f}x the floor; "
+          f"the cpu profile predicts {out['predicted_step_ms']:.0f} ms ({out['predicted_step_ms'] / step_ms - 1:+.0%})")
+    print("  per weight value in the step (kinds of one format, >= 1% of it): "
+          + ", ".join(f"{fmt} {ns:.2f} ns" for fmt, ns in out["weight_use_ns"].items()))
+    for r in rows:
+        ratio = f"{r['measured_ms'] / r['floor_ms']:8.1f}x" if r["floor_ms"] else "       -"
+        print(f"  {r['kernel']:<22} {r['measured_ms']:10.1f} ms  {r['bytes'] / 1e6:10.1f} MB  floor "
+              f"{r['floor_ms']:8.1f} ms {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

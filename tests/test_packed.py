@@ -1,0 +1,141 @@
+"""Weights multiplied in their checkpoint formats (``ops.packed``): the tile decode gives the values of
+the format's definition bit for bit, and the tiled FP64 product is the whole-matrix one."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
+from dsv41.config import TINY, Topology
+from dsv41.ops import packed
+from dsv41.ops.packed import PackedMatrix
+from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
+from _spec_ref import fp4_value_ref
+
+
+def _e4m3_value(byte: int) -> float:
+    """An E4M3 (fn) byte's value from its fields: bias 7, subnormals at exponent 0, S.1111.111 NaN."""
+    s, e, m = byte >> 7, (byte >> 3) & 15, byte & 7
+    if e == 15 and m == 7:
+        return math.nan
+    mag = m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -mag if s else mag
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.double().view(torch.int64), b.double().view(torch.int64))
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 1,024 values: the matrices below decode tile by tile (one that fits a single tile is
+    decoded whole by ``quant``'s tables instead)."""
+    monkeypatch.setattr(packed, "TILE_VALUES", 1 << 10)
+
+
+def _fp8_every_byte(scales: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[32 * len(scales), 256]: every byte in every row (a row per 8 codes shifted), one scale code per
+    32x32 block column group, blocks cycling through ``scales``."""
+    rows = 32 * len(scales)
+    payload = ((torch.arange(rows)[:, None] * 8 + torch.arange(256)[None]) % 256).to(torch.uint8)
+    codes = torch.tensor(scales, dtype=torch.uint8)
+    scale = codes[(torch.arange(len(scales))[:, None] + torch.arange(8)[None]) % len(scales)]
+    return payload.view(torch.float8_e4m3fn), scale
+
+
+def test_fp8_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tiles):
+    scales = [0, 1, 20, 100, 127, 128, 200, 246]
+    payload, scale = _fp8_every_byte(scales)
+    byte = payload.view(torch.uint8).long()
+    want = torch.tensor([_e4m3_value(b) for b in range(256)], dtype=torch.float64)[byte]
+    want = want * torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    nan = (byte & 0x7F) == 0x7F
+    finite = payload.view(torch.uint8).clone()
+    finite[nan] = 0x7E          # the fast path is for matrices without NaN bytes
+    fast = PackedMatrix("fp8", finite.view(torch.float8_e4m3fn), scale)
+    assert not fast._exact_tables
+    want_finite = torch.where(nan, torch.tensor([_e4m3_value(0x7E)], dtype=torch.float64)
+                              * torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 0)
+                              .repeat_interleave(32, 1), want)
+    assert _same_bits(fast.dense(), want_finite)
+    assert _same_bits(fast.dense(), block_mxfp8_decode64(finite.view(torch.float8_e4m3fn), scale))
+    # NaN bytes (and scale codes past 246) take the table decode: its values, NaN where the byte is
+    slow = PackedMatrix("fp8", payload, scale)
+    assert slow._exact_tables
+    assert _same_bits(slow.dense(), block_mxfp8_decode64(payload, scale))
+    assert torch.equal(slow.dense().isnan(), nan)
+    big = PackedMatrix("fp8", finite.view(torch.float8_e4m3fn), torch.full_like(scale, 250))
+    assert big._exact_tables and _same_bits(big.dense(), block_mxfp8_decode64(big.payload, big.scale))
+
+
+def test_fp4_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tiles):
+    codes = [0, 1, 60, 127, 128, 200, 246, 252]       # 6 x 2^(252-127) is still a finite FP32
+    packed_bytes = torch.arange(256, dtype=torch.uint8).repeat(len(codes), 1)     # [8, 256] -> K = 512
+    scale = torch.tensor(codes, dtype=torch.uint8)[:, None].repeat(1, 16)
+    scale[:, 1::2] = scale[:, 1::2].flip(0)                                    # mixed codes within a row
+    pairs = torch.tensor([[fp4_value_ref(b & 15), fp4_value_ref(b >> 4)] for b in range(256)], dtype=torch.float64)
+    want = pairs[packed_bytes.long()].reshape(len(codes), 512) * \
+        torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 1)
+    assert _same_bits(PackedMatrix("fp4", packed_bytes.view(torch.int8), scale).dense(), want)
+    # every scale code, overflowing ones included, as the decoder gives it
+    every = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
+    m = PackedMatrix("fp4", torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(torch.int8), every)
+    assert _same_bits(m.dense(), expert_mxfp4_decode64(m.payload, m.scale))
+
+
+def _matrices(n: int, k: int, seed: int) -> dict[str, PackedMatrix]:
+    from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
+    w = torch.randn(n, k, generator=_g(seed)) * k ** -0.5
+    p8, s8 = block_mxfp8_encode(w)
+    p4, s4 = expert_mxfp4_encode(w)
+    return {"fp8": PackedMatrix("fp8", p8, s8), "fp4": PackedMatrix("fp4", p4.view(torch.int8), s4),
+            "bf16": PackedMatrix("bf16", w.to(torch.bfloat16)), "f32": PackedMatrix("f32", w)}
+
+
+@pytest.mark.parametrize("tile", [1 << 10, 3000, 1 << 19])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_tiled_product_is_the_whole_matrix_product(monkeypatch, tile, rows):
+    """Tiles of whole rows (several, a short last one, or all at once) give the bits of one FP64
+    product with the whole decoded matrix, and each row of x its bits alone."""
+    monkeypatch.setattr(packed, "TILE_VALUES", tile)
+    x = torch.randn(rows, 256, generator=_g(rows)).to(torch.bfloat16).float()
+    for fmt, m in _matrices(160, 256, 7).items():
+        want = (x.double() @ m.dense().t()).float()
+        got = m.matmul_t(x)
+        assert got.dtype == torch.float32 and torch.equal(got, want), fmt
+        assert torch.equal(torch.cat([m.matmul_t(x[i:i + 1]) for i in range(rows)]), got), fmt
+
+
+@pytest.mark.parametrize("tile", [1 << 10, 1 << 19])
+def test_row_and_column_slices_are_the_dense_slices(monkeypatch, tile):
+    monkeypatch.setattr(packed, "TILE_VALUES", tile)
+    for fmt, m in _matrices(96, 128, 8).items():
+        d = m.dense()
+        assert torch.equal(m.rows(32, 96).dense(), d[32:96]), fmt
+        assert torch.equal(m.cols(64, 128).dense(), d[:, 64:128]), fmt
+        x = torch.randn(2, 64, generator=_g(9))
+        assert torch.equal(m.cols(0, 64).matmul_t(x), (x.double() @ d[:, :64].t()).float()), fmt
+
+
+def test_bad_format_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="fmt must be fp8, fp4, bf16 or f32, got 'int4'"):
+        PackedMatrix("int4", torch.zeros(2, 2, dtype=torch.uint8))
+
+
+def test_card_matrices_decode_to_the_cards_weights():
+    """Every matrix a block multiplies by, on a TP2 card: what ``matrix`` multiplies is what
+    ``__getitem__`` decodes (wo_a there as [groups, o_lora, group_in])."""
+    cfg, topo = TINY, Topology(2, 2, 4)
+    w = read_card(DrawnCheckpoint(cfg, 0), topo, 1)
+    keys = [k for k in w if isinstance(w[k], torch.Tensor) and w[k].dim() >= 2      # not the lookup tables
+            and not k.endswith(("q_weight", "k_weight"))]
+    assert any(".experts." in k for k in keys) and "head.weight" in keys and "layers.0.attn.wo_a" in keys
+    for k in keys:
+        assert torch.equal(w.matrix(k).dense().reshape(w[k].shape), w[k]), k
+    assert w.matrix("head.weight") is w.matrix("head.weight")    # made once per key
