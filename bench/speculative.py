@@ -10,7 +10,9 @@ Part 2, tokens per second: plain greedy generation of ``--tokens`` tokens per re
 same generation with an oracle drafter (``engine.drafters.OracleDrafter``) proposing ``--drafts``
 tokens a step and forced to an acceptance of 0, 50 and 100% (the accepted drafts are the plain
 run's tokens, the next one is wrong); the tokens are checked equal to the plain run's. One torch
-thread; wall time (run it on a quiet machine). Prints one JSON object.
+thread; wall time (run it on a quiet machine). Part 3, with a model that has DSpark stages: the same
+generation with the DSpark drafter, and the time its seeding and drafting take beside the steps.
+Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import PRESETS, Topology
 from dsv41.engine.drafters import OracleDrafter
+from dsv41.engine.dspark import DSparkDrafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.scheduler import Scheduler, jobs_for
 
@@ -63,6 +66,24 @@ def forced(truth: list[list[int]], prompts, rate: float, vocab: int):
             drafts = drafts + [(t[m + a] + 1) % vocab] + t[m + a + 1:m + room]
         return drafts[:room]
     return OracleDrafter(propose)
+
+
+class Timed:
+    """A drafter whose seeding and drafting time is added up (the drafter's share of a step)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.seconds = drafter, 0.0
+
+    def __getattr__(self, name):
+        fn = getattr(self.drafter, name)
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
 
 
 def generation(engine, prompts, tokens: int, drafter=None):
@@ -123,6 +144,15 @@ def main():
                 raise SystemExit(f"acceptance {rate}: tokens differ from plain generation")
             out["generation"][f"accept_{int(rate * 100)}"] = row
             print(f"forced acceptance {rate:.0%}: {row}", flush=True)
+        if cfg.dspark:
+            timed = Timed(DSparkDrafter(engine, engine.host_weights()))
+            made, row = generation(engine, prompts, args.tokens, timed)
+            if made != truth:
+                raise SystemExit("dspark: tokens differ from plain generation")
+            row["drafter_s"] = timed.seconds
+            row["drafter_share_of_decode"] = timed.seconds / (row["decode_s"] + timed.seconds)
+            out["generation"]["dspark"] = row
+            print(f"dspark: {row}", flush=True)
     finally:
         engine.close()
     print(json.dumps(out))
