@@ -12,6 +12,16 @@ from functools import cached_property
 SWA, FULL, REINDEX, REUSE = "SWA", "FULL", "REINDEX", "REUSE"
 # a dimension past this is a typo, not a model (Torch sizes and the byte counts here are 64-bit)
 MAX_DIM = 2 ** 31 - 1
+# Plausible ranges of the model's numeric constants: a value outside is a typo or an attack, never a model.
+# Past them a step hangs (10^9 Sinkhorn iterations), or the math runs and serves garbage (an eps of
+# 1e300 flattens every norm, a theta of 1e300 stops every rotation). Each range holds the released
+# model's value (FLASH) with room of orders of magnitude.
+RANGES = {
+    "hc_sinkhorn_iters": (1, 1000), "hc_mult": (1, 64), "engram_max_ngram_size": (2, 16),
+    "rms_norm_eps": (1e-30, 0.1), "hc_eps": (1e-30, 0.1), "rope_theta": (1.0, 1e9), "compress_rope_theta": (1.0, 1e9),
+    "rope_factor": (1.0, 1e4), "routed_scaling_factor": (1e-3, 1e3), "swiglu_limit": (1e-3, 1e6),
+    "beta_fast": (1, 1e4), "beta_slow": (1, 1e4),
+}
 
 
 class ConfigError(ValueError):
@@ -192,6 +202,9 @@ class ModelConfig:
                      "routed_scaling_factor", "swiglu_limit"]:
             v = getattr(self, name)
             need(math.isfinite(v) and v > 0, name, f"must be a finite number > 0, got {v}")
+        for name, (low, high) in RANGES.items():
+            v = getattr(self, name)
+            need(low <= v <= high, name, f"must be in [{low:g}, {high:g}], got {v}")
         need(0 < self.beta_slow < self.beta_fast, "beta_fast",
              f"YaRN needs 0 < beta_slow < beta_fast, got beta_slow={self.beta_slow}, beta_fast={self.beta_fast}")
         g = self.mx_group

@@ -244,6 +244,14 @@ def _turns(messages, variant: _Variant) -> list[_Turn]:
     return turns
 
 
+def check_messages(messages, tools=None) -> None:
+    """The OpenAI chat schema this encoding takes (ValueError naming the field): any renderer,
+    a Jinja template included, sees only messages that pass it."""
+    _turns(messages, VARIANTS["v4"])
+    if tools is not None:
+        _tool_schemas(tools)
+
+
 def _order_results(turns: list[_Turn]):
     """Tool results in a user turn follow the order of the preceding assistant's calls."""
     order: dict = {}
@@ -393,7 +401,9 @@ class ChatTokenizer:
         return tid
 
     def encode_text(self, text: str) -> list[int]:
-        return self.plain.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it runs (encode does not): a long message does
+        # not stall the server's other threads
+        return self.plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode(self, messages, thinking: bool = False, add_generation_prompt: bool = True,
                tools=None, variant: str = "v4", effort: int | None = None,

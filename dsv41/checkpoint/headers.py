@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dsv41.checkpoint.confine import folder_file, outside
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.config import ModelConfig
 from dsv41.weights import checkpoint_specs
@@ -55,7 +56,7 @@ def dspark_listed(weight_map: dict, cfg: ModelConfig) -> bool:
 
 
 def read_index(folder: Path) -> dict[str, str]:
-    path = folder / INDEX
+    path = folder_file(folder, INDEX)
     if not path.is_file():
         fail(path, None, "the checkpoint index", "no file")
     try:
@@ -66,17 +67,10 @@ def read_index(folder: Path) -> dict[str, str]:
         fail(path, None, "weight_map: an object of tensor name -> shard file", type(weight_map).__name__)
     root = folder.resolve()
     for name, file in weight_map.items():
-        if not inside(root, file):
-            fail(INDEX, name, "a shard file inside the checkpoint folder", f"{file!r}, which is outside it")
+        why = outside(root, file)
+        if why is not None:
+            fail(INDEX, name, "a shard file inside the checkpoint folder", f"{file!r}, {why}")
     return weight_map
-
-
-def inside(root: Path, file: str) -> bool:
-    """Whether ``file`` names a path under ``root`` (resolved, so a symlink that leads out is caught)."""
-    rel = Path(file)
-    if not file or rel.is_absolute() or ".." in rel.parts:
-        return False
-    return (root / rel).resolve().is_relative_to(root)
 
 
 def read_header(path: Path) -> tuple[dict, int]:

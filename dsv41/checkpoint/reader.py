@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from dsv41.checkpoint import config_json
+from dsv41.checkpoint.confine import folder_file
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.headers import DTYPES, INDEX, check_headers, fail, without_dspark
 from dsv41.checkpoint.text import TextCodec
@@ -126,7 +127,7 @@ def _map_shard(path: Path):
 def read_config(path) -> ModelConfig:
     """The folder's validated ``config.json`` alone (what sizing a run needs); raises CheckpointError."""
     path = Path(path)
-    cfg_path = path / config_json.FILE
+    cfg_path = folder_file(path, config_json.FILE)
     if not cfg_path.is_file():
         raise CheckpointError(f"{cfg_path}: expected the model config, found no file")
     try:

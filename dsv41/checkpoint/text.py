@@ -22,7 +22,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders
 
-from dsv41.checkpoint.chat import CONTROLS, DSML, END_THINK, SYSTEM, THINK, VARIANTS, ChatTokenizer
+from dsv41.checkpoint.chat import CONTROLS, DSML, END_THINK, SYSTEM, THINK, VARIANTS, ChatTokenizer, check_messages
+from dsv41.checkpoint.confine import folder_file
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.plain import plain_tokenizer
 
@@ -46,6 +47,18 @@ def _byte_decoder() -> dict[str, int]:
             table[chr(256 + extra)] = b
             extra += 1
     return table
+
+
+def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """text's ids; encode_batch lets go of the GIL while it runs (encode does not), so a long prompt
+    tokenized on a server's worker thread does not stall its event loop."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _joined_text(content) -> str:
+    """A checked message content (``chat.check_messages``): a string, or text parts joined as the
+    V4 encoding joins them."""
+    return content if isinstance(content, str) else "\n\n".join(part["text"] for part in content)
 
 
 def _token(value, source: str, key: str) -> str | None:
@@ -118,13 +131,13 @@ class TextCodec:
     @classmethod
     def load(cls, folder) -> "TextCodec":
         folder = Path(folder)
-        if not (folder / TOKENIZER).is_file():
+        if not folder_file(folder, TOKENIZER).is_file():
             raise CheckpointError(f"{folder / TOKENIZER}: expected the checkpoint's tokenizer, found no file")
         try:
             tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
         except Exception as e:  # the Rust parser's own message says what is wrong
             raise CheckpointError(f"{folder / TOKENIZER}: expected a tokenizers JSON file, found: {e}") from None
-        path = folder / TOKENIZER_CONFIG
+        path = folder_file(folder, TOKENIZER_CONFIG)
         config = {}
         if path.is_file():
             try:
@@ -139,7 +152,7 @@ class TextCodec:
 
     def encode_text(self, text: str, allow_special: bool = False) -> list[int]:
         """User text as ids: control tokens in it are plain characters unless ``allow_special``."""
-        return (self.tokenizer if allow_special else self.plain).encode(text, add_special_tokens=False).ids
+        return _ids(self.tokenizer if allow_special else self.plain, text)
 
     def encode(self, prompt: str, chat: bool = False, allow_special: bool = False) -> list[int]:
         if chat:
@@ -166,27 +179,52 @@ class TextCodec:
     def _encode_template(self, messages: list[dict], thinking: bool, tools, allow_special: bool,
                          add_generation_prompt: bool = True) -> list[int]:
         """The template's text with its control tokens, each message's text as plain text: the
-        messages render with stand-ins, which must each come out once and unchanged."""
+        messages render with stand-ins, which must each come out once and unchanged. The messages
+        are first held to the chat schema (``chat.check_messages``), so no repr of a list or an
+        object reaches the template as text; any other string a template may write (names, tool
+        calls and schemas) must hold no control token's text, as it is encoded with the full
+        tokenizer."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
-        texts = [m.get("content") if isinstance(m, dict) else None for m in messages]
-        stand_in = [_USER_TEXT.replace("user-text", f"text-{i}") if isinstance(t, str) else t
-                    for i, t in enumerate(texts)]
-        shown = [{**m, "content": c} if isinstance(m, dict) else m for m, c in zip(messages, stand_in)]
+        check_messages(messages, tools)
+        self._refuse_control_text(messages, "messages", skip="content")
+        if tools is not None:
+            self._refuse_control_text(tools, "tools")
+        texts = [None if m.get("content") is None else _joined_text(m["content"]) for m in messages]
+        stand_in = [None if t is None else _USER_TEXT.replace("user-text", f"text-{i}") for i, t in enumerate(texts)]
+        shown = [{**m, "content": c} for m, c in zip(messages, stand_in)]
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         rendered = env.from_string(self.chat_template).render(
             messages=shown, add_generation_prompt=add_generation_prompt, tools=tools, thinking=thinking,
             bos_token=self.bos or "", eos_token=self.eos or "")
         ids = []
-        for marker, text in ((c, t) for c, t in zip(stand_in, texts) if isinstance(t, str)):
+        for marker, text in ((c, t) for c, t in zip(stand_in, texts) if t is not None):
             parts = rendered.split(marker)
             if len(parts) != 2:
                 raise ValueError(f"--chat: the checkpoint's {TOKENIZER_CONFIG} chat_template does not write the "
                                  f"user text once and unchanged (found {len(parts) - 1} copies of message "
                                  f"{stand_in.index(marker)}'s), so it cannot be kept apart from the template's "
                                  "control tokens")
-            ids += self.tokenizer.encode(parts[0], add_special_tokens=False).ids + self.encode_text(text, allow_special)
+            ids += _ids(self.tokenizer, parts[0]) + self.encode_text(text, allow_special)
             rendered = parts[1]
-        return ids + self.tokenizer.encode(rendered, add_special_tokens=False).ids
+        return ids + _ids(self.tokenizer, rendered)
+
+    def _refuse_control_text(self, value, where: str, skip: str | None = None):
+        """ValueError naming the first string under ``value`` (keys too) that holds an added
+        token's text; ``skip``: a key whose values are encoded apart (as plain text)."""
+        controls = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
+        todo = [(value, where)]
+        while todo:
+            item, at = todo.pop()
+            if isinstance(item, str):
+                found = next((c for c in controls if c in item), None)
+                if found is not None:
+                    raise ValueError(f"{at}: holds the control token {found!r}; only message content may "
+                                     "carry that text")
+            elif isinstance(item, list):
+                todo += [(x, f"{at}[{i}]") for i, x in enumerate(item)]
+            elif isinstance(item, dict):
+                todo += [(x, f"{at}.{k}") for k, x in item.items() if k != skip]
+                todo += [(k, at) for k in item if isinstance(k, str)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -309,7 +309,22 @@ def _backend(a, cfg):
         import importlib.util
         if importlib.util.find_spec("pypto") is None:
             return "pypto-sim needs the pypto package (pip install pypto==0.2.0)"
-        return traces_writable()
+        return traces_writable() or _sim_cache_writable()
+
+
+def _sim_cache_writable() -> str | None:
+    """pypto-sim keeps the simulated times in a file under the user's cache, written as kernels are
+    simulated: a folder that cannot be written would fail the run after its work."""
+    from dsv41.kernels.pypto.env import cache_file
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)     # made now, as the run would make it
+    except OSError as e:
+        return (f"cannot make the simulated-times cache's folder {path.parent} ({e.strerror}); "
+                "set DSV41_PYPTO_CACHE to a writable file")
+    if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
+        return f"cannot write the simulated-times cache {path}; set DSV41_PYPTO_CACHE to a writable file"
+    return None
 
 
 def _dashboard(a, cfg):
@@ -344,6 +359,8 @@ def outputs_writable(names: list[str]) -> str | None:
         return problem
     for name in names:
         path = os.path.join("traces", name)
+        if os.path.islink(path):
+            return f"{path} is a symbolic link; the run writes a plain file there and never follows a link"
         if os.path.isdir(path):
             return f"{path} is a folder; the run writes a file there"
         if os.path.exists(path) and not os.access(path, os.W_OK):

@@ -17,6 +17,15 @@ from dsv41.cli.args import isatty
 PYPTO_LOGGER = "dsv41.pypto"
 
 
+def tolerant_streams() -> None:
+    """stdout and stderr write what their encoding cannot hold as escapes instead of raising
+    (PYTHONIOENCODING=ascii, a C locale): generated text may be any Unicode, and a run must not
+    fail on printing the answer it computed."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
 class Progress:
     def __init__(self, json_mode: bool):
         self.bars = not json_mode and isatty(sys.stderr)

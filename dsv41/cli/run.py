@@ -24,7 +24,7 @@ from dsv41.checkpoint.errors import CheckpointError
 from dsv41.cli import args as rules
 from dsv41.cli import plan, sampling, speculative, trace
 from dsv41.cli.modes import max_context, topology
-from dsv41.cli.progress import Progress
+from dsv41.cli.progress import Progress, tolerant_streams
 from dsv41.cli.prompts import prompts_for
 from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
 from dsv41.config import PRESETS
@@ -160,6 +160,7 @@ def _exit_now(status: int) -> None:
 
 
 def main(argv=None) -> int:
+    tolerant_streams()
     parser = build_parser()
     args = parse_args(argv, parser)
     main_thread = threading.current_thread() is threading.main_thread()   # where signals are handled
@@ -260,9 +261,14 @@ def generate(args, cfg, topo, engine, progress: Progress) -> int:
         done = run_steps(args, engine, args.prompt_ids or prompts_for(cfg, args.batch, args.prompt_len, args.seed),
                          progress)
         result = summary(args, cfg, topo, done)
-        if args.executor != REFERENCE:
-            _graph_run(args, engine, done, result, checker, tracing, progress.say)
-        _show(args, result, progress.say)
+        if not args.json:       # the answer before the optional outputs: a file that fails cannot lose it
+            _show(args, result, progress.say)
+        try:
+            if args.executor != REFERENCE:
+                _graph_run(args, engine, done, result, checker, tracing, progress.say)
+        finally:
+            if args.json:       # one object, with what the outputs added, also when one of them failed
+                _show(args, result, progress.say)
         return 0
     finally:
         if tracing is not None:

@@ -2,14 +2,20 @@
 
 The model flags are ``python -m dsv41.run``'s (``run.add_model_arguments``, with the same rows of
 ``dsv41.cli.args``); TINY random weights by default, ``--checkpoint DIR`` for a folder (and its
-tokenizer: without one the server takes and returns token ids). Every argument is checked before
-the engine is built, the chat format among them: a tokenizer missing a control token the format
-needs is refused at start-up, naming the file and the token.
+tokenizer: without one the server takes and returns token ids). Every argument is checked, and
+the listening socket bound, before the engine is built, the chat format among them: a tokenizer
+missing a control token the format needs is refused at start-up, naming the file and the token; a
+port in use or a host that is not this machine's is one line and exit status 2. SIGINT ends it
+with status 130 (as a run), SIGTERM with 143; either waits at most ``DRAIN_S`` for the requests in
+flight.
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
+import socket
 
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.text import CHAT_FORMATS
@@ -22,10 +28,12 @@ from dsv41.cluster.connect import ConnectError
 PROG = "python -m dsv41.serve"
 DEFAULT_CONTEXT = 512
 MIN_BODY_BYTES = 1024
+DRAIN_S = 10          # how long a stopping server waits for the requests in flight before cancelling them
+BACKLOG = 2048        # uvicorn's default listen backlog
 
 SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative.APPLIES,
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
-                                  "--max-body-bytes", "--served-model-name"), (RUN, None)),
+                                  "--max-body-bytes", "--served-model-name", "--read-timeout"), (RUN, None)),
                  "--chat-format": (RUN, ("needs --checkpoint (chats need its tokenizer)", lambda a: a.checkpoint)),
                  "--dashboard": (DIST, None)}     # the server runs until stopped: no --hold
 
@@ -50,6 +58,9 @@ def build_parser() -> rules.Parser:
                         "v4.1 when its tokenizer has V4.1's <｜System｜> token, else v4)")
     g.add_argument("--dashboard", action="store_true",
                    help="distributed: print the dask dashboard's link once the cluster is up")
+    g.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers, and again its body; a stalled "
+                        "connection is closed, a stalled body answered 408 (default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name requests must name (default: the config's name, or the checkpoint "
                         "folder's)")
@@ -88,6 +99,11 @@ def _max_body_bytes(a, cfg):
         return f"must be >= {MIN_BODY_BYTES}, got {a.max_body_bytes}"
 
 
+def _read_timeout(a, cfg):
+    if not 0 < a.read_timeout <= 3600:
+        return f"must be in (0, 3600] seconds, got {a.read_timeout}"
+
+
 def _sizes(a, cfg):
     """The capacity defaults, and the run fields the budget check sizes (a batch of max-context requests)."""
     if a.max_batch is None:
@@ -99,7 +115,7 @@ def _sizes(a, cfg):
 
 CHECKS = [(f, c) for f, c in rules.CHECKS if f in SERVE_APPLIES and f != "--dashboard"] + [
     ("--port", _port), ("--max-batch", _max_batch), ("--max-context", _max_context), ("--max-queue", _max_queue),
-    ("--max-body-bytes", _max_body_bytes)] + speculative.CHECKS + rules.LAST
+    ("--max-body-bytes", _max_body_bytes), ("--read-timeout", _read_timeout)] + speculative.CHECKS + rules.LAST
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
@@ -117,9 +133,38 @@ def _check_values(a) -> None:
             raise rules.UsageError(f"{'--chat-format' if a.chat_format else '--checkpoint'}: {problem}")
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now so that a bad address is refused before any work."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise rules.UsageError(f"--host: cannot resolve {host!r} ({getattr(e, 'strerror', None) or e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a listener's old TIME_WAIT pairs
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise rules.UsageError(f"--port: {port} is in use on {host} (pick another, or 0 for any free one)"
+                                   ) from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise rules.UsageError(f"--host: {host} is not an address of this machine") from None
+        raise rules.UsageError(f"--host/--port: cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parse_args(argv, parser)
+    try:
+        args.socket = listen(args.host, args.port)
+    except rules.UsageError as e:
+        if args.debug:
+            raise
+        parser.error(str(e))
     try:
         return serve(args)
     except (ConnectError, CheckpointError) as e:
@@ -134,6 +179,7 @@ def serve(args) -> int:
     import uvicorn
 
     from dsv41.serving.app import Server
+    from dsv41.serving.protocol import SIGNAL_STATUS, QuietDrainEnd, StoppableServer, timed_h11
     from dsv41.serving.batcher import Batcher
     from dsv41.serving.metrics import Metrics
     from dsv41.serving.schema import Limits
@@ -155,14 +201,20 @@ def serve(args) -> int:
                       speculative.drafter(args, engine))
     batcher.start()
     try:
-        server = Server(batcher, args.codec, name, limits, metrics)
+        server = Server(batcher, args.codec, name, limits, metrics, args.read_timeout)
+        host, port = args.socket.getsockname()[:2]
         answers = "token ids only (no --checkpoint)" if args.codec is None else \
             f"text, chat format {args.codec.chat_format}"
         progress.say(f"dsv41 serve: model {name!r} ({cfg.name}, executor {args.executor}), {answers}, "
                      f"max_batch={args.max_batch} max_context={args.max_context}; "
-                     f"listening on http://{args.host}:{args.port}")
-        uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+                     f"listening on http://{host}:{port}")
+        logging.getLogger("uvicorn.error").addFilter(QuietDrainEnd())
+        config = uvicorn.Config(server.app(), log_level="warning", http=timed_h11(args.read_timeout),
+                                timeout_graceful_shutdown=DRAIN_S)
+        stoppable = StoppableServer(config)
+        stoppable.run(sockets=[args.socket])
     finally:
+        args.socket.close()
         batcher.stop()
         engine.close()
-    return 0
+    return SIGNAL_STATUS.get(stoppable.stopped_by, 0)

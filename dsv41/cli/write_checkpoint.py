@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import argparse
 import os
-
 import shutil
 
 from dsv41.checkpoint.writer import write_checkpoint
 from dsv41.cli.args import UsageError, add_reductions, resolve_model
 from dsv41.config import PRESETS
 from dsv41.plan.sizing import checkpoint_bytes
+
+
+def _existing_ancestor(path: str) -> str:
+    """The deepest part of ``path`` that exists (missing folders are created): where the disk-space
+    check looks."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def main(argv=None) -> int:
@@ -31,11 +39,17 @@ def main(argv=None) -> int:
         cfg = resolve_model(a)
     except UsageError as e:
         p.error(str(e))
-    need, free = checkpoint_bytes(cfg), shutil.disk_usage(os.path.dirname(os.path.abspath(a.path))).free
+    base = _existing_ancestor(a.path)
+    if not os.path.isdir(base):
+        p.error(f"path: {base} is a file; expected a folder to write into")
+    need, free = checkpoint_bytes(cfg), shutil.disk_usage(base).free
     if need > free:
         p.error(f"--config: {cfg.name} is {need / 1e9:.1f} GB of tensors and the disk has {free / 1e9:.1f} GB free; "
                 "reduce it with --layers, --experts or --engram-rows")
-    cfg = write_checkpoint(cfg, a.path, a.seed, int(a.shard_mb * 1e6))
+    try:
+        cfg = write_checkpoint(cfg, a.path, a.seed, int(a.shard_mb * 1e6))
+    except OSError as e:
+        p.error(f"path: cannot write {e.filename or a.path}: {e.strerror}")
     print(f"wrote {cfg.name} checkpoint (seed {a.seed}, engram_compressed_vocab_size "
           f"{cfg.engram_compressed_vocab_size}) to {a.path}")
     return 0

@@ -7,13 +7,20 @@ Every failure (malformed or unreachable address, workers missing, misnamed or mu
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import signal
 import socket
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Callable
 
 DEFAULT_TIMEOUT_S = 30.0
 POLL_S = 0.1
+ABANDON_S = 2.0     # closing the client, then the cluster, of a start-up that did not finish
+DASK_WORKER_PROCESS = "Dask Worker process (from Nanny)"   # distributed.nanny's name for a worker process
+# loggers that report, at exit, the parts of an interrupted start-up that were cut short
+ABANDONED_LOGGERS = ("distributed", "tornado.application", "asyncio")
 
 
 class ConnectError(RuntimeError):
@@ -53,6 +60,7 @@ def quiet_closed_tabs() -> None:
 
 SCHEMES = ("tcp", "tls", "ws", "wss", "ucx")     # dask's network comms; a scheduler listens on one of them
 PORTED = ("tcp", "tls", "ws", "wss")
+TLS_SCHEMES = ("tls", "wss")   # need a distributed.security.Security, which no flag builds
 
 
 def check_address(address: str) -> str | None:
@@ -66,6 +74,9 @@ def check_address(address: str) -> str | None:
                     f"listens on tcp://, {example}")
         if scheme not in SCHEMES:
             return f"not a scheduler address (scheme {scheme}:// is none of {', '.join(SCHEMES)}); {example}"
+        if scheme in TLS_SCHEMES:
+            return (f"{scheme}:// needs TLS settings (a CA, a certificate and a key), which this command does not "
+                    f"take; reach the scheduler over tcp:// (e.g. through an SSH tunnel), {example}")
         if scheme in PORTED:
             _, port = parse_host_port(loc)
             if not 1 <= port <= 65535:
@@ -89,12 +100,16 @@ def connect(cards: int, address: str | None, dashboard: bool, startup: Startup =
         if address is None:
             if dashboard:     # the dashboard's Bokeh server runs in this process, with the scheduler
                 quiet_closed_tabs()
+            # multiprocessing's resource tracker unblocks SIGINT/SIGTERM in the thread that starts it:
+            # started here first, it cannot undo the mask _keep_stop_signals_from_workers sets
+            resource_tracker.ensure_running()
             # started empty and scaled, so workers can be counted as they join; the scheduler's scratch
             # space follows dask's temporary-directory, the workers' their local_directory
             with dask.config.set({"temporary-directory": scratch} if scratch else {}):
                 cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
                                        dashboard_address=":8787" if dashboard else None, silence_logs=40,
                                        local_directory=scratch, preload=["dsv41.cluster.quiet_worker"])
+            cluster.sync(_keep_stop_signals_from_workers)
             cluster.scale(cards)
             client = Client(cluster, timeout=startup.timeout)
         else:
@@ -108,15 +123,50 @@ def connect(cards: int, address: str | None, dashboard: bool, startup: Startup =
                 raise ConnectError(f"{where}: the dask scheduler stopped answering ({type(e).__name__}: {e})"
                                    ) from None
         _wait_for_cards(client, cards, deadline, where, startup)
-    except BaseException:
-        if client is not None:
-            client.close()
-        if cluster is not None:
-            cluster.close()
+    except BaseException as e:
+        _abandon(cluster, client, interrupted=isinstance(e, KeyboardInterrupt))
         raise
     if startup.on_ready is not None:
         startup.on_ready(client.dashboard_link if dashboard else None)
     return cluster, client
+
+
+async def _keep_stop_signals_from_workers() -> None:
+    """Block SIGINT and SIGTERM in dask's loop thread (run there, before any worker exists): the
+    threads it starts and the worker processes they spawn inherit the mask, so a terminal's Ctrl-C,
+    sent to the whole process group, cannot reach a worker still importing, before its preload
+    (``quiet_worker``) ignores both, where it died with a traceback of its own. The main thread,
+    which handles them for the run, is unaffected."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _abandon(cluster, client, interrupted: bool) -> None:
+    """Undo a start-up that did not finish (a refusal, or Ctrl-C / SIGTERM at any moment of it) in
+    bounded time and without raising over what ended it. Interrupted, the worker processes still
+    starting are killed first (they have done no work worth an orderly close; the exit would
+    otherwise wait for each to finish starting, ~10 s on a loaded machine, and a nanny may not know
+    its process yet, so they are found as this process's children by dask's name for them). Then
+    the client and the cluster are closed, each failure of theirs swallowed: an interrupted start
+    leaves dask's loop half-way, and its close can fail with errors of its own (``UnboundLocalError:
+    'result'``) that must not replace the interrupt; a cluster that could not close is left out of
+    dask's own close at exit (which would wait 10 s for it). The process is about to exit: what
+    dask logs about the parts cut short (a nanny whose process was killed, a scratch folder
+    already removed) is silenced."""
+    if interrupted and cluster is not None:
+        for name in ABANDONED_LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+        for child in multiprocessing.active_children():
+            if child.name == DASK_WORKER_PROCESS:
+                child.kill()
+                child.join(ABANDON_S)          # reaped, not left a zombie
+    for part in (client, cluster):
+        if part is not None:
+            try:
+                part.close(timeout=ABANDON_S)
+            except Exception:
+                pass
+    if interrupted and cluster is not None:
+        cluster.shutdown_on_close = False
 
 
 def _probe(address: str, timeout: float) -> str | None:

@@ -12,7 +12,7 @@ import logging
 from dsv41.cluster import registry
 from dsv41.cluster.registry import StateLost
 from dsv41.kernels.kinds import KINDS
-from dsv41.model.finite import NonFiniteError
+from dsv41.model.finite import ConstantLogitsError, NonFiniteError
 
 
 class NodeError(RuntimeError):
@@ -25,7 +25,8 @@ class _QuietNonFinite(logging.Filter):
     of the worker."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return f"{NonFiniteError.__name__}(" not in record.getMessage()
+        message = record.getMessage()
+        return not any(f"{kind.__name__}(" in message for kind in (NonFiniteError, ConstantLogitsError))
 
 
 logging.getLogger("distributed.worker").addFilter(_QuietNonFinite())

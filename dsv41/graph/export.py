@@ -5,6 +5,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from dsv41.outputs import open_output
+
 
 def write_graph(graph, path: str) -> Path:
     path = Path(path)
@@ -13,7 +15,10 @@ def write_graph(graph, path: str) -> Path:
         exe = shutil.which("dot")
         if exe is None:
             raise ValueError("--show-graph: an .svg needs graphviz's 'dot' on PATH; use a .dot path instead")
-        path.write_bytes(subprocess.run([exe, "-Tsvg"], input=dot.encode(), capture_output=True, check=True).stdout)
+        svg = subprocess.run([exe, "-Tsvg"], input=dot.encode(), capture_output=True, check=True).stdout
+        with open_output(path, binary=True) as f:
+            f.write(svg)
     else:
-        path.write_text(dot)
+        with open_output(path) as f:
+            f.write(dot)
     return path

@@ -23,6 +23,7 @@ import torch
 
 from dsv41.kernels.kinds import KINDS
 from dsv41.kernels.verdict import Verdict, compare
+from dsv41.outputs import open_output
 
 # the pypto worker mode whose values stand for a backend's (its timing mode: pypto.sim.BACKEND_MODES)
 VALUE_MODES = {"pypto-sim": "verify", "pypto-npu": "npu"}
@@ -135,10 +136,11 @@ class NodeCheck:
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         path = self.trace_dir / f"check-{re.sub(r'[^A-Za-z0-9_.-]+', '_', node.key)}.pt"
         caches = {name: tuple(t.clone() for t in st.caches.read(name)) for name in st.caches.committed}
-        torch.save({"node": node, "args": args, "actual": value, "source": source, "backend": self.backend,
-                    "state": {"cfg": st.cfg, "topo": st.topo, "card": st.card, "options": st.options,
-                              "weights": st.weights, "caches": caches,
-                              "rope_tables": st.rope_tables}}, path)
+        with open_output(path, binary=True) as f:
+            torch.save({"node": node, "args": args, "actual": value, "source": source, "backend": self.backend,
+                        "state": {"cfg": st.cfg, "topo": st.topo, "card": st.card, "options": st.options,
+                                  "weights": st.weights, "caches": caches,
+                                  "rope_tables": st.rope_tables}}, f)
         return path
 
     def table(self) -> str:

@@ -5,6 +5,9 @@ multiplied) turns every later value into NaN/Inf, and a greedy argmax over NaN l
 returns a token (id 0). So the stream is checked where each layer's sites hand it on (one
 ``isfinite().all()`` reduction per site) and the logits where they are made; the first place it
 fails raises ``NonFiniteError`` and the engine aborts the step (nothing is committed or served).
+A logits row whose values are all equal (a zero head or final norm, weights too small to tell
+tokens apart) is as useless, and its argmax as arbitrary: it raises ``ConstantLogitsError``, a
+``NonFiniteError`` so every place that stops a step for one stops it for the other.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ class NonFiniteError(RuntimeError):
         self.step, self.phase, self.tensors = step, phase, tuple(tensors)
 
     def at(self, step: int, phase: str, tensors) -> "NonFiniteError":
-        return NonFiniteError(self.layer, self.site, self.counts, step, phase, tuple(tensors))
+        return type(self)(self.layer, self.site, self.counts, step, phase, tuple(tensors))
 
     def __str__(self) -> str:
         where = "the logits" if self.site == LOGITS else \
@@ -36,9 +39,27 @@ class NonFiniteError(RuntimeError):
         return f"{step}: non-finite values first in {where} ({self.counts}); nothing of this step is kept{fed}"
 
 
+class ConstantLogitsError(NonFiniteError):
+    """Every value of a logits row equal: no token is more likely than another."""
+
+    def __str__(self) -> str:
+        step = f"step {self.step} ({self.phase})" if self.step is not None else "a step"
+        fed = f"; the tensors that feed it: {', '.join(self.tensors)}" if self.tensors else ""
+        return f"{step}: the logits cannot tell tokens apart ({self.counts}); nothing of this step is kept{fed}"
+
+
 def ensure_finite(x: torch.Tensor, layer: int | None, site: str) -> torch.Tensor:
-    """x, or NonFiniteError naming where it was found."""
+    """x, or NonFiniteError naming where it was found (at the logits: ConstantLogitsError for a row
+    of equal values)."""
     if not bool(torch.isfinite(x).all()):
         raise NonFiniteError(layer, site, f"{int(torch.isnan(x).sum())} NaN, {int(torch.isinf(x).sum())} Inf "
                                           f"of {x.numel()} values")
+    if site == LOGITS and x.numel() and x.shape[-1] > 1:
+        rows = x.reshape(-1, x.shape[-1])
+        flat = rows.amax(-1) == rows.amin(-1)
+        if bool(flat.any()):
+            row = int(flat.nonzero()[0])
+            raise ConstantLogitsError(layer, site, f"row {row}: all {rows.shape[1]} values equal "
+                                                   f"{float(rows[row, 0]):g}; {int(flat.sum())} of "
+                                                   f"{rows.shape[0]} rows so")
     return x

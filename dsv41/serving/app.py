@@ -1,21 +1,31 @@
 """The HTTP endpoints (Starlette): ``/v1/completions`` and ``/v1/chat/completions`` (server-sent
 events with ``"stream": true``), ``/v1/models``, ``/health`` and ``/metrics``.
 
-A request is read (up to the body limit), checked (``schema.generation``) and only then queued for
-the engine loop (``batcher.Batcher``); its handler turns the loop's events into the answer. A client
-that goes away mid-answer is cancelled: the loop frees its slot and blocks before its next step.
+A request is read (up to the body limit, within the read timeout), checked (``schema.generation``)
+and only then queued for the engine loop (``batcher.Batcher``); its handler turns the loop's events
+into the answer. A client that goes away mid-answer is cancelled: the loop frees its slot and
+blocks before its next step. Parsing, tokenizing and rendering a chat run on a small pool of worker
+threads, not on the event loop, so one large request does not stall the others (``/health``
+included). Every answer that is not a success is OpenAI's error object (unknown paths and methods
+too) and counted in the error metrics; a 500 only for the server's own fault. ``/health`` is 503
+until a one-token probe through the engine has passed, and while the engine's last step failed.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from dsv41.ops.sampling import SamplingParams
 from dsv41.ops.stopping import Stops
 from dsv41.serving import schema
 from dsv41.serving.batcher import Batcher, Job, QueueFull
@@ -24,14 +34,27 @@ from dsv41.serving.metrics import Metrics
 from dsv41.serving.schema import ApiError, Limits
 
 POLL_S = 0.25      # how often a non-streaming handler looks whether its client is still there
+CHECK_WORKERS = 2  # threads that parse and tokenize request bodies (the GIL is let go while tokenizing)
+CHECK_BACKLOG = 64  # bodies waiting for those threads; one more is answered 429 (each may hold a MiB)
+PROBE_TOKEN = 0    # the start-up probe's one-token prompt (every vocabulary has id 0)
+
+log = logging.getLogger(__name__)
 
 
 class Server:
     """What the endpoints share: the batcher (and through it the engine), the codec (None: token
-    ids only), the served model's name, the limits and the metrics."""
+    ids only), the served model's name, the limits, the metrics and how long a body may take to
+    arrive; and whether the engine can serve (``fault``: why not; ``probed``: the start-up probe is
+    done)."""
 
-    def __init__(self, batcher: Batcher, codec, model: str, limits: Limits, metrics: Metrics):
+    def __init__(self, batcher: Batcher, codec, model: str, limits: Limits, metrics: Metrics,
+                 read_timeout_s: float = 30.0):
         self.batcher, self.codec, self.model, self.limits, self.metrics = batcher, codec, model, limits, metrics
+        self.read_timeout_s = read_timeout_s
+        self.checks = ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="dsv41-check")
+        self.checking = 0                 # bodies handed to those threads and not yet back
+        self.fault: str | None = None
+        self.probed = False
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -40,14 +63,70 @@ class Server:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
-        ])
+        ], exception_handlers={HTTPException: self.http_error, Exception: self.server_error},
+            lifespan=self.lifespan)
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        probe = asyncio.create_task(self.probe())
+        try:
+            yield
+        finally:
+            probe.cancel()
+            self.checks.shutdown(wait=False, cancel_futures=True)
+
+    async def probe(self):
+        """One greedy token of a one-token prompt through the engine: until it passes, /health is
+        not ready; when it fails (weights that overflow, logits all equal), /health says why."""
+        job = Job([PROBE_TOKEN], SamplingParams(max_tokens=1), Stops(SamplingParams(max_tokens=1)),
+                  asyncio.get_running_loop())
+        try:
+            self.batcher.submit(job)
+        except QueueFull:                 # clients came first; their answers tell health instead
+            self.probed = True
+            return
+        while True:
+            event = await job.events.get()
+            if event.kind != "token":
+                self.fault = event.error if event.kind == "error" else None
+                self.probed = True
+                return
+
+    def outcome(self, event):
+        """An engine event's word on health: an error makes the server unready, an answer ready."""
+        if event.kind == "error":
+            self.fault = event.error
+        elif event.kind == "done":
+            self.fault = None
+
+    # ---- errors outside the generation endpoints ---------------------------------------------------------
+    async def http_error(self, request: Request, exc: HTTPException):
+        """Unknown path (404), wrong method (405): OpenAI's error object, not Starlette's plain text."""
+        self.metrics.errors.labels("bad_request").inc()
+        self.metrics.requests.labels("other", str(exc.status_code)).inc()
+        what = {404: f"no such endpoint: {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(ApiError(exc.status_code, what, code=code).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    async def server_error(self, request: Request, exc: Exception):
+        """The server's own fault: logged with its traceback here, one line to the client."""
+        log.error("request %s %s failed", request.method, request.url.path, exc_info=exc)
+        self.metrics.errors.labels("server").inc()
+        self.metrics.requests.labels("other", "500").inc()
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body(),
+                            status_code=500)
 
     # ---- small endpoints ------------------------------------------------------------------------------
     async def health(self, request: Request):
         used, total = self.batcher.engine.blocks_in_use()
-        return JSONResponse({"status": "ok", "running": len(self.batcher.running),
-                             "waiting": len(self.batcher.waiting), "cache_blocks_in_use": used,
-                             "cache_blocks_total": total})
+        status = "error" if self.fault is not None else "ok" if self.probed else "starting"
+        body = {"status": status, "running": len(self.batcher.running), "waiting": len(self.batcher.waiting),
+                "cache_blocks_in_use": used, "cache_blocks_total": total}
+        if self.fault is not None:
+            body["error"] = self.fault
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics_text(self, request: Request):
         return Response(self.metrics.text(), media_type=self.metrics.content_type)
@@ -68,9 +147,8 @@ class Server:
     async def _generate(self, request: Request, chat: bool):
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         try:
-            body = schema.parse_body(await self._read(request), self.limits)
-            schema.check_model(body, self.model)
-            gen = schema.generation(body, chat, self.codec, self.limits)
+            raw = await self._read(request)
+            gen = await self._checked(raw, chat)
             job = Job(gen.prompt, gen.params, Stops(gen.params, decode_text=self._decoder(gen)),
                       asyncio.get_running_loop())
             self.batcher.submit(job)
@@ -85,6 +163,12 @@ class Server:
                                 status_code=429)
         except ClientDisconnect:
             return Response(status_code=499)
+        except Exception:                 # the server's own fault; a client's body never lands here
+            log.exception("%s: checking the request failed", endpoint)
+            self.metrics.errors.labels("server").inc()
+            self.metrics.requests.labels(endpoint, "500").inc()
+            return JSONResponse(ApiError(500, "internal error while checking the request", kind="server_error").body(),
+                                status_code=500)
         answer = Answer(self, job, gen, chat)
         if gen.stream:
             self.metrics.requests.labels(endpoint, "200").inc()
@@ -99,7 +183,31 @@ class Server:
             return None
         return self.codec.decode_answer if gen.thinking or gen.tool_calls else self.codec.decode
 
+    async def _checked(self, raw: bytes, chat: bool) -> schema.Generation:
+        """The body parsed, checked and tokenized on the check threads, at most CHECK_BACKLOG at once."""
+        if self.checking >= CHECK_BACKLOG:
+            raise QueueFull(f"{self.checking} request bodies are waiting to be checked; retry later")
+        self.checking += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.checks, self._check, raw, chat)
+        finally:
+            self.checking -= 1
+
+    def _check(self, raw: bytes, chat: bool) -> schema.Generation:
+        """Parse, check and tokenize (on a worker thread)."""
+        body = schema.parse_body(raw, self.limits)
+        schema.check_model(body, self.model)
+        return schema.generation(body, chat, self.codec, self.limits)
+
     async def _read(self, request: Request) -> bytes:
+        """The body within the read timeout (408 for a client that stalls or sends half)."""
+        try:
+            return await asyncio.wait_for(self._read_body(request), self.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"body: not received in full within {self.read_timeout_s:g} s", "body",
+                           code="request_timeout") from None
+
+    async def _read_body(self, request: Request) -> bytes:
         """The body, refused as soon as it passes the limit (a lying Content-Length too)."""
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
@@ -156,6 +264,7 @@ class Answer:
                     self.server.batcher.cancel(self.job)
                     return 499, {}
                 continue
+            self.server.outcome(event)
             if event.kind == "token":
                 self._take(event)
             elif event.kind == "error":
@@ -176,6 +285,7 @@ class Answer:
                                        "logprobs": None, "finish_reason": None})
             while True:
                 event = await self.job.events.get()
+                self.server.outcome(event)
                 if event.kind == "error":
                     yield f"data: {json.dumps(ApiError(500, event.error, kind='server_error').body())}\n\n"
                     break

@@ -43,11 +43,16 @@ CHAT_KWARGS = ("thinking", "enable_thinking", "reasoning_effort")   # what the D
 EFFORTS = {"high": None, "max": 100}    # named efforts on V4.1's scale (None: its default, "high")
 DEFAULT_TEMPERATURE = 1.0          # OpenAI's default; send 0 for greedy
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
+MAX_DEPTH = 32                     # nesting of a body's arrays and objects (the deepest OpenAI field is ~6)
+SHOWN_CHARS = 80                   # a refused value is quoted up to this many characters
+MAX_MESSAGE_CHARS = 1000           # an error message's length
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
                  code: str | None = None):
+        if len(message) > MAX_MESSAGE_CHARS:     # messages quote what was refused, which can be megabytes
+            message = message[:MAX_MESSAGE_CHARS] + "..."
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
@@ -81,6 +86,40 @@ class Generation:
     tool_calls: bool = False       # chat: parse tool calls out of the answer
 
 
+def shown(value) -> str:
+    """A refused value for an error message: its repr, cut short (a body can hold megabytes)."""
+    if isinstance(value, int) and value.bit_length() >= 256:
+        return f"<a {value.bit_length()}-bit integer>"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+def _check_tree(body) -> None:
+    """Every value of a parsed body: nested at most MAX_DEPTH deep, strings valid Unicode (JSON's
+    \\ud800 escapes decode to lone surrogates, which no tokenizer or encoder takes). Iterative, so
+    the check itself cannot overflow the stack."""
+    todo = [(body, "body", 0)]
+    while todo:
+        value, where, depth = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"a lone surrogate (U+{ord(value[e.start]):04X}) at character {e.start} is not text",
+                          where) from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_DEPTH:
+            raise bad(f"nested deeper than {MAX_DEPTH} arrays/objects", where.split(".")[0].split("[")[0])
+        if isinstance(value, list):
+            todo += [(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value)]
+            continue
+        for key, item in value.items():
+            child = key if where == "body" else f"{where}.{key}"
+            todo += [(key, child, depth + 1), (item, child, depth + 1)]
+
+
 def parse_body(raw: bytes, limits: Limits) -> dict:
     if len(raw) > limits.max_body_bytes:
         raise ApiError(413, f"body: {len(raw)} bytes is over the limit of {limits.max_body_bytes}", "body")
@@ -92,8 +131,13 @@ def parse_body(raw: bytes, limits: Limits) -> dict:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad(f"expected JSON, found: {e}", "body") from None
+    except RecursionError:
+        raise bad(f"nested deeper than {MAX_DEPTH} arrays/objects", "body") from None
+    except ValueError as e:               # an integer past Python's digit limit for int()
+        raise bad(f"expected JSON this server can read: {e}", "body") from None
     if not isinstance(body, dict):
         raise bad(f"expected a JSON object, found {type(body).__name__}", "body")
+    _check_tree(body)
     return body
 
 
@@ -102,7 +146,7 @@ def check_model(body: dict, served: str):
     if body.get("model") is None:
         return
     if body["model"] != served:
-        raise ApiError(404, f"model: {body['model']!r} is not served here; the model is {served!r}", "model",
+        raise ApiError(404, f"model: {shown(body['model'])} is not served here; the model is {served!r}", "model",
                        code="model_not_found")
 
 
@@ -111,7 +155,7 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad(f"expected true or false, found {value!r}", name)
+        raise bad(f"expected true or false, found {shown(value)}", name)
     return value
 
 
@@ -120,10 +164,10 @@ def _int(body: dict, name: str, default, low: int, high: int | None = None):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"expected an integer, found {value!r}", name)
+        raise bad(f"expected an integer, found {shown(value)}", name)
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise bad(f"expected an integer in {bound}, found {value}", name)
+        raise bad(f"expected an integer in {bound}, found {shown(value)}", name)
     return value
 
 
@@ -132,7 +176,7 @@ def _token_ids(value, name: str, vocab: int) -> list[int]:
         raise bad("expected a non-empty list of token ids", name)
     out_of_range = [t for t in value if not 0 <= t < vocab]
     if out_of_range:
-        raise bad(f"token ids must be in [0, {vocab - 1}], found {out_of_range[0]}", name)
+        raise bad(f"token ids must be in [0, {vocab - 1}], found {shown(out_of_range[0])}", name)
     return list(value)
 
 
@@ -276,7 +320,7 @@ def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
         name = "max_tokens"
         max_tokens = _int(body, name, min(DEFAULT_COMPLETION_TOKENS, room), 1)
     if max_tokens > room:
-        raise bad(f"{max_tokens} new tokens after a {len(prompt)}-token prompt exceed the context of "
+        raise bad(f"{shown(max_tokens)} new tokens after a {len(prompt)}-token prompt exceed the context of "
                   f"{limits.max_context} tokens (at most {room})", name)
     top: int | None
     if chat:

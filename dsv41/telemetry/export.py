@@ -13,6 +13,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from dsv41.outputs import open_output
 from dsv41.plan.roofline import STREAMS, stream
 from dsv41.telemetry.spans import otlp_json_lines
 
@@ -20,7 +21,7 @@ TRACES = Path("traces")
 
 
 def write_otlp(records: list[dict], resource: dict, path: Path) -> Path:
-    with open(path, "w") as f:
+    with open_output(path) as f:
         for line in otlp_json_lines(records, resource):
             f.write(line + "\n")
     return path
@@ -70,7 +71,8 @@ def write_perfetto(records: list[dict], path: Path) -> Path:
     base = min((r["start_ns"] for r in records), default=0)
     doc = {"traceEvents": perfetto_events(records), "displayTimeUnit": "ms",
            "otherData": {"start_unix_ns": base}}
-    path.write_text(json.dumps(doc, separators=(",", ":")))
+    with open_output(path) as f:
+        f.write(json.dumps(doc, separators=(",", ":")))
     return path
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -51,12 +52,38 @@ def otlp_configured(signal: str = "traces") -> bool:
                 or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
 
 
+OTLP_PROTOCOL = "http/protobuf"     # the only exporter this project ships (opentelemetry-exporter-otlp-proto-http)
+
+
+def _settings_problem() -> str | None:
+    """A timeout that is not a number > 0, or a protocol other than OTLP over HTTP: the SDK would
+    fail on the first, and silently use HTTP against a gRPC collector on the second."""
+    for signal in ("", "TRACES_", "METRICS_"):
+        name = f"OTEL_EXPORTER_OTLP_{signal}TIMEOUT"
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                ok = math.isfinite(float(value)) and float(value) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                return f"{name}: expected a number > 0, got {value!r}"
+        name = f"OTEL_EXPORTER_OTLP_{signal}PROTOCOL"
+        value = os.environ.get(name)
+        if value is not None and value.strip().lower() != OTLP_PROTOCOL:
+            return f"{name}: only {OTLP_PROTOCOL} is exported (OTLP over HTTP), got {value!r}"
+    return None
+
+
 def endpoint_problem() -> str | None:
-    """What is wrong with the collector's address in the OTEL_* variables (None when export is off or
-    every endpoint set is an http(s) URL with a host and a port in range)."""
+    """What is wrong with the OTEL_* variables (None when export is off, or every endpoint set is an
+    http(s) URL with a host and a port in range and the timeouts and protocols are usable)."""
     from urllib.parse import urlsplit
     if not (otlp_configured() or otlp_configured("metrics")):
         return None
+    problem = _settings_problem()
+    if problem:
+        return problem
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                  "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
         value = os.environ.get(name)
