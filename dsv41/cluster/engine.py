@@ -27,7 +27,7 @@ from functools import partial
 import torch
 
 from dsv41.cluster import registry
-from dsv41.cluster.connect import Startup
+from dsv41.cluster.connect import Startup, quiet_abandoned_start
 from dsv41.cluster.executors import CardUnavailable, DistributedRunner, run_local
 from dsv41.cluster.observers import StepObserver
 from dsv41.cluster.plan import Plan, make_plan
@@ -115,11 +115,13 @@ class GraphEngine(Engine):
         self._finalizer.atexit = False       # a process that exits frees its own States
         try:
             self._install(list(topo.cards))
-        except BaseException:                # e.g. a bad checkpoint value found as a card read it
+            self.cards = sorted((r for rs in self._on_every_process(_card_bytes, self.id).values() for r in rs),
+                                key=lambda r: r["card"])   # resident bytes per card, measured once
+        except BaseException as e:           # e.g. a bad checkpoint value found as a card read it
+            if isinstance(e, KeyboardInterrupt) and self.runner is not None:
+                quiet_abandoned_start()      # Ctrl-C / SIGTERM while the States install
             self._finalizer()
             raise
-        self.cards = sorted((r for rs in self._on_every_process(_card_bytes, self.id).values() for r in rs),
-                            key=lambda r: r["card"])   # resident bytes per card, measured once
 
     @property
     def active(self) -> list[int]:
