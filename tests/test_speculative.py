@@ -12,7 +12,7 @@ import torch
 from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import NodeError
-from dsv41.config import TINY, Topology
+from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.drafters import Drafter, NgramDrafter, OracleDrafter
 from dsv41.engine.dspark import DSparkDrafter
 from dsv41.engine.reference import ReferenceEngine
@@ -41,11 +41,11 @@ class Policy:
     """Oracle drafts from the plain run's tokens: accept ``pick(job index, step)`` of them, then a
     wrong one; records each rejected draft's position."""
 
-    def __init__(self, truth, pick):
-        self.truth, self.pick, self.rejected, self.steps = truth, pick, [], {}
+    def __init__(self, truth, pick, prompts=PROMPTS):
+        self.truth, self.pick, self.prompts, self.rejected, self.steps = truth, pick, prompts, [], {}
 
     def __call__(self, job, room):
-        i = next(k for k, p in enumerate(PROMPTS) if p == job.prompt)
+        i = self.prompts.index(job.prompt)
         step = self.steps[i] = self.steps.get(i, -1) + 1
         m, t = len(job.made), self.truth[i]
         a = min(self.pick(i, step, room), room)
@@ -155,21 +155,24 @@ def test_every_layout_speculative_equals_plain(executor, topo, wiring):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("layout", ["reference", "tp2-dp2"])
-def test_speculative_equals_plain_at_16k_context(layout):
-    context = 16384
-    cap = context + 32
-    engine = ReferenceEngine(TINY, seed=0, max_batch=2, max_context=cap) if layout == "reference" else \
-        GraphEngine(TINY, Topology(2, 2, 4), seed=0, executor="threads", max_batch=2, max_context=cap)
-    try:
-        prompts = PROMPTS[:2]
-        plain = generate(engine, prompts=prompts, new=8, context=context)
-        policy = Policy(plain[0], PREFIXES)
-        assert_same(plain, generate(engine, OracleDrafter(policy), prompts=prompts, new=8, context=context))
-        assert policy.rejected
-    finally:
-        engine.close()
+@pytest.mark.timeout(2400)
+def test_speculative_equals_plain_at_flash_width_and_16k_context():
+    """Three FLASH-width layers (two SWA, one ratio-2 FULL with its indexer over 8,192 compressed
+    keys), two requests at 16,384 tokens of drawn context: oracle drafts accepting prefixes of every
+    length give plain generation's tokens and logits on the reference and on threads TP4/DP2/EP8."""
+    cfg = FLASH.reduced(layers=3, experts=8, engram_rows=4099)
+    context, prompts = 16384, [[7, 3], [11, 5, 9]]
+    for make in (lambda: ReferenceEngine(cfg, seed=0, max_batch=2, max_context=context + 16),
+                 lambda: GraphEngine(cfg, Topology(4, 2, 8), seed=0, executor="threads", max_batch=2,
+                                     max_context=context + 16)):
+        engine = make()
+        try:
+            plain = generate(engine, prompts=prompts, new=6, context=context)
+            policy = Policy(plain[0], PREFIXES, prompts)
+            assert_same(plain, generate(engine, OracleDrafter(policy), prompts=prompts, new=6, context=context))
+            assert policy.rejected and {p % 2 for p in policy.rejected} == {0, 1}
+        finally:
+            engine.close()
 
 
 # ---- rollback: the published caches of a verify step equal a plain run's at the same position ---------
