@@ -162,17 +162,19 @@ def test_speculative_equals_plain_at_flash_width_and_16k_context():
     length give plain generation's tokens and logits on the reference and on threads TP4/DP2/EP8."""
     cfg = FLASH.reduced(layers=3, experts=8, engram_rows=4099)
     context, prompts = 16384, [[7, 3], [11, 5, 9]]
+    def run(make, drafter=None):
+        engine = make()        # a fresh engine: the drawn history is drawn for the request ids
+        try:
+            return generate(engine, drafter, prompts=prompts, new=6, context=context)
+        finally:
+            engine.close()
     for make in (lambda: ReferenceEngine(cfg, seed=0, max_batch=2, max_context=context + 16),
                  lambda: GraphEngine(cfg, Topology(4, 2, 8), seed=0, executor="threads", max_batch=2,
                                      max_context=context + 16)):
-        engine = make()
-        try:
-            plain = generate(engine, prompts=prompts, new=6, context=context)
-            policy = Policy(plain[0], PREFIXES, prompts)
-            assert_same(plain, generate(engine, OracleDrafter(policy), prompts=prompts, new=6, context=context))
-            assert policy.rejected and {p % 2 for p in policy.rejected} == {0, 1}
-        finally:
-            engine.close()
+        plain = run(make)
+        policy = Policy(plain[0], PREFIXES, prompts)
+        assert_same(plain, run(make, OracleDrafter(policy)))
+        assert policy.rejected and {p % 2 for p in policy.rejected} == {0, 1}
 
 
 # ---- rollback: the published caches of a verify step equal a plain run's at the same position ---------
