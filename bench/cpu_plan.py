@@ -41,8 +41,8 @@ def _attrs(span: dict) -> dict:
     return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
 
 
-def measured_by_kernel(otlp: Path, phase: str) -> dict[str, float]:
-    """Kernel -> µs summed over the node spans of the run's last step of ``phase``."""
+def node_us_by_step(otlp: Path, phase: str) -> dict[int, dict[str, float]]:
+    """Step -> kernel -> µs summed over the run's node spans of ``phase`` (an OTLP JSON-lines file)."""
     by_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for line in otlp.read_text().splitlines():
         for rs in json.loads(line)["resourceSpans"]:
@@ -52,6 +52,12 @@ def measured_by_kernel(otlp: Path, phase: str) -> dict[str, float]:
                     if a.get("dsv41.span") == "node" and a.get("dsv41.phase") == phase:
                         us = (int(sp["endTimeUnixNano"]) - int(sp["startTimeUnixNano"])) / 1e3
                         by_step[int(a["dsv41.step"])][a["dsv41.kernel"]] += us
+    return by_step
+
+
+def measured_by_kernel(otlp: Path, phase: str) -> dict[str, float]:
+    """Kernel -> µs summed over the node spans of the run's last step of ``phase``."""
+    by_step = node_us_by_step(otlp, phase)
     return dict(by_step[max(by_step)])
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from cpu_plan import node_us_by_step     # bench/cpu_plan.py, beside this script
+
 from dsv41.config import PRESETS, Topology
 from dsv41.plan.step import run_plan
 
@@ -96,23 +98,11 @@ def weight_use_ns(measured_ms: dict[str, float], values: dict[str, dict[str, int
     return {fmt: time_ns[fmt] / count[fmt] for fmt in sorted(count)}
 
 
-def _attrs(span: dict) -> dict:
-    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
-
-
 def measured_by_kind(otlp: Path) -> dict[str, float]:
     """Node kind -> median over the decode steps of its node spans' summed wall time, in ms."""
-    by_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for line in otlp.read_text().splitlines():
-        for rs in json.loads(line)["resourceSpans"]:
-            for ss in rs["scopeSpans"]:
-                for sp in ss["spans"]:
-                    a = _attrs(sp)
-                    if a.get("dsv41.span") == "node" and a.get("dsv41.phase") == "decode":
-                        ms = (int(sp["endTimeUnixNano"]) - int(sp["startTimeUnixNano"])) / 1e6
-                        by_step[int(a["dsv41.step"])][a["dsv41.kernel"]] += ms
+    by_step = node_us_by_step(otlp, "decode")
     kinds = {k for s in by_step.values() for k in s}
-    return {k: statistics.median(s.get(k, 0.0) for s in by_step.values()) for k in kinds}
+    return {k: statistics.median(s.get(k, 0.0) / 1e3 for s in by_step.values()) for k in kinds}
 
 
 def measure(a, work: str) -> dict:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import still_running
 
 from dsv41.cli import run
 from dsv41.cli import args as rules
@@ -313,17 +314,6 @@ def test_a_dead_collector_costs_seconds_and_one_line(tmp_path, down):
 
 # ---- Ctrl-C and SIGTERM on a distributed run ----------------------------------------------------------
 
-def _still_running(session: int, wait_s: float = 5.0) -> list[str]:
-    """Processes of the session still running (zombies aside: their parent is gone and init reaps them)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        ps = subprocess.run(["ps", "-s", str(session), "-o", "pid=,stat=,args="], capture_output=True, text=True)
-        alive = [line for line in ps.stdout.splitlines() if line.split()[1][0] != "Z"]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("signum,status,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
@@ -346,7 +336,7 @@ def test_a_signal_ends_a_distributed_run_quickly_and_cleanly(tmp_path, signum, s
         p.wait(60)
         elapsed = time.monotonic() - t0
         rest = p.stderr.read()
-        left = _still_running(p.pid)
+        left = still_running(p.pid)
     finally:
         _kill(p)
     assert p.returncode == status, rest

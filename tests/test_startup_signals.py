@@ -16,20 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import still_running
 
 REPO = Path(__file__).resolve().parents[1]
 SIGNALS = {signal.SIGINT: (130, "interrupted"), signal.SIGTERM: (143, "terminated")}
-
-
-def _still_running(session: int, wait_s: float = 5.0) -> list[str]:
-    """Processes of the session still running (zombies aside: their parent is gone and init reaps them)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        ps = subprocess.run(["ps", "-s", str(session), "-o", "pid=,stat=,args="], capture_output=True, text=True)
-        alive = [line for line in ps.stdout.splitlines() if line.split()[1][0] != "Z"]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
 
 
 def _interrupt_start_up(tmp_path: Path, signum: int, delay: float, group: bool) -> tuple[int, float, str, list[str]]:
@@ -54,7 +44,7 @@ def _interrupt_start_up(tmp_path: Path, signum: int, delay: float, group: bool) 
         p.wait(60)
         elapsed = time.monotonic() - t0
         rest = p.stderr.read()
-        left = _still_running(p.pid)
+        left = still_running(p.pid)
     finally:
         try:
             os.killpg(p.pid, signal.SIGKILL)
