@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import still_running
+from processes import signal_and_wait
 
 from dsv41.cli import run
 from dsv41.cli import args as rules
@@ -331,12 +331,7 @@ def test_a_signal_ends_a_distributed_run_quickly_and_cleanly(tmp_path, signum, s
                 break
         assert before and before[-1].startswith("  prefill "), before
         time.sleep(1)
-        os.killpg(p.pid, signum)    # the whole group, as a terminal sends Ctrl-C
-        t0 = time.monotonic()
-        p.wait(60)
-        elapsed = time.monotonic() - t0
-        rest = p.stderr.read()
-        left = still_running(p.pid)
+        elapsed, rest, left = signal_and_wait(p, signum)    # the whole group, as a terminal sends Ctrl-C
     finally:
         _kill(p)
     assert p.returncode == status, rest

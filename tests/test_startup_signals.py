@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import still_running
+from processes import signal_and_wait
 
 REPO = Path(__file__).resolve().parents[1]
 SIGNALS = {signal.SIGINT: (130, "interrupted"), signal.SIGTERM: (143, "terminated")}
@@ -36,15 +36,7 @@ def _interrupt_start_up(tmp_path: Path, signum: int, delay: float, group: bool) 
         first = p.stderr.readline()
         assert first.startswith("dsv41 decode: "), first
         time.sleep(delay)
-        if group:
-            os.killpg(p.pid, signum)
-        else:
-            p.send_signal(signum)             # as `kill PID` does
-        t0 = time.monotonic()
-        p.wait(60)
-        elapsed = time.monotonic() - t0
-        rest = p.stderr.read()
-        left = still_running(p.pid)
+        elapsed, rest, left = signal_and_wait(p, signum, group)
     finally:
         try:
             os.killpg(p.pid, signal.SIGKILL)
