@@ -214,6 +214,15 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def draw_from(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from FP64 probabilities with one uniform draw: the inverse CDF (u < 1: never past
+    the end)."""
+    cdf = torch.cumsum(probs, 0)
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    target = torch.tensor([u * cdf[-1].item()], dtype=torch.float64, device=cdf.device)
+    return int(torch.searchsorted(cdf, target, right=True))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGenerator | None,
            history_token_ids=(), prompt_token_ids=(), generated: int = 0):
     """One token from one row of logits.
@@ -232,11 +241,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGener
     else:
         if generator is None:
             raise ValueError("generator: a temperature > 0 draw needs the request's generator")
-        probs = filtered_probs(x, params)
-        cdf = torch.cumsum(probs, 0)
-        u = torch.rand((), generator=generator.next(), dtype=torch.float64).item()
-        target = torch.tensor([u * cdf[-1].item()], dtype=torch.float64, device=cdf.device)
-        token = int(torch.searchsorted(cdf, target, right=True))  # u < 1: never past the end
+        token = draw_from(filtered_probs(x, params), generator.next())
     raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
     top = []
     if params.logprobs:

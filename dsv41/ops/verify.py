@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv41.ops.sampling import RequestGenerator, filtered_probs, processed
+from dsv41.ops.sampling import RequestGenerator, draw_from, filtered_probs, processed
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,6 @@ def accept(ids: torch.Tensor, logprobs: list | None, fed: list[list[int]], propo
                     None if all(keep) else torch.tensor(keep, dtype=torch.bool), torch.tensor(last, dtype=torch.long))
 
 
-def draw_from(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from FP64 probabilities with one uniform draw (the inverse CDF, as ``sampling``)."""
-    cdf = torch.cumsum(probs, 0)
-    u = torch.rand((), generator=generator, dtype=torch.float64).item()
-    return int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=torch.float64), right=True))
-
-
 def speculative_tokens(target: torch.Tensor, draft: torch.Tensor, drafts: list[int], generators) -> list[int]:
     """The speculative-sampling rule for a drafter with its own distribution (Leviathan et al.,
     Chen et al.): draft j, drawn from draft[j], is accepted with probability
@@ -90,10 +83,6 @@ def _target(row: torch.Tensor, draw) -> torch.Tensor:
     return filtered_probs(processed(row, p, draw.output_ids, draw.prompt_ids, draw.generated), p)
 
 
-def _generator(draw) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(RequestGenerator.draw_seed(draw.seed, draw.draw))
-
-
 def sampled_rule(logits: torch.Tensor, draws: list | None, fed: list[list[int]], proposed: list[int],
                  draft_probs: list, logprobs: list | None):
     """Per request with drafts, their distribution (draft_probs[i]: FP64 [k, V]) and temperature
@@ -109,7 +98,8 @@ def sampled_rule(logits: torch.Tensor, draws: list | None, fed: list[list[int]],
             decided.append(None)
             continue
         target = torch.stack([_target(logits[r], draws[r]) for r in rows])
-        toks = speculative_tokens(target, q.to(torch.float64), f[len(f) - k:], lambda j: _generator(draws[rows[j]]))
+        toks = speculative_tokens(target, q.to(torch.float64), f[len(f) - k:],
+                                  lambda j: RequestGenerator(draws[rows[j]].seed, draws[rows[j]].draw).next())
         decided.append(toks)
         if lps is not None and draws[rows[0]].params.logprob:
             for j, t in enumerate(toks):
