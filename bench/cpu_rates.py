@@ -6,8 +6,8 @@ of a few repeats (other work on the machine only ever slows a repeat down).
 
 Bandwidth: a 256 MiB FP32 copy (read + write bytes over time). Matmul: square GEMMs of 2048
 (2 n^3 FLOPs over time). Dispatch: a 1-element add, per call. Weight use: the kernels multiply a
-weight held in its checkpoint format, decoding it to FP64 a tile at a time inside the product
-(``dsv41.ops.packed.PackedMatrix.matmul_t``); per value of a FLASH matrix (the FP8 ``wq_b``
+weight held in its checkpoint format, decoding each value in a register inside the product
+(``dsv41.ops.packed.PackedMatrix.matmul_t``, every core on a large one); per value of a FLASH matrix (the FP8 ``wq_b``
 32768 x 1280, an FP4 expert ``w1`` 2304 x 5120, 16384 rows of the BF16 head, the FP32 mHC ``fn``
 24 x 20480), one row multiplied by it. Importing dsv41 sets Torch's threads as the engine runs them
 (``DSV41_TORCH_THREADS``, default 1), so every rate is the engine's.

@@ -1,5 +1,6 @@
-"""Weights multiplied in their checkpoint formats (``ops.packed``): the tile decode gives the values of
-the format's definition bit for bit, and the tiled FP64 product is the whole-matrix one."""
+"""Weights multiplied in their checkpoint formats (``ops.packed``, ``ops.fused_product``): the fused
+decode multiplies by the values of the format's definition bit for bit, and the product is the FP64
+product with the whole decoded matrix, each row's bits independent of the batch and of the split."""
 from __future__ import annotations
 
 import math
@@ -32,11 +33,10 @@ def _g(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiles of 1,024 values: the matrices below decode tile by tile (one that fits a single tile is
-    decoded whole by ``quant``'s tables instead)."""
-    monkeypatch.setattr(packed, "TILE_VALUES", 1 << 10)
+def _through_product(m: PackedMatrix) -> torch.Tensor:
+    """The values the fused product multiplies by: x = I picks each column, exactly (every decoded
+    value here is an FP32)."""
+    return m.matmul_t(torch.eye(m.shape[1])).t().double()
 
 
 def _fp8_every_byte(scales: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +49,7 @@ def _fp8_every_byte(scales: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return payload.view(torch.float8_e4m3fn), scale
 
 
-def test_fp8_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tiles):
+def test_fp8_product_decodes_every_byte_at_every_scale_to_its_definition():
     scales = [0, 1, 20, 100, 127, 128, 200, 246]
     payload, scale = _fp8_every_byte(scales)
     byte = payload.view(torch.uint8).long()
@@ -63,8 +63,7 @@ def test_fp8_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tile
     want_finite = torch.where(nan, torch.tensor([_e4m3_value(0x7E)], dtype=torch.float64)
                               * torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 0)
                               .repeat_interleave(32, 1), want)
-    assert _same_bits(fast.dense(), want_finite)
-    assert _same_bits(fast.dense(), block_mxfp8_decode64(finite.view(torch.float8_e4m3fn), scale))
+    assert torch.equal(_through_product(fast), want_finite)
     # NaN bytes (and scale codes past 246) take the table decode: its values, NaN where the byte is
     slow = PackedMatrix("fp8", payload, scale)
     assert slow._exact_tables
@@ -74,7 +73,7 @@ def test_fp8_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tile
     assert big._exact_tables and _same_bits(big.dense(), block_mxfp8_decode64(big.payload, big.scale))
 
 
-def test_fp4_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tiles):
+def test_fp4_product_decodes_every_byte_at_every_scale_to_its_definition():
     codes = [0, 1, 60, 127, 128, 200, 246, 252]       # 6 x 2^(252-127) is still a finite FP32
     packed_bytes = torch.arange(256, dtype=torch.uint8).repeat(len(codes), 1)     # [8, 256] -> K = 512
     scale = torch.tensor(codes, dtype=torch.uint8)[:, None].repeat(1, 16)
@@ -82,11 +81,12 @@ def test_fp4_tiles_decode_every_byte_at_every_scale_to_its_definition(small_tile
     pairs = torch.tensor([[fp4_value_ref(b & 15), fp4_value_ref(b >> 4)] for b in range(256)], dtype=torch.float64)
     want = pairs[packed_bytes.long()].reshape(len(codes), 512) * \
         torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 1)
-    assert _same_bits(PackedMatrix("fp4", packed_bytes.view(torch.int8), scale).dense(), want)
-    # every scale code, overflowing ones included, as the decoder gives it
+    fast = PackedMatrix("fp4", packed_bytes.view(torch.int8), scale)
+    assert not fast._exact_tables and torch.equal(_through_product(fast), want)
+    # scale codes past 252 (the FP32 products overflow) take the table decode: its values, inf included
     every = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
     m = PackedMatrix("fp4", torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(torch.int8), every)
-    assert _same_bits(m.dense(), expert_mxfp4_decode64(m.payload, m.scale))
+    assert m._exact_tables and _same_bits(m.dense(), expert_mxfp4_decode64(m.payload, m.scale))
 
 
 def _matrices(n: int, k: int, seed: int) -> dict[str, PackedMatrix]:
@@ -98,12 +98,10 @@ def _matrices(n: int, k: int, seed: int) -> dict[str, PackedMatrix]:
             "bf16": PackedMatrix("bf16", w.to(torch.bfloat16)), "f32": PackedMatrix("f32", w)}
 
 
-@pytest.mark.parametrize("tile", [1 << 10, 3000, 1 << 19])
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_tiled_product_is_the_whole_matrix_product(monkeypatch, tile, rows):
-    """Tiles of whole rows (several, a short last one, or all at once) give the bits of one FP64
-    product with the whole decoded matrix, and each row of x its bits alone."""
-    monkeypatch.setattr(packed, "TILE_VALUES", tile)
+def test_product_is_the_fp64_product_of_the_whole_matrix(rows):
+    """Every format, a short batch (padded to the kernel's row group) and a long one: the bits of one
+    FP64 product with the whole decoded matrix, each row of x its bits alone."""
     x = torch.randn(rows, 256, generator=_g(rows)).to(torch.bfloat16).float()
     for fmt, m in _matrices(160, 256, 7).items():
         want = (x.double() @ m.dense().t()).float()
@@ -112,15 +110,23 @@ def test_tiled_product_is_the_whole_matrix_product(monkeypatch, tile, rows):
         assert torch.equal(torch.cat([m.matmul_t(x[i:i + 1]) for i in range(rows)]), got), fmt
 
 
-@pytest.mark.parametrize("tile", [1 << 10, 1 << 19])
-def test_row_and_column_slices_are_the_dense_slices(monkeypatch, tile):
-    monkeypatch.setattr(packed, "TILE_VALUES", tile)
+def test_a_product_split_over_threads_gives_the_bits_of_one(monkeypatch):
+    x = torch.randn(5, 256, generator=_g(3))
+    whole = {fmt: m.matmul_t(x) for fmt, m in _matrices(96, 256, 5).items()}
+    monkeypatch.setattr(packed, "_SPLIT_VALUES", 1)
+    monkeypatch.setattr(packed, "_cores", lambda: 3)
+    for fmt, m in _matrices(96, 256, 5).items():
+        assert torch.equal(m.matmul_t(x), whole[fmt]), fmt
+
+
+def test_row_and_column_slices_are_the_dense_slices():
     for fmt, m in _matrices(96, 128, 8).items():
         d = m.dense()
         assert torch.equal(m.rows(32, 96).dense(), d[32:96]), fmt
         assert torch.equal(m.cols(64, 128).dense(), d[:, 64:128]), fmt
         x = torch.randn(2, 64, generator=_g(9))
         assert torch.equal(m.cols(0, 64).matmul_t(x), (x.double() @ d[:, :64].t()).float()), fmt
+        assert torch.equal(m.cols(64, 128).matmul_t(x), (x.double() @ d[:, 64:].t()).float()), fmt
 
 
 def test_bad_format_is_refused_in_one_line():

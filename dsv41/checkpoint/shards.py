@@ -10,8 +10,7 @@ A weight source serves named checkpoint tensors, or slices of them, in their che
 serves folders. ``read_card`` asks a source for exactly the slices one card holds (scales sliced
 with their payloads) and keeps them as they came: FP8 E4M3 + E8M0, packed MXFP4 + E8M0, BF16, FP32.
 ``CardWeights`` decodes a runtime weight on each use (a lookup table only the rows looked up, a matrix
-a tile at a time inside its product: ``matrix``), so
-nothing larger than the checkpoint bytes stays resident; the decoded values are those of
+each value in a register inside its product: ``matrix``), so nothing larger than the checkpoint bytes stays resident; the decoded values are those of
 ``weights.decode_checkpoint`` bit for bit.
 
 Sharding (head-parallel attention, expert-parallel MoE, vocab-parallel embed and head, EP-split
@@ -168,8 +167,8 @@ class CardWeights(Mapping):
         return decode_tensor(self.cfg, key, self.held[key])
 
     def matrix(self, key: str) -> PackedMatrix:
-        """A weight matrix a block multiplies by, as held (FP8, FP4, BF16 or FP32): the product decodes
-        it a tile at a time (``ops.packed``), to the values ``__getitem__`` decodes it to whole.
+        """A weight matrix a block multiplies by, as held (FP8, FP4, BF16 or FP32): its product decodes
+        each value as it multiplies (``ops.packed``), to the values ``__getitem__`` decodes it to whole.
         Made once per key (the format check reads the payload once)."""
         m = self._matrices.get(key)
         if m is None:

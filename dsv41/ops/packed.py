@@ -1,61 +1,44 @@
-"""A weight matrix held in its checkpoint format, multiplied tile by tile as it is decoded.
+"""A weight matrix held in its checkpoint format and multiplied as it is decoded.
 
 ``PackedMatrix`` keeps the stored bytes (MXFP8 E4M3 with 32x32 E8M0 block scales, packed MXFP4 with
 per-row group-32 E8M0 scales, BF16, FP32) and computes ``a @ w^T`` the way ``ops.projections.matmul_t``
-defines it (every product and the sum in FP64, rounded to FP32 once) without ever holding the whole
-decoded matrix: a tile of rows small enough to stay in the core's cache is decoded to FP64 and
-multiplied while it is there. Decoding the whole matrix first wrote and read it back through memory
-at 8 B a value, on every use; at FLASH widths that, not the arithmetic, was the step.
+defines it (every product and the sum in FP64, rounded to FP32 once) without ever writing a decoded
+value to memory: ``ops.fused_product`` decodes each weight in a register next to the multiply, so a
+use reads each stored byte once. Decoding the whole matrix (or a tile of it) to FP64 first wrote and
+read back 8 B a value on every use; at FLASH widths that, not the arithmetic, was the step.
 
-How a tile decodes (each the cheapest of the forms measured here, ``bench/cpu_rates.py``):
-
-- FP8: an E4M3 byte sign-extended to 16 bits and shifted left by 7, with bit 14 cleared, is the FP16
-  whose value is the E4M3 value times 2^-8 (the FP16 exponent field holds the E4M3 one, subnormals
-  included); it widens exactly to FP64, where the block's scale 2^(s-119), built from its exponent
-  bits, multiplies it. That is the exact product E4M3 x 2^(s-127); ``quant``'s decoders form it in
-  FP32, where it is exact as well (at most 4 significant bits, none below 2^-139) unless it
-  overflows, so the two agree bit for bit. A matrix with a scale code above 246 (where 448 x
-  2^(s-127) overflows FP32) or an E4M3 NaN byte is decoded by ``quant``'s table instead.
-- FP4: one lookup per packed byte in ``quant``'s table of (scale code, byte) -> the byte's two scaled
-  values (the decoders' own FP32 products in FP64), read as one 16-byte element.
-- BF16, FP32: widened to FP64.
-
-``tests/test_packed.py`` holds every byte at every scale to the formats' definitions.
+The fused decode is exact where ``quant``'s FP32 decoders are: a matrix with a scale code above
+``_FAST_SCALE_MAX`` (where the largest value times its scale overflows FP32) or an E4M3 NaN byte is
+multiplied through ``quant``'s tables instead, whole. ``tests/test_packed.py`` holds every byte at
+every scale to the formats' definitions.
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+
+import numpy as np
 import torch
 
-from dsv41.ops.quant import FP4_PAIRS_BY_SCALE, block_mxfp8_decode64, expert_mxfp4_decode64
+from dsv41.ops import fused_product as fused
+from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 
-TILE_VALUES = 1 << 19     # values per decoded tile: 4 MiB in FP64, in the L3 (bench/cpu_roofline.py: 2^16-2^21
-                          # measured, 2^19-2^20 fastest with other work on the cores; smaller tiles pay per-op costs)
-_FP8_SHIFT = 8            # the FP16 form of an E4M3 byte carries its value times 2^-8
-_FAST_SCALE_MAX = 246     # largest E8M0 code for which 448 x 2^(s-127) is a finite FP32 (so the FP32 products
-                          # the decoders form are exact, and equal to the FP64 ones formed here)
-
-
-def _pow2(codes: torch.Tensor, shift: int) -> torch.Tensor:
-    """E8M0 codes -> FP64 2^(s-127+shift), built from the exponent bits."""
-    return ((codes.view(torch.uint8).to(torch.int64) + (896 + shift)) << 52).view(torch.float64)
+# largest E8M0 code for which the format's largest value times 2^(s-127) is a finite FP32 (448 for
+# E4M3, 6 for E2M1): below it the decoders' FP32 products are exact, and equal to the FP64 ones here
+_FAST_SCALE_MAX = {"fp8": 246, "fp4": 252}
+_SPLIT_VALUES = 1 << 22       # products this large (weight values x row groups, ~1 ms) use every core
+_FORMAT = {"fp8": fused.FP8, "fp4": fused.FP4, "bf16": fused.BF16, "f32": fused.F32}
 
 
-# (scale code << 8 | packed byte) -> the byte's two scaled E2M1 values as one complex128 element (two
-# FP64 halves, low nibble first): one lookup per byte writes both decoded values in place
-_FP4_PAIRS64 = FP4_PAIRS_BY_SCALE.view(torch.complex128).reshape(-1)
+@cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for the shares of one product past the caller's own (the kernel releases the GIL)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="dsv41-product")
 
 
-class _Scratch:
-    """One product's tile buffers, reused by each of its tiles: a fresh allocation per tile costs page
-    faults on every tile (buffers this size come from ``mmap`` whenever the allocator gives memory back)."""
-
-    def __init__(self, fmt: str, rows: int, k: int):
-        self.f64 = torch.empty(rows, k, dtype=torch.float64)
-        if fmt == "fp8":
-            self.i16 = torch.empty(rows, k, dtype=torch.int16)
-            self.f32 = torch.empty(rows, k, dtype=torch.float32)
-        elif fmt == "fp4":
-            self.i32 = torch.empty(rows, k // 32, 16, dtype=torch.int32)
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class PackedMatrix:
@@ -72,11 +55,11 @@ class PackedMatrix:
         self._exact_tables = self._needs_tables() if exact_tables is None else exact_tables
 
     def _needs_tables(self) -> bool:
-        if self.fmt != "fp8":
+        if self.fmt not in _FAST_SCALE_MAX:
             return False
-        if self.scale.numel() and int(self.scale.view(torch.uint8).max()) > _FAST_SCALE_MAX:
+        if self.scale.numel() and int(self.scale.view(torch.uint8).max()) > _FAST_SCALE_MAX[self.fmt]:
             return True
-        return bool(((self.payload.view(torch.uint8) & 0x7F) == 0x7F).any())   # E4M3 NaN
+        return self.fmt == "fp8" and bool(((self.payload.view(torch.uint8) & 0x7F) == 0x7F).any())   # E4M3 NaN
 
     def rows(self, a: int, b: int) -> "PackedMatrix":
         """Rows [a, b) (whole 32-row blocks for fp8)."""
@@ -91,62 +74,50 @@ class PackedMatrix:
         return PackedMatrix(self.fmt, self.payload[:, a // half:b // half], self.scale[:, a // 32:b // 32],
                             self._exact_tables)
 
-    def _tile_rows(self) -> int:
-        rows = max(1, TILE_VALUES // max(1, self.shape[1]))
-        rows = max(32, rows - rows % 32) if self.fmt == "fp8" else rows
-        return min(rows, self.shape[0])
-
-    def _tile(self, a: int, b: int, scratch: _Scratch) -> torch.Tensor:
-        """Rows [a, b) decoded to FP64 [b - a, K] in ``scratch`` (fp8: a and b on 32-row blocks)."""
-        out = scratch.f64[:b - a]
-        if self._exact_tables:
-            p = self.rows(a, b)
-            return out.copy_(block_mxfp8_decode64(p.payload, p.scale.view(torch.uint8)))
-        if self.fmt == "fp8":
-            x = scratch.i16[:b - a]
-            x.copy_(self.payload[a:b].view(torch.int8))
-            x <<= 7
-            x &= -16385                    # 0xBFFF: clear bit 14, which a negative byte's sign extension set
-            out.copy_(scratch.f32[:b - a].copy_(x.view(torch.float16)))
-            s = _pow2(self.scale[a // 32:b // 32], _FP8_SHIFT)
-            out.view((b - a) // 32, 32, -1, 32).mul_(s[:, None, :, None])
-        elif self.fmt == "fp4":
-            idx = scratch.i32[:b - a]
-            idx.copy_(self.payload[a:b].view(torch.uint8).view(idx.shape))
-            idx += (self.scale[a:b].view(torch.uint8).to(torch.int32) << 8)[:, :, None]
-            torch.index_select(_FP4_PAIRS64, 0, idx.view(-1), out=out.view(torch.complex128).view(-1))
-        else:
-            out.copy_(self.payload[a:b])
-        return out
-
     def _whole(self) -> torch.Tensor:
-        """The matrix decoded at once by ``quant``'s tables: for one that fits a tile, whose cost is
-        the number of Torch ops (TINY, SMALL, a TP shard's small matrices), not its bytes."""
+        """The matrix decoded at once by ``quant``'s tables."""
         if self.fmt == "fp8":
             return block_mxfp8_decode64(self.payload, self.scale.view(torch.uint8))
         if self.fmt == "fp4":
             return expert_mxfp4_decode64(self.payload, self.scale.view(torch.uint8))
         return self.payload.double()
 
-    def _tiles(self):
-        """The FP64 tiles, top to bottom; each is overwritten by the next."""
-        step = self._tile_rows()
-        if step >= self.shape[0]:
-            yield self._whole()
-            return
-        scratch = _Scratch(self.fmt, step, self.shape[1])
-        for a in range(0, self.shape[0], step):
-            yield self._tile(a, min(self.shape[0], a + step), scratch)
-
     def dense(self) -> torch.Tensor:
         """The whole matrix decoded to FP64 (what ``weights.decode_tensor`` gives for it)."""
-        return torch.cat([t.clone() for t in self._tiles()])
+        return self._whole()
+
+    def _stored(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(payload as the kernel reads it, E8M0 codes, rows per scale row)."""
+        p = self.payload
+        if self.fmt in ("fp8", "fp4"):
+            return p.view(torch.uint8).numpy(), self.scale.view(torch.uint8).numpy(), 32 if self.fmt == "fp8" else 1
+        p = p.view(torch.int16).numpy().view(np.uint16) if self.fmt == "bf16" else p.numpy()
+        return p, np.zeros((1, 1), dtype=np.uint8), max(1, self.shape[0])
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ self^T in FP64, rounded to FP32 once -> [M, N]."""
-        x64 = x.double()
-        parts = [torch.mm(x64, t.t()) for t in self._tiles()]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
+        if self._exact_tables:
+            return (x.double() @ self._whole().t()).float()
+        m, n = x.shape[0], self.shape[0]
+        rows = -(-max(m, 1) // fused.GROUP) * fused.GROUP      # zero rows pad the last group
+        x64 = np.zeros((rows, self.shape[1]))
+        x64[:m] = x.double().numpy()
+        if self.fmt == "fp4":
+            x64 = fused.even_odd(x64)
+        out = np.empty((rows, n))
+        payload, scale, per = self._stored()
+        args = (_FORMAT[self.fmt], payload, scale, per, x64, out)
+        shares = min(_cores(), n) if n * self.shape[1] * rows // fused.GROUP >= _SPLIT_VALUES else 1
+        bounds = [n * i // shares for i in range(shares + 1)]
+        if shares > 1:
+            futures = [_pool(shares - 1).submit(fused.product_rows, *args, bounds[i], bounds[i + 1])
+                       for i in range(1, shares)]
+            fused.product_rows(*args, bounds[0], bounds[1])
+            for f in futures:
+                f.result()
+        else:
+            fused.product_rows(*args, 0, n)
+        return torch.from_numpy(out[:m]).float()
 
 
 def matrix(weights, key: str):

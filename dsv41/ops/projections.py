@@ -16,7 +16,7 @@ def matmul_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     slab (sequence-parallel) or a subset (one source card's MoE rows) would differ in the last
     ulp from the same row in a full batch, and Top-K/router choices amplify such ulps. With FP64
     accumulation every row's FP32 result is independent of batching and partitioning. w is a dense
-    tensor or a ``PackedMatrix`` in its checkpoint format, decoded a tile at a time inside the
+    tensor or a ``PackedMatrix`` in its checkpoint format, each value decoded in a register inside the
     product (the same FP64 values; the whole matrix is never decoded at once).
     """
     if isinstance(w, PackedMatrix):

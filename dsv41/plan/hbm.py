@@ -66,11 +66,6 @@ class CardLedger:
         if step != self.step:
             self.step, self._live, self.transient = step, {}, 0
 
-    def working(self, nbytes: int) -> None:
-        """Scratch a node holds while it runs (its decoded weights, on a part that decodes per use)
-        and frees before it ends: it raises the peak, not the live bytes."""
-        self.peak_transient = max(self.peak_transient, self.transient + nbytes)
-
     def produce(self, key: str, nbytes: int, uses: int, remote: bool) -> None:
         self._live[key] = [nbytes, uses, remote]
         self.transient += nbytes

@@ -57,7 +57,7 @@ class DeviceProfile:
     token_sync_us: float       # the sampled tokens' copy to the host and its wait, at the end of a step
     sources: dict = field(default_factory=dict)   # constant -> where it comes from
     # checkpoint format -> ns per weight value on each use, before the body: a part whose kernels
-    # read the stored formats (every accelerator profile) has none; this CPU decodes tiles to FP64 per use
+    # read the stored formats (every accelerator profile) has none; this CPU decodes each value to FP64 per use
     weight_use_ns: dict = field(default_factory=dict)
     shared_cores: int = 0      # the cards are threads or processes sharing this many host cores (0: own devices)
 

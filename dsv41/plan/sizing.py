@@ -28,7 +28,6 @@ from functools import lru_cache
 import torch
 
 from dsv41.kernels.cost import nbytes
-from dsv41.ops.packed import TILE_VALUES
 from dsv41.ops import kv_cache
 from dsv41.weights import checkpoint_specs, runtime_key
 
@@ -77,22 +76,16 @@ _DECODED = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2), torch.bfloa
             torch.float32: ("f32", 0.25)}
 
 
-def _decoded_at_once(values: int) -> int:
-    """Values one use decodes at a time: one tile of the product (``ops.packed``; a tile is whole rows,
-    so it may exceed TILE_VALUES by less than a row, or up to 32 rows for FP8's blocks)."""
-    return min(values, TILE_VALUES)
-
-
 # read a row at a time (as the Engram tables), never decoded whole: the embedding, DSpark's Markov embedding
 _LOOKED_UP = ("embed.weight", "markov_head.embed.weight")
 
 
 @lru_cache(maxsize=64)
-def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[str, int, int]]]:
+def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[str, int]]]:
     specs = _specs(cfg)
     by_key: dict[str, int] = defaultdict(int)
     by_kind = dict.fromkeys(WEIGHT_KINDS, 0)
-    values: dict[str, tuple[str, int, int]] = {}
+    values: dict[str, tuple[str, int]] = {}
     for name, (shape, dtype) in specs.items():
         held = _held(name, math.prod(shape) * dtype.itemsize, cfg, topo, card)
         if held:
@@ -101,8 +94,7 @@ def _card_table(cfg, topo, card: int) -> tuple[dict[str, int], dict[str, int], d
             by_kind[_kind(name, key)] += held
             if dtype in _DECODED and not key.endswith(_LOOKED_UP) and _kind(name, key) != "engram_tables":
                 fmt, per_byte = _DECODED[dtype]
-                n = int(held * per_byte)
-                values[key] = (fmt, n, _decoded_at_once(n))
+                values[key] = (fmt, int(held * per_byte))
     return dict(by_key), by_kind, values
 
 
@@ -120,9 +112,9 @@ def weights_by_kind(cfg, topo, card: int) -> dict[str, int]:
     return dict(_card_table(cfg, topo, card)[1])
 
 
-def card_values(cfg, topo, card: int) -> dict[str, tuple[str, int, int]]:
-    """Runtime weight key -> (checkpoint format, values this card holds, values one use decodes at
-    once): what a use of it decodes on a part that decodes per use."""
+def card_values(cfg, topo, card: int) -> dict[str, tuple[str, int]]:
+    """Runtime weight key -> (checkpoint format, values this card holds): what a use of it decodes on
+    a part that decodes per use (in registers, next to the multiply: ``ops.fused_product``)."""
     return _card_table(cfg, topo, card)[2]
 
 
@@ -167,7 +159,6 @@ class NodeCost:
     link: int
     output_bytes: int
     decoded: dict = field(default_factory=dict)   # checkpoint format -> weight values the node reads
-    decoded_at_once: int = 0                      # the most weight values it decodes at one time
 
 
     @property
@@ -182,11 +173,9 @@ def node_cost(weights_held: dict, cost, inputs, output_bytes: int, values_held: 
     weights = sum(weights_held[k] * frac for k, frac in cost.weights.items())
     activations = nbytes(inputs) if cost.act_read is None else cost.act_read
     decoded: dict[str, int] = defaultdict(int)
-    at_once = 0
     for k, frac in cost.weights.items():
         if values_held and k in values_held and frac > 0:
-            fmt, n, block = values_held[k]
+            fmt, n = values_held[k]
             decoded[fmt] += int(n * frac)
-            at_once = max(at_once, block)
     return NodeCost(int(activations + weights + cost.gathered + cost.cache_read), output_bytes + cost.cache_written,
-                    cost.flops, cost.link, output_bytes, dict(decoded), at_once)
+                    cost.flops, cost.link, output_bytes, dict(decoded))

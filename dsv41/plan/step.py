@@ -95,14 +95,9 @@ def walk(graph, contexts) -> dict:
     return costs
 
 
-# a product's tile buffers (``ops.packed``): FP64 values (8 B) and, for FP8, the 16-bit and FP32 stages
-DECODE_BYTES_PER_VALUE = 14
-
-
-def replay_hbm(plan, costs, times, ledgers, decodes: bool = False) -> dict[str, tuple[int, int]]:
+def replay_hbm(plan, costs, times, ledgers) -> dict[str, tuple[int, int]]:
     """Apply the liveness rule along the simulated timeline: node key -> the card's (live, peak) bytes
-    when the node ends. Sends happen when a submission's last node ends. ``decodes``: the part decodes
-    weights per use, so each node also holds its largest decoded weight while it runs."""
+    when the node ends. Sends happen when a submission's last node ends."""
     events = defaultdict(list)     # card -> (time, sends after nodes, key, submission)
     for sub in plan.submissions.values():
         for n in sub.nodes:
@@ -116,8 +111,6 @@ def replay_hbm(plan, costs, times, ledgers, decodes: bool = False) -> dict[str, 
             if is_send:
                 led.sent(key)
                 continue
-            if decodes:
-                led.working(DECODE_BYTES_PER_VALUE * costs[key].decoded_at_once)
             led.produce(key, costs[key].output_bytes, sub.trace.uses[key], key in sub.trace.remote)
             for i in plan.graph.nodes[key].inputs:
                 led.consume(i)
@@ -163,7 +156,7 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     per_request = request_cache_bytes(cfg, context)
     weights = {c: weights_by_kind(cfg, topo, c) for c in topo.cards}
     ledgers = {c: CardLedger(sum(weights[c].values()), requests * sum(per_request.values())) for c in topo.cards}
-    live_at = replay_hbm(plan, costs, latency.times, ledgers, decodes=bool(dev.weight_use_ns))
+    live_at = replay_hbm(plan, costs, latency.times, ledgers)
 
     moved = defaultdict(int)
     for key, c in costs.items():
