@@ -32,8 +32,9 @@ _FORMAT = {"fp8": fused.FP8, "fp4": fused.FP4, "bf16": fused.BF16, "f32": fused.
 
 
 @cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """Threads for the shares of one product past the caller's own (the kernel releases the GIL)."""
+def _pool(pid: int, workers: int) -> ThreadPoolExecutor:
+    """Threads for the shares of one product past the caller's own (the kernel releases the GIL);
+    one pool per process (a forked child has none of its parent's threads)."""
     return ThreadPoolExecutor(workers, thread_name_prefix="dsv41-product")
 
 
@@ -110,7 +111,7 @@ class PackedMatrix:
         shares = min(_cores(), n) if n * self.shape[1] * rows // fused.GROUP >= _SPLIT_VALUES else 1
         bounds = [n * i // shares for i in range(shares + 1)]
         if shares > 1:
-            futures = [_pool(shares - 1).submit(fused.product_rows, *args, bounds[i], bounds[i + 1])
+            futures = [_pool(os.getpid(), shares - 1).submit(fused.product_rows, *args, bounds[i], bounds[i + 1])
                        for i in range(1, shares)]
             fused.product_rows(*args, bounds[0], bounds[1])
             for f in futures:
