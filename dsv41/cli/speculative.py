@@ -84,6 +84,6 @@ def drafter(a, engine):
     if a.speculative == NGRAM:
         return NgramDrafter(DEFAULT_DRAFTS if a.draft_tokens is None else a.draft_tokens, a.ngram_min, a.ngram_max)
     if a.speculative == DSPARK:
-        from dsv41.engine.dspark import DSparkDrafter
-        return DSparkDrafter(engine, engine.host_weights(), a.draft_tokens, a.confidence_threshold)
+        from dsv41.engine.dspark import dspark_drafter
+        return dspark_drafter(engine, a.draft_tokens, a.confidence_threshold)
     return None

@@ -35,13 +35,13 @@ from dsv41.cluster.recovery import recover
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.routing import Router
 from dsv41.cluster.runtime import NodeError
-from dsv41.checkpoint.shards import DrawnCheckpoint, card_bytes, read_card, return_freed_memory
+from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.context import draw_history, fill_caches
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
-from dsv41.graph.build import SHARDED, build, commit_key, feed, head_key, shape, step_outputs, tap_key
+from dsv41.graph.build import SHARDED, build, commit_key, dspark_key, feed, head_key, shape, step_outputs
 from dsv41.kernels.device_time import BACKENDS, node_sim_us
 from dsv41.model.finite import NonFiniteError
 from dsv41.model.options import FULL_PREFILL, Options
@@ -101,6 +101,8 @@ class GraphEngine(Engine):
         self.last_request_ids: list[int] = []
         self.last_stats: dict = {}
         self.last_graph = None
+        self.dspark = False                  # steps draft DSpark blocks in the graph (``engine.dspark``)
+        self.drafts: dict[int, tuple] = {}   # request id -> (tokens, confidences, distributions) its last step drafted
         self._steps = StepCounter()          # numbers the steps StepOutput.logits may ask about
         self._heads: dict[int, int] = {}     # DP group of the last step -> the card holding its logits
         self.recoveries: list[dict] = []     # one record per recovery, oldest first
@@ -134,11 +136,6 @@ class GraphEngine(Engine):
     @property
     def max_context(self) -> int:
         return self.tables[0].max_context
-
-    def host_weights(self):
-        """The checkpoint's tensors read whole into this process (a drafter running here)."""
-        seed, _, _, _, source, _ = self._state_args
-        return read_card(DrawnCheckpoint(self.cfg, seed) if source is None else source, Topology(1, 1, 1), 0)
 
     def sequence(self, rid: int):
         grp, local = self.router.locate(rid)
@@ -241,20 +238,22 @@ class GraphEngine(Engine):
         spans = [(grp, first[grp][idx], steps[grp].proposed[idx] + 1) for grp, idx in split.placed]
         step = self.step_id
         verified = split.gather({g: s.proposed for g, s in steps.items()})
-        taps = split.gather({g: self._taps(values, g, s) for g, s in steps.items()}) if self.taps else None
+        if self.dspark:
+            self._keep_drafts(new_ids, split.gather({g: self._drafts(values[dspark_key(g)]) for g in steps}))
         return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, spans)),
                           logprobs if any(x is not None for x in logprobs) else None,
                           verified if any(verified) else None,
-                          list(itertools.accumulate([0] + [n for _, _, n in spans]))[:-1], taps)
+                          list(itertools.accumulate([0] + [n for _, _, n in spans]))[:-1])
 
-    def _taps(self, values: dict, grp: int, step) -> list[dict]:
-        """Per request of a group, {target layer: its rows' taps}: the cards' slabs in rank order
-        (sharded), or any one card's rows (replicated)."""
-        cards = self.topo.group_cards(grp)
-        rows = {L: torch.cat([values[tap_key(L, c)] for c in (cards if self.wiring == SHARDED else cards[:1])])
-                for L in self.taps}
-        qsl = step.md.query_start_loc.tolist()
-        return [{L: r[a:b] for L, r in rows.items()} for a, b in zip(qsl[:-1], qsl[1:])]
+    @staticmethod
+    def _drafts(made) -> list[tuple]:
+        """A group's DSpark head value as (tokens, confidences, distributions or None) per request."""
+        probs = made.probs or [None] * made.tokens.shape[0]
+        return [(made.tokens[b], made.confidence[b], probs[b]) for b in range(made.tokens.shape[0])]
+
+    def _keep_drafts(self, rids: list[int], drafts: list[tuple]):
+        """The drafts each request of the step verifies next (``release`` drops them)."""
+        self.drafts.update(zip(rids, drafts))
 
     def _logits(self, step: int, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """A step's logit rows from the cards that made them, each request's in batch order."""
@@ -285,20 +284,21 @@ class GraphEngine(Engine):
     def _plan(self, steps: dict, phase: str) -> tuple[Plan, bool]:
         """This step's plan: the built, validated and planned graph of its shape (cached), fed this
         step's inputs, with submissions stamped with this engine, step and expected States."""
-        key = (phase, self.wiring, self.granularity, self.taps, shape(self.cfg, steps))
+        key = (phase, self.wiring, self.granularity, self.dspark, shape(self.cfg, steps))
         template = self._graphs.get(key)
         reused = template is not None
         if reused:
             self._graphs.move_to_end(key)
             feed(template.graph, self.topo, steps)
         else:
-            graph = build(self.cfg, self.topo, steps, self.wiring, phase, self.taps)
-            template = make_plan(graph, self.topo, self.granularity, step_outputs(self.topo, steps, self.taps))
+            graph = build(self.cfg, self.topo, steps, self.wiring, phase, self.dspark)
+            template = make_plan(graph, self.topo, self.granularity, step_outputs(self.topo, steps, self.dspark))
             if self.graph_cache:
                 self._graphs[key] = template
                 while len(self._graphs) > self.graph_cache:
                     self._graphs.popitem(last=False)
-        for key in [commit_key(c) for c in self.topo.cards] + [head_key(g) for g in steps]:
+        for key in [commit_key(c) for c in self.topo.cards] + [head_key(g) for g in steps] + \
+                ([dspark_key(g) for g in steps] if self.dspark else []):
             template.graph.nodes[key].attrs["step"] = self.step_id
         subs = {k: replace(sub, step=self.step_id, engine=self.id, expect=(self.builds[sub.card], self.generation))
                 for k, sub in template.submissions.items()}
@@ -371,6 +371,7 @@ class GraphEngine(Engine):
     def release(self, rid: int):
         grp, local = self.router.release(rid)
         self.filled.discard(rid)
+        self.drafts.pop(rid, None)
         self.tables[grp].release(local)
 
     # ---- tools ------------------------------------------------------------------------------------------

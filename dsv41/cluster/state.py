@@ -35,6 +35,7 @@ class CardState:
     capacity: tuple = (1, 1, None)           # (max_batch, max_context, cache_tokens) the caches are sized for
     # DP group -> (step, FP32 logits) its head node made on this card: they stay here until asked for
     logits: dict = field(default_factory=dict)
+    draft_logits: dict = field(default_factory=dict)   # DP group -> (step, FP32 [B, block, vocab]) its DSpark head drew from
 
     @property
     def tp_rank(self) -> int:
@@ -54,7 +55,9 @@ def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: 
     if cfg.vocab_size % topo.tp:
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
     source = DrawnCheckpoint(cfg, seed) if source is None else source
-    tables = {p: precompute_rope_tables(cfg, max_context, p) for p in (PLAIN, COMPRESSED)}
+    # a DSpark block's rows run up to dspark_block_size positions past the context
+    tables = {p: precompute_rope_tables(cfg, max_context + (cfg.dspark_block_size if p == PLAIN else 0), p)
+              for p in (PLAIN, COMPRESSED)}
     weights = read_cards(source, topo, cards)
     capacity = (max_batch, max_context, cache_tokens)
     return {c: CardState(cfg, topo, c, weights[c], _empty(cfg, *capacity),
@@ -65,6 +68,7 @@ def renew(st: CardState, build: str, generation: int):
     """Keep the weights, start over with empty caches as a new build (a DP-group peer of a lost card)."""
     st.caches = _empty(st.cfg, *st.capacity)
     st.logits = {}
+    st.draft_logits = {}
     st.build, st.generation = build, generation
 
 

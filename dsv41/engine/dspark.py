@@ -1,26 +1,69 @@
 """DSpark as the scheduler's drafter: the model's own draft stages (``model.dspark``), seeded with
-the taps of the rows each step kept and drafting a block after each request's newest token.
+the rows each step kept and drafting a block after each request's newest token.
 
-The engine hands back the taps of its DSpark target layers (``Engine.taps``: graph nodes
-``dspark.tap`` on the cards, the reference forward's capture) with every step; the drafter publishes
-the kept rows' window rows (a prefill's last ``window`` rows; a verify step's accepted rows, never a
-rejected one) and drafts the next block for every running request in one batched forward. A greedy
-request's drafts are the stages' argmax (with the Markov bias); a sampling request's are drawn from
-the draft distribution with a generator of its own, and that distribution goes with the drafts, so
-the verify step accepts them by the speculative-sampling rule. The stages run in the engine's
-process, over one copy of their weights. A request recomputed after preemption drafts nothing (its
-taps were not seen); its tokens are the model's either way.
+On a graph engine the stages are graph nodes of every step (``graph.build`` with ``dspark``: seed,
+draft and head nodes per DP group, placed as the backbone's, the windows card caches published with
+the step), so a request's drafts are what its last step made (``GraphEngine.drafts``): ``GraphDrafts``
+only cuts them to the room and the confidence threshold. A request recomputed after preemption
+drafts again: its recompute prefill seeds its windows and drafts its next block.
+
+On the reference engine ``DSparkDrafter`` is the golden: the stages in the engine's process over its
+weights, seeded with the taps the reference forward captures (``Engine.taps``): a prefill's last
+``window`` rows, a verify step's accepted rows, never a rejected one. A greedy request's drafts are
+the stages' argmax (with the Markov bias); a sampling request's are drawn from the draft
+distribution with a generator of its own (``model.dspark.seeded_sampler``), and that distribution
+goes with the drafts, so the verify step accepts them by the speculative-sampling rule.
 """
 from __future__ import annotations
 
 import torch
 
 from dsv41.engine.drafters import Drafter
-from dsv41.model.dspark import DSpark, DSparkWindow
+from dsv41.model.dspark import DSpark, DSparkWindow, seeded_sampler
 from dsv41.ops.rope import PLAIN, precompute_rope_tables
-from dsv41.ops.sampling import RequestGenerator, apply_penalties, filtered_probs
 
-DRAFT_STREAM = 0x5D5A_7E11      # a sampling request's drafts: a generator stream apart from its tokens'
+
+def dspark_drafter(engine, k: int | None = None, confidence: float | None = None) -> Drafter:
+    """The DSpark drafter of an engine: in its graph, or (the reference) over its own weights."""
+    host = getattr(engine, "host_weights", None)
+    return GraphDrafts(engine, k, confidence) if host is None else DSparkDrafter(engine, host(), k, confidence)
+
+
+def _options(cfg, k: int | None, confidence: float | None) -> int:
+    """Checked drafts per step (default the config's block)."""
+    if not cfg.dspark:
+        raise ValueError(f"--speculative dspark: {cfg.name} has no DSpark stages (n_mtp_layers 0)")
+    block = cfg.dspark_block_size
+    if k is not None and not 1 <= k <= block:
+        raise ValueError(f"draft_tokens: must be in [1, {block}] (the DSpark block) , got {k}")
+    if confidence is not None and not 0.0 <= confidence <= 1.0:
+        raise ValueError(f"confidence_threshold: must be in [0, 1], got {confidence}")
+    return k or block
+
+
+def _kept(confidence: torch.Tensor, n: int, threshold: float | None) -> int:
+    """Drafts kept of the first n: up to the first whose confidence (sigmoid of the score) is below
+    the threshold."""
+    if threshold is None:
+        return n
+    low = (torch.sigmoid(confidence[:n]) < threshold).nonzero()
+    return int(low[0]) if low.numel() else n
+
+
+class GraphDrafts(Drafter):
+    def __init__(self, engine, k: int | None = None, confidence: float | None = None):
+        """k: drafts per step; confidence: a block ends at the first draft whose confidence is below it."""
+        self.k, self.confidence, self.engine = _options(engine.cfg, k, confidence), confidence, engine
+        engine.dspark = True
+
+    def propose_batch(self, jobs, rooms):
+        drafts, probs = [], []
+        for job, room in zip(jobs, rooms):
+            made = self.engine.drafts.get(job.rid)
+            n = 0 if made is None else _kept(made[1], min(max(room, 0), self.k), self.confidence)
+            drafts.append(made[0][:n].tolist() if n else [])
+            probs.append(made[2][:n] if n and made[2] is not None else None)
+        return drafts, probs if any(p is not None for p in probs) else None
 
 
 class DSparkDrafter(Drafter):
@@ -29,14 +72,8 @@ class DSparkDrafter(Drafter):
         head); k: drafts per step (default the config's block); confidence: a block ends at the
         first draft whose confidence (sigmoid of the head's score) is below it."""
         cfg = engine.cfg
-        if not cfg.dspark:
-            raise ValueError(f"--speculative dspark: {cfg.name} has no DSpark stages (n_mtp_layers 0)")
         block = cfg.dspark_block_size
-        if k is not None and not 1 <= k <= block:
-            raise ValueError(f"draft_tokens: must be in [1, {block}] (the DSpark block) , got {k}")
-        if confidence is not None and not 0.0 <= confidence <= 1.0:
-            raise ValueError(f"confidence_threshold: must be in [0, 1], got {confidence}")
-        self.engine, self.cfg, self.k, self.confidence = engine, cfg, k or block, confidence
+        self.engine, self.cfg, self.k, self.confidence = engine, cfg, _options(cfg, k, confidence), confidence
         self.model = DSpark(cfg, weights)
         self.tables = {PLAIN: precompute_rope_tables(cfg, engine.max_context + block + 1, PLAIN)}
         self.windows: dict[int, DSparkWindow] = {}          # job id -> its window
@@ -71,31 +108,14 @@ class DSparkDrafter(Drafter):
         if not ready:
             return drafts, None
         picked = [jobs[i] for i in ready]
-        dists: dict[int, list] = {i: [] for i in range(len(picked))}
-
-        def sample(logits, pos):
-            out = torch.empty(len(picked), dtype=torch.long)
-            for b, job in enumerate(picked):
-                p = job.params
-                if p.greedy:
-                    out[b] = int(torch.argmax(logits[b]))
-                    continue
-                q = filtered_probs(apply_penalties(logits[b], p, (), ()), p)
-                # the request's seed, the draft's absolute position: the same draws on every layout
-                at = self.windows[job.id].length + pos
-                seed = RequestGenerator.draw_seed(self.engine.sequence(job.rid).seed ^ DRAFT_STREAM, at)
-                out[b] = int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(seed)))
-                dists[b].append(q)
-            return out
-        draft = self.model.draft(torch.tensor([j.last for j in picked]), [self.windows[j.id] for j in picked],
-                                 self.tables, sample)
-        conf = torch.sigmoid(draft.confidence)
+        dists: dict[int, list] = {}
+        windows = [self.windows[j.id] for j in picked]
+        sample = seeded_sampler([(j.params, self.engine.sequence(j.rid).seed, w.length) for j, w in zip(picked, windows)],
+                                dists)
+        draft = self.model.draft(torch.tensor([j.last for j in picked]), windows, self.tables, sample)
         for b, i in enumerate(ready):
-            n = min(rooms[i], self.k)
-            if self.confidence is not None:
-                low = (conf[b, :n] < self.confidence).nonzero()
-                n = int(low[0]) if low.numel() else n
+            n = _kept(draft.confidence[b], min(rooms[i], self.k), self.confidence)
             drafts[i] = draft.tokens[b, :n].tolist()
-            if dists[b] and n:
+            if b in dists and n:
                 probs[i] = torch.stack(dists[b][:n])
         return drafts, probs if any(p is not None for p in probs) else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dsv41.config import FULL, REINDEX, SWA, ModelConfig, Topology, slab
 from dsv41.graph.graph import Graph
 from dsv41.model import caches as cache
+from dsv41.model.dspark import block_prefix
 from dsv41.model.head import Head
 from dsv41.model.transformer import Block
 from dsv41.ops.indexer import score_chunks
@@ -38,11 +39,16 @@ def tap_key(layer: int, card: int) -> str:
     return f"L{layer}/dspark.tap@c{card}"
 
 
-def step_outputs(topo: Topology, steps: dict, taps: tuple = ()) -> list[str]:
-    """What a step hands back: each group's tokens, every card's commit and, for DSpark drafting,
-    the taps of these layers on the cards of groups with work."""
+def dspark_key(grp: int) -> str:
+    """The node that makes a DP group's next DSpark drafts (``kernels.nodes.dspark.Drafts``)."""
+    return f"dspark/head@g{grp}"
+
+
+def step_outputs(topo: Topology, steps: dict, dspark: bool = False) -> list[str]:
+    """What a step hands back: each group's tokens, every card's commit and, with DSpark drafting,
+    each group's next drafts."""
     return [head_key(g) for g in steps] + [commit_key(c) for c in topo.cards] + \
-        [tap_key(L, c) for L in taps for g in steps for c in topo.group_cards(g)]
+        ([dspark_key(g) for g in steps] if dspark else [])
 
 
 def local_rows(t: int, tp: int, rank: int, wiring: str) -> list[int]:
@@ -61,10 +67,13 @@ def moe_rows(t: int, tp: int, rank: int, wiring: str) -> list[int]:
 
 
 class _Builder:
-    def __init__(self, cfg: ModelConfig, topo: Topology, steps: dict, wiring: str, phase: str, taps: tuple = ()):
+    def __init__(self, cfg: ModelConfig, topo: Topology, steps: dict, wiring: str, phase: str, dspark: bool = False):
         if wiring not in (REPLICATED, SHARDED):
             raise ValueError(f"wiring: must be {REPLICATED!r} or {SHARDED!r}, got {wiring!r}")
-        self.cfg, self.topo, self.steps, self.wiring, self.taps = cfg, topo, steps, wiring, taps
+        if dspark and not cfg.dspark:
+            raise ValueError(f"dspark: {cfg.name} has no DSpark stages (n_mtp_layers 0)")
+        self.cfg, self.topo, self.steps, self.wiring, self.dspark = cfg, topo, steps, wiring, dspark
+        self.taps = tuple(sorted(set(cfg.dspark_target_layer_ids))) if dspark else ()
         self.g = Graph(phase)
 
     def collective(self, key_fn, kernel: str, group: list[int], inputs_fn, instance: str, layer=None,
@@ -101,6 +110,8 @@ class _Builder:
                     x[c] = attn_out[c]
             self._moe(L, x, mixes, step_key)
         self._head(x, mixes, step_key)
+        if self.dspark:
+            self._dspark(step_key, rope)
         # commit waits for the whole step, on every card, before anything persists; a card of a group
         # with work takes its group's tokens first: they say which rows the step publishes
         sinks = g.sinks()
@@ -204,15 +215,18 @@ class _Builder:
         return out
 
     # ---- MoE sub-layer across the EP world -------------------------------------------------------
-    def _moe(self, L, x, mixes, step_key):
+    def _moe(self, L, x, mixes, step_key, rows: dict | None = None):
+        """rows: DP group -> the rows of its stream (default: its step's tokens)."""
         g, topo, p = self.g, self.topo, f"L{L}/moe"
+        rows = rows or {grp: step.md.num_tokens for grp, step in self.steps.items()}
         active = [c for c in topo.cards if c in x]
         gate, dispatch, shared, ffn_mixes = {}, {}, {}, {}
         for c in active:
             ffn_mixes[c] = g.add(f"L{L}/ffn/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="ffn")
             collapsed = g.add(f"L{L}/ffn/pre@c{c}", "hc.pre", [x[c], mixes[c]], c, L, initial=False)
-            normed = g.add(f"L{L}/ffn/norm@c{c}", "norm.rms", [collapsed], c, L, weight=Block.norm_key(L, "ffn"))
-            t = self.steps[topo.dp_group(c)].md.num_tokens
+            normed = g.add(f"L{L}/ffn/norm@c{c}", "norm.rms", [collapsed], c, L,
+                           weight=block_prefix(self.cfg, L) + "ffn_norm.weight")
+            t = rows[topo.dp_group(c)]
             gate[c] = g.add(f"{p}/gate@c{c}", "moe.gate", [normed], c, L,
                             rows=self._moe_local(t, topo.tp_rank(c)))
             dispatch[c] = g.add(f"{p}/dispatch@c{c}", "moe.dispatch", [gate[c]], c, L)
@@ -224,7 +238,7 @@ class _Builder:
         for grp in self.steps:
             group = topo.group_cards(grp)
             if self.wiring == REPLICATED:
-                t = self.steps[grp].md.num_tokens
+                t = rows[grp]
                 merged = self.collective(lambda c: f"{p}/all_reduce@c{c}", "tp.all_reduce", group,
                                          lambda c: [combined[r] for r in group], f"{p}/all_reduce@g{grp}", layer=L,
                                          owners=[moe_rows(t, topo.tp, topo.tp_rank(r), REPLICATED) for r in group],
@@ -259,6 +273,83 @@ class _Builder:
                             tp_rank=topo.tp_rank(c)) for c in group]
             g.add(head_key(grp), "lm_head.argmax", shards + [step_key[group[0]]], group[0], dp_group=grp)
 
+    # ---- DSpark: seed the windows with the kept rows, draft the next block ---------------------------
+    def _tp_reduce(self, name: str, grp: int, group: list[int], parts: dict, layer=None) -> dict:
+        """The wiring's TP reduction of per-card partials: all-reduce (replicated) or reduce-scatter."""
+        kernel, op = ("tp.reduce_scatter", "reduce_scatter") if self.wiring == SHARDED else ("tp.all_reduce", "all_reduce")
+        return self.collective(lambda c: f"{name}/{op}@c{c}", kernel, group, lambda c: [parts[r] for r in group],
+                               f"{name}/{op}@g{grp}", layer=layer)
+
+    def _gather(self, name: str, grp: int, group: list[int], rows: dict, t: int, layer=None) -> dict:
+        """All rows on every card of the group: the slabs all-gathered (sharded), or as they are."""
+        if self.wiring != SHARDED:
+            return rows
+        tp = self.topo.tp
+        return self.collective(lambda c: f"{name}/all_gather@c{c}", "tp.all_gather", group,
+                               lambda c: [rows[r] for r in group], f"{name}/all_gather@g{grp}", layer=layer,
+                               counts=[slab(t, tp, self.topo.tp_rank(r))[1] for r in group])
+
+    def _dspark(self, step_key, rope):
+        """Per DP group after its head's verdict: the kept rows' taps seed the stages' window caches,
+        then the stages draft the next block (a backbone-shaped sub-graph over B*block rows: heads by
+        TP rank, experts by EP rank) and the group's DSpark head draws the drafts."""
+        cfg, g, topo, tp = self.cfg, self.g, self.topo, self.topo.tp
+        n = cfg.num_hidden_layers
+        windows = tuple(cache.window(n + s) for s in range(cfg.n_mtp_layers))
+        x, mixes, drope, published, rows = {}, {}, {}, {}, {}
+        for grp, step in self.steps.items():
+            group, head = topo.group_cards(grp), head_key(grp)
+            t, b = step.md.num_tokens, len(step.rids) * cfg.dspark_block_size
+            rows[grp] = b
+            seeds = {c: g.add(f"dspark/seed@c{c}", "dspark.seed",
+                              [rope[(c, PLAIN, "token")]] + [tap_key(L, c) for L in cfg.dspark_target_layer_ids],
+                              c, rows=local_rows(t, tp, topo.tp_rank(c), self.wiring)) for c in group}
+            seeds = self._gather("dspark/seed", grp, group, seeds, t)
+            shares = {}
+            for c in group:
+                published[c] = g.add(f"dspark/publish@c{c}", "dspark.publish", [seeds[c], head, step_key[c]], c,
+                                     publishes=windows)
+                shares[c] = g.add(f"dspark/embed@c{c}", "dspark.embed", [head, step_key[c]], c)
+                drope[c] = g.add(f"dspark/rope@c{c}", "dspark.rope", [head, step_key[c]], c)
+            for c, reduced in self._tp_reduce("dspark/embed", grp, group, shares).items():
+                x[c] = g.add(f"dspark/hc.pack@c{c}", "hc.pack", [reduced], c)
+                mixes[c] = None
+        for s in range(cfg.n_mtp_layers):
+            L = n + s
+            for grp in self.steps:
+                self._dspark_attention(L, grp, rows[grp], x, mixes, step_key, drope, published)
+            self._moe(L, x, mixes, step_key, rows)
+        for grp in self.steps:
+            group = topo.group_cards(grp)
+            hidden = {c: g.add(f"dspark/hc.head@c{c}", "hc.head", [x[c], mixes[c]], c) for c in group}
+            hidden = self._gather("dspark/hidden", grp, group, hidden, rows[grp])
+            shards = [g.add(f"dspark/shard@c{c}", "dspark.shard", [hidden[c]], c, tp_rank=topo.tp_rank(c))
+                      for c in group]
+            g.add(dspark_key(grp), "dspark.head", shards + [hidden[group[0]], head_key(grp), step_key[group[0]]],
+                  group[0], dp_group=grp)
+
+    def _dspark_attention(self, L, grp, t, x, mixes, step_key, drope, published):
+        """One stage's attention sub-layer over a group's block rows (``t``), as the backbone's."""
+        g, topo, p = self.g, self.topo, f"L{L}/attn"
+        group, head = topo.group_cards(grp), head_key(grp)
+        norm, partial = {}, {}
+        for c in group:
+            site = g.add(f"{p}/mixes@c{c}", "hc.mixes", [x[c]], c, L, site="attn")
+            pre_in = [mixes[c]] if mixes[c] else []
+            collapsed = g.add(f"{p}/pre@c{c}", "hc.pre", [x[c]] + pre_in, c, L, initial=not pre_in)
+            norm[c] = g.add(f"{p}/norm@c{c}", "norm.rms", [collapsed], c, L,
+                            weight=block_prefix(self.cfg, L) + "attn_norm.weight")
+            mixes[c] = site
+        full = self._gather(p, grp, group, norm, t, layer=L)
+        for c in group:
+            partial[c] = g.add(f"{p}/dspark.attn@c{c}", "dspark.attn", [full[c], drope[c], head, step_key[c],
+                                                                          published[c]], c, L,
+                               tp_rank=topo.tp_rank(c), reads=(cache.window(L),))
+        reduced = self._tp_reduce(p, grp, group, partial, layer=L)
+        for c in group:
+            x[c] = g.add(f"{p}/post@c{c}", "hc.post", [reduced[c], x[c], mixes[c]], c, L, site="attn",
+                         rows=local_rows(t, topo.tp, topo.tp_rank(c), self.wiring))
+
 
 def shape(cfg: ModelConfig, steps: dict) -> tuple:
     """All a graph's structure depends on: the DP groups with work, their rows and the index chunks
@@ -284,9 +375,9 @@ def feed(graph: Graph, topo: Topology, steps: dict):
 
 
 def build(cfg: ModelConfig, topo: Topology, steps: dict, wiring: str = SHARDED, phase: str = "decode",
-          taps: tuple = ()) -> Graph:
-    """steps: DP group -> StepInputs for groups with work this step; taps: the layers whose DSpark
-    taps the step hands back."""
+          dspark: bool = False) -> Graph:
+    """steps: DP group -> StepInputs for groups with work this step; dspark: the step also seeds the
+    DSpark windows with the rows it keeps and drafts each request's next block."""
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase: must be 'decode' or 'prefill', got {phase!r}")
-    return _Builder(cfg, topo, steps, wiring, phase, taps).build()
+    return _Builder(cfg, topo, steps, wiring, phase, dspark).build()

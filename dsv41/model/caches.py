@@ -1,6 +1,7 @@
 """The paged caches' names and formats, and staged publication into them.
 
-Cache names read ``<kind>.<layer>``: ``window.L`` (every layer), ``compressed.S`` and ``index.S``
+Cache names read ``<kind>.<layer>``: ``window.L`` (every layer, and each DSpark stage at its layer id
+past the backbone), ``compressed.S`` and ``index.S``
 (KV source layers S, rows per ``ratio`` tokens), ``ring.S`` (the ratio-2 compressor's state ring).
 The kind selects the ``ops.kv_cache`` format a name is encoded in.
 """
@@ -38,6 +39,9 @@ def compressor_writes(spec) -> tuple[str, ...]:
 def cache_names(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """name -> (format kind, width, ratio); rows come from the request table's pools."""
     names = {window(s.layer): (kv_cache.WINDOW, cfg.head_dim, 1) for s in cfg.layers}
+    # the DSpark stages' windows (layer ids past the backbone): main tokens' rows at their window slots
+    names.update({window(cfg.num_hidden_layers + s): (kv_cache.WINDOW, cfg.head_dim, 1)
+                  for s in range(cfg.n_mtp_layers)})
     for s in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[s]
         names[compressed(s)] = (kv_cache.COMPRESSED, cfg.head_dim, r)

@@ -42,14 +42,63 @@ from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.projections import kv_proj, matmul_t, mx_linear, q_proj
 from dsv41.ops.quant import round_bf16
 from dsv41.ops.rope import PLAIN, gather_rope_rows
+from dsv41.ops.sampling import RequestGenerator, SamplingParams, apply_penalties, filtered_probs
 
 WINDOW_FORMAT = kv_cache.FORMATS[kv_cache.WINDOW]
 # sample_fn(logits [B, vocab] FP32 with the Markov bias, draft position i) -> token ids [B]
 SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
+DRAFT_STREAM = 0x5D5A_7E11      # a sampling request's drafts: a generator stream apart from its tokens'
+
+
 def stage_prefix(stage: int) -> str:
     return f"mtp.{stage}."
+
+
+def block_prefix(cfg: ModelConfig, layer: int) -> str:
+    """The weight-name prefix of layer id ``layer``: a backbone block's, or past the backbone (the
+    official ids 40, 41, 42 on FLASH) a DSpark stage's."""
+    n = cfg.num_hidden_layers
+    return f"layers.{layer}." if layer < n else stage_prefix(layer - n)
+
+
+def ring_order(window_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Columns of a request's window positions (ascending, -1 = none, filled first) in the order of
+    its ring's slots (``pos % window``): the order the official forward lists the window in."""
+    key = torch.where(window_positions >= 0, window_positions % window, window + torch.arange(window_positions.shape[-1]))
+    return torch.argsort(key, dim=-1, stable=True)
+
+
+def block_inputs(cfg: ModelConfig, last_tokens: torch.Tensor, main_positions: torch.Tensor):
+    """(ids [B*block]: each request's last sampled token then noise tokens, positions [B*block]:
+    main position + 1 .. + block)."""
+    k = cfg.dspark_block_size
+    last = last_tokens.long().reshape(-1)
+    ids = torch.full((last.numel(), k), cfg.dspark_noise_token_id, dtype=torch.long)
+    ids[:, 0] = last
+    pos = main_positions.long().reshape(-1, 1) + 1 + torch.arange(k)
+    return ids.reshape(-1), pos.reshape(-1)
+
+
+def seeded_sampler(requests: list[tuple[SamplingParams, int, int]], dists: dict):
+    """The draw of each draft position: greedy requests the argmax, sampling ones a draw from the
+    filtered draft distribution with a generator of the request's seed (on a stream apart from its
+    tokens') at the draft's absolute position, so every layout draws the same; ``requests``: per
+    row of the block batch (params, seed, the block's first position); ``dists``: row -> the
+    distributions drawn from, appended per position."""
+    def sample(logits, pos):
+        out = torch.empty(len(requests), dtype=torch.long)
+        for b, (p, seed, first) in enumerate(requests):
+            if p.greedy:
+                out[b] = int(torch.argmax(logits[b]))
+                continue
+            q = filtered_probs(apply_penalties(logits[b], p, (), ()), p)
+            s = RequestGenerator.draw_seed(seed ^ DRAFT_STREAM, first + pos)
+            out[b] = int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(s)))
+            dists.setdefault(b, []).append(q)
+        return out
+    return sample
 
 
 def greedy_sample(logits: torch.Tensor, i: int) -> torch.Tensor:
@@ -155,10 +204,15 @@ class DSparkStage:
     def attend(self, x, rings: list[tuple[torch.Tensor, int]], cos, sin) -> torch.Tensor:
         """The block's attention -> BF16 [B*block, D]: each request's rows attend its ring's filled
         slots, then all of its block's FP8-rounded KV rows; rings[b] = (ring [window, hd], filled)."""
+        return reduce_partials([self.attend_partial(x, rings, cos, sin)])
+
+    def attend_partial(self, x, rings: list[tuple[torch.Tensor, int]], cos, sin, heads: int | None = None):
+        """``attend``'s FP32 output-projection partial over ``heads`` heads (a card's under TP: its
+        weights are that shard); the TP partials meet in a reduction."""
         cfg, hd = self.cfg, self.cfg.head_dim
         k, w = cfg.dspark_block_size, cfg.sliding_window
         _, q = q_proj(x, self.w("attn.wq_a"), self.w("attn.q_norm.weight"), self.w("attn.wq_b"), cos, sin,
-                      cfg.rms_norm_eps, cfg.num_attention_heads, hd)
+                      cfg.rms_norm_eps, heads or cfg.num_attention_heads, hd)
         own = WINDOW_FORMAT.decode(*WINDOW_FORMAT.encode(self.kv_rows(x, cos, sin)))
         keys = torch.zeros(len(rings), w + k, hd)
         valid = torch.zeros(len(rings), w + k, dtype=torch.bool)
@@ -168,7 +222,7 @@ class DSparkStage:
             valid[b, :filled + k] = True
         out = sparse_attention(q, keys.repeat_interleave(k, 0), valid.repeat_interleave(k, 0),
                                self.w("attn.attn_sink"), hd ** -0.5)
-        return reduce_partials([o_proj_partial(out, cos, sin, self.w("attn.wo_a"), self.w("attn.wo_b"))])
+        return o_proj_partial(out, cos, sin, self.w("attn.wo_a"), self.w("attn.wo_b"))
 
     def forward(self, x, pre, rings, cos, sin):
         """(stream after the stage, its FFN site's pre mix), as a backbone block without Engram."""
@@ -220,7 +274,12 @@ class DSpark:
         """Window rows [stages, T, head_dim] of main tokens at ``positions`` [T] from their taps (rows
         in the same order), for ``DSparkWindow.published``; ``tables``: the RoPE tables by profile."""
         cos, sin = gather_rope_rows(*tables[PLAIN], positions)
-        x = self.main_x(self.main_hidden(taps))
+        return self.seed_rows(self.main_hidden(taps), cos, sin)
+
+    def seed_rows(self, main_hidden, cos, sin) -> torch.Tensor:
+        """[stages, T, head_dim]: each stage's window rows of main tokens from their ``main_hidden``
+        and RoPE rows."""
+        x = self.main_x(main_hidden)
         return torch.stack([s.kv_rows(x, cos, sin) for s in self.stages])
 
     # ---- drafting ---------------------------------------------------------------------------------
@@ -228,17 +287,15 @@ class DSpark:
               sample_fn: SampleFn = greedy_sample) -> Draft:
         """One block per request: request b's main position is ``windows[b].length - 1`` (seeded
         through it) and ``last_tokens[b]`` the token sampled there."""
-        cfg, k = self.cfg, self.cfg.dspark_block_size
+        cfg = self.cfg
         last = last_tokens.long().reshape(-1)
         if last.numel() != len(windows):
             raise ValueError(f"last_tokens: must hold one token per window ({len(windows)}), got {last.numel()}")
         if any(w.length < 1 for w in windows):
             raise ValueError("windows: each must be seeded through its main position (length >= 1), got an empty one")
-        ids = torch.full((last.numel(), k), cfg.dspark_noise_token_id, dtype=torch.long)
-        ids[:, 0] = last
-        pos = torch.tensor([w.length for w in windows]).unsqueeze(1) + torch.arange(k)   # pos+1 .. pos+k
-        cos, sin = gather_rope_rows(*tables[PLAIN], pos.reshape(-1))
-        x = self.embed.forward(ids.reshape(-1))
+        ids, pos = block_inputs(cfg, last, torch.tensor([w.length - 1 for w in windows]))
+        cos, sin = gather_rope_rows(*tables[PLAIN], pos)
+        x = self.embed.forward(ids)
         pre = initial_pre(x.shape[0], cfg.hc_mult)
         for stage in self.stages:
             x, pre = stage.forward(x, pre, [w.keys(stage.stage) for w in windows], cos, sin)
@@ -247,8 +304,18 @@ class DSpark:
     def heads(self, hidden, last_tokens, sample_fn: SampleFn) -> Draft:
         """From the collapsed BF16 hidden [B*block, D]: LM head logits with the Markov bias drawn
         position by position, the drafted tokens and the confidence scores."""
+        return self.markov(self.head_logits(hidden), hidden, last_tokens, sample_fn)
+
+    def head_logits(self, hidden) -> torch.Tensor:
+        """FP32 [rows, vocab rows held]: the shared LM head over the last stage's norm (a card's
+        vocabulary shard of it under TP)."""
+        return vocab_logits(self.weights, Head.HEAD, self.last.norm("norm", hidden))
+
+    def markov(self, logits, hidden, last_tokens, sample_fn: SampleFn) -> Draft:
+        """From the full LM-head rows [B*block, vocab] and the collapsed hidden: the Markov bias
+        added position by position around the draws, then the confidence scores."""
         b, k = last_tokens.numel(), self.cfg.dspark_block_size
-        logits = vocab_logits(self.weights, Head.HEAD, self.last.norm("norm", hidden)).reshape(b, k, -1)
+        logits = logits.reshape(b, k, -1).clone()
         table = self.last.w("markov_head.embed.weight")
         prev, tokens, embeds = last_tokens, [], []
         for i in range(k):

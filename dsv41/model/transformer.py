@@ -3,6 +3,8 @@ reference forward (prefill, decode and verify steps alike: rows are packed per r
 DSpark stages' tensors are declared (drawn) after the backbone's, so they leave its draws unchanged."""
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from dsv41.config import LayerSpec, ModelConfig
@@ -73,6 +75,17 @@ class Transformer:
         self.embed = Embedding(cfg, weights)
         self.blocks = [Block(cfg, spec, weights) for spec in cfg.layers]
         self.head = Head(cfg, weights)
+
+    @cached_property
+    def dspark(self) -> DSpark:
+        """The DSpark stages over the same weights (made when first asked: a checkpoint may lack them)."""
+        return DSpark(self.cfg, self.weights)
+
+    def block(self, layer: int):
+        """The block of a layer id: a backbone block, or past the backbone a DSpark stage (its
+        ``sites`` and ``moe`` are a block's)."""
+        n = self.cfg.num_hidden_layers
+        return self.blocks[layer] if layer < n else self.dspark.stages[layer - n]
 
     @staticmethod
     def tensors(cfg: ModelConfig):

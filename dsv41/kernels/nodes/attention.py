@@ -168,10 +168,15 @@ def leaf_parts(window_only: bool):
     """One attention leaf over all its keys per token (the window, plus the index Top-K unless the
     layer is sliding-window only): scores, softmax and PV each one pypto call, every local head."""
     def parts(cfg, rows, tp, ep):
-        h, keys = cfg.num_attention_heads // tp, cfg.sliding_window + (0 if window_only else cfg.index_topk)
-        tile = dict(T=rows, H=h, K=keys, d=cfg.head_dim)
-        return [("attn.qk_tile", tile), ("attn.softmax_tile", dict(R=rows * h, K=keys)), ("attn.pv_tile", tile)]
+        return leaf_tiles(cfg, rows, tp, cfg.sliding_window + (0 if window_only else cfg.index_topk))
     return parts
+
+
+def leaf_tiles(cfg, rows: int, tp: int, keys: int):
+    """Scores, softmax and PV of ``rows`` queries over ``keys`` keys, every local head."""
+    h = cfg.num_attention_heads // tp
+    tile = dict(T=rows, H=h, K=keys, d=cfg.head_dim)
+    return [("attn.qk_tile", tile), ("attn.softmax_tile", dict(R=rows * h, K=keys)), ("attn.pv_tile", tile)]
 
 
 def o_proj(st, node, attended, rope):

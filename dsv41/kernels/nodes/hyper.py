@@ -4,17 +4,18 @@ from __future__ import annotations
 from dsv41.kernels.cost import Cost, meta, reads
 from dsv41.kernels.record import NodeKind
 from dsv41.model.finite import ensure_finite
+from dsv41.model.dspark import block_prefix
 from dsv41.model.hyper import HyperSite
 from dsv41.ops.norm import rms_norm
 
 
 def hc_mixes(st, node, x):
-    return st.model.blocks[node.layer].sites[node.attrs["site"]].mixes(x)
+    return st.model.block(node.layer).sites[node.attrs["site"]].mixes(x)
 
 
 def hc_mixes_cost(ctx, node, x):
     cfg, (t, hc, d) = ctx.cfg, x.shape
-    k = lambda n: HyperSite.key(node.layer, node.attrs["site"], n)
+    k = lambda n: f"{block_prefix(cfg, node.layer)}hc_{node.attrs['site']}_{n}"
     sinkhorn = 4 * cfg.hc_sinkhorn_iters * t * hc * hc
     return Cost((meta(t, hc), meta(t, hc), meta(t, hc, hc)), weights=reads(k("fn"), k("scale"), k("base")),
                 flops={"dense": 2 * t * hc * d * cfg.mix_hc, "vector": 3 * t * hc * d + sinkhorn})

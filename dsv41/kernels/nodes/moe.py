@@ -9,30 +9,39 @@ from dsv41.kernels.cost import BF16_BYTES, F32_BYTES, I64, Cost, meta, nbytes, r
 from dsv41.kernels.record import NodeKind
 from dsv41.kernels.ties import tie_mismatch_rows
 from dsv41.kernels.verdict import Verdict, compare
-from dsv41.model.moe import MoE
+from dsv41.model.dspark import block_prefix
 from dsv41.ops import moe
 from dsv41.ops.moe import combine
 
 
+def _experts(cfg, layer: int) -> tuple[str, int, int]:
+    """(the layer's FFN weight prefix, its routed experts, experts per token): a DSpark stage
+    routes to its own."""
+    prefix = block_prefix(cfg, layer) + "ffn."
+    dspark = layer >= cfg.num_hidden_layers
+    return (prefix, cfg.routed_experts_of(prefix),
+            cfg.dspark_n_activated_experts if dspark else cfg.num_experts_per_tok)
+
+
 def gate(st, node, normed):
     x = normed[node.attrs["rows"]]
-    indices, weights = st.model.blocks[node.layer].moe.gate(x)
+    indices, weights = st.model.block(node.layer).moe.gate(x)
     return x, indices, weights
 
 
 def gate_cost(ctx, node, normed):
     cfg, m, d = ctx.cfg, len(node.attrs["rows"]), normed.shape[1]
-    k, f = cfg.num_experts_per_tok, MoE.key(node.layer, "")
+    f, n, k = _experts(cfg, node.layer)
     return Cost((meta(m, d), meta(m, k, dtype=I64), meta(m, k)), weights=reads(f + "gate.weight", f + "gate.bias"),
-                act_read=m * d * F32_BYTES, flops={"dense": 2 * m * d * cfg.n_routed_experts,
-                                                     "vector": 8 * m * cfg.n_routed_experts})
+                act_read=m * d * F32_BYTES, flops={"dense": 2 * m * d * n, "vector": 8 * m * n})
 
 
 def gate_pypto(st, node, normed):
     x = normed[node.attrs["rows"]]
-    return "moe.gate", {"x": x, "w": st.weights[MoE.key(node.layer, "gate.weight")]}, {}, {}, \
-        lambda o: (x, *moe.pick_experts(o["scores"].float(), st.weights[MoE.key(node.layer, "gate.bias")],
-                                         st.cfg.num_experts_per_tok, st.cfg.routed_scaling_factor))
+    f, _, k = _experts(st.cfg, node.layer)
+    return "moe.gate", {"x": x, "w": st.weights[f + "gate.weight"]}, {}, {}, \
+        lambda o: (x, *moe.pick_experts(o["scores"].float(), st.weights[f + "gate.bias"],
+                                         k, st.cfg.routed_scaling_factor))
 
 
 def gate_compare(st, node, actual, golden) -> Verdict:
@@ -40,8 +49,8 @@ def gate_compare(st, node, actual, golden) -> Verdict:
     routing weights where no tie was swapped."""
     x, idx, w = golden
     v = compare(actual[0], x)
-    biased = (moe.router_scores(x, st.weights[MoE.key(node.layer, "gate.weight")])
-              + st.weights[MoE.key(node.layer, "gate.bias")].float())
+    f = _experts(st.cfg, node.layer)[0]
+    biased = moe.router_scores(x, st.weights[f + "gate.weight"]) + st.weights[f + "gate.bias"].float()
     bad = tie_mismatch_rows(actual[1], idx, biased)
     if bad:
         v.merge(Verdict(False, False, why=f"rows {bad[:4]} choose other experts beyond ties"), "[1]")
@@ -54,7 +63,7 @@ def gate_compare(st, node, actual, golden) -> Verdict:
 def dispatch(st, node, gate_out):
     """Per destination EP card: (token row, slot, expert id) triples in (t, k) order + their inputs."""
     x, indices, weights = gate_out
-    per_card = st.cfg.n_routed_experts // st.topo.ep
+    per_card = _experts(st.cfg, node.layer)[1] // st.topo.ep
     out = {}
     for dst in st.topo.cards:
         t, k = torch.nonzero((indices // per_card) == dst, as_tuple=True)
@@ -71,7 +80,7 @@ def _dispatch_counts(indices: torch.Tensor, per_card: int, ep: int) -> list[int]
 
 def dispatch_cost(ctx, node, gate_out):
     x, indices, _ = gate_out
-    d, per_card = x.shape[1], ctx.cfg.n_routed_experts // ctx.topo.ep
+    d, per_card = x.shape[1], _experts(ctx.cfg, node.layer)[1] // ctx.topo.ep
     counts = _dispatch_counts(indices, per_card, ctx.topo.ep)
     out = {dst: (meta(n, dtype=I64), meta(n, dtype=I64), meta(n, d), meta(n)) for dst, n in enumerate(counts)}
     return Cost(out, act_read=sum(counts) * d * F32_BYTES + nbytes(indices))
@@ -91,14 +100,14 @@ def experts(st, node, *dispatches):
     order = torch.argsort(run_key, stable=True)
     runs, run_counts = torch.unique_consecutive(run_key[order], return_counts=True)
     hit, counts = torch.unique_consecutive(eids[order], return_counts=True)
-    y = st.model.blocks[node.layer].moe.grouped(x[order], w[order], hit.tolist(), counts.tolist())
+    y = st.model.block(node.layer).moe.grouped(x[order], w[order], hit.tolist(), counts.tolist())
     for run, r, part in zip(runs.tolist(), rows[order].split(run_counts.tolist()), y.split(run_counts.tolist())):
         e, i = divmod(run, len(sources))
         out[sources[i]][e] = (r, part)
     return out
 
 
-def _experts_read(eids: list[torch.Tensor], pairs: int, first: int, local: int, cfg) -> dict[int, float]:
+def _experts_read(eids: list[torch.Tensor], pairs: int, first: int, local: int, k: int, e: int) -> dict[int, float]:
     """Local expert id -> fraction of its weights read: the experts hit, or the expectation. Each token
     picks k distinct experts of E, so an expert is missed by a token with probability 1 - k/E, and
     the card's pairs come from pairs * E / (k * local) tokens under uniform routing."""
@@ -106,14 +115,14 @@ def _experts_read(eids: list[torch.Tensor], pairs: int, first: int, local: int, 
         return {}
     if eids[0].device.type != "meta":
         return dict.fromkeys(torch.unique(torch.cat(eids)).tolist(), 1.0)
-    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
     return dict.fromkeys(range(first, first + local), 1 - (1 - k / e) ** (pairs * e / (k * local)))
 
 
 def experts_cost(ctx, node, *dispatches):
     cfg, card = ctx.cfg, ctx.card
     d, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    local = cfg.n_routed_experts // ctx.topo.ep
+    f, n_experts, top_k = _experts(cfg, node.layer)
+    local = n_experts // ctx.topo.ep
     out, pairs, received, eids = {}, 0, 0, []
     for src, disp in zip(node.attrs["sources"], dispatches):
         rows, ids, x, _ = disp[card]
@@ -123,8 +132,8 @@ def experts_cost(ctx, node, *dispatches):
         eids.append(ids)
         if src != card:
             received += n * (d * BF16_BYTES + 8)
-    read = _experts_read(eids, pairs, card * local, local, cfg)
-    weights = {MoE.expert_key(node.layer, e, w): frac for e, frac in read.items() for w in ("w1", "w2", "w3")}
+    read = _experts_read(eids, pairs, card * local, local, top_k, n_experts)
+    weights = {f"{f}experts.{e}.{w}": frac for e, frac in read.items() for w in ("w1", "w2", "w3")}
     per_pair = d * F32_BYTES + 8 + 8 + 4   # row, token index, expert id, routing weight
     return Cost(out, weights=weights, link=received, act_read=pairs * per_pair,
                 flops={"mx": 2 * pairs * 3 * d * inter, "vector": 8 * pairs * inter})
@@ -147,12 +156,12 @@ def experts_parts(cfg, rows, tp, ep):
 
 
 def shared(st, node, gate_out):
-    return st.model.blocks[node.layer].moe.shared(gate_out[0])
+    return st.model.block(node.layer).moe.shared(gate_out[0])
 
 
 def shared_cost(ctx, node, gate_out):
     cfg, (m, d) = ctx.cfg, gate_out[0].shape
-    f = MoE.key(node.layer, "shared_experts.")
+    f = _experts(cfg, node.layer)[0] + "shared_experts."
     return Cost(meta(m, d), weights=reads(f + "w1", f + "w2", f + "w3"), act_read=m * d * F32_BYTES,
                 flops={"mx": 2 * m * 3 * d * cfg.moe_intermediate_size, "vector": 8 * m * cfg.moe_intermediate_size})
 
