@@ -14,8 +14,9 @@ TOPO = Topology(2, 2, 4)
 
 def graphs(phase: str, rows: int):
     for wiring in (SHARDED, REPLICATED):
-        steps = {g: step_inputs(TINY, 3, rows, 40, phase) for g in range(TOPO.dp)}
-        yield build(TINY, TOPO, steps, wiring, phase)
+        for dspark in (False, True):
+            steps = {g: step_inputs(TINY, 3, rows, 40, phase) for g in range(TOPO.dp)}
+            yield build(TINY, TOPO, steps, wiring, phase, dspark)
 
 
 def emitted(phase: str, rows: int) -> set[str]:

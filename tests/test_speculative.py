@@ -14,7 +14,7 @@ from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.drafters import Drafter, NgramDrafter, OracleDrafter
-from dsv41.engine.dspark import DSparkDrafter
+from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.model import caches as cache
 from dsv41.ops.sampling import SamplingParams
@@ -99,11 +99,11 @@ def check_dspark(engine, other):
     """DSpark drafting: greedy tokens and logits equal plain generation; seeded sampling (the
     speculative-sampling rule over the stages' draft distribution) equal on both engines."""
     plain = generate(engine)
-    spec = generate(engine, DSparkDrafter(engine, engine.host_weights()))
+    spec = generate(engine, dspark_drafter(engine))
     assert_same(plain, spec)
     assert spec[2].spec.drafted > 0
-    a = generate(engine, DSparkDrafter(engine, engine.host_weights()), SAMPLED)
-    b = generate(other, DSparkDrafter(other, other.host_weights()), SAMPLED)
+    a = generate(engine, dspark_drafter(engine), SAMPLED)
+    b = generate(other, dspark_drafter(other), SAMPLED)
     assert_same(a, b)
     assert a[2].spec.drafted > 0
 
@@ -126,7 +126,7 @@ def test_dspark_drafts_on_the_reference_and_the_graph():
     with graph_engine() as graph:
         check_dspark(ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX), graph)
         plain = generate(graph)
-        assert_same(plain, generate(graph, DSparkDrafter(graph, graph.host_weights(), k=3, confidence=0.5)))
+        assert_same(plain, generate(graph, dspark_drafter(graph, k=3, confidence=0.5)))
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ def to_meta(v):
 @pytest.fixture(scope="module")
 def engine():
     e = GraphEngine(TINY, TOPO, seed=0, executor="sync", max_batch=2, max_context=24)
-    e.taps = tuple(sorted(set(TINY.dspark_target_layer_ids)))   # every node kind runs: DSpark's taps too
+    e.dspark = True      # every node kind runs: DSpark's seed, draft and head nodes too
     logits = e.prefill([[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]]).logits
     e.tokens = torch.argmax(logits, -1).tolist()
     yield e
