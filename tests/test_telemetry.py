@@ -191,11 +191,40 @@ def test_span_tree_one_trace_per_step(traced, engine):
         kind = r["attributes"]["dsv41.span"]
         kinds[kind] += 1
         parent = by_id.get(r["parent_id"])
-        expected_parent = {"step": None, "submission": "step", "node": "submission"}[kind]
+        expected_parent = {"step": None, "submission": "step", "node": "submission", "verify": "step",
+                           "draft": "step"}[kind]
         assert (parent["attributes"]["dsv41.span"] if parent else None) == expected_parent
         if parent:
             assert parent["trace_id"] == r["trace_id"] and parent["start_ns"] <= r["start_ns"] <= r["end_ns"]
     assert kinds["step"] == 2 and kinds["node"] == sum(len(g.nodes) for _, g in steps)
+    assert kinds["draft"] == kinds["verify"] == 2       # the steps draft DSpark blocks: speculative steps
+
+
+def test_a_speculative_step_traces_its_verify_and_its_draft_part(engine):
+    """A step verifying DSpark's drafts and drafting the next: a ``verify`` span over its target
+    nodes' spans and a ``draft`` span over its DSpark nodes', both children of the step span."""
+    session = TraceSession(engine)
+    try:
+        drafts = [engine.drafts[r][0][:2].tolist() for r in engine.active]
+        out = engine.decode(engine.tokens, engine.active, drafts)
+        engine.tokens = out.last
+        records = session.collect()
+    finally:
+        session.close()
+    graph = engine.last_graph
+    (step,) = [r for r in records if r["attributes"]["dsv41.span"] == "step"]
+    assert step["attributes"]["dsv41.verify.drafts"] == 2 * len(drafts) == sum(out.proposed)
+    assert step["attributes"]["dsv41.draft.rows"] == len(drafts) * TINY.dspark_block_size
+    nodes = nodes_of(records)
+    for part, name in (("verify", "target"), ("draft", "draft")):
+        (span,) = [r for r in records if r["attributes"]["dsv41.span"] == part]
+        mine = [r for r in nodes if r["attributes"]["dsv41.part"] == name]
+        assert span["parent_id"] == step["span_id"] and span["trace_id"] == step["trace_id"]
+        assert span["attributes"]["dsv41.nodes"] == len(mine) == \
+            sum(n.attrs.get("part", "target") == name for n in graph.nodes.values()) > 0
+        assert span["start_ns"] == min(r["start_ns"] for r in mine) and span["end_ns"] == max(r["end_ns"] for r in mine)
+    kinds = {r["attributes"]["dsv41.kernel"] for r in nodes if r["attributes"]["dsv41.part"] == "draft"}
+    assert {"dspark.tap", "dspark.seed", "dspark.attn", "dspark.head", "moe.experts", "hc.post"} <= kinds
 
 
 def test_accounted_transients_are_the_real_tensors(traced):

@@ -23,6 +23,7 @@ from dsv41.ops.indexer import score_chunks
 from dsv41.ops.rope import COMPRESSED, PLAIN, profile_for
 
 REPLICATED, SHARDED = "replicated", "sharded"
+DRAFT, TARGET = "draft", "target"     # a node's part of a step (``Node.attrs['part']``; default the target)
 
 
 def head_key(grp: int) -> str:
@@ -294,6 +295,7 @@ class _Builder:
         then the stages draft the next block (a backbone-shaped sub-graph over B*block rows: heads by
         TP rank, experts by EP rank) and the group's DSpark head draws the drafts."""
         cfg, g, topo, tp = self.cfg, self.g, self.topo, self.topo.tp
+        first = len(g.nodes)
         n = cfg.num_hidden_layers
         windows = tuple(cache.window(n + s) for s in range(cfg.n_mtp_layers))
         x, mixes, drope, published, rows = {}, {}, {}, {}, {}
@@ -327,6 +329,12 @@ class _Builder:
                       for c in group]
             g.add(dspark_key(grp), "dspark.head", shards + [hidden[group[0]], head_key(grp), step_key[group[0]]],
                   group[0], dp_group=grp)
+        # the draft part of the step (traces tell it from the target model's forward, which verifies)
+        for key in list(g.nodes)[first:]:
+            g.nodes[key].attrs["part"] = DRAFT
+        for key in g.nodes:
+            if g.nodes[key].kernel == "dspark.tap":
+                g.nodes[key].attrs["part"] = DRAFT
 
     def _dspark_attention(self, L, grp, t, x, mixes, step_key, drope, published):
         """One stage's attention sub-layer over a group's block rows (``t``), as the backbone's."""

@@ -131,7 +131,8 @@ def caches_by_kind(tensors: dict[str, tuple[torch.Tensor, ...]]) -> dict[str, in
 
 
 def request_cache_bytes(cfg, context: int, bf16: bool = False) -> dict[str, int]:
-    """Cache bytes one request holds at ``context`` tokens, by kind: the sliding window per layer,
+    """Cache bytes one request holds at ``context`` tokens, by kind: the sliding window per layer
+    (and per DSpark stage),
     ceil(context / ratio) compressed and index rows per KV source, and the ratio-2 compressor rings.
     ``bf16`` sizes the same rows as BF16 (the seed's comparison figure)."""
     hd, ih = cfg.head_dim, cfg.index_head_dim
@@ -140,7 +141,9 @@ def request_cache_bytes(cfg, context: int, bf16: bool = False) -> dict[str, int]
         return 2 * width if bf16 else kv_cache.FORMATS[kind].row_bytes(width)
 
     kinds = dict.fromkeys(CACHE_KINDS, 0)
-    kinds["window"] = cfg.num_hidden_layers * min(cfg.sliding_window, context) * row(kv_cache.WINDOW, hd)
+    # the backbone's layers and the DSpark stages (``model.caches``: a window each)
+    layers = cfg.num_hidden_layers + cfg.n_mtp_layers
+    kinds["window"] = layers * min(cfg.sliding_window, context) * row(kv_cache.WINDOW, hd)
     for s in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[s]
         rows = -(-context // r)

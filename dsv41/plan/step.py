@@ -145,8 +145,10 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     dev = profile(device)
     rows = rows_per_request(cfg, requests, phase)
     steps = {g: step_inputs(cfg, requests, rows, context, phase) for g in range(topo.dp)}
-    graph = build(cfg, topo, steps, wiring, phase)
-    plan = make_plan(graph, topo, outputs=step_outputs(topo, steps), step=1)
+    # a step with draft rows verifies DSpark's drafts and drafts the next block in the same graph
+    dspark = cfg.dspark and phase == "decode" and rows > 1
+    graph = build(cfg, topo, steps, wiring, phase, dspark)
+    plan = make_plan(graph, topo, outputs=step_outputs(topo, steps, dspark), step=1)
     annotate(plan)
     costs = walk(graph, {c: CardContext(cfg, topo, c) for c in topo.cards})
     roofline = simulate(graph, {k: node_us(c, dev) for k, c in costs.items()})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 
+from dsv41.graph.build import TARGET
 from dsv41.kernels.cost import nbytes
 from dsv41.kernels.kinds import KINDS
 from dsv41.plan.roofline import node_us
@@ -35,6 +36,7 @@ def node_attributes(node, sub, cost, device, live: int, peak: int, sim_us: float
     """sim_us: the pypto cost model's time when the backend gives one, else the roofline estimate."""
     return {
         "dsv41.span": "node", "dsv41.node": node.key, "dsv41.kernel": node.kernel,
+        "dsv41.part": node.attrs.get("part", TARGET),
         "dsv41.layer": -1 if node.layer is None else node.layer, "dsv41.card": node.card,
         "dsv41.phase": sub.phase, "dsv41.step": sub.step, "dsv41.submission": sub.key,
         "dsv41.bytes_read": cost.bytes_read, "dsv41.bytes_written": cost.bytes_written,
@@ -46,7 +48,7 @@ def node_attributes(node, sub, cost, device, live: int, peak: int, sim_us: float
     }
 
 
-def _new_id(bits: int) -> int:
+def new_id(bits: int) -> int:
     """A random nonzero id, as the SDK's RandomIdGenerator makes them (0 is the invalid id)."""
     while True:
         v = random.getrandbits(bits)
@@ -76,8 +78,8 @@ def encode_card(events: list, led, weights_held: dict, device) -> list[dict]:
         kind, cur = ev[0], ev[1]
         if kind == BEGIN:
             parent = cur.info.parent
-            cur.trace_id = parent[0] if parent is not None else _new_id(128)
-            cur.span_id, cur.totals = _new_id(64), dict.fromkeys(_SUMMED, 0)
+            cur.trace_id = parent[0] if parent is not None else new_id(128)
+            cur.span_id, cur.totals = new_id(64), dict.fromkeys(_SUMMED, 0)
             starts[cur] = ev[2]
             led.begin(cur.step)
         elif kind == NODE:
@@ -89,12 +91,12 @@ def encode_card(events: list, led, weights_held: dict, device) -> list[dict]:
             attrs = node_attributes(node, cur, cost, device, led.live_bytes, led.peak_bytes, sim_us)
             for k in cur.totals:
                 cur.totals[k] += attrs[k]
-            out.append(_span(node.key, cur.trace_id, _new_id(64), cur.span_id, t0, t1, attrs))
+            out.append(_span(node.key, cur.trace_id, new_id(64), cur.span_id, t0, t1, attrs))
         elif kind == FAILED:
             _, _, node, t0, t1, error = ev
             attrs = {"dsv41.span": "failed", "dsv41.node": node.key, "dsv41.kernel": node.kernel,
                      "dsv41.card": node.card}
-            out.append(_span(node.key, cur.trace_id, _new_id(64), cur.span_id, t0, t1, attrs, error))
+            out.append(_span(node.key, cur.trace_id, new_id(64), cur.span_id, t0, t1, attrs, error))
         else:
             sub = cur.sub
             for k in cur.info.remote:

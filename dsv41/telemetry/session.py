@@ -1,7 +1,8 @@
 """Tracing one GraphEngine: the recorder in this process or on every dask worker, a span per step.
 
 Each step is one trace: a root span on the engine, its submissions as children (recorded where they
-run) and their nodes as grandchildren. Under ``distributed`` every worker keeps its own recorder and
+run) and their nodes as grandchildren; a speculative step's root also has a ``verify`` and a ``draft``
+child spanning its target and its DSpark nodes (``part_spans``, made on collect). Under ``distributed`` every worker keeps its own recorder and
 ledger; ``collect`` gathers their finished spans with ``client.run``. What the cards noted during a
 step becomes spans before the next step starts (outside every span) and on collect, hbm and close.
 """
@@ -12,13 +13,15 @@ from time import perf_counter_ns
 
 from dsv41.cluster import registry
 from dsv41.cluster.observers import StepObserver
+from dsv41.graph.build import DRAFT, TARGET
 from dsv41.plan.hbm import annotate
 from dsv41.plan.roofline import profile
-from dsv41.telemetry.buffer import unix_ns
+from dsv41.telemetry.buffer import new_id, unix_ns
 from dsv41.telemetry.spans import SpanRecorder
 from dsv41.telemetry.tracer import NodeTracer
 
 DEFAULT_PROFILE = "a5"
+VERIFY = "verify"           # the target model's forward of a speculative step: it verifies the drafts
 
 
 def resource_attributes(cfg, topo, executor: str, device: str) -> dict:
@@ -48,7 +51,8 @@ class TraceSession(StepObserver):
         step, phase = next(iter(plan.submissions.values())).step, plan.graph.phase
         span = self.recorder.start(f"{phase} step {step}", start_ns=unix_ns(perf_counter_ns()), attrs={
             "dsv41.span": "step", "dsv41.phase": phase, "dsv41.step": step,
-            "dsv41.nodes": len(plan.graph.nodes), "dsv41.submissions": len(plan.submissions)})
+            "dsv41.nodes": len(plan.graph.nodes), "dsv41.submissions": len(plan.submissions),
+            **speculative_attributes(plan.graph, self.engine.cfg)})
         annotate(plan, self.recorder.ids(span))
         error = None
         try:
@@ -75,10 +79,11 @@ class TraceSession(StepObserver):
     def collect(self) -> list[dict]:
         """Every span recorded so far (here and on the workers), by start time."""
         self.encode()
-        self.records += self.recorder.drain()
+        new = self.recorder.drain()
         if self.engine.runner is not None:
             for recs in self.engine.runner.run_on_cards(_drain, self.engine.id).values():
-                self.records += recs
+                new += recs
+        self.records += new + part_spans(new)
         self.records.sort(key=lambda r: (r["start_ns"], r["end_ns"]))
         return self.records
 
@@ -101,6 +106,43 @@ class TraceSession(StepObserver):
         lost += self.recorder.shutdown()
         self.engine.unobserve(self)
         return lost
+
+
+def speculative_attributes(graph, cfg) -> dict:
+    """A step's speculative work: the drafts its target forward verifies, the draft rows it runs
+    (DSpark's blocks, drafted in the same graph)."""
+    def step_of(node):
+        return graph.literals[node.inputs[-1]][0]
+    verified = sum(sum(step_of(n).proposed) for n in graph.nodes.values() if n.kernel == "lm_head.argmax")
+    drafted = sum(len(step_of(n).rids) * cfg.dspark_block_size for n in graph.nodes.values()
+                  if n.kernel == "dspark.head")
+    return {"dsv41.verify.drafts": verified, "dsv41.draft.rows": drafted}
+
+
+def part_spans(records: list[dict]) -> list[dict]:
+    """Per speculative step (one that verifies drafts or drafts a block) a child span of its step
+    span per part: ``verify`` over its target nodes' spans, ``draft`` over its draft nodes' (first
+    start to last end on any card), each with the node count and their summed device time. A whole
+    trace's spans come in one collect (its step's cards are encoded before the next step)."""
+    steps = {r["trace_id"]: r for r in records if r["attributes"].get("dsv41.span") == "step"
+             and (r["attributes"].get("dsv41.verify.drafts") or r["attributes"].get("dsv41.draft.rows"))}
+    spans: dict[tuple, list[dict]] = {}
+    for r in records:
+        a = r["attributes"]
+        if a.get("dsv41.span") == "node" and r["trace_id"] in steps:
+            spans.setdefault((r["trace_id"], VERIFY if a["dsv41.part"] == TARGET else DRAFT), []).append(r)
+    out = []
+    for (trace, part), nodes in sorted(spans.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        step = steps[trace]
+        count = "dsv41.verify.drafts" if part == VERIFY else "dsv41.draft.rows"
+        out.append({"name": f"{part} (step {step['attributes']['dsv41.step']})", "trace_id": trace,
+                    "span_id": new_id(64), "parent_id": step["span_id"],
+                    "start_ns": min(n["start_ns"] for n in nodes), "end_ns": max(n["end_ns"] for n in nodes),
+                    "attributes": {"dsv41.span": part, "dsv41.step": step["attributes"]["dsv41.step"],
+                                   "dsv41.nodes": len(nodes), count: step["attributes"][count],
+                                   "dsv41.device.sim_us": sum(n["attributes"]["dsv41.device.sim_us"] for n in nodes)},
+                    "error": None})
+    return out
 
 
 def _ledger_row(card: int, led) -> dict:
