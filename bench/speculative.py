@@ -11,8 +11,13 @@ same generation with an oracle drafter (``engine.drafters.OracleDrafter``) propo
 tokens a step and forced to an acceptance of 0, 50 and 100% (the accepted drafts are the plain
 run's tokens, the next one is wrong); the tokens are checked equal to the plain run's. One torch
 thread; wall time (run it on a quiet machine). Part 3, with a model that has DSpark stages: the same
-generation with the DSpark drafter, and the time its seeding and drafting take beside the steps.
-Prints one JSON object.
+generation with the DSpark drafter. On a graph engine (``--executor sync|threads``) DSpark's seeding
+and drafting are nodes of every step, so part 1 also times the 1- and 6-row steps with them, and
+their share of a step is what they add; on the reference engine the golden drafter runs beside the
+steps and its time is summed (``Timed``). ``--parts`` picks the parts to run. Prints one JSON object.
+
+    python bench/speculative.py --config flash --layers 3 --experts 8 --engram-rows 4099 --batch 1 \
+        --executor sync --prompt-len 16 --steps 2 --parts 1
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import torch
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import PRESETS, Topology
 from dsv41.engine.drafters import OracleDrafter
-from dsv41.engine.dspark import DSparkDrafter
+from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.scheduler import Scheduler, jobs_for
 
@@ -114,7 +119,11 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="decode steps timed per row count (median)")
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per request in part 2")
     p.add_argument("--drafts", type=int, default=5)
+    p.add_argument("--parts", default="1,2,3", help="which parts to run (comma-separated of 1, 2, 3)")
     args = p.parse_args()
+    parts = {int(x) for x in args.parts.split(",")}
+    if not parts <= {1, 2, 3}:
+        raise SystemExit(f"--parts: must name parts among 1, 2, 3, got {args.parts!r}")
     torch.set_num_threads(1)
     cfg = PRESETS[args.config].reduced(args.layers, args.experts, args.engram_rows)
     ctx = args.prompt_len + max(args.tokens, args.steps * 6) + 8
@@ -128,29 +137,43 @@ def main():
     out = {"config": cfg.name, "layers": len(cfg.layers), "experts": cfg.n_routed_experts, "hidden": cfg.hidden_size,
            "executor": args.executor, "topology": f"tp{args.tp}-dp{args.dp}", "batch": args.batch,
            "prompt_len": args.prompt_len, "step_ms": {}, "generation": {}}
+    graph = args.executor != "reference"
     try:
-        base = None
-        for rows in (1, 2, 4, 6):
-            ms = step_ms(engine, prompts, rows, args.steps)
-            base = base or ms
-            out["step_ms"][rows] = {"ms": ms, "ratio": ms / base}
-            print(f"rows/request {rows}: {ms:9.1f} ms  x{ms / base:.2f}", flush=True)
-        truth, plain = generation(engine, prompts, args.tokens)
-        out["generation"]["plain"] = plain
-        print(f"plain: {plain}", flush=True)
-        for rate in (0.0, 0.5, 1.0):
-            made, row = generation(engine, prompts, args.tokens, forced(truth, prompts, rate, cfg.vocab_size))
-            if made != truth:
-                raise SystemExit(f"acceptance {rate}: tokens differ from plain generation")
-            out["generation"][f"accept_{int(rate * 100)}"] = row
-            print(f"forced acceptance {rate:.0%}: {row}", flush=True)
-        if cfg.dspark:
-            timed = Timed(DSparkDrafter(engine, engine.host_weights()))
-            made, row = generation(engine, prompts, args.tokens, timed)
+        if 1 in parts:
+            base = None
+            for rows in (1, 2, 4, 6):
+                ms = step_ms(engine, prompts, rows, args.steps)
+                base = base or ms
+                out["step_ms"][rows] = {"ms": ms, "ratio": ms / base}
+                print(f"rows/request {rows}: {ms:9.1f} ms  x{ms / base:.2f}", flush=True)
+            if cfg.dspark and graph:           # the same steps seeding and drafting DSpark's next block
+                engine.dspark, out["step_ms_dspark"] = True, {}
+                for rows in (1, 6):
+                    ms = step_ms(engine, prompts, rows, args.steps)
+                    share = 1 - out["step_ms"][rows]["ms"] / ms
+                    out["step_ms_dspark"][rows] = {"ms": ms, "dspark_share": share}
+                    print(f"rows/request {rows} with DSpark: {ms:9.1f} ms  DSpark {share:.0%} of the step", flush=True)
+                engine.dspark = False
+        if parts & {2, 3}:
+            truth, plain = generation(engine, prompts, args.tokens)
+            out["generation"]["plain"] = plain
+            print(f"plain: {plain}", flush=True)
+        if 2 in parts:
+            for rate in (0.0, 0.5, 1.0):
+                made, row = generation(engine, prompts, args.tokens, forced(truth, prompts, rate, cfg.vocab_size))
+                if made != truth:
+                    raise SystemExit(f"acceptance {rate}: tokens differ from plain generation")
+                out["generation"][f"accept_{int(rate * 100)}"] = row
+                print(f"forced acceptance {rate:.0%}: {row}", flush=True)
+        if 3 in parts and cfg.dspark:
+            drafter = dspark_drafter(engine)
+            timed = None if graph else Timed(drafter)
+            made, row = generation(engine, prompts, args.tokens, timed or drafter)
             if made != truth:
                 raise SystemExit("dspark: tokens differ from plain generation")
-            row["drafter_s"] = timed.seconds
-            row["drafter_share_of_decode"] = timed.seconds / (row["decode_s"] + timed.seconds)
+            if timed is not None:
+                row["drafter_s"] = timed.seconds
+                row["drafter_share_of_decode"] = timed.seconds / (row["decode_s"] + timed.seconds)
             out["generation"]["dspark"] = row
             print(f"dspark: {row}", flush=True)
     finally:
