@@ -48,12 +48,16 @@ def _main_rows(step, verdict) -> torch.Tensor:
     return step.logit_rows.long()[verdict.last_rows]
 
 
-def _block(cfg, step, verdict):
-    """(ids, positions) of the group's next blocks and each request's main position."""
+def _main(step, verdict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's main position (its last kept row's) and its last token (what it feeds next)."""
     main = step.md.position_ids.long()[_main_rows(step, verdict)]
-    last = torch.tensor([t[-1] for t in verdict.tokens], dtype=torch.long)
-    ids, pos = block_inputs(cfg, last, main)
-    return ids, pos, main
+    return main, torch.tensor([t[-1] for t in verdict.tokens], dtype=torch.long)
+
+
+def _block(cfg, step, verdict):
+    """(ids, positions) of the group's next blocks."""
+    main, last = _main(step, verdict)
+    return block_inputs(cfg, last, main)
 
 
 # ---- taps and seeding ------------------------------------------------------------------------------
@@ -126,7 +130,7 @@ def rope_cost(ctx, node, verdict, step):
 def _rings(st, node, step, verdict) -> list[tuple[torch.Tensor, int]]:
     """Per request (its window ring [window, head_dim] in slot order, slots filled), read from the
     stage's window cache at the window of its main row."""
-    cfg, w, md = st.cfg, st.cfg.sliding_window, step.md
+    w, md = st.cfg.sliding_window, step.md
     rows = _main_rows(step, verdict)
     out = []
     for r in rows.tolist():
@@ -203,10 +207,8 @@ def head(st, node, *inputs):
     the Markov bias drawn position by position as ``model.dspark`` does; the rows' draft logits
     stay on this card (``CardState.draft_logits``)."""
     *shards, hidden, verdict, step = inputs
-    cfg = st.cfg
     logits = ensure_finite(torch.cat(shards, -1), None, LOGITS)
-    main = step.md.position_ids.long()[_main_rows(step, verdict)]
-    last = torch.tensor([t[-1] for t in verdict.tokens], dtype=torch.long)
+    main, last = _main(step, verdict)
     dists: dict[int, list] = {}
     draft = st.model.dspark.markov(logits, hidden, last, seeded_sampler(_samplers(step, main), dists))
     st.draft_logits[node.attrs["dp_group"]] = (node.attrs.get("step"), draft.logits)
