@@ -5,6 +5,7 @@ draft distributions; after a verify step that kept only some rows; and a request
 preemption drafts again, from the windows its recompute prefill seeded."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
@@ -14,6 +15,7 @@ from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.scheduler import Scheduler, jobs_for
 from dsv41.model.dspark import seeded_sampler
 from dsv41.ops.sampling import SamplingParams
+from test_dspark_forward import flash_width
 
 V = TINY.vocab_size
 PROMPTS = [[(5 * i + 11 * j) % V for j in range(n)] for i, n in enumerate((12, 19, 7))]
@@ -25,8 +27,8 @@ class Golden:
     """The reference engine with the golden drafter; ``drafts`` runs its stages on the windows the
     drafter holds and keeps everything they made."""
 
-    def __init__(self):
-        self.engine = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
+    def __init__(self, cfg=TINY, ctx=CTX):
+        self.engine = ReferenceEngine(cfg, seed=0, max_batch=4, max_context=ctx)
         self.drafter = DSparkDrafter(self.engine, self.engine.host_weights())
         self.jobs = []
 
@@ -67,29 +69,46 @@ def assert_same_drafts(graph, golden):
             assert torch.equal(q, torch.stack(dists[b]))
 
 
-def test_the_graphs_drafts_are_the_golden_drafts_after_prefill_and_a_partly_rejected_verify():
-    plain = jobs_for(PROMPTS, SAMPLING, 6, None)
-    Scheduler(ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)).run(plain)
-    golden = Golden()
-    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="sync", max_batch=4, max_context=CTX)
+def check_graph_drafts(cfg, topo: Topology, prompts, sampling, ctx: int):
+    """Prefill, then a verify step in which request i accepts 3 - i drafts of the true continuation and
+    rejects the next: after each, the graph's drafts equal the golden's."""
+    v = cfg.vocab_size
+    plain = jobs_for(prompts, sampling, 6, None)
+    Scheduler(ReferenceEngine(cfg, seed=0, max_batch=4, max_context=ctx)).run(plain)
+    golden = Golden(cfg, ctx)
+    engine = GraphEngine(cfg, topo, seed=0, executor="sync", max_batch=4, max_context=ctx)
     try:
         engine.dspark = True
-        out = engine.prefill(PROMPTS, SAMPLING)
-        golden.step("prefill", golden.engine.prefill(PROMPTS, SAMPLING), SAMPLING)
+        out = engine.prefill(prompts, sampling)
+        golden.step("prefill", golden.engine.prefill(prompts, sampling), sampling)
         rids = out.request_ids
         assert_same_drafts(graph_drafts(engine, rids), golden.drafts())
-        assert any(q is not None for q in engine.drafts[rids[1]][2:])      # the sampling request's distributions
-        # request i accepts 3 - i of the true continuation, then a wrong draft: kept rows differ per request
         truth = [j.made for j in plain]
-        drafts = [t[1:4 - i] + [(t[4 - i] + 1) % V] for i, t in enumerate(truth)]
+        drafts = [t[1:4 - i] + [(t[4 - i] + 1) % v] for i, t in enumerate(truth)]
         last = [t[0] for t in truth]
         out = engine.decode(last, rids, drafts)
         ref = golden.engine.decode(last, golden.engine.active, drafts)
-        assert out.accepted == ref.accepted == [3, 2, 1]
-        golden.step("decode", ref, SAMPLING)
+        assert out.accepted == ref.accepted == [3 - i for i in range(len(prompts))]
+        golden.step("decode", ref, sampling)
         assert_same_drafts(graph_drafts(engine, rids), golden.drafts())
+        return engine.drafts, rids
     finally:
         engine.close()
+
+
+def test_the_graphs_drafts_are_the_golden_drafts_after_prefill_and_a_partly_rejected_verify():
+    drafts, rids = check_graph_drafts(TINY, Topology(2, 1, 2), PROMPTS, SAMPLING, CTX)
+    assert drafts[rids[1]][2] is not None and drafts[rids[0]][2] is None   # the sampling request's distributions
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_flash_width_graph_drafts_are_the_golden_drafts():
+    """FLASH width (3 layers, 3 stages, 8 experts each; ``test_dspark_forward.flash_width``), TP2 and
+    EP2: a 131-token prompt (the 128-slot window wraps) beside a short one."""
+    cfg = flash_width()
+    prompts = [[(3 * j + 1) % cfg.vocab_size for j in range(131)], [9, 4000, 17]]
+    check_graph_drafts(cfg, Topology(2, 1, 2), prompts, [None, SamplingParams(temperature=0.7, seed=3)], 160)
 
 
 def test_a_request_recomputed_after_preemption_drafts_again():
