@@ -39,6 +39,7 @@ from dsv41.ops.attention import sparse_attention
 from dsv41.ops.mhc import hc_pre, initial_pre, lane_mean
 from dsv41.ops.norm import rms_norm
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
+from dsv41.ops.packed import matrix
 from dsv41.ops.projections import kv_proj, matmul_t, mx_linear, q_proj
 from dsv41.ops.quant import round_bf16
 from dsv41.ops.rope import PLAIN, gather_rope_rows
@@ -194,12 +195,17 @@ class DSparkStage:
     def w(self, name: str) -> torch.Tensor:
         return self.weights[self.prefix + name]
 
+    def linear(self, name: str):
+        """A matrix the stage multiplies by, in its checkpoint format (decoded inside the product, as
+        the backbone's: never whole)."""
+        return matrix(self.weights, self.prefix + name)
+
     def norm(self, name: str, x) -> torch.Tensor:
         return rms_norm(x, self.w(f"{name}.weight"), self.cfg.rms_norm_eps)
 
     def kv_rows(self, x, cos, sin) -> torch.Tensor:
         """RoPE(kv_norm(bf16(x wkv))) [T, head_dim] BF16, before the window format's FP8 rounding."""
-        return kv_proj(x, self.w("attn.wkv"), self.w("attn.kv_norm.weight"), cos, sin, self.cfg.rms_norm_eps)
+        return kv_proj(x, self.linear("attn.wkv"), self.w("attn.kv_norm.weight"), cos, sin, self.cfg.rms_norm_eps)
 
     def attend(self, x, rings: list[tuple[torch.Tensor, int]], cos, sin) -> torch.Tensor:
         """The block's attention -> BF16 [B*block, D]: each request's rows attend its ring's filled
@@ -211,7 +217,7 @@ class DSparkStage:
         weights are that shard); the TP partials meet in a reduction."""
         cfg, hd = self.cfg, self.cfg.head_dim
         k, w = cfg.dspark_block_size, cfg.sliding_window
-        _, q = q_proj(x, self.w("attn.wq_a"), self.w("attn.q_norm.weight"), self.w("attn.wq_b"), cos, sin,
+        _, q = q_proj(x, self.linear("attn.wq_a"), self.w("attn.q_norm.weight"), self.linear("attn.wq_b"), cos, sin,
                       cfg.rms_norm_eps, heads or cfg.num_attention_heads, hd)
         own = WINDOW_FORMAT.decode(*WINDOW_FORMAT.encode(self.kv_rows(x, cos, sin)))
         keys = torch.zeros(len(rings), w + k, hd)
@@ -222,7 +228,7 @@ class DSparkStage:
             valid[b, :filled + k] = True
         out = sparse_attention(q, keys.repeat_interleave(k, 0), valid.repeat_interleave(k, 0),
                                self.w("attn.attn_sink"), hd ** -0.5)
-        return o_proj_partial(out, cos, sin, self.w("attn.wo_a"), self.w("attn.wo_b"))
+        return o_proj_partial(out, cos, sin, self.linear("attn.wo_a"), self.linear("attn.wo_b"))
 
     def forward(self, x, pre, rings, cos, sin):
         """(stream after the stage, its FFN site's pre mix), as a backbone block without Engram."""
@@ -268,7 +274,7 @@ class DSpark:
 
     def main_x(self, main_hidden) -> torch.Tensor:
         """main_norm(bf16(main_hidden main_proj)) -> BF16 [T, D]."""
-        return self.first.norm("main_norm", round_bf16(mx_linear(main_hidden, self.first.w("main_proj"))))
+        return self.first.norm("main_norm", round_bf16(mx_linear(main_hidden, self.first.linear("main_proj"))))
 
     def seed(self, taps: dict[int, torch.Tensor], positions: torch.Tensor, tables: dict) -> torch.Tensor:
         """Window rows [stages, T, head_dim] of main tokens at ``positions`` [T] from their taps (rows
@@ -325,5 +331,5 @@ class DSpark:
             tokens.append(prev)
             embeds.append(e)
         feats = torch.cat([hidden.reshape(b, k, -1), torch.stack(embeds, 1)], -1)
-        conf = matmul_t(feats.reshape(b * k, -1), self.last.w("confidence_head.proj.weight")).reshape(b, k)
+        conf = matmul_t(feats.reshape(b * k, -1), self.last.linear("confidence_head.proj.weight")).reshape(b, k)
         return Draft(torch.stack(tokens, 1), logits, conf)
