@@ -12,8 +12,10 @@ tokens a step and forced to an acceptance of 0, 50 and 100% (the accepted drafts
 run's tokens, the next one is wrong); the tokens are checked equal to the plain run's. One torch
 thread; wall time (run it on a quiet machine). Part 3, with a model that has DSpark stages: the same
 generation with the DSpark drafter. On a graph engine (``--executor sync|threads``) DSpark's seeding
-and drafting are nodes of every step, so part 1 also times the 1- and 6-row steps with them, and
-their share of a step is what they add; on the reference engine the golden drafter runs beside the
+and drafting are nodes of every step, so part 1 also times the 1- and 6-row steps with them, traced:
+DSpark's share is its nodes' part of the decode steps' node time (spans marked ``dsv41.part =
+draft``), measured inside the same steps, and ``vs_plain_step`` what the step gained over the plain
+one timed before (noisier: two runs); on the reference engine the golden drafter runs beside the
 steps and its time is summed (``Timed``). ``--parts`` picks the parts to run. Prints one JSON object.
 
     python bench/speculative.py --config flash --layers 3 --experts 8 --engram-rows 4099 --batch 1 \
@@ -34,6 +36,7 @@ from dsv41.engine.drafters import OracleDrafter
 from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.telemetry.session import TraceSession
 
 
 def step_ms(engine, prompts, rows: int, steps: int) -> float:
@@ -53,6 +56,16 @@ def step_ms(engine, prompts, rows: int, steps: int) -> float:
         for r in rids:
             engine.release(r)
     return statistics.median(times)
+
+
+def draft_share(records: list[dict]) -> float:
+    """Of the decode steps' node time (node spans, ``telemetry``), the part in DSpark's nodes."""
+    time = {"draft": 0, "target": 0}
+    for r in records:
+        a = r["attributes"]
+        if a.get("dsv41.span") == "node" and a["dsv41.phase"] == "decode":
+            time[a["dsv41.part"]] += r["end_ns"] - r["start_ns"]
+    return time["draft"] / (time["draft"] + time["target"])
 
 
 def forced(truth: list[list[int]], prompts, rate: float, vocab: int):
@@ -149,10 +162,16 @@ def main():
             if cfg.dspark and graph:           # the same steps seeding and drafting DSpark's next block
                 engine.dspark, out["step_ms_dspark"] = True, {}
                 for rows in (1, 6):
-                    ms = step_ms(engine, prompts, rows, args.steps)
-                    share = 1 - out["step_ms"][rows]["ms"] / ms
-                    out["step_ms_dspark"][rows] = {"ms": ms, "dspark_share": share}
-                    print(f"rows/request {rows} with DSpark: {ms:9.1f} ms  DSpark {share:.0%} of the step", flush=True)
+                    session = TraceSession(engine)
+                    try:
+                        ms = step_ms(engine, prompts, rows, args.steps)
+                        share = draft_share(session.collect())
+                    finally:
+                        session.close()
+                    out["step_ms_dspark"][rows] = {"ms": ms, "dspark_node_share": share,
+                                                   "vs_plain_step": 1 - out["step_ms"][rows]["ms"] / ms}
+                    print(f"rows/request {rows} with DSpark: {ms:9.1f} ms  DSpark's nodes {share:.0%} of the "
+                          f"decode steps' node time", flush=True)
                 engine.dspark = False
         if parts & {2, 3}:
             truth, plain = generation(engine, prompts, args.tokens)
