@@ -128,10 +128,7 @@ class _Builder:
         attention sub-layer's transport sums the shares, which is exact (one owner per row)."""
         g, group = self.g, self.topo.group_cards(grp)
         shares = {c: g.add(f"embed@c{c}", "embed", [step_key[c]], c) for c in group}
-        kernel, name = ("tp.reduce_scatter", "reduce_scatter") if self.wiring == SHARDED else \
-            ("tp.all_reduce", "all_reduce")
-        return self.collective(lambda c: f"embed/{name}@c{c}", kernel, group, lambda c: [shares[r] for r in group],
-                               f"embed/{name}@g{grp}")
+        return self._tp_reduce("embed", grp, group, shares)
 
     # ---- Engram of one DP group: table rows split over the EP world ------------------------------
     def _engram(self, L, grp, group, t, x, step_key):
@@ -164,12 +161,7 @@ class _Builder:
             collapsed = g.add(f"{p}/pre@c{c}", "hc.pre", [x[c]] + pre_in, c, L, initial=not pre_in)
             norm[c] = g.add(f"{p}/norm@c{c}", "norm.rms", [collapsed], c, L, weight=Block.norm_key(L, "attn"))
             mixes[c] = site  # post uses it now, the FFN collapses with its pre
-        if self.wiring == SHARDED:
-            full = self.collective(lambda c: f"{p}/all_gather@c{c}", "tp.all_gather", group,
-                                   lambda c: [norm[r] for r in group], f"{p}/all_gather@g{grp}", layer=L,
-                                   counts=[slab(t, tp, self.topo.tp_rank(r))[1] for r in group])
-        else:
-            full = norm
+        full = self._gather(p, grp, group, norm, t, layer=L)
         out = {}
         partial = {}
         for c in group:
@@ -204,12 +196,7 @@ class _Builder:
             leaf = g.add(f"{p}/leaf.{spec.kind}@c{c}", f"attn.leaf.{spec.kind}", leaf_in, c, L, tp_rank=rank,
                          reads=tuple(reads))
             partial[c] = g.add(f"{p}/o_proj@c{c}", "attn.o_proj", [leaf, cos_key], c, L, tp_rank=rank)
-        if self.wiring == SHARDED:
-            reduced = self.collective(lambda c: f"{p}/reduce_scatter@c{c}", "tp.reduce_scatter", group,
-                                      lambda c: [partial[r] for r in group], f"{p}/reduce_scatter@g{grp}", layer=L)
-        else:
-            reduced = self.collective(lambda c: f"{p}/all_reduce@c{c}", "tp.all_reduce", group,
-                                      lambda c: [partial[r] for r in group], f"{p}/all_reduce@g{grp}", layer=L)
+        reduced = self._tp_reduce(p, grp, group, partial, layer=L)
         for c in group:
             out[c] = g.add(f"{p}/post@c{c}", "hc.post", [reduced[c], x[c], mixes[c]], c, L, site="attn",
                            rows=local_rows(t, tp, self.topo.tp_rank(c), self.wiring))
@@ -266,15 +253,12 @@ class _Builder:
             for c in group:
                 h = g.add(f"final/hc.head@c{c}", "hc.head", [x[c], mixes[c]], c)
                 normed[c] = g.add(f"final/norm@c{c}", "norm.final", [h], c, weight=Head.NORM)
-            if self.wiring == SHARDED:
-                normed = self.collective(lambda c: f"final/all_gather@c{c}", "tp.all_gather", group,
-                                         lambda c: [normed[r] for r in group], f"final/all_gather@g{grp}",
-                                         counts=[slab(t, topo.tp, topo.tp_rank(r))[1] for r in group])
+            normed = self._gather("final", grp, group, normed, t)
             shards = [g.add(f"final/lm_head.shard@c{c}", "lm_head.shard", [normed[c], step_key[c]], c,
                             tp_rank=topo.tp_rank(c)) for c in group]
             g.add(head_key(grp), "lm_head.argmax", shards + [step_key[group[0]]], group[0], dp_group=grp)
 
-    # ---- DSpark: seed the windows with the kept rows, draft the next block ---------------------------
+    # ---- TP transport of one DP group --------------------------------------------------------------
     def _tp_reduce(self, name: str, grp: int, group: list[int], parts: dict, layer=None) -> dict:
         """The wiring's TP reduction of per-card partials: all-reduce (replicated) or reduce-scatter."""
         kernel, op = ("tp.reduce_scatter", "reduce_scatter") if self.wiring == SHARDED else ("tp.all_reduce", "all_reduce")
@@ -290,6 +274,7 @@ class _Builder:
                                lambda c: [rows[r] for r in group], f"{name}/all_gather@g{grp}", layer=layer,
                                counts=[slab(t, tp, self.topo.tp_rank(r))[1] for r in group])
 
+    # ---- DSpark: seed the windows with the kept rows, draft the next block ---------------------------
     def _dspark(self, step_key, rope):
         """Per DP group after its head's verdict: the kept rows' taps seed the stages' window caches,
         then the stages draft the next block (a backbone-shaped sub-graph over B*block rows: heads by
