@@ -285,10 +285,9 @@ def test_expected_experts_hit_match_a_monte_carlo_of_top_k_routing(experts, k, e
     experts of E uniformly (one token on 8 experts, top-6: exactly 6 hit)."""
     import torch
     from dsv41.kernels.nodes.moe import _experts_read
-    cfg = replace(TINY, n_routed_experts=experts, num_experts_per_tok=k)
     local = experts // ep
     pairs = tokens * k * local / experts                      # expected pairs on card 0
-    frac = _experts_read([torch.empty(0, device="meta")], pairs, 0, local, cfg)[0]
+    frac = _experts_read([torch.empty(0, device="meta")], pairs, 0, local, k, experts)[0]
     g = torch.Generator().manual_seed(0)
     trials = max(100, 4000 // tokens)
     picks = torch.rand(trials, tokens, experts, generator=g).argsort(-1)[..., :k]     # k distinct per token

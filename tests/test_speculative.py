@@ -209,8 +209,9 @@ def accepted_slots(engine, rid, first: int, end: int) -> dict:
     """Physical slots written by positions [first, end) of request rid, per cache."""
     seq, cfg = engine.table.requests[rid], engine.cfg
     out = {}
-    for spec in cfg.layers:
-        out[cache.window(spec.layer)] = {seq.window_pages[p // BS] * BS + p % BS for p in range(first, end)}
+    # the backbone's windows and DSpark's stages' (layer ids past the backbone), at the same slots
+    for layer in range(cfg.num_hidden_layers + cfg.n_mtp_layers):
+        out[cache.window(layer)] = {seq.window_pages[p // BS] * BS + p % BS for p in range(first, end)}
     for s in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[s]
         rows = [p // r for p in range(first, end) if (p + 1) % r == 0]
