@@ -3,19 +3,19 @@
 bit: tokens, confidence scores, the draft logits (Markov bias included) and a sampling request's
 draft distributions; after a verify step that kept only some rows; and a request recomputed after
 preemption drafts again, from the windows its recompute prefill seeded."""
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
-from dsv41.config import TINY, Topology
+from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.dspark import DSparkDrafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.scheduler import Scheduler, jobs_for
 from dsv41.model.dspark import seeded_sampler
 from dsv41.ops.sampling import SamplingParams
-from test_dspark_forward import flash_width
 
 V = TINY.vocab_size
 PROMPTS = [[(5 * i + 11 * j) % V for j in range(n)] for i, n in enumerate((12, 19, 7))]
@@ -104,9 +104,10 @@ def test_the_graphs_drafts_are_the_golden_drafts_after_prefill_and_a_partly_reje
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_flash_width_graph_drafts_are_the_golden_drafts():
-    """FLASH width (3 layers, 3 stages, 8 experts each; ``test_dspark_forward.flash_width``), TP2 and
-    EP2: a 131-token prompt (the 128-slot window wraps) beside a short one."""
-    cfg = flash_width()
+    """FLASH width (3 layers, 3 stages, 8 experts each, small Engram tables and a 4096-token vocabulary),
+    TP2 and EP2: a 131-token prompt (the 128-slot window wraps) beside a short one."""
+    cfg = replace(FLASH.reduced(layers=3, experts=8, engram_rows=4099), name="flash-dspark-graph-test",
+                  vocab_size=4096, dspark_noise_token_id=4000).validate()
     prompts = [[(3 * j + 1) % cfg.vocab_size for j in range(131)], [9, 4000, 17]]
     check_graph_drafts(cfg, Topology(2, 1, 2), prompts, [None, SamplingParams(temperature=0.7, seed=3)], 160)
 
