@@ -292,6 +292,25 @@ def test_preemption_recomputes_to_the_tokens_of_an_unconstrained_run():
     assert tight.blocks_in_use()[0] == 0
 
 
+def test_preemption_with_dspark_sampling_recomputes_to_the_tokens_of_an_unconstrained_run():
+    """A preempted request's recompute seeds DSpark's windows and draws its next drafts with its own
+    seed, so seeded sampling with DSpark's drafts makes the tokens of a run never preempted."""
+    prompts = [p + p[:7] for p in PROMPTS]
+    roomy = ReferenceEngine(TINY, seed=0, max_batch=3, max_context=CTX)
+    tight = ReferenceEngine(TINY, seed=0, max_batch=3, max_context=CTX, cache_tokens=100)
+    plain = generate(roomy, dspark_drafter(roomy), SAMPLED, prompts, 30)
+    jobs = jobs_for(prompts, SAMPLED, 30, None)
+    sched = Scheduler(tight, dspark_drafter(tight), keep_logits=True)
+    turns = sched.run(jobs)
+    restarted = [j for j in jobs if j.preemptions]
+    assert [t.phase for t in turns].count("restart") >= 1 and restarted
+    # the decode step after each restart verified drafts again
+    after = [turns[i + 1] for i, t in enumerate(turns[:-1]) if t.phase == "restart"]
+    assert any(t.out.proposed and any(t.out.proposed) for t in after if t.phase == "decode")
+    assert [j.made for j in jobs] == plain[0]
+    assert torch.equal(torch.stack([j.final_logits for j in jobs]), plain[1])
+
+
 def test_a_request_the_pools_can_never_hold_fails_clearly():
     tight = ReferenceEngine(TINY, seed=0, max_batch=1, max_context=CTX, cache_tokens=16)
     with pytest.raises(ValueError, match="cache pools cannot hold"):

@@ -5,11 +5,13 @@ On a graph engine the stages are graph nodes of every step (``graph.build`` with
 draft and head nodes per DP group, placed as the backbone's, the windows card caches published with
 the step), so a request's drafts are what its last step made (``GraphEngine.drafts``): ``GraphDrafts``
 only cuts them to the room and the confidence threshold. A request recomputed after preemption
-drafts again: its recompute prefill seeds its windows and drafts its next block.
+drafts again: its recompute prefill seeds its windows and drafts its next block (with the request's
+own seed: ``Engine.restart``).
 
 On the reference engine ``DSparkDrafter`` is the golden: the stages in the engine's process over its
 weights, seeded with the taps the reference forward captures (``Engine.taps``): a prefill's last
-``window`` rows, a verify step's accepted rows, never a rejected one. A greedy request's drafts are
+``window`` rows, a verify step's accepted rows, never a rejected one, a recompute's rows after
+preemption (``Engine.restart`` tells it its steps). A greedy request's drafts are
 the stages' argmax (with the Markov bias); a sampling request's are drawn from the draft
 distribution with a generator of its own (``model.dspark.seeded_sampler``), and that distribution
 goes with the drafts, so the verify step accepts them by the speculative-sampling rule.
@@ -81,13 +83,14 @@ class DSparkDrafter(Drafter):
 
     # ---- seeding ----------------------------------------------------------------------------------
     def observe(self, phase: str, jobs, out):
-        """After a step: publish each job's kept rows (a prefill's last window rows)."""
+        """After a step: publish each job's kept rows (a prefill's last window rows; a recompute
+        after preemption tells its steps too, ``Engine.restart``)."""
         for i, job in enumerate(jobs):
             taps = out.taps[i]
             rows = next(iter(taps.values())).shape[0]
-            if phase == "prefill":
-                first, kept = 0, rows
-                window = DSparkWindow(self.cfg)
+            if phase == "prefill":            # a recompute's later chunks continue its window
+                window = self.windows.get(job.id) or DSparkWindow(self.cfg)
+                first, kept = window.length, rows
             elif job.id in self.windows:
                 window = self.windows[job.id]
                 first, kept = window.length, rows - (out.proposed[i] if out.proposed else 0) + out.accepted[i]

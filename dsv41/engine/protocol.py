@@ -10,7 +10,7 @@ them, for the step just run only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -136,20 +136,29 @@ class Engine(ABC):
         return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode", drafts=drafts,
                          draft_probs=draft_probs)
 
-    def restart(self, history: list[int], state: Sequence) -> int:
+    def restart(self, history: list[int], state: Sequence, on_step: Callable[[StepOutput], None] | None = None) -> int:
         """A request again from its token history (a preempted one: its caches recomputed by
         prefill steps of at most ``prefill_max_tokens`` rows, their tokens not kept), with the
-        sampling state it had (settings, seed, draws made, prompt length). Returns its new id."""
+        sampling state it had (settings, seed, draws made, prompt length). Returns its new id.
+        on_step: told each recompute step's output (a drafter seeded by the model's own states).
+        The steps run with the request's own seed, so what they draw for it (DSpark's next drafts)
+        is what the request would have drawn."""
         limit = self.cfg.prefill_max_tokens
-        rid = self.step([(None, history[:limit])], "prefill", [state.sampling]).request_ids[0]
+        params = state.sampling if state.sampling.greedy else replace(state.sampling, seed=state.seed)
+        out = self.step([(None, history[:limit])], "prefill", [params])
+        rid = out.request_ids[0]
         try:
+            if on_step is not None:
+                on_step(out)
             for i in range(limit, len(history), limit):
-                self.step([(rid, history[i:i + limit])], "prefill")
+                out = self.step([(rid, history[i:i + limit])], "prefill")
+                if on_step is not None:
+                    on_step(out)
         except BaseException:
             self.release(rid)
             raise
         seq = self.sequence(rid)
-        seq.seed, seq.drawn, seq.prompt_len = state.seed, state.drawn, state.prompt_len
+        seq.sampling, seq.seed, seq.drawn, seq.prompt_len = state.sampling, state.seed, state.drawn, state.prompt_len
         return rid
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, sampling=None,

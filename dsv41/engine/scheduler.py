@@ -169,7 +169,8 @@ class Scheduler:
         if head.saved is not None:                # a preempted job: recompute its caches first
             t0 = time.perf_counter()
             try:
-                rid = self.engine.restart(head.history[:-1], head.saved)
+                seen = None if self.drafter is None else lambda out: self.drafter.observe("prefill", [head], out)
+                rid = self.engine.restart(head.history[:-1], head.saved, seen)
             except PoolExhausted:
                 return None
             self.waiting.popleft()
