@@ -282,7 +282,7 @@ CPU = DeviceProfile(
     {"mx": 62.7 * G, "dense": 62.7 * G, "vector": 157.7 * G},
     {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
     launch_us=1.56, host_launch_us=1.56, graph_launch_us=1.56, host_step_us=100.0, token_sync_us=1.56,
-    weight_use_ns={"fp8": 0.156, "fp4": 0.126, "bf16": 0.169, "f32": 0.27}, shared_cores=2,
+    weight_use_ns={"fp8": 0.170, "fp4": 0.135, "bf16": 0.186, "f32": 0.27}, shared_cores=2,
     sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM", "hbm_bytes_per_s": _CPU_RATES,
              "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (FP64 products of decoded tiles); "
                                          "vector at the FP32 GEMM rate (assumption: an upper bound)",
