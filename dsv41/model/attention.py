@@ -14,7 +14,7 @@ from dsv41.model import caches as cache
 from dsv41.model.options import Options
 from dsv41.ops.attention import slot_list, sparse_attention
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
-from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, key_blocks, physical_rows,
+from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows,
                                score_chunks, topk_positions)
 from dsv41.ops.metadata import window_list_width
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
@@ -127,14 +127,9 @@ class Attention:
                              cos[rows], sin[rows], cfg.index_n_heads, cfg.index_head_dim, opts.fp4_index_query)
         if cand is not None:
             visible = visible & cand[rows]
-        # a block of keys at a time: read, decoded and scored while its [rows, heads, block] terms are in cache
-        parts = []
-        for a, b in key_blocks(width):
-            vis = visible[:, a:b]
-            keys = cache.read(caches, cache.index(src), physical_rows(torch.where(vis, pos[:, a:b], -1), req, table,
-                                                                      cfg.block_size))
-            parts.append(index_scores(q, wts, keys, vis))
-        scores = torch.cat(parts, 1)
+        # one pass over the index keys: each decoded from the cache and scored while in cache
+        rows_phys = physical_rows(torch.where(visible, pos, -1), req, table, cfg.block_size)
+        scores = index_scores(q, wts, *caches.read(cache.index(src)), rows_phys)
         top = physical_rows(topk_positions(scores, cfg.index_topk), req, table, cfg.block_size)
         mask = None
         if self.layer == cfg.candidate_source_layer_id:

@@ -11,20 +11,14 @@ import math
 
 import torch
 
+from dsv41.ops import kv_cache
+from dsv41.ops.key_kernels import decode_index_rows, index_score_epilogue
 from dsv41.ops.projections import dense_linear, mx_linear
-from dsv41.ops.quant import mxfp4_qdq, round_bf16
+from dsv41.ops.quant import E8M0_VALUES, FP4_PAIRS, mxfp4_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
-KEY_BLOCK = 2048      # index keys scored at once: a row's [64 heads, block] FP64 dots are 1 MiB (in cache)
-
-
-def key_blocks(width: int) -> list[tuple[int, int]]:
-    """[a, b) blocks of ``KEY_BLOCK`` key positions covering [0, width) (one empty block for none).
-    Each score is computed alone (no sum crosses positions), so blocks give the unblocked bits."""
-    return [(a, min(a + KEY_BLOCK, width)) for a in range(0, max(width, 1), KEY_BLOCK)]
-
-
+KEY_BLOCK = 2048      # index keys scored at once: a row's [heads, block] FP64 dots stay in cache
 def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int, fp4_query: bool = True):
     """qI [T, nh, ihd] (RoPE'd, FP4 fake-quantized when fp4_query) and head weights wI [T, nh].
 
@@ -42,17 +36,33 @@ def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int
     return q, w
 
 
-def index_scores(q, w, keys, visible) -> torch.Tensor:
-    """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)); -inf where not visible.
+def index_scores(q, w, payload, scale, rows) -> torch.Tensor:
+    """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k)) * w_h)) for the index key k at cache row rows[t, j];
+    -inf where rows[t, j] < 0 (not visible).
 
-    q [T, nh, d], w [T, nh], keys [T, P, d] (each row's decoded keys), visible bool [T, P].
-    The dot and the head sum accumulate in FP64 (rounded to FP32 once, then to BF16) so that a
-    row's score does not depend on how many rows or heads are batched together.
+    q [T, nh, d], w [T, nh], (payload, scale) the index cache's parts, rows i64 [T, P]. A block of
+    ``KEY_BLOCK`` keys at a time, each key read once: decoded from its cache bytes straight to FP64
+    (``ops.key_kernels``), dotted with every head in one FP64 product, and the rest of its score
+    (roundings, ReLU, head weights, the head sum) in one compiled pass while the block is in cache.
+    The dot and the head sum accumulate in FP64 (rounded to FP32 once, then to BF16) so that a row's
+    score does not depend on how many rows or heads are batched together.
     """
-    dot = round_bf16(torch.einsum("thd,tpd->thp", q.double(), keys.double()).float())
-    term = round_bf16(torch.relu(dot) * w.unsqueeze(-1))
-    s = round_bf16(term.double().sum(1).float())
-    return s.masked_fill(~visible, NEG_INF)
+    t, _, d = q.shape
+    p = rows.shape[1]
+    out = torch.empty(t, p, dtype=torch.float32)
+    if not t:
+        return out
+    qd, wf, rows = q.double(), w.float().contiguous(), rows.long()
+    parts = (payload.contiguous().numpy(), scale.contiguous().numpy())
+    pairs, e8m0, group = FP4_PAIRS.numpy(), E8M0_VALUES.numpy(), kv_cache.FORMATS[kv_cache.INDEX].group
+    for a in range(0, p, KEY_BLOCK):
+        r = rows[:, a:a + KEY_BLOCK].contiguous()
+        keys = torch.empty(t, r.shape[1], d, dtype=torch.float64)
+        decode_index_rows(*parts, r.numpy(), pairs, e8m0, group, keys.numpy())
+        block = torch.empty(t, r.shape[1], dtype=torch.float32)
+        index_score_epilogue(torch.einsum("thd,tpd->thp", qd, keys).numpy(), wf.numpy(), r.numpy(), block.numpy())
+        out[:, a:a + KEY_BLOCK] = block
+    return out
 
 
 def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:

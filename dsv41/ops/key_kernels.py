@@ -1,0 +1,93 @@
+"""Compiled passes over cached keys: the indexer's scores and the attention leaf's two contractions.
+
+Each reads a key from its cache bytes once per query block, decodes it (table lookups, then the BF16
+rounding ``kv_cache.read`` applies) and does all of that key's arithmetic while it is in cache, so no
+[heads x keys] intermediate exists. The arithmetic is the Torch golden's, value for value: products
+of BF16 values are exact in FP64, every contraction accumulates in FP64 in a fixed order (over the
+contracted index, ascending; never dependent on how many rows or heads run together), is rounded to
+FP32 once, and BF16 roundings are round-to-nearest-even on the FP32 bits as Torch does them. The
+exponentials stay in Torch (``ops.attention``): its ``exp`` is not the C library's, bit for bit.
+
+Compiled once per machine (``cache=True``), without the GIL so a threaded executor's cards run
+these at once; no ``parallel=True`` (numba's workqueue layer aborts under concurrent callers).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+NEG_INF = -np.inf
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bf16_bits(bits):
+    """FP32 bits -> the bits of the BF16 value nearest (ties to even), as an FP32 pattern; NaN stays NaN."""
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint32(0x7FC00000)
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+
+@njit(cache=True, nogil=True)
+def round_bf16_inplace(x):
+    """Round an FP32 array to BF16 values in place (``ops.quant.round_bf16``)."""
+    bits = x.view(np.uint32)
+    for i in range(bits.shape[0]):
+        bits[i] = _bf16_bits(bits[i])
+
+
+@njit(cache=True, nogil=True)
+def decode_index_rows(payload, scale, rows, pairs, e8m0, group, out):
+    """out[t, j] = the index key at cache row rows[t, j] as BF16-valued FP64 (zeros where rows[t, j] < 0):
+    ``kv_cache.read`` of the INDEX format (packed E2M1 x E8M0, rounded to BF16), widened.
+
+    payload u8 [R, d/2], scale u8 [R, d/group], rows i64 [T, n], pairs FP32 [256, 2] (a packed byte's
+    two E2M1 values), e8m0 FP32 [256], out FP64 [T, n, d]. A row the previous query row also read
+    (a prefill's rows of one request) is copied, not decoded again."""
+    t_rows, n = rows.shape
+    half = payload.shape[1]
+    tmp = np.empty(2 * half, np.float32)
+    for t in range(t_rows):
+        for j in range(n):
+            r = rows[t, j]
+            if r < 0:
+                out[t, j, :] = 0.0
+            elif t and rows[t - 1, j] == r:
+                out[t, j, :] = out[t - 1, j, :]
+            else:
+                for i in range(half):
+                    s = e8m0[scale[r, (2 * i) // group]]
+                    b = payload[r, i]
+                    tmp[2 * i] = pairs[b, 0] * s
+                    tmp[2 * i + 1] = pairs[b, 1] * s
+                round_bf16_inplace(tmp)
+                for i in range(2 * half):
+                    out[t, j, i] = tmp[i]
+
+
+@njit(cache=True, nogil=True)
+def index_score_epilogue(dots, w, rows, out):
+    """out[t, j] = bf16(sum_h bf16(relu(bf16(dots[t, h, j])) * w[t, h])), the head sum in FP64 over
+    ascending heads; -inf where rows[t, j] < 0. dots FP64 [T, H, n], w FP32 [T, H], out FP32 [T, n]."""
+    t_rows, h_n, n = dots.shape
+    f = np.empty(n, np.float32)
+    s = np.empty(n, np.float64)
+    for t in range(t_rows):
+        s[:] = 0.0
+        for h in range(h_n):
+            wh = w[t, h]
+            for j in range(n):
+                f[j] = np.float32(dots[t, h, j])
+            round_bf16_inplace(f)
+            for j in range(n):
+                v = f[j]
+                if v < 0:
+                    v = np.float32(0.0)
+                f[j] = v * wh
+            round_bf16_inplace(f)
+            for j in range(n):
+                s[j] += np.float64(f[j])
+        for j in range(n):
+            f[j] = np.float32(s[j])
+        round_bf16_inplace(f)
+        for j in range(n):
+            out[t, j] = f[j] if rows[t, j] >= 0 else NEG_INF
