@@ -229,6 +229,14 @@ def _head_weights_ref(x, wp, nh, ihd):
     return bf16_64((bf16_64(x.double() @ wp.double().t()) * c).float())
 
 
+def _index_cache(keys):
+    """keys [T, P, d] written to an index cache (row t * P + j) -> (payload, scale, the keys as read back)."""
+    t, p, d = keys.shape
+    fmt = kv_cache.FORMATS[kv_cache.INDEX]
+    payload, scale = fmt.encode(keys.reshape(t * p, d))
+    return payload, scale, kv_cache.read(payload, scale, fmt, torch.arange(t * p)).reshape(t, p, d)
+
+
 def _scores_ref(q, w, keys):
     """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)), every sum in FP64."""
     dot = bf16_64(torch.einsum("thd,tpd->thp", q.double(), keys.double()).float())
@@ -250,9 +258,9 @@ def test_index_head_weights_and_scores_official_rounding(cfg, tables):
     assert torch.equal(w.double(), w_ref)
     unrounded = bf16_64(x.double() @ wp.double().t()) * (ihd ** -0.5 * nh ** -0.5)
     assert not torch.equal(w_ref, unrounded)                         # the rounding is not a no-op here
-    keys = _bf(t, p, ihd, seed=64)
-    visible = torch.ones(t, p, dtype=torch.bool)
-    assert torch.equal(index_scores(q, w, keys, visible).double(), _scores_ref(q, w_ref, keys))
+    payload, scale, keys = _index_cache(_bf(t, p, ihd, seed=64))
+    rows = torch.arange(t * p).reshape(t, p)
+    assert torch.equal(index_scores(q, w, payload, scale, rows).double(), _scores_ref(q, w_ref, keys))
 
 
 def _dyadic(shape, seed, lo, hi, denom):
@@ -264,10 +272,10 @@ def test_index_scores_rounding_recipe():
     # dyadic inputs make every FP32 step exact, so the only roundings are the recipe's BF16 ones
     t, nh, d, p = 3, 4, 32, 20
     q = _dyadic((t, nh, d), 21, -16, 16, 8)
-    keys = _dyadic((t, p, d), 22, -16, 16, 8)
+    payload, scale, keys = _index_cache(_dyadic((t, p, d), 22, -16, 16, 8))
     w = _dyadic((t, nh), 23, 0, 32, 16)
     visible = torch.rand(t, p, generator=_g(24)) < 0.8
-    s = index_scores(q, w, keys, visible)
+    s = index_scores(q, w, payload, scale, torch.where(visible, torch.arange(t * p).reshape(t, p), -1))
     want = torch.full((t, p), -INF, dtype=torch.float64)
     for i in range(t):
         for j in range(p):
@@ -284,6 +292,48 @@ def test_index_scores_rounding_recipe():
     # the recipe differs from an unrounded FP32 score on these inputs (the test can see roundings)
     raw = (torch.relu(torch.einsum("thd,tpd->thp", q.double(), keys.double())) * w.double().unsqueeze(-1)).sum(1)
     assert not torch.equal(raw.masked_fill(~visible, -INF), want)
+
+
+def _index_key_from_bytes(payload_row, scale_row, group=32):
+    """One index-cache row decoded by the format's definition: element 2i in byte i's low nibble,
+    2i+1 in its high nibble, E2M1 magnitude times 2^(code - 127), rounded to BF16."""
+    vals = []
+    for i, byte in enumerate(payload_row.tolist()):
+        for code in (byte & 0xF, byte >> 4):
+            mag = FP4_LEVELS[code & 7] * 2.0 ** (int(scale_row[len(vals) // group]) - 127)
+            vals.append(-mag if code & 8 else mag)
+    return bf16_64(torch.tensor(vals, dtype=torch.float64))
+
+
+def test_index_scores_read_each_key_from_the_cache_a_block_at_a_time(monkeypatch):
+    """The indexer's pass over the keys (decoded from the cache bytes, a block at a time, rows of one
+    request sharing the block's decode) equals the unfused formula on keys decoded here: several
+    blocks and a short last one, invisible positions, rows of two requests, keys whose magnitudes
+    span 2^-12..2^12."""
+    from dsv41.ops import indexer
+    t, nh, d, p, r = 5, 8, 64, 23, 40
+    g = _g(70)
+    values = torch.randn(r, d, generator=g) * 2.0 ** torch.randint(-12, 13, (r, d // 32), generator=g).repeat_interleave(32, 1)
+    fmt = kv_cache.FORMATS[kv_cache.INDEX]
+    payload, scale = fmt.encode(values)
+    slot = torch.stack([torch.randperm(r, generator=g)[:p] for _ in range(2)])       # request -> position -> row
+    req = torch.tensor([0, 0, 0, 1, 1])
+    lens = torch.tensor([9, 17, 23, 23, 12])
+    visible = (torch.arange(p) < lens.unsqueeze(1)) & (torch.rand(t, p, generator=g) < 0.85)
+    rows = torch.where(visible, slot[req], -1)
+    q = bf16_64(torch.randn(t, nh, d, generator=g)).float()
+    w = bf16_64(torch.randn(t, nh, generator=g) * 0.2).float()
+    want = torch.full((t, p), -INF, dtype=torch.float64)
+    for i in range(t):
+        for j in range(p):
+            if visible[i, j]:
+                key = _index_key_from_bytes(payload[rows[i, j]], scale[rows[i, j]])
+                want[i, j] = _scores_ref(q[i:i + 1], w[i:i + 1].double(), key.reshape(1, 1, d))[0, 0]
+    assert (want[visible] > 0).any() and torch.isfinite(want[visible]).all()
+    monkeypatch.setattr(indexer, "KEY_BLOCK", 5)
+    assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
+    monkeypatch.setattr(indexer, "KEY_BLOCK", 2048)
+    assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
 
 
 def _topk_ref(scores, k):
