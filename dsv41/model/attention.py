@@ -12,7 +12,7 @@ import torch
 from dsv41.config import FULL, REINDEX, SWA, LayerSpec, ModelConfig
 from dsv41.model import caches as cache
 from dsv41.model.options import Options
-from dsv41.ops.attention import slot_list, sparse_attention
+from dsv41.ops.attention import slot_list, sparse_attention_cached
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows,
                                score_chunks, topk_positions)
@@ -150,13 +150,16 @@ class Attention:
 
     def attend(self, caches, md, q, topk_rows):
         """Sparse attention over this layer's window rows and the selected compressed rows."""
-        keys = cache.read(caches, self.window_cache, md.window_indices)
-        valid = md.window_indices >= 0
+        # the slot list as (cache row, from the compressed cache) pairs; the leaf reads each key's bytes once
+        rows = torch.stack([md.window_indices.long(), torch.zeros_like(md.window_indices, dtype=torch.long)], -1)
+        compressed = None
         if self.spec.mode != SWA:
-            keys, valid = slot_list(keys, valid, cache.read(caches, cache.compressed(self.spec.kv_source), topk_rows),
-                                    topk_rows >= 0, window_list_width(md))
+            compressed = caches.read(cache.compressed(self.spec.kv_source))
+            picked = torch.stack([topk_rows.long(), torch.ones_like(topk_rows, dtype=torch.long)], -1)
+            rows, _ = slot_list(rows, rows[..., 0] >= 0, picked, topk_rows >= 0, window_list_width(md))
         # this card's heads when the weights are a TP shard
-        return sparse_attention(q, keys, valid, self.w("attn_sink"), self.cfg.head_dim ** -0.5)
+        return sparse_attention_cached(q, caches.read(self.window_cache), compressed, rows[..., 0], rows[..., 1] == 1,
+                                       self.w("attn_sink"), self.cfg.head_dim ** -0.5)
 
     def o_proj(self, attended, cos, sin):
         """This card's FP32 partial of the output projection (TP partials meet in a reduction)."""

@@ -51,7 +51,7 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def e4m3_decode(payload: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def e4m3_decode(payload: torch.Tensor) -> torch.Tensor:
     if payload.dtype != torch.float8_e4m3fn:
         return payload.float()
     codes = payload.view(torch.uint8).reshape(-1).long()
-    return _E4M3_VALUES.to(payload.device).index_select(0, codes).reshape(payload.shape)
+    return E4M3_VALUES.to(payload.device).index_select(0, codes).reshape(payload.shape)
 
 
 def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -196,7 +196,7 @@ def _scaled_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """(scale code, payload byte) -> decoded FP64 value(s): every FP32 product the formulas form
     (E4M3 value x 2^(s-127); the two E2M1 values of a packed byte x 2^(s-127)), widened to FP64."""
     scale = E8M0_VALUES[:, None]
-    fp8 = (_E4M3_VALUES[None, :] * scale).double().reshape(-1)
+    fp8 = (E4M3_VALUES[None, :] * scale).double().reshape(-1)
     fp4 = (FP4_PAIRS[None] * scale[..., None]).double().reshape(-1, 2)
     return fp8, fp4
 
