@@ -645,6 +645,56 @@ def test_sparse_attention_tiles_the_raw_slot_list():
     assert_rows_close(out, compact, "compact tiling")                # ... by BF16 rounding only
 
 
+def _window_key_from_bytes(payload_row, scale_row, group=32):
+    """One window-cache row by the format's definition: E4M3 value times 2^(code - 127), rounded to BF16."""
+    exp = scale_row.double().repeat_interleave(group) - 127
+    return bf16_64(payload_row.double() * torch.pow(2.0, exp))
+
+
+def _compressed_key_from_bytes(payload_row, scale_row, group=16):
+    """One compressed-cache row: E2M1 nibbles (element 2i low) times the group's E4M3 scale, to BF16."""
+    codes = torch.stack([payload_row & 0xF, payload_row >> 4], -1).reshape(-1).long()
+    mag = torch.tensor(FP4_LEVELS, dtype=torch.float64)[codes & 7]
+    vals = torch.where((codes & 8) != 0, -mag, mag)
+    return bf16_64(vals * scale_row.double().repeat_interleave(group))
+
+
+def test_sparse_attention_reads_each_key_from_the_caches_once_per_query_block(monkeypatch):
+    """The leaf over cache rows (window FP8 and compressed FP4 bytes decoded in its pass, query blocks
+    of one row) equals the per-row, per-head tiled formula on keys decoded here: three tiles and a
+    short last one, invalid slots in place, compressed slots ahead of and behind window slots, a row
+    with no valid key, keys whose groups span 2^-8..2^8."""
+    from dsv41.ops import attention
+    t, h, d, w, k = 6, 4, 64, 64, 70
+    g = _g(73)
+    win_fmt, cmp_fmt = kv_cache.FORMATS[kv_cache.WINDOW], kv_cache.FORMATS[kv_cache.COMPRESSED]
+    spread = lambda n: 2.0 ** torch.randint(-8, 9, (n, d // 16), generator=g).repeat_interleave(16, 1)
+    window = win_fmt.encode(torch.randn(90, d, generator=g) * spread(90))
+    compressed = cmp_fmt.encode(torch.randn(120, d, generator=g) * spread(120))
+    q = _bf(t, h, d, seed=74, std=3.0)
+    sink = torch.randn(h, generator=_g(75))
+    cmp_first = torch.rand(t, w + k, generator=g) < 0.5                 # a permuted list: sources interleave
+    rows = torch.where(cmp_first, torch.randint(0, 120, (t, w + k), generator=g),
+                       torch.randint(0, 90, (t, w + k), generator=g))
+    rows = torch.where(torch.rand(t, w + k, generator=g) < 0.2, -1, rows)
+    rows[2] = -1                                                         # no valid key: exactly 0
+    rows[4, 100:] = -1                                                   # trailing invalid tiles of one row
+    keys = torch.zeros(t, w + k, d, dtype=torch.float64)
+    for i in range(t):
+        for j in range(w + k):
+            r = int(rows[i, j])
+            if r >= 0:
+                keys[i, j] = (_compressed_key_from_bytes(compressed[0][r], compressed[1][r].float()) if cmp_first[i, j]
+                              else _window_key_from_bytes(window[0][r].float(), window[1][r]))
+    want = _tiled_attention_ref(q, keys.float(), rows >= 0, sink, d ** -0.5)
+    assert (want[2] == 0).all() and (want[0] != 0).any()
+    monkeypatch.setattr(attention, "ROW_BLOCK_BYTES", 1)
+    got = attention.sparse_attention_cached(q, window, compressed, rows, cmp_first, sink, d ** -0.5)
+    assert torch.equal(got, want)
+    monkeypatch.setattr(attention, "ROW_BLOCK_BYTES", 1 << 30)
+    assert torch.equal(attention.sparse_attention_cached(q, window, compressed, rows, cmp_first, sink, d ** -0.5), want)
+
+
 def test_slot_list_moves_compressed_slots_behind_a_short_window():
     # official prefill lists min(prompt, window) window slots; decode lists the whole window
     w, k, d = 6, 3, 2
