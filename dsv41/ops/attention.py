@@ -11,15 +11,14 @@ once, so a row's result does not depend on how many rows or heads are computed t
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from dsv41.ops import kv_cache
-from dsv41.ops.key_kernels import decode_slot_rows, leaf_logits, leaf_values
+from dsv41.ops.key_kernels import decode_slot_rows
 from dsv41.ops.quant import E4M3_VALUES, E8M0_VALUES, FP4_PAIRS, round_bf16
 
 TILE = 64
-ROW_BLOCK_BYTES = 4 << 20    # a query block's FP64 keys: one row at FLASH's 640 x 512 slots, in L2/L3
+ROW_BLOCK_BYTES = 4 << 20    # a query block's FP64 keys: one row at FLASH's 640 x 512 slots (in cache)
 
 
 def slot_list(win_keys: torch.Tensor, win_valid: torch.Tensor, cmp_keys: torch.Tensor, cmp_valid: torch.Tensor,
@@ -47,7 +46,13 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
                      scale: float) -> torch.Tensor:
     """q [T, H, d] BF16, keys [T, K, d] BF16 (also the values; the raw slot list, invalid entries in
     place), valid bool [T, K], sink [H] -> [T, H, d]."""
-    return _attend(q, valid, sink, scale, lambda a, b: keys[a:b].double().contiguous())
+    def keys_of(a: int, b: int, slots: int) -> torch.Tensor:
+        out = torch.zeros(b - a, slots, keys.shape[2], dtype=torch.float64)
+        width = min(slots, keys.shape[1])
+        out[:, :width] = keys[a:b, :width]
+        return out
+
+    return _attend(q, valid, sink, scale, keys_of)
 
 
 def sparse_attention_cached(q: torch.Tensor, window: tuple, compressed: tuple | None, rows: torch.Tensor,
@@ -62,51 +67,58 @@ def sparse_attention_cached(q: torch.Tensor, window: tuple, compressed: tuple | 
     parts = (window[0].view(torch.uint8).numpy(), window[1].numpy(), compressed[0].numpy(),
              compressed[1].view(torch.uint8).numpy())
     tables = (E4M3_VALUES.numpy(), E8M0_VALUES.numpy(), FP4_PAIRS.numpy(), win.group, cmp.group)
-    rows, from_compressed = rows.long().contiguous(), from_compressed.contiguous()
+    rows = rows.long()
 
-    def keys(a: int, b: int) -> torch.Tensor:
-        out = torch.empty(b - a, rows.shape[1], q.shape[2], dtype=torch.float64)
-        decode_slot_rows(*parts, rows[a:b].numpy(), from_compressed[a:b].numpy(), *tables, out.numpy())
+    def keys_of(a: int, b: int, slots: int) -> torch.Tensor:
+        width = min(slots, rows.shape[1])
+        r = torch.full((b - a, slots), -1, dtype=torch.long)
+        r[:, :width] = rows[a:b, :width]
+        flag = torch.zeros(b - a, slots, dtype=torch.bool)
+        flag[:, :width] = from_compressed[a:b, :width]
+        out = torch.empty(b - a, slots, q.shape[2], dtype=torch.float64)
+        decode_slot_rows(*parts, r.numpy(), flag.numpy(), *tables, out.numpy())
         return out
 
-    return _attend(q, rows >= 0, sink, scale, keys)
+    return _attend(q, rows >= 0, sink, scale, keys_of)
 
 
 def _attend(q: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float, keys_of) -> torch.Tensor:
-    """The leaf over query blocks; keys_of(a, b) gives rows [a, b)'s keys as FP64 [b - a, K, d].
+    """The leaf a query block at a time; keys_of(a, b, slots) gives rows [a, b)'s first ``slots`` keys
+    as FP64 [b - a, slots, d] (zeros past the list).
 
-    A block's keys are read by two compiled passes while in cache (``ops.key_kernels``): the logits
-    and the running max per tile, then the values. The exponentials between them are Torch's, on all
-    of the block's tiles at once (element-wise: the same bits as tile by tile)."""
+    Within a block every tile is computed at once: the QK and PV products are batches of the per-tile
+    products (the same [H, d] x [d, 64] and [H, 64] x [64, d] FP64 products, so the same sums), the
+    running max is a cumulative max over the tiles' maxima, the exponentials are element-wise; only
+    the rescaled FP32 sums run tile after tile."""
     t, h, d = q.shape
-    k = valid.shape[1]
     n = int(valid.any(0).nonzero().max()) + 1 if t and bool(valid.any()) else 0   # trailing -1 tiles change nothing
     tiles = -(-n // TILE)
     out = torch.zeros(t, h, d)
     if not tiles:
         return out
-    qt = q.double().transpose(1, 2).contiguous()
-    valid = valid.contiguous()
+    width = min(valid.shape[1], tiles * TILE)                   # slots read; the last tile may be short
+    last = width - (tiles - 1) * TILE
     ok = torch.zeros(t, tiles * TILE, dtype=torch.bool)
-    ok[:, :min(k, tiles * TILE)] = valid[:, :tiles * TILE]
-    last = min(k, tiles * TILE) - (tiles - 1) * TILE            # slots in the last tile (the old slice's width)
-    step = max(1, ROW_BLOCK_BYTES // max(1, k * d * 8))
+    ok[:, :width] = valid[:, :width]
+    step = max(1, ROW_BLOCK_BYTES // (tiles * TILE * d * 8))
     for a in range(0, t, step):
         b = min(a + step, t)
-        kv = keys_of(a, b)
-        logits = torch.empty(b - a, h, tiles * TILE)
-        running = torch.empty(b - a, tiles + 1, h)
-        leaf_logits(qt[a:b].numpy(), kv.numpy(), valid[a:b].numpy(), np.float32(scale), TILE, logits.numpy(),
-                    running.numpy())
-        m = running[:, 1:].transpose(1, 2).unsqueeze(-1)                          # [rows, H, tiles, 1]
-        p = torch.exp(logits.view(b - a, h, tiles, TILE) - m) * ok[a:b].view(b - a, 1, tiles, TILE)
+        kv = keys_of(a, b, tiles * TILE).view(b - a, tiles, TILE, d)
+        okb = ok[a:b].view(b - a, tiles, 1, TILE)
+        logits = torch.matmul(q[a:b].double().unsqueeze(1), kv.transpose(-1, -2)).float() * scale  # [rows, tiles, H, 64]
+        logits = logits.masked_fill(~okb, -1e30)
+        m = torch.cummax(torch.cat([torch.full((b - a, 1, h), -1e30), logits.amax(-1)], 1), 1).values
+        p = torch.exp(logits - m[:, 1:].unsqueeze(-1)) * okb
         sums = p.double().sum(-1).float()
-        if last < TILE:
-            sums[..., -1] = p[..., -1, :last].contiguous().double().sum(-1).float()
-        num, den = torch.empty(b - a, h, d), torch.empty(b - a, h)
-        leaf_values(kv.numpy(), round_bf16(p).view(b - a, h, tiles * TILE).numpy(),
-                    torch.exp(running[:, :-1] - running[:, 1:]).numpy(), sums.numpy(), TILE, num.numpy(), den.numpy())
-        den = den + torch.exp(sink.float().unsqueeze(0) - running[:, -1])
+        if last < TILE:                                         # the short tile sums its own slots only
+            sums[:, -1] = p[:, -1, :, :last].contiguous().double().sum(-1).float()
+        pv = torch.matmul(round_bf16(p).double(), kv).float()   # [rows, tiles, H, d]
+        c = torch.exp(m[:, :-1] - m[:, 1:])
+        den, num = torch.zeros(b - a, h), torch.zeros(b - a, h, d)
+        for i in range(tiles):
+            den = den * c[:, i] + sums[:, i]
+            num = num * c[:, i].unsqueeze(-1) + pv[:, i]
+        den = den + torch.exp(sink.float().unsqueeze(0) - m[:, -1])
         has_key = valid[a:b].any(1).view(b - a, 1, 1)
         out[a:b] = torch.where(has_key, num / den.unsqueeze(-1), torch.zeros(()))
     return round_bf16(out)

@@ -1,12 +1,11 @@
-"""Compiled passes over cached keys: the indexer's scores and the attention leaf's two contractions.
+"""Compiled passes over cached keys for the indexer and the attention leaf.
 
-Each reads a key from its cache bytes once per query block, decodes it (table lookups, then the BF16
-rounding ``kv_cache.read`` applies) and does all of that key's arithmetic while it is in cache, so no
-[heads x keys] intermediate exists. The arithmetic is the Torch golden's, value for value: products
-of BF16 values are exact in FP64, every contraction accumulates in FP64 in a fixed order (over the
-contracted index, ascending; never dependent on how many rows or heads run together), is rounded to
-FP32 once, and BF16 roundings are round-to-nearest-even on the FP32 bits as Torch does them. The
-exponentials stay in Torch (``ops.attention``): its ``exp`` is not the C library's, bit for bit.
+The keys are read from their cache bytes once per query block and decoded straight to FP64 (table
+lookups, then the BF16 rounding ``kv_cache.read`` applies), and the indexer's per-score arithmetic
+after its FP64 dot runs in one pass over the block. The FP64 contractions themselves stay Torch's
+(the same products, shapes and so summation order as before, hence the same bits), and so do the
+leaf's exponentials: Torch's ``exp`` is not the C library's, bit for bit. BF16 roundings here are
+round-to-nearest-even on the FP32 bits, as Torch does them.
 
 Compiled once per machine (``cache=True``), without the GIL so a threaded executor's cards run
 these at once; no ``parallel=True`` (numba's workqueue layer aborts under concurrent callers).
@@ -123,68 +122,3 @@ def decode_slot_rows(win_payload, win_scale, cmp_payload, cmp_scale, rows, compr
             round_bf16_inplace(tmp)
             for i in range(d):
                 out[t, j, i] = tmp[i]
-
-
-@njit(cache=True, nogil=True)
-def leaf_logits(qt, keys, valid, scale, tile, logits, running_max):
-    """The leaf's first pass: logits[t, h, s] = fp32(q_th . k_ts) * scale (FP64 dot, ascending over d),
-    -1e30 where slot s is invalid or past the keys; running_max[t, i + 1, h] = the max of
-    running_max[t, i, h] and tile i's logits (NaN sticks, as ``torch.maximum``), running_max[t, 0] = -1e30.
-
-    qt FP64 [T, d, H] (the query transposed), keys FP64 [T, K, d], valid bool [T, K], scale FP32,
-    logits FP32 [T, H, tiles * tile], running_max FP32 [T, tiles + 1, H]."""
-    t_rows, d, h_n = qt.shape
-    k_n = keys.shape[1]
-    tiles = running_max.shape[1] - 1
-    masked = np.float32(-1e30)
-    acc = np.empty(h_n, np.float64)
-    for t in range(t_rows):
-        running_max[t, 0, :] = masked
-        for i in range(tiles):
-            for s in range(i * tile, (i + 1) * tile):
-                if s < k_n and valid[t, s]:
-                    acc[:] = 0.0
-                    for k in range(d):
-                        kv = keys[t, s, k]
-                        for h in range(h_n):
-                            acc[h] += qt[t, k, h] * kv
-                    for h in range(h_n):
-                        logits[t, h, s] = np.float32(acc[h]) * scale
-                else:
-                    logits[t, :, s] = masked
-            for h in range(h_n):
-                m = running_max[t, i, h]
-                for s in range(i * tile, (i + 1) * tile):
-                    v = logits[t, h, s]
-                    if v > m or v != v:
-                        m = v
-                running_max[t, i + 1, h] = m
-
-
-@njit(cache=True, nogil=True)
-def leaf_values(keys, probs, rescale, prob_sums, tile, num, den):
-    """The leaf's second pass, tile after tile: den = den * c + prob_sums[tile] and
-    num = num * c + fp32(sum_s probs[s] k_s) (FP64 sum ascending over the tile's slots), c the
-    tile's rescale of the running max. FP32 products and sums one at a time, as Torch's.
-
-    keys FP64 [T, K, d], probs FP32 [T, H, tiles * tile] (BF16-valued, 0 where invalid), rescale FP32
-    [T, tiles, H], prob_sums FP32 [T, H, tiles]; num FP32 [T, H, d] and den FP32 [T, H] out."""
-    t_rows, k_n, d = keys.shape
-    h_n = num.shape[1]
-    tiles = rescale.shape[1]
-    acc = np.empty((h_n, d), np.float64)
-    for t in range(t_rows):
-        num[t] = 0.0
-        den[t] = 0.0
-        for i in range(tiles):
-            acc[:] = 0.0
-            for s in range(i * tile, min((i + 1) * tile, k_n)):
-                for h in range(h_n):
-                    p = np.float64(probs[t, h, s])
-                    for k in range(d):
-                        acc[h, k] += p * keys[t, s, k]
-            for h in range(h_n):
-                c = rescale[t, i, h]
-                den[t, h] = den[t, h] * c + prob_sums[t, h, i]
-                for k in range(d):
-                    num[t, h, k] = num[t, h, k] * c + np.float32(acc[h, k])
