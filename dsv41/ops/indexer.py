@@ -19,6 +19,8 @@ from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
 KEY_BLOCK = 2048      # index keys scored at once: a row's [heads, block] FP64 dots stay in cache
+
+
 def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int, fp4_query: bool = True):
     """qI [T, nh, ihd] (RoPE'd, FP4 fake-quantized when fp4_query) and head weights wI [T, nh].
 
