@@ -355,6 +355,8 @@ def test_topk_positions_contract():
     scores[1, :3] = torch.tensor([1.0, 2.0, 3.0])                   # fewer finite than k
     scores[1, 3:] = -INF
     scores[2] = 5.0                                                 # all tied -> lowest positions
+    scores[3] = torch.where(torch.arange(p) % 3 == 0, -0.0, -1.5)    # -0.0 ties 0.0; negatives below
+    scores[3, 7] = 0.0
     got = topk_positions(scores, k)
     assert got.shape == (t, k)
     assert got.tolist() == _topk_ref(scores, k)
@@ -368,6 +370,24 @@ def test_topk_positions_contract():
         assert ids == sorted(set(ids))                              # unique, ascending
         assert all(math.isfinite(scores[i, j].item()) for j in ids)
         assert got[i].tolist()[len(ids):] == [-1] * (k - len(ids))  # -1 padded at the end
+
+
+def test_topk_positions_pick_what_a_stable_descending_sort_picks():
+    """The partial selection against the full sort it replaces, on rows of ties, -0.0 beside 0.0,
+    negative scores, subnormals, +-inf and NaN (a stable descending sort puts NaN first; the picked
+    NaN and -inf positions are then dropped)."""
+    g = _g(26)
+    t, p, k = 16, 90, 24
+    scores = torch.randint(-3, 4, (t, p), generator=g).float() * 0.5
+    special = torch.tensor([-0.0, INF, -INF, float("nan"), 1e-40, -1e-40])
+    pick = torch.randint(0, 12, (t, p), generator=g)
+    scores = torch.where(pick < 6, special[pick.clamp_max(5)], scores)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    want = []
+    for i in range(t):
+        kept = sorted(j for j in order[i].tolist() if math.isfinite(scores[i, j].item()))
+        want.append(kept + [-1] * (k - len(kept)))
+    assert topk_positions(scores, k).tolist() == want
 
 
 def test_topk_k_larger_than_width():

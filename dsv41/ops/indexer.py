@@ -19,6 +19,7 @@ from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
 KEY_BLOCK = 2048      # index keys scored at once: a row's [heads, block] FP64 dots stay in cache
+POSITION_LIMIT = (1 << 30) - 1   # positions a Top-K row may hold: (33-bit score key, position) fits an i64
 
 
 def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int, fp4_query: bool = True):
@@ -70,10 +71,18 @@ def index_scores(q, w, payload, scale, rows) -> torch.Tensor:
 def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k finite positions per row, ascending, -1 padded -> i64 [T, k].
 
-    Ties at the cutoff go to the lowest positions (stable descending sort).
+    Ties at the cutoff go to the lowest positions: the k largest (score, -position) pairs, as a stable
+    descending sort would pick them (NaN above everything, -0.0 tied with 0.0), found by one partial
+    selection over a key that orders the pairs (a full sort of a 1M-context row costs ~15x more).
     """
     t, p = scores.shape
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    if p > POSITION_LIMIT:
+        raise ValueError(f"scores: at most {POSITION_LIMIT} positions a row, got {p}")
+    bits = (scores.float() + 0.0).view(torch.int32).long() & 0xFFFFFFFF     # + 0.0: -0.0 becomes 0.0
+    key = torch.where(bits >= 1 << 31, 0xFFFFFFFF - bits, bits + (1 << 31))  # the floats' order, as integers
+    key = torch.where(torch.isnan(scores), 1 << 32, key)
+    pair = key * (POSITION_LIMIT + 1) + (POSITION_LIMIT - torch.arange(p))
+    order = torch.topk(pair, min(k, p), dim=1).indices
     picked = torch.gather(scores, 1, order)
     order = torch.where(torch.isfinite(picked), order, torch.full_like(order, p))
     order = torch.sort(order, dim=1).values
