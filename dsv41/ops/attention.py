@@ -15,7 +15,7 @@ import torch
 
 from dsv41.ops import kv_cache
 from dsv41.ops.key_kernels import decode_slot_rows
-from dsv41.ops.quant import E4M3_VALUES, E8M0_VALUES, FP4_PAIRS, round_bf16
+from dsv41.ops.quant import round_bf16
 
 TILE = 64
 ROW_BLOCK_BYTES = 4 << 20    # a query block's FP64 keys: one row at FLASH's 640 x 512 slots (in cache)
@@ -66,7 +66,8 @@ def sparse_attention_cached(q: torch.Tensor, window: tuple, compressed: tuple | 
         compressed = cmp.empty(0, q.shape[2])
     parts = (window[0].view(torch.uint8).numpy(), window[1].numpy(), compressed[0].numpy(),
              compressed[1].view(torch.uint8).numpy())
-    tables = (E4M3_VALUES.numpy(), E8M0_VALUES.numpy(), FP4_PAIRS.numpy(), win.group, cmp.group)
+    tables = (kv_cache.value_table(kv_cache.WINDOW).numpy(), kv_cache.value_table(kv_cache.COMPRESSED).numpy(),
+              win.group, cmp.group)
     rows = rows.long()
 
     def keys_of(a: int, b: int, slots: int) -> torch.Tensor:

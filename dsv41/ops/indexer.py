@@ -14,7 +14,7 @@ import torch
 from dsv41.ops import kv_cache
 from dsv41.ops.key_kernels import decode_index_rows, index_score_epilogue
 from dsv41.ops.projections import dense_linear, mx_linear
-from dsv41.ops.quant import E8M0_VALUES, FP4_PAIRS, mxfp4_qdq, round_bf16
+from dsv41.ops.quant import mxfp4_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
@@ -57,11 +57,11 @@ def index_scores(q, w, payload, scale, rows) -> torch.Tensor:
         return out
     qd, wf, rows = q.double(), w.float().contiguous(), rows.long()
     parts = (payload.contiguous().numpy(), scale.contiguous().numpy())
-    pairs, e8m0, group = FP4_PAIRS.numpy(), E8M0_VALUES.numpy(), kv_cache.FORMATS[kv_cache.INDEX].group
+    table, group = kv_cache.value_table(kv_cache.INDEX).numpy(), kv_cache.FORMATS[kv_cache.INDEX].group
     for a in range(0, p, KEY_BLOCK):
         r = rows[:, a:a + KEY_BLOCK].contiguous()
         keys = torch.empty(t, r.shape[1], d, dtype=torch.float64)
-        decode_index_rows(*parts, r.numpy(), pairs, e8m0, group, keys.numpy())
+        decode_index_rows(*parts, r.numpy(), table, group, keys.numpy())
         block = torch.empty(t, r.shape[1], dtype=torch.float32)
         index_score_epilogue(torch.einsum("thd,tpd->thp", qd, keys).numpy(), wf.numpy(), r.numpy(), block.numpy())
         out[:, a:a + KEY_BLOCK] = block

@@ -1,7 +1,7 @@
 """Compiled passes over cached keys for the indexer and the attention leaf.
 
-The keys are read from their cache bytes once per query block and decoded straight to FP64 (table
-lookups, then the BF16 rounding ``kv_cache.read`` applies), and the indexer's per-score arithmetic
+The keys are read from their cache bytes once per query block and decoded straight to FP64 (one
+lookup per byte in ``kv_cache.value_table``: the values ``kv_cache.read`` gives), and the indexer's per-score arithmetic
 after its FP64 dot runs in one pass over the block. The FP64 contractions themselves stay Torch's
 (the same products, shapes and so summation order as before, hence the same bits), and so do the
 leaf's exponentials: Torch's ``exp`` is not the C library's, bit for bit. BF16 roundings here are
@@ -34,17 +34,28 @@ def round_bf16_inplace(x):
         bits[i] = _bf16_bits(bits[i])
 
 
-@njit(cache=True, nogil=True)
-def decode_index_rows(payload, scale, rows, pairs, e8m0, group, out):
-    """out[t, j] = the index key at cache row rows[t, j] as BF16-valued FP64 (zeros where rows[t, j] < 0):
-    ``kv_cache.read`` of the INDEX format (packed E2M1 x E8M0, rounded to BF16), widened.
+@njit(cache=True, nogil=True, inline="always")
+def _decode_fp4_row(payload, scale, r, table, group, out):
+    """Packed E2M1 row r (element 2i in byte i's low nibble) with one scale byte per ``group``
+    elements -> out, by ``kv_cache.value_table`` (scale byte, payload byte) -> the two values."""
+    half = group // 2
+    for g in range(scale.shape[1]):
+        tab = table[scale[r, g]]
+        for i in range(half):
+            b = payload[r, g * half + i]
+            out[g * group + 2 * i] = tab[b, 0]
+            out[g * group + 2 * i + 1] = tab[b, 1]
 
-    payload u8 [R, d/2], scale u8 [R, d/group], rows i64 [T, n], pairs FP32 [256, 2] (a packed byte's
-    two E2M1 values), e8m0 FP32 [256], out FP64 [T, n, d]. A row the previous query row also read
+
+@njit(cache=True, nogil=True)
+def decode_index_rows(payload, scale, rows, table, group, out):
+    """out[t, j] = the index key at cache row rows[t, j] as ``kv_cache.read`` gives it (BF16 values),
+    in FP64; zeros where rows[t, j] < 0.
+
+    payload u8 [R, d/2], scale u8 [R, d/group], rows i64 [T, n], table FP64 [256, 256, 2] (the INDEX
+    format's ``kv_cache.value_table``), out FP64 [T, n, d]. A row the previous query row also read
     (a prefill's rows of one request) is copied, not decoded again."""
     t_rows, n = rows.shape
-    half = payload.shape[1]
-    tmp = np.empty(2 * half, np.float32)
     for t in range(t_rows):
         for j in range(n):
             r = rows[t, j]
@@ -53,14 +64,7 @@ def decode_index_rows(payload, scale, rows, pairs, e8m0, group, out):
             elif t and rows[t - 1, j] == r:
                 out[t, j, :] = out[t - 1, j, :]
             else:
-                for i in range(half):
-                    s = e8m0[scale[r, (2 * i) // group]]
-                    b = payload[r, i]
-                    tmp[2 * i] = pairs[b, 0] * s
-                    tmp[2 * i + 1] = pairs[b, 1] * s
-                round_bf16_inplace(tmp)
-                for i in range(2 * half):
-                    out[t, j, i] = tmp[i]
+                _decode_fp4_row(payload, scale, r, table, group, out[t, j])
 
 
 @njit(cache=True, nogil=True)
@@ -93,32 +97,25 @@ def index_score_epilogue(dots, w, rows, out):
 
 
 @njit(cache=True, nogil=True)
-def decode_slot_rows(win_payload, win_scale, cmp_payload, cmp_scale, rows, compressed, e4m3, e8m0, pairs,
+def decode_slot_rows(win_payload, win_scale, cmp_payload, cmp_scale, rows, compressed, win_table, cmp_table,
                      win_group, cmp_group, out):
-    """out[t, j] = the attention key of slot j of row t as BF16-valued FP64 (zeros where rows[t, j] < 0):
-    a window row (MXFP8: E4M3 x E8M0 per ``win_group``) or, where compressed[t, j], a compressed row
-    (packed E2M1 x E4M3 per ``cmp_group``), each rounded to BF16 as ``kv_cache.read`` does.
+    """out[t, j] = the attention key of slot j of row t as ``kv_cache.read`` gives it (BF16 values), in
+    FP64; zeros where rows[t, j] < 0: a window row (E4M3 bytes, an E8M0 scale per ``win_group``) or,
+    where compressed[t, j], a compressed row (packed E2M1, an E4M3 scale per ``cmp_group``).
 
-    The FP8 parts come as their u8 codes; e4m3 and e8m0 FP32 [256] decode them, pairs FP32 [256, 2]
-    a packed byte's two E2M1 values; out FP64 [T, n, d]."""
+    The FP8 parts come as their bytes; win_table FP64 [256, 256] and cmp_table FP64 [256, 256, 2] are
+    the formats' ``kv_cache.value_table``; out FP64 [T, n, d]."""
     t_rows, n = rows.shape
     d = out.shape[2]
-    tmp = np.empty(d, np.float32)
     for t in range(t_rows):
         for j in range(n):
             r = rows[t, j]
             if r < 0:
                 out[t, j, :] = 0.0
-                continue
-            if compressed[t, j]:
-                for i in range(d // 2):
-                    s = e4m3[cmp_scale[r, (2 * i) // cmp_group]]
-                    b = cmp_payload[r, i]
-                    tmp[2 * i] = pairs[b, 0] * s
-                    tmp[2 * i + 1] = pairs[b, 1] * s
+            elif compressed[t, j]:
+                _decode_fp4_row(cmp_payload, cmp_scale, r, cmp_table, cmp_group, out[t, j])
             else:
-                for i in range(d):
-                    tmp[i] = e4m3[win_payload[r, i]] * e8m0[win_scale[r, i // win_group]]
-            round_bf16_inplace(tmp)
-            for i in range(d):
-                out[t, j, i] = tmp[i]
+                for g in range(d // win_group):
+                    tab = win_table[win_scale[r, g]]
+                    for i in range(g * win_group, (g + 1) * win_group):
+                        out[t, j, i] = tab[win_payload[r, i]]
