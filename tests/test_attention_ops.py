@@ -307,9 +307,9 @@ def _index_key_from_bytes(payload_row, scale_row, group=32):
 
 def test_index_scores_read_each_key_from_the_cache_a_block_at_a_time(monkeypatch):
     """The indexer's pass over the keys (decoded from the cache bytes, a block at a time, rows of one
-    request sharing the block's decode) equals the unfused formula on keys decoded here: several
-    blocks and a short last one, invisible positions, rows of two requests, keys whose magnitudes
-    span 2^-12..2^12."""
+    request sharing the block's decode, visible keys packed first where no row sees them all) equals
+    the unfused formula on keys decoded here: several blocks and a short last one, invisible
+    positions, rows of two requests, keys whose magnitudes span 2^-12..2^12."""
     from dsv41.ops import indexer
     t, nh, d, p, r = 5, 8, 64, 23, 40
     g = _g(70)
@@ -319,21 +319,22 @@ def test_index_scores_read_each_key_from_the_cache_a_block_at_a_time(monkeypatch
     slot = torch.stack([torch.randperm(r, generator=g)[:p] for _ in range(2)])       # request -> position -> row
     req = torch.tensor([0, 0, 0, 1, 1])
     lens = torch.tensor([9, 17, 23, 23, 12])
-    visible = (torch.arange(p) < lens.unsqueeze(1)) & (torch.rand(t, p, generator=g) < 0.85)
-    rows = torch.where(visible, slot[req], -1)
     q = bf16_64(torch.randn(t, nh, d, generator=g)).float()
     w = bf16_64(torch.randn(t, nh, generator=g) * 0.2).float()
-    want = torch.full((t, p), -INF, dtype=torch.float64)
-    for i in range(t):
-        for j in range(p):
-            if visible[i, j]:
-                key = _index_key_from_bytes(payload[rows[i, j]], scale[rows[i, j]])
-                want[i, j] = _scores_ref(q[i:i + 1], w[i:i + 1].double(), key.reshape(1, 1, d))[0, 0]
-    assert (want[visible] > 0).any() and torch.isfinite(want[visible]).all()
-    monkeypatch.setattr(indexer, "KEY_BLOCK", 5)
-    assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
-    monkeypatch.setattr(indexer, "KEY_BLOCK", 2048)
-    assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
+    holes = (torch.arange(p) < lens.unsqueeze(1)) & (torch.rand(t, p, generator=g) < 0.85)
+    # every row misses some positions (each row's visible keys packed first), then one row sees all
+    for visible in (holes, holes | (torch.arange(t) == 3).unsqueeze(1)):
+        rows = torch.where(visible, slot[req], -1)
+        want = torch.full((t, p), -INF, dtype=torch.float64)
+        for i in range(t):
+            for j in range(p):
+                if visible[i, j]:
+                    key = _index_key_from_bytes(payload[rows[i, j]], scale[rows[i, j]])
+                    want[i, j] = _scores_ref(q[i:i + 1], w[i:i + 1].double(), key.reshape(1, 1, d))[0, 0]
+        assert (want[visible] > 0).any() and torch.isfinite(want[visible]).all()
+        for block in (5, 2048):
+            monkeypatch.setattr(indexer, "KEY_BLOCK", block)
+            assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
 
 
 def _topk_ref(scores, k):

@@ -48,14 +48,33 @@ def index_scores(q, w, payload, scale, rows) -> torch.Tensor:
     (``ops.key_kernels``), dotted with every head in one FP64 product, and the rest of its score
     (roundings, ReLU, head weights, the head sum) in one compiled pass while the block is in cache.
     The dot and the head sum accumulate in FP64 (rounded to FP32 once, then to BF16) so that a row's
-    score does not depend on how many rows or heads are batched together.
+    score does not depend on how many rows or heads are batched together. Where no row sees every
+    position (REINDEX rows see only their candidate blocks), each row's visible keys are packed to
+    the front first, so only they are read and scored.
     """
     t, _, d = q.shape
     p = rows.shape[1]
+    rows = rows.long()
+    visible = rows >= 0
+    counts = visible.sum(1)
+    width = int(counts.max()) if t and p else 0
+    if width == p:
+        return _scores(q, w, payload, scale, rows)
+    row_of, at = visible.nonzero(as_tuple=True)                          # row-major: ascending positions
+    rank = torch.arange(row_of.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    packed = torch.full((t, width), -1, dtype=torch.long)
+    packed[row_of, rank] = rows[row_of, at]
+    out = torch.full((t, p), NEG_INF)
+    out[row_of, at] = _scores(q, w, payload, scale, packed)[row_of, rank]
+    return out
+
+
+def _scores(q, w, payload, scale, rows) -> torch.Tensor:
+    """``index_scores`` over rows as given, ``KEY_BLOCK`` positions at a time."""
+    t, _, d = q.shape
+    p = rows.shape[1]
     out = torch.empty(t, p, dtype=torch.float32)
-    if not t:
-        return out
-    qd, wf, rows = q.double(), w.float().contiguous(), rows.long()
+    qd, wf = q.double(), w.float().contiguous()
     parts = (payload.contiguous().numpy(), scale.contiguous().numpy())
     table, group = kv_cache.value_table(kv_cache.INDEX).numpy(), kv_cache.FORMATS[kv_cache.INDEX].group
     for a in range(0, p, KEY_BLOCK):
