@@ -69,3 +69,8 @@ def publish(caches: StagedTensors, name: str, slots: torch.Tensor, values: torch
     if bool(keep.any()):
         caches.put(name, slots[keep], kv_cache.FORMATS[name.split(".")[0]].encode(values[keep]),
                    torch.nonzero(keep).flatten())
+
+
+def read(caches: StagedTensors, name: str, rows: torch.Tensor) -> torch.Tensor:
+    payload, scale = caches.read(name)
+    return kv_cache.read(payload, scale, kv_cache.FORMATS[name.split(".")[0]], rows)
