@@ -229,6 +229,14 @@ def _head_weights_ref(x, wp, nh, ihd):
     return bf16_64((bf16_64(x.double() @ wp.double().t()) * c).float())
 
 
+def _index_cache(keys):
+    """keys [T, P, d] written to an index cache (row t * P + j) -> (payload, scale, the keys as read back)."""
+    t, p, d = keys.shape
+    fmt = kv_cache.FORMATS[kv_cache.INDEX]
+    payload, scale = fmt.encode(keys.reshape(t * p, d))
+    return payload, scale, kv_cache.read(payload, scale, fmt, torch.arange(t * p)).reshape(t, p, d)
+
+
 def _scores_ref(q, w, keys):
     """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)), every sum in FP64."""
     dot = bf16_64(torch.einsum("thd,tpd->thp", q.double(), keys.double()).float())
@@ -250,9 +258,9 @@ def test_index_head_weights_and_scores_official_rounding(cfg, tables):
     assert torch.equal(w.double(), w_ref)
     unrounded = bf16_64(x.double() @ wp.double().t()) * (ihd ** -0.5 * nh ** -0.5)
     assert not torch.equal(w_ref, unrounded)                         # the rounding is not a no-op here
-    keys = _bf(t, p, ihd, seed=64)
-    visible = torch.ones(t, p, dtype=torch.bool)
-    assert torch.equal(index_scores(q, w, keys, visible).double(), _scores_ref(q, w_ref, keys))
+    payload, scale, keys = _index_cache(_bf(t, p, ihd, seed=64))
+    rows = torch.arange(t * p).reshape(t, p)
+    assert torch.equal(index_scores(q, w, payload, scale, rows).double(), _scores_ref(q, w_ref, keys))
 
 
 def _dyadic(shape, seed, lo, hi, denom):
@@ -264,10 +272,10 @@ def test_index_scores_rounding_recipe():
     # dyadic inputs make every FP32 step exact, so the only roundings are the recipe's BF16 ones
     t, nh, d, p = 3, 4, 32, 20
     q = _dyadic((t, nh, d), 21, -16, 16, 8)
-    keys = _dyadic((t, p, d), 22, -16, 16, 8)
+    payload, scale, keys = _index_cache(_dyadic((t, p, d), 22, -16, 16, 8))
     w = _dyadic((t, nh), 23, 0, 32, 16)
     visible = torch.rand(t, p, generator=_g(24)) < 0.8
-    s = index_scores(q, w, keys, visible)
+    s = index_scores(q, w, payload, scale, torch.where(visible, torch.arange(t * p).reshape(t, p), -1))
     want = torch.full((t, p), -INF, dtype=torch.float64)
     for i in range(t):
         for j in range(p):
@@ -284,6 +292,49 @@ def test_index_scores_rounding_recipe():
     # the recipe differs from an unrounded FP32 score on these inputs (the test can see roundings)
     raw = (torch.relu(torch.einsum("thd,tpd->thp", q.double(), keys.double())) * w.double().unsqueeze(-1)).sum(1)
     assert not torch.equal(raw.masked_fill(~visible, -INF), want)
+
+
+def _index_key_from_bytes(payload_row, scale_row, group=32):
+    """One index-cache row decoded by the format's definition: element 2i in byte i's low nibble,
+    2i+1 in its high nibble, E2M1 magnitude times 2^(code - 127), rounded to BF16."""
+    vals = []
+    for i, byte in enumerate(payload_row.tolist()):
+        for code in (byte & 0xF, byte >> 4):
+            mag = FP4_LEVELS[code & 7] * 2.0 ** (int(scale_row[len(vals) // group]) - 127)
+            vals.append(-mag if code & 8 else mag)
+    return bf16_64(torch.tensor(vals, dtype=torch.float64))
+
+
+def test_index_scores_read_each_key_from_the_cache_a_block_at_a_time(monkeypatch):
+    """The indexer's pass over the keys (decoded from the cache bytes, a block at a time, rows of one
+    request sharing the block's decode, visible keys packed first where no row sees them all) equals
+    the unfused formula on keys decoded here: several blocks and a short last one, invisible
+    positions, rows of two requests, keys whose magnitudes span 2^-12..2^12."""
+    from dsv41.ops import indexer
+    t, nh, d, p, r = 5, 8, 64, 23, 40
+    g = _g(70)
+    values = torch.randn(r, d, generator=g) * 2.0 ** torch.randint(-12, 13, (r, d // 32), generator=g).repeat_interleave(32, 1)
+    fmt = kv_cache.FORMATS[kv_cache.INDEX]
+    payload, scale = fmt.encode(values)
+    slot = torch.stack([torch.randperm(r, generator=g)[:p] for _ in range(2)])       # request -> position -> row
+    req = torch.tensor([0, 0, 0, 1, 1])
+    lens = torch.tensor([9, 17, 23, 23, 12])
+    q = bf16_64(torch.randn(t, nh, d, generator=g)).float()
+    w = bf16_64(torch.randn(t, nh, generator=g) * 0.2).float()
+    holes = (torch.arange(p) < lens.unsqueeze(1)) & (torch.rand(t, p, generator=g) < 0.85)
+    # every row misses some positions (each row's visible keys packed first), then one row sees all
+    for visible in (holes, holes | (torch.arange(t) == 3).unsqueeze(1)):
+        rows = torch.where(visible, slot[req], -1)
+        want = torch.full((t, p), -INF, dtype=torch.float64)
+        for i in range(t):
+            for j in range(p):
+                if visible[i, j]:
+                    key = _index_key_from_bytes(payload[rows[i, j]], scale[rows[i, j]])
+                    want[i, j] = _scores_ref(q[i:i + 1], w[i:i + 1].double(), key.reshape(1, 1, d))[0, 0]
+        assert (want[visible] > 0).any() and torch.isfinite(want[visible]).all()
+        for block in (5, 2048):
+            monkeypatch.setattr(indexer, "KEY_BLOCK", block)
+            assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
 
 
 def _topk_ref(scores, k):
@@ -305,6 +356,8 @@ def test_topk_positions_contract():
     scores[1, :3] = torch.tensor([1.0, 2.0, 3.0])                   # fewer finite than k
     scores[1, 3:] = -INF
     scores[2] = 5.0                                                 # all tied -> lowest positions
+    scores[3] = torch.where(torch.arange(p) % 3 == 0, -0.0, -1.5)    # -0.0 ties 0.0; negatives below
+    scores[3, 7] = 0.0
     got = topk_positions(scores, k)
     assert got.shape == (t, k)
     assert got.tolist() == _topk_ref(scores, k)
@@ -318,6 +371,24 @@ def test_topk_positions_contract():
         assert ids == sorted(set(ids))                              # unique, ascending
         assert all(math.isfinite(scores[i, j].item()) for j in ids)
         assert got[i].tolist()[len(ids):] == [-1] * (k - len(ids))  # -1 padded at the end
+
+
+def test_topk_positions_pick_what_a_stable_descending_sort_picks():
+    """The partial selection against the full sort it replaces, on rows of ties, -0.0 beside 0.0,
+    negative scores, subnormals, +-inf and NaN (a stable descending sort puts NaN first; the picked
+    NaN and -inf positions are then dropped)."""
+    g = _g(26)
+    t, p, k = 16, 90, 24
+    scores = torch.randint(-3, 4, (t, p), generator=g).float() * 0.5
+    special = torch.tensor([-0.0, INF, -INF, float("nan"), 1e-40, -1e-40])
+    pick = torch.randint(0, 12, (t, p), generator=g)
+    scores = torch.where(pick < 6, special[pick.clamp_max(5)], scores)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    want = []
+    for i in range(t):
+        kept = sorted(j for j in order[i].tolist() if math.isfinite(scores[i, j].item()))
+        want.append(kept + [-1] * (k - len(kept)))
+    assert topk_positions(scores, k).tolist() == want
 
 
 def test_topk_k_larger_than_width():
@@ -593,6 +664,56 @@ def test_sparse_attention_tiles_the_raw_slot_list():
                                    torch.gather(valid, 1, order), sink, d ** -0.5)
     assert not torch.equal(out, compact)                             # the tilings do differ here
     assert_rows_close(out, compact, "compact tiling")                # ... by BF16 rounding only
+
+
+def _window_key_from_bytes(payload_row, scale_row, group=32):
+    """One window-cache row by the format's definition: E4M3 value times 2^(code - 127), rounded to BF16."""
+    exp = scale_row.double().repeat_interleave(group) - 127
+    return bf16_64(payload_row.double() * torch.pow(2.0, exp))
+
+
+def _compressed_key_from_bytes(payload_row, scale_row, group=16):
+    """One compressed-cache row: E2M1 nibbles (element 2i low) times the group's E4M3 scale, to BF16."""
+    codes = torch.stack([payload_row & 0xF, payload_row >> 4], -1).reshape(-1).long()
+    mag = torch.tensor(FP4_LEVELS, dtype=torch.float64)[codes & 7]
+    vals = torch.where((codes & 8) != 0, -mag, mag)
+    return bf16_64(vals * scale_row.double().repeat_interleave(group))
+
+
+def test_sparse_attention_reads_each_key_from_the_caches_once_per_query_block(monkeypatch):
+    """The leaf over cache rows (window FP8 and compressed FP4 bytes decoded in its pass, query blocks
+    of one row) equals the per-row, per-head tiled formula on keys decoded here: three tiles and a
+    short last one, invalid slots in place, compressed slots ahead of and behind window slots, a row
+    with no valid key, keys whose groups span 2^-8..2^8."""
+    from dsv41.ops import attention
+    t, h, d, w, k = 6, 4, 64, 64, 70
+    g = _g(73)
+    win_fmt, cmp_fmt = kv_cache.FORMATS[kv_cache.WINDOW], kv_cache.FORMATS[kv_cache.COMPRESSED]
+    spread = lambda n: 2.0 ** torch.randint(-8, 9, (n, d // 16), generator=g).repeat_interleave(16, 1)
+    window = win_fmt.encode(torch.randn(90, d, generator=g) * spread(90))
+    compressed = cmp_fmt.encode(torch.randn(120, d, generator=g) * spread(120))
+    q = _bf(t, h, d, seed=74, std=3.0)
+    sink = torch.randn(h, generator=_g(75))
+    cmp_first = torch.rand(t, w + k, generator=g) < 0.5                 # a permuted list: sources interleave
+    rows = torch.where(cmp_first, torch.randint(0, 120, (t, w + k), generator=g),
+                       torch.randint(0, 90, (t, w + k), generator=g))
+    rows = torch.where(torch.rand(t, w + k, generator=g) < 0.2, -1, rows)
+    rows[2] = -1                                                         # no valid key: exactly 0
+    rows[4, 100:] = -1                                                   # trailing invalid tiles of one row
+    keys = torch.zeros(t, w + k, d, dtype=torch.float64)
+    for i in range(t):
+        for j in range(w + k):
+            r = int(rows[i, j])
+            if r >= 0:
+                keys[i, j] = (_compressed_key_from_bytes(compressed[0][r], compressed[1][r].float()) if cmp_first[i, j]
+                              else _window_key_from_bytes(window[0][r].float(), window[1][r]))
+    want = _tiled_attention_ref(q, keys.float(), rows >= 0, sink, d ** -0.5)
+    assert (want[2] == 0).all() and (want[0] != 0).any()
+    monkeypatch.setattr(attention, "ROW_BLOCK_BYTES", 1)
+    got = attention.sparse_attention_cached(q, window, compressed, rows, cmp_first, sink, d ** -0.5)
+    assert torch.equal(got, want)
+    monkeypatch.setattr(attention, "ROW_BLOCK_BYTES", 1 << 30)
+    assert torch.equal(attention.sparse_attention_cached(q, window, compressed, rows, cmp_first, sink, d ** -0.5), want)
 
 
 def test_slot_list_moves_compressed_slots_behind_a_short_window():

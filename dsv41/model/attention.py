@@ -12,9 +12,9 @@ import torch
 from dsv41.config import FULL, REINDEX, SWA, LayerSpec, ModelConfig
 from dsv41.model import caches as cache
 from dsv41.model.options import Options
-from dsv41.ops.attention import slot_list, sparse_attention
+from dsv41.ops.attention import slot_list, sparse_attention_cached
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
-from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, key_blocks, physical_rows,
+from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows,
                                score_chunks, topk_positions)
 from dsv41.ops.metadata import window_list_width
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
@@ -127,14 +127,9 @@ class Attention:
                              cos[rows], sin[rows], cfg.index_n_heads, cfg.index_head_dim, opts.fp4_index_query)
         if cand is not None:
             visible = visible & cand[rows]
-        # a block of keys at a time: read, decoded and scored while its [rows, heads, block] terms are in cache
-        parts = []
-        for a, b in key_blocks(width):
-            vis = visible[:, a:b]
-            keys = cache.read(caches, cache.index(src), physical_rows(torch.where(vis, pos[:, a:b], -1), req, table,
-                                                                      cfg.block_size))
-            parts.append(index_scores(q, wts, keys, vis))
-        scores = torch.cat(parts, 1)
+        # one pass over the index keys: each decoded from the cache and scored while in cache
+        rows_phys = physical_rows(torch.where(visible, pos, -1), req, table, cfg.block_size)
+        scores = index_scores(q, wts, *caches.read(cache.index(src)), rows_phys)
         top = physical_rows(topk_positions(scores, cfg.index_topk), req, table, cfg.block_size)
         mask = None
         if self.layer == cfg.candidate_source_layer_id:
@@ -155,13 +150,16 @@ class Attention:
 
     def attend(self, caches, md, q, topk_rows):
         """Sparse attention over this layer's window rows and the selected compressed rows."""
-        keys = cache.read(caches, self.window_cache, md.window_indices)
-        valid = md.window_indices >= 0
+        # the slot list as (cache row, from the compressed cache) pairs; the leaf reads each key's bytes once
+        rows = torch.stack([md.window_indices.long(), torch.zeros_like(md.window_indices, dtype=torch.long)], -1)
+        compressed = None
         if self.spec.mode != SWA:
-            keys, valid = slot_list(keys, valid, cache.read(caches, cache.compressed(self.spec.kv_source), topk_rows),
-                                    topk_rows >= 0, window_list_width(md))
+            compressed = caches.read(cache.compressed(self.spec.kv_source))
+            picked = torch.stack([topk_rows.long(), torch.ones_like(topk_rows, dtype=torch.long)], -1)
+            rows, _ = slot_list(rows, rows[..., 0] >= 0, picked, topk_rows >= 0, window_list_width(md))
         # this card's heads when the weights are a TP shard
-        return sparse_attention(q, keys, valid, self.w("attn_sink"), self.cfg.head_dim ** -0.5)
+        return sparse_attention_cached(q, caches.read(self.window_cache), compressed, rows[..., 0], rows[..., 1] == 1,
+                                       self.w("attn_sink"), self.cfg.head_dim ** -0.5)
 
     def o_proj(self, attended, cos, sin):
         """This card's FP32 partial of the output projection (TP partials meet in a reduction)."""

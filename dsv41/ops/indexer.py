@@ -11,18 +11,15 @@ import math
 
 import torch
 
+from dsv41.ops import kv_cache
+from dsv41.ops.key_kernels import decode_index_rows, index_score_epilogue
 from dsv41.ops.projections import dense_linear, mx_linear
 from dsv41.ops.quant import mxfp4_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
-KEY_BLOCK = 2048      # index keys scored at once: a row's [64 heads, block] FP64 dots are 1 MiB (in cache)
-
-
-def key_blocks(width: int) -> list[tuple[int, int]]:
-    """[a, b) blocks of ``KEY_BLOCK`` key positions covering [0, width) (one empty block for none).
-    Each score is computed alone (no sum crosses positions), so blocks give the unblocked bits."""
-    return [(a, min(a + KEY_BLOCK, width)) for a in range(0, max(width, 1), KEY_BLOCK)]
+KEY_BLOCK = 2048      # index keys scored at once: a row's [heads, block] FP64 dots stay in cache
+POSITION_LIMIT = (1 << 30) - 1   # positions a Top-K row may hold: (33-bit score key, position) fits an i64
 
 
 def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int, fp4_query: bool = True):
@@ -42,26 +39,69 @@ def index_query(qr, x, wq_b, weights_proj, cos, sin, n_heads: int, head_dim: int
     return q, w
 
 
-def index_scores(q, w, keys, visible) -> torch.Tensor:
-    """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k_j)) * w_h)); -inf where not visible.
+def index_scores(q, w, payload, scale, rows) -> torch.Tensor:
+    """S[t, j] = bf16(sum_h bf16(relu(bf16(q_h . k)) * w_h)) for the index key k at cache row rows[t, j];
+    -inf where rows[t, j] < 0 (not visible).
 
-    q [T, nh, d], w [T, nh], keys [T, P, d] (each row's decoded keys), visible bool [T, P].
-    The dot and the head sum accumulate in FP64 (rounded to FP32 once, then to BF16) so that a
-    row's score does not depend on how many rows or heads are batched together.
+    q [T, nh, d], w [T, nh], (payload, scale) the index cache's parts, rows i64 [T, P]. A block of
+    ``KEY_BLOCK`` keys at a time, each key read once: decoded from its cache bytes straight to FP64
+    (``ops.key_kernels``), dotted with every head in one FP64 product, and the rest of its score
+    (roundings, ReLU, head weights, the head sum) in one compiled pass while the block is in cache.
+    The dot and the head sum accumulate in FP64 (rounded to FP32 once, then to BF16) so that a row's
+    score does not depend on how many rows or heads are batched together. Where no row sees every
+    position (REINDEX rows see only their candidate blocks), each row's visible keys are packed to
+    the front first, so only they are read and scored.
     """
-    dot = round_bf16(torch.einsum("thd,tpd->thp", q.double(), keys.double()).float())
-    term = round_bf16(torch.relu(dot) * w.unsqueeze(-1))
-    s = round_bf16(term.double().sum(1).float())
-    return s.masked_fill(~visible, NEG_INF)
+    t, _, d = q.shape
+    p = rows.shape[1]
+    rows = rows.long()
+    visible = rows >= 0
+    counts = visible.sum(1)
+    width = int(counts.max()) if t and p else 0
+    if width == p:
+        return _scores(q, w, payload, scale, rows)
+    row_of, at = visible.nonzero(as_tuple=True)                          # row-major: ascending positions
+    rank = torch.arange(row_of.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    packed = torch.full((t, width), -1, dtype=torch.long)
+    packed[row_of, rank] = rows[row_of, at]
+    out = torch.full((t, p), NEG_INF)
+    out[row_of, at] = _scores(q, w, payload, scale, packed)[row_of, rank]
+    return out
+
+
+def _scores(q, w, payload, scale, rows) -> torch.Tensor:
+    """``index_scores`` over rows as given, ``KEY_BLOCK`` positions at a time."""
+    t, _, d = q.shape
+    p = rows.shape[1]
+    out = torch.empty(t, p, dtype=torch.float32)
+    qd, wf = q.double(), w.float().contiguous()
+    parts = (payload.contiguous().numpy(), scale.contiguous().numpy())
+    table, group = kv_cache.value_table(kv_cache.INDEX).numpy(), kv_cache.FORMATS[kv_cache.INDEX].group
+    for a in range(0, p, KEY_BLOCK):
+        r = rows[:, a:a + KEY_BLOCK].contiguous()
+        keys = torch.empty(t, r.shape[1], d, dtype=torch.float64)
+        decode_index_rows(*parts, r.numpy(), table, group, keys.numpy())
+        block = torch.empty(t, r.shape[1], dtype=torch.float32)
+        index_score_epilogue(torch.einsum("thd,tpd->thp", qd, keys).numpy(), wf.numpy(), r.numpy(), block.numpy())
+        out[:, a:a + KEY_BLOCK] = block
+    return out
 
 
 def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k finite positions per row, ascending, -1 padded -> i64 [T, k].
 
-    Ties at the cutoff go to the lowest positions (stable descending sort).
+    Ties at the cutoff go to the lowest positions: the k largest (score, -position) pairs, as a stable
+    descending sort would pick them (NaN above everything, -0.0 tied with 0.0), found by one partial
+    selection over a key that orders the pairs (a full sort of a 1M-context row costs ~15x more).
     """
     t, p = scores.shape
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    if p > POSITION_LIMIT:
+        raise ValueError(f"scores: at most {POSITION_LIMIT} positions a row, got {p}")
+    bits = (scores.float() + 0.0).view(torch.int32).long() & 0xFFFFFFFF     # + 0.0: -0.0 becomes 0.0
+    key = torch.where(bits >= 1 << 31, 0xFFFFFFFF - bits, bits + (1 << 31))  # the floats' order, as integers
+    key = torch.where(torch.isnan(scores), 1 << 32, key)
+    pair = key * (POSITION_LIMIT + 1) + (POSITION_LIMIT - torch.arange(p))
+    order = torch.topk(pair, min(k, p), dim=1).indices
     picked = torch.gather(scores, 1, order)
     order = torch.where(torch.isfinite(picked), order, torch.full_like(order, p))
     order = torch.sort(order, dim=1).values

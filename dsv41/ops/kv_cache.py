@@ -10,11 +10,13 @@ block * block_size + offset. Publication writes only rows with slot >= 0; every 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from dsv41.ops.quant import mxfp4_decode, mxfp4_encode, mxfp8_decode, mxfp8_encode, round_bf16
+from dsv41.ops.quant import (E4M3_VALUES, E8M0_VALUES, FP4_PAIRS, mxfp4_decode, mxfp4_encode, mxfp8_decode,
+                             mxfp8_encode, round_bf16)
 
 WINDOW, COMPRESSED, INDEX = "window", "compressed", "index"
 
@@ -49,6 +51,17 @@ class CacheFormat:
 
 
 FORMATS = {WINDOW: CacheFormat(WINDOW, 32), COMPRESSED: CacheFormat(COMPRESSED, 16), INDEX: CacheFormat(INDEX, 32)}
+
+
+@functools.cache
+def value_table(kind: str) -> torch.Tensor:
+    """(scale byte, payload byte) -> the payload byte's value(s) as ``read`` decodes them (the FP32
+    product, rounded to BF16), in FP64: [256, 256] for the window's FP8 bytes, [256, 256, 2] (a packed
+    byte's low and high element) for the FP4 caches. A compiled decoder looks values up here."""
+    scales = E8M0_VALUES if kind in (WINDOW, INDEX) else E4M3_VALUES
+    payload = E4M3_VALUES if kind == WINDOW else FP4_PAIRS
+    shape = (256,) + (1,) * payload.dim()
+    return round_bf16(payload.unsqueeze(0) * scales.reshape(shape)).double().contiguous()
 
 
 def publish(payload: torch.Tensor, scale: torch.Tensor, fmt: CacheFormat, slots: torch.Tensor,

@@ -33,11 +33,11 @@ def _e8m0_table() -> torch.Tensor:
     return torch.ldexp(torch.ones(256), torch.arange(256, dtype=torch.int32) - 127)
 
 
-_E8M0_VALUES = _e8m0_table()   # code -> 2^(code-127) in FP32; one lookup decodes any shape
+E8M0_VALUES = _e8m0_table()   # code -> 2^(code-127) in FP32; one lookup decodes any shape
 
 
 def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
-    return _E8M0_VALUES.to(code.device).index_select(0, code.reshape(-1).long()).reshape(code.shape)
+    return E8M0_VALUES.to(code.device).index_select(0, code.reshape(-1).long()).reshape(code.shape)
 
 
 def e8m0_from_exp(exp: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def e4m3_decode(payload: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def e4m3_decode(payload: torch.Tensor) -> torch.Tensor:
     if payload.dtype != torch.float8_e4m3fn:
         return payload.float()
     codes = payload.view(torch.uint8).reshape(-1).long()
-    return _E4M3_VALUES.to(payload.device).index_select(0, codes).reshape(payload.shape)
+    return E4M3_VALUES.to(payload.device).index_select(0, codes).reshape(payload.shape)
 
 
 def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -159,11 +159,11 @@ def _fp4_pair_table() -> torch.Tensor:
     return fp4_values(unpack_nibbles(torch.arange(256, dtype=torch.uint8)[:, None]))
 
 
-_FP4_PAIRS = _fp4_pair_table()   # packed byte -> its (low, high) E2M1 values
+FP4_PAIRS = _fp4_pair_table()   # packed byte -> its (low, high) E2M1 values
 
 
 def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    v = _FP4_PAIRS.to(packed.device).index_select(0, packed.reshape(-1).long())
+    v = FP4_PAIRS.to(packed.device).index_select(0, packed.reshape(-1).long())
     v = v.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
     s = e8m0_decode(scale) if scale.dtype == torch.uint8 else e4m3_decode(scale)
     return (_groups(v, group) * s.unsqueeze(-1)).reshape(v.shape)
@@ -195,9 +195,9 @@ def block_mxfp8_decode(payload: torch.Tensor, scale: torch.Tensor, block: int = 
 def _scaled_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """(scale code, payload byte) -> decoded FP64 value(s): every FP32 product the formulas form
     (E4M3 value x 2^(s-127); the two E2M1 values of a packed byte x 2^(s-127)), widened to FP64."""
-    scale = _E8M0_VALUES[:, None]
-    fp8 = (_E4M3_VALUES[None, :] * scale).double().reshape(-1)
-    fp4 = (_FP4_PAIRS[None] * scale[..., None]).double().reshape(-1, 2)
+    scale = E8M0_VALUES[:, None]
+    fp8 = (E4M3_VALUES[None, :] * scale).double().reshape(-1)
+    fp4 = (FP4_PAIRS[None] * scale[..., None]).double().reshape(-1, 2)
     return fp8, fp4
 
 
