@@ -75,17 +75,14 @@ class PackedMatrix:
         return PackedMatrix(self.fmt, self.payload[:, a // half:b // half], self.scale[:, a // 32:b // 32],
                             self._exact_tables)
 
-    def _whole(self) -> torch.Tensor:
-        """The matrix decoded at once by ``quant``'s tables."""
+    def dense(self) -> torch.Tensor:
+        """The whole matrix decoded to FP64 by ``quant``'s tables (what ``weights.decode_tensor`` gives
+        for it)."""
         if self.fmt == "fp8":
             return block_mxfp8_decode64(self.payload, self.scale.view(torch.uint8))
         if self.fmt == "fp4":
             return expert_mxfp4_decode64(self.payload, self.scale.view(torch.uint8))
         return self.payload.double()
-
-    def dense(self) -> torch.Tensor:
-        """The whole matrix decoded to FP64 (what ``weights.decode_tensor`` gives for it)."""
-        return self._whole()
 
     def _stored(self) -> tuple[np.ndarray, np.ndarray, int]:
         """(payload as the kernel reads it, E8M0 codes, rows per scale row)."""
@@ -98,7 +95,7 @@ class PackedMatrix:
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ self^T in FP64, rounded to FP32 once -> [M, N]."""
         if self._exact_tables:
-            return (x.double() @ self._whole().t()).float()
+            return (x.double() @ self.dense().t()).float()
         m, n = x.shape[0], self.shape[0]
         rows = -(-max(m, 1) // fused.GROUP) * fused.GROUP      # zero rows pad the last group
         x64 = np.zeros((rows, self.shape[1]))
