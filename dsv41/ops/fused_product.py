@@ -1,101 +1,329 @@
-"""A compiled product for weights in their checkpoint formats: each weight value is decoded in a
-register and multiplied with every activation row while its bytes are in cache, so a decode step
-reads each weight byte once from memory and never writes a decoded value.
+"""The compiled product for weights in their checkpoint formats: each weight value is decoded in a
+register and multiplied into every activation row of the pass while its bytes are in cache, so a
+decode step reads each weight byte once from memory and never writes a decoded value.
 
-A value decodes by integer arithmetic alone, which the compiler vectorises (a table lookup per
-value does not): its significand with the implicit one, times a power of two whose exponent folds
-the value's own exponent, the block's E8M0 scale and its sign, built as FP64 bits. Every decoded
-value is exact in FP64 (at most 4 significant bits), so it is ``ops.quant``'s decoded value wherever
-that decoder's FP32 product is exact; ``PackedMatrix`` sends the rest (scales that overflow FP32,
-NaN codes) to the table decoders.
+The kernels are LLVM IR written here and compiled by llvmlite (numba's compiler, a dependency) for
+the CPU at hand, once per (format, rows per pass, weight rows per pass) and process:
 
-Each output is an FP64 sum over K of exact FP64 products (FP8 or FP4 times an MXFP8 activation has
-at most 8 significant bits, BF16 or FP32 times FP32 at most 48), in an order the compiler fixes for
-the row length K and the CPU's vector width. Rows are taken ``GROUP`` at a time (a short batch
-padded with zero rows), so every row runs the same instructions: a row's result does not depend on
-how many rows, cards or threads share the call.
+- **Decode** (exact: every value has at most 4 significant bits). E4M3 bytes become FP16 bits by two
+  shifts (the FP16 layout holds E4M3's exponent and significand, subnormals included, at 2^-8 of the
+  value), then FP64 by the CPU's conversions, times the block's E8M0 scale. E2M1 nibbles do the same
+  at 2^-14, or, where the CPU has AVX-512, index a 16-entry table of the codes times the scale
+  (``vpermi2pd``): the same values with no conversion. BF16 and FP32 widen to FP64.
+- **Sums.** Each output is an FP64 sum of exact FP64 products in one fixed order: 16 lanes, lane
+  ``j`` of a 32-column block taking columns ``j`` and ``j + 16`` of the block's four vectors of 8
+  (for FP4, the block's even columns then its odd ones: ``even_odd``), each lane in column order;
+  then the lanes summed as a tree (8 + 8, 4 + 4, 2 + 2, 1 + 1), then columns past the last whole
+  block one by one. No fast-math flag is set, so the compiler keeps that order, and every row runs
+  the same operations whether it shares a pass with 0 or 3 others, or a weight row's pass with 3
+  other weight rows: a row's bits do not depend on the batch, the layout or the threads.
+
+Passes take 1-4 activation rows (one FP64 FMA per weight value per row is the cost that grows with
+the batch); a single row takes four weight rows at once so its FMA chains overlap.
 """
 from __future__ import annotations
 
+import ctypes
+import struct
+import threading
+from functools import cache
+
+import llvmlite.binding as llvm
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
 
-FP8, FP4, BF16, F32 = 0, 1, 2, 3
-GROUP = 4          # activation rows per pass over a weight row: one decode feeds four sums
-
-
-@intrinsic
-def _as_f64(typingctx, bits):
-    """The FP64 whose bits are the int64 ``bits``."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float64))
-    return types.float64(types.int64), codegen
+FORMATS = ("fp8", "fp4", "bf16", "f32")
+BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
+MAX_ROWS = 4                # activation rows per pass (more spill the accumulators)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# exponent-field offsets that make 2^(s-127) times the FP16 stand-in's 2^8 (E4M3) or 2^14 (E2M1)
+_SCALE_BIAS = {"fp8": 1023 - 127 + 8, "fp4": 1023 - 127 + 14}
+_ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+         ctypes.c_int64, ctypes.c_int64)
 
 
-@intrinsic
-def _as_f32(typingctx, bits):
-    """The FP32 whose bits are the int32 ``bits``."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-    return types.float32(types.int32), codegen
+def _vec(ty: str, values) -> str:
+    """A constant vector operand (its type given by the instruction)."""
+    return "<" + ", ".join(f"{ty} {v}" for v in values) + ">"
 
 
-@njit(nogil=True)
-def _e2m1(c, s):
-    """E2M1 code c (sign in bit 3) x 2^(s-127) = mant * 2^(max(e,1) - 2 + s - 127), exact in FP64."""
-    e = (c >> 1) & 3
-    mant = (c & 1) | (np.int64(e != 0) << 1)
-    return np.float64(mant) * _as_f64(((max(e, np.int64(1)) + s + 894) << 52) | ((c & 8) << 60))
+def _splat(ty: str, n: int, v) -> str:
+    return _vec(ty, [v] * n)
 
 
-@njit(nogil=True)
-def _value(fmt, prow, srow, j):
-    """Weight value j of one row, exact in FP64."""
-    if fmt == FP8:        # E4M3 x 2^(s-127) = mant * 2^(max(e,1) - 10 + s - 127)
-        b = np.int64(prow[j])
-        e = (b >> 3) & 15
-        mant = (b & 7) | (np.int64(e != 0) << 3)
-        return np.float64(mant) * _as_f64(((max(e, np.int64(1)) + np.int64(srow[j >> 5]) + 886) << 52)
-                                          | ((b & 128) << 56))
-    if fmt == BF16:
-        return np.float64(_as_f32(np.int32(np.int64(prow[j]) << 16)))
-    return np.float64(prow[j])
+def _lanes(lo: int, hi: int) -> str:
+    """The shuffle mask that takes lanes [lo, hi)."""
+    return f"<{hi - lo} x i32> " + _vec("i32", range(lo, hi))
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def product_rows(fmt, payload, scale, scale_div, x, out, r0, r1):
-    """out[:, n] = x @ w[n] for weight rows n in [r0, r1): payload [N, *] the row's stored values
-    (u8 E4M3 bytes, u8 packed E2M1 pairs, u16 BF16 bits or FP32), scale u8 [N / scale_div, K/32]
-    E8M0 codes (unused for BF16/FP32); x FP64 [M, K] with M a multiple of GROUP (for FP4 its even
-    columns, then its odd ones: ``even_odd``); out FP64 [M, N]."""
+def _double(v: float) -> str:
+    return f"0x{struct.unpack('<Q', struct.pack('<d', v))[0]:016X}"
+
+
+class _Function:
+    """Text of one LLVM function: ``let`` names a value, ``loop`` a counted loop (its counter and the
+    accumulators live in allocas, which the optimiser turns into registers)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.n = 0
+
+    def let(self, expr: str) -> str:
+        self.n += 1
+        name = f"%t{self.n}"
+        self.lines.append(f"  {name} = {expr}")
+        return name
+
+    def do(self, stmt: str) -> None:
+        self.lines.append(f"  {stmt}")
+
+    def loop(self, lo: str, hi: str, step: int, body) -> None:
+        """for i in range(lo, hi, step): body(i)"""
+        self.n += 1
+        tag = self.n
+        slot = self.let("alloca i64")
+        self.do(f"store i64 {lo}, ptr {slot}")
+        self.do(f"br label %head{tag}")
+        self.lines.append(f"head{tag}:")
+        i = self.let(f"load i64, ptr {slot}")
+        more = self.let(f"icmp slt i64 {i}, {hi}")
+        self.do(f"br i1 {more}, label %body{tag}, label %done{tag}")
+        self.lines.append(f"body{tag}:")
+        body(i)
+        self.do(f"store i64 {self.let(f'add i64 {i}, {step}')}, ptr {slot}")
+        self.do(f"br label %head{tag}")
+        self.lines.append(f"done{tag}:")
+
+
+def _scale(f: _Function, fmt: str, srow: str, b: str) -> str:
+    """The block's E8M0 code as the FP64 power of two that turns the FP16 stand-ins into values."""
+    code = f.let(f"load i8, ptr {f.let(f'getelementptr i8, ptr {srow}, i64 {b}')}")
+    exp = f.let(f"add i64 {f.let(f'zext i8 {code} to i64')}, {_SCALE_BIAS[fmt]}")
+    return f.let(f"bitcast i64 {f.let(f'shl i64 {exp}, 52')} to double")
+
+
+def _load(f: _Function, ty: str, prow: str, b: str, block_bytes: int) -> str:
+    at = f.let(f"getelementptr i8, ptr {prow}, i64 {f.let(f'mul i64 {b}, {block_bytes}')}")
+    return f.let(f"load {ty}, ptr {at}, align 1")
+
+
+def _quarters(f: _Function, wide: str) -> list[str]:
+    return [f.let(f"shufflevector <32 x double> {wide}, <32 x double> poison, {_lanes(8 * q, 8 * q + 8)}")
+            for q in range(4)]
+
+
+def _half_bits_to_values(f: _Function, bits: str, scale: str) -> list[str]:
+    d = f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {bits} to <32 x half>')} to <32 x double>")
+    s = f.let(f"insertelement <32 x double> poison, double {scale}, i64 0")
+    s = f.let(f"shufflevector <32 x double> {s}, <32 x double> poison, <32 x i32> zeroinitializer")
+    return _quarters(f, f.let(f"fmul <32 x double> {d}, {s}"))
+
+
+def _to_half(f: _Function, codes: str, shift: int, magnitude: int, sign_shift: int) -> str:
+    """<32 x i16> codes as FP16 bits: the magnitude bits shifted into FP16's exponent and significand,
+    the sign bit into bit 15."""
+    mag = f.let(f"shl <32 x i16> {codes}, {_splat('i16', 32, shift)}")
+    mag = f.let(f"and <32 x i16> {mag}, {_splat('i16', 32, magnitude)}")
+    sign = f.let(f"shl <32 x i16> {codes}, {_splat('i16', 32, sign_shift)}")
+    sign = f.let(f"and <32 x i16> {sign}, {_splat('i16', 32, 0x8000)}")
+    return f.let(f"or <32 x i16> {mag}, {sign}")
+
+
+def _decode(f: _Function, fmt: str, permute: bool, prow: str, srow: str, b: str) -> list[str]:
+    """Block ``b`` of a weight row as four <8 x double>, in the column order of ``_x_columns``."""
+    if fmt == "fp8":
+        z = f.let(f"zext <32 x i8> {_load(f, '<32 x i8>', prow, b, 32)} to <32 x i16>")
+        return _half_bits_to_values(f, _to_half(f, z, 7, 0x3F80, 8), _scale(f, fmt, srow, b))
+    if fmt == "fp4" and permute:
+        s = f.let(f"insertelement <8 x double> poison, double {_scale(f, fmt, srow, b)}, i64 0")
+        s = f.let(f"shufflevector <8 x double> {s}, <8 x double> poison, <8 x i32> zeroinitializer")
+        codes = [v * 2.0 ** -14 for v in _E2M1] + [-v * 2.0 ** -14 for v in _E2M1]
+        pos = f.let(f"fmul <8 x double> {s}, {_vec('double', [_double(v) for v in codes[:8]])}")
+        neg = f.let(f"fmul <8 x double> {s}, {_vec('double', [_double(v) for v in codes[8:]])}")
+        raw = f.let(f"zext <16 x i8> {_load(f, '<16 x i8>', prow, b, 16)} to <16 x i64>")
+        lo = [f.let(f"shufflevector <16 x i64> {raw}, <16 x i64> poison, {_lanes(8 * q, 8 * q + 8)}") for q in (0, 1)]
+        idx = lo + [f.let(f"lshr <8 x i64> {v}, {_splat('i64', 8, 4)}") for v in lo]   # the table reads bits 0-3
+        return [f.let(f"call <8 x double> @llvm.x86.avx512.vpermi2var.pd.512(<8 x double> {pos}, "
+                      f"<8 x i64> {i}, <8 x double> {neg})") for i in idx]
+    if fmt == "fp4":
+        z = f.let(f"zext <16 x i8> {_load(f, '<16 x i8>', prow, b, 16)} to <16 x i16>")
+        hi = f.let(f"lshr <16 x i16> {z}, {_splat('i16', 16, 4)}")
+        both = f.let(f"shufflevector <16 x i16> {z}, <16 x i16> {hi}, {_lanes(0, 32)}")
+        return _half_bits_to_values(f, _to_half(f, both, 9, 0x0E00, 12), _scale(f, fmt, srow, b))
+    if fmt == "bf16":
+        z = f.let(f"zext <32 x i16> {_load(f, '<32 x i16>', prow, b, 64)} to <32 x i32>")
+        upper = f.let(f"shl <32 x i32> {z}, {_splat('i32', 32, 16)}")
+        wide = f.let(f"bitcast <32 x i32> {upper} to <32 x float>")
+        return _quarters(f, f.let(f"fpext <32 x float> {wide} to <32 x double>"))
+    return _quarters(f, f.let(f"fpext <32 x float> {_load(f, '<32 x float>', prow, b, 128)} to <32 x double>"))
+
+
+def _x_columns(f: _Function, fmt: str, b: str) -> list[str]:
+    """Column offsets of the four x vectors block ``b`` multiplies (fp4: even columns first, from
+    ``even_odd``'s halves)."""
+    if fmt != "fp4":
+        base = f.let(f"mul i64 {b}, 32")
+        return [f.let(f"add i64 {base}, {8 * q}") for q in range(4)]
+    base = f.let(f"mul i64 {b}, 16")
+    odd = f.let(f"add i64 {base}, %half")
+    return [f.let(f"add i64 {base}, 0"), f.let(f"add i64 {base}, 8"), f.let(f"add i64 {odd}, 0"),
+            f.let(f"add i64 {odd}, 8")]
+
+
+def _at(f: _Function, ty: str, base: str, i: str, j: str) -> str:
+    """&base[i + j] for elements of type ``ty``."""
+    return f.let(f"getelementptr {ty}, ptr {base}, i64 {f.let(f'add i64 {i}, {j}')}")
+
+
+def _tail_value(f: _Function, fmt: str, prow: str, j: str) -> str:
+    if fmt == "bf16":
+        bits = f.let(f"load i16, ptr {f.let(f'getelementptr i16, ptr {prow}, i64 {j}')}")
+        wide = f.let(f"shl i32 {f.let(f'zext i16 {bits} to i32')}, 16")
+        value = f.let(f"bitcast i32 {wide} to float")
+    else:
+        value = f.let(f"load float, ptr {f.let(f'getelementptr float, ptr {prow}, i64 {j}')}")
+    return f.let(f"fpext float {value} to double")
+
+
+def kernel_ir(fmt: str, rows: int, weight_rows: int, permute: bool) -> str:
+    """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1)``:
+    out[r, n] = sum_c x[r, c] w[n, c] for r < ``rows`` and n in [r0, r1), ``weight_rows`` at a time;
+    weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
+    FP64, out [rows, ostride] FP64."""
+    f = _Function()
+    f.lines.append("define void @product(ptr noalias %p, i64 %pstride, ptr noalias %s, i64 %sstride, "
+                   "i64 %sdiv, ptr noalias %x, i64 %xstride, ptr noalias %out, i64 %ostride, i64 %k, "
+                   "i64 %r0, i64 %r1) {")
+    f.lines.append("entry:")
+    f.do("%blocks = udiv i64 %k, 32")
+    f.do("%half = udiv i64 %k, 2")
+    f.do("%whole = mul i64 %blocks, 32")
+    acc = {(u, r, i): f.let("alloca <8 x double>, align 64")
+           for u in range(weight_rows) for r in range(rows) for i in (0, 1)}
+    x_row = [f.let(f"mul i64 %xstride, {r}") for r in range(rows)]
+
+    def weight_group(n0: str) -> None:
+        ns = [f.let(f"add i64 {n0}, {u}") for u in range(weight_rows)]
+        prows = [f.let(f"getelementptr i8, ptr %p, i64 {f.let(f'mul i64 {n}, %pstride')}") for n in ns]
+        srows = []
+        for n in ns:
+            block_row = f.let(f"udiv i64 {n}, %sdiv")
+            srows.append(f.let(f"getelementptr i8, ptr %s, i64 {f.let(f'mul i64 {block_row}, %sstride')}"))
+        for slot in acc.values():
+            f.do(f"store <8 x double> zeroinitializer, ptr {slot}")
+
+        def block(b: str) -> None:
+            ws = [_decode(f, fmt, permute, prows[u], srows[u], b) for u in range(weight_rows)]
+            cols = _x_columns(f, fmt, b)
+            for r in range(rows):
+                xs = [f.let(f"load <8 x double>, ptr {_at(f, 'double', '%x', c, x_row[r])}, align 8") for c in cols]
+                for u in range(weight_rows):
+                    for q in range(4):
+                        slot = acc[u, r, q % 2]
+                        a = f.let(f"load <8 x double>, ptr {slot}")
+                        y = f.let(f"call <8 x double> @llvm.fma.v8f64(<8 x double> {xs[q]}, <8 x double> {ws[u][q]}, "
+                                  f"<8 x double> {a})")
+                        f.do(f"store <8 x double> {y}, ptr {slot}")
+        f.loop("0", "%blocks", 1, block)
+        for u in range(weight_rows):
+            for r in range(rows):
+                a0 = f.let(f"load <8 x double>, ptr {acc[u, r, 0]}")
+                v = f.let(f"fadd <8 x double> {a0}, {f.let(f'load <8 x double>, ptr {acc[u, r, 1]}')}")
+                for width in (4, 2, 1):
+                    lo = f.let(f"shufflevector <{2 * width} x double> {v}, <{2 * width} x double> poison, {_lanes(0, width)}")
+                    hi = f.let(f"shufflevector <{2 * width} x double> {v}, <{2 * width} x double> poison, {_lanes(width, 2 * width)}")
+                    v = f.let(f"fadd <{width} x double> {lo}, {hi}")
+                total = f.let("alloca double")
+                f.do(f"store double {f.let(f'extractelement <1 x double> {v}, i64 0')}, ptr {total}")
+                if fmt in ("bf16", "f32"):
+                    def column(j: str, u=u, r=r, total=total) -> None:
+                        xv = f.let(f"load double, ptr {_at(f, 'double', '%x', j, x_row[r])}")
+                        so_far = f.let(f"load double, ptr {total}")
+                        s = f.let(f"call double @llvm.fma.f64(double {xv}, double {_tail_value(f, fmt, prows[u], j)}, "
+                                  f"double {so_far})")
+                        f.do(f"store double {s}, ptr {total}")
+                    f.loop("%whole", "%k", 1, column)
+                result = f.let(f"load double, ptr {total}")
+                f.do(f"store double {result}, ptr {_at(f, 'double', '%out', ns[u], f.let(f'mul i64 %ostride, {r}'))}")
+    f.loop("%r0", "%r1", weight_rows, weight_group)
+    f.do("ret void")
+    f.lines += ["}", "declare <8 x double> @llvm.fma.v8f64(<8 x double>, <8 x double>, <8 x double>)",
+                "declare double @llvm.fma.f64(double, double, double)",
+                "declare <8 x double> @llvm.x86.avx512.vpermi2var.pd.512(<8 x double>, <8 x i64>, <8 x double>)"]
+    return "\n".join(f.lines)
+
+
+def _machine() -> llvm.TargetMachine:
+    """A target machine for this CPU (each engine takes one: it owns and frees it)."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    return llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3, jit=True)
+
+
+@cache
+def has_permute() -> bool:
+    """Whether this CPU has AVX-512's two-table permute (the FP4 table decode)."""
+    return llvm.get_host_cpu_features().get("avx512f", False)
+
+
+_compile_lock = threading.Lock()
+_compiled: dict[tuple, tuple] = {}     # process-wide like numba's dispatchers: compiled code, no run state
+
+
+def kernel(fmt: str, rows: int, weight_rows: int, permute: bool):
+    """The compiled kernel (a ctypes function; the call releases the GIL), compiled once per process."""
+    key = (fmt, rows, weight_rows, permute)
+    found = _compiled.get(key)
+    if found is None:
+        with _compile_lock:
+            found = _compiled.get(key) or _compiled.setdefault(key, _compile(*key))
+    return found[0]
+
+
+def _compile(fmt: str, rows: int, weight_rows: int, permute: bool):
+    """(the kernel's ctypes function, the engine that owns its code)."""
+    if not llvm.get_host_cpu_features().get("f16c", False):
+        raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
+    mod = llvm.parse_assembly(kernel_ir(fmt, rows, weight_rows, permute))
+    mod.verify()
+    tm = _machine()
+    tuning = llvm.create_pipeline_tuning_options(speed_level=3)     # the builder borrows it
+    passes = llvm.create_pass_builder(tm, tuning)
+    passes.getModulePassManager().run(mod, passes)
+    engine = llvm.create_mcjit_compiler(mod, tm)
+    engine.finalize_object()
+    return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
+
+
+def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: int, x: np.ndarray,
+            out: np.ndarray, r0: int, r1: int, permute: bool | None = None) -> None:
+    """out[:, n] = x @ w[n] for weight rows n in [r0, r1). payload [N, *]: each row's stored values,
+    contiguous within the row (u8 E4M3 bytes, u8 packed E2M1 pairs, u16 BF16 bits or FP32); scale
+    u8 [N / scale_div, K / 32] E8M0 codes, contiguous within a row (fp8 and fp4); x FP64 [M, K]
+    C-contiguous (for fp4 ``even_odd`` of it); out FP64 [M, N] C-contiguous. ``permute`` picks the
+    FP4 decode (None: the table where the CPU has it)."""
     m, k = x.shape
-    for n in range(r0, r1):
-        # a column slice's rows are strided: one contiguous row lets the loops below vectorise
-        prow, srow = np.ascontiguousarray(payload[n]), np.ascontiguousarray(scale[n // scale_div])
-        for g in range(0, m, GROUP):
-            x0, x1, x2, x3 = x[g], x[g + 1], x[g + 2], x[g + 3]
-            c0 = c1 = c2 = c3 = 0.0
-            if fmt == FP4:     # byte i holds columns 2i (low nibble) and 2i + 1: x comes split (even_odd)
-                h = k >> 1
-                for i in range(h):
-                    b, s = np.int64(prow[i]), np.int64(srow[i >> 4])
-                    lo, hi = _e2m1(b & 15, s), _e2m1(b >> 4, s)
-                    c0 += x0[i] * lo + x0[h + i] * hi
-                    c1 += x1[i] * lo + x1[h + i] * hi
-                    c2 += x2[i] * lo + x2[h + i] * hi
-                    c3 += x3[i] * lo + x3[h + i] * hi
-            else:
-                for j in range(k):
-                    w = _value(fmt, prow, srow, j)
-                    c0 += x0[j] * w
-                    c1 += x1[j] * w
-                    c2 += x2[j] * w
-                    c3 += x3[j] * w
-            out[g, n], out[g + 1, n], out[g + 2, n], out[g + 3, n] = c0, c1, c2, c3
+    if fmt in ("fp8", "fp4") and k % BLOCK:
+        raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
+    permute = has_permute() if permute is None else permute
+    if fmt == "fp4" and permute and not has_permute():
+        raise ValueError("fused_product: permute=True needs AVX-512, which this CPU lacks")
+    scale = np.zeros((1, 1), np.uint8) if scale is None else scale
+    itemsize = out.itemsize
+    for g in range(0, m, MAX_ROWS):
+        rows = min(MAX_ROWS, m - g)
+        per = 4 if rows == 1 else 1
+        split = r0 + (r1 - r0) // per * per
+        for lo, hi, wr in ((r0, split, per), (split, r1, 1)):
+            if hi > lo:
+                fn = kernel(fmt, rows, wr, permute and fmt == "fp4")
+                fn(payload.ctypes.data, payload.strides[0], scale.ctypes.data, scale.strides[0], scale_div,
+                   x.ctypes.data + g * x.strides[0], x.shape[1], out.ctypes.data + g * out.strides[0],
+                   out.strides[0] // itemsize, k, lo, hi)
 
 
 def even_odd(x: np.ndarray) -> np.ndarray:
-    """x [M, K] as the FP4 loop reads it: columns 0, 2, 4, ... then 1, 3, 5, ... (contiguous loads for
-    the two nibbles of each byte)."""
-    return np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1)
+    """x [M, K] as the FP4 kernel reads it: columns 0, 2, 4, ... then 1, 3, 5, ... (contiguous loads
+    for the two nibbles of each byte)."""
+    return np.ascontiguousarray(np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1))

@@ -27,8 +27,7 @@ from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 # largest E8M0 code for which the format's largest value times 2^(s-127) is a finite FP32 (448 for
 # E4M3, 6 for E2M1): below it the decoders' FP32 products are exact, and equal to the FP64 ones here
 _FAST_SCALE_MAX = {"fp8": 246, "fp4": 252}
-_SPLIT_VALUES = 1 << 22       # products this large (weight values x row groups, ~1 ms) use every core
-_FORMAT = {"fp8": fused.FP8, "fp4": fused.FP4, "bf16": fused.BF16, "f32": fused.F32}
+_SPLIT_VALUES = 1 << 22       # products this large (weight values x row passes, ~0.3 ms) use every core
 
 
 @cache
@@ -84,38 +83,36 @@ class PackedMatrix:
             return expert_mxfp4_decode64(self.payload, self.scale.view(torch.uint8))
         return self.payload.double()
 
-    def _stored(self) -> tuple[np.ndarray, np.ndarray, int]:
+    def _stored(self) -> tuple[np.ndarray, np.ndarray | None, int]:
         """(payload as the kernel reads it, E8M0 codes, rows per scale row)."""
         p = self.payload
         if self.fmt in ("fp8", "fp4"):
             return p.view(torch.uint8).numpy(), self.scale.view(torch.uint8).numpy(), 32 if self.fmt == "fp8" else 1
-        p = p.view(torch.int16).numpy().view(np.uint16) if self.fmt == "bf16" else p.numpy()
-        return p, np.zeros((1, 1), dtype=np.uint8), max(1, self.shape[0])
+        return (p.view(torch.int16).numpy().view(np.uint16) if self.fmt == "bf16" else p.numpy()), None, 1
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ self^T in FP64, rounded to FP32 once -> [M, N]."""
         if self._exact_tables:
             return (x.double() @ self.dense().t()).float()
         m, n = x.shape[0], self.shape[0]
-        rows = -(-max(m, 1) // fused.GROUP) * fused.GROUP      # zero rows pad the last group
-        x64 = np.zeros((rows, self.shape[1]))
-        x64[:m] = x.double().numpy()
+        x64 = np.ascontiguousarray(x.double().numpy())
         if self.fmt == "fp4":
             x64 = fused.even_odd(x64)
-        out = np.empty((rows, n))
+        out = np.empty((m, n))
         payload, scale, per = self._stored()
-        args = (_FORMAT[self.fmt], payload, scale, per, x64, out)
-        shares = min(_cores(), n) if n * self.shape[1] * rows // fused.GROUP >= _SPLIT_VALUES else 1
+        args = (self.fmt, payload, scale, per, x64, out)
+        passes = -(-m // fused.MAX_ROWS)
+        shares = min(_cores(), n) if n * self.shape[1] * passes >= _SPLIT_VALUES else 1
         bounds = [n * i // shares for i in range(shares + 1)]
         if shares > 1:
-            futures = [_pool(os.getpid(), shares - 1).submit(fused.product_rows, *args, bounds[i], bounds[i + 1])
+            futures = [_pool(os.getpid(), shares - 1).submit(fused.product, *args, bounds[i], bounds[i + 1])
                        for i in range(1, shares)]
-            fused.product_rows(*args, bounds[0], bounds[1])
+            fused.product(*args, bounds[0], bounds[1])
             for f in futures:
                 f.result()
         else:
-            fused.product_rows(*args, 0, n)
-        return torch.from_numpy(out[:m]).float()
+            fused.product(*args, 0, n)
+        return torch.from_numpy(out).float()
 
 
 def matrix(weights, key: str):
