@@ -10,7 +10,9 @@ import torch
 
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import TINY, Topology
-from dsv41.ops import packed
+import numpy as np
+
+from dsv41.ops import fused_product, packed
 from dsv41.ops.packed import PackedMatrix
 from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 from _spec_ref import fp4_value_ref
@@ -100,8 +102,8 @@ def _matrices(n: int, k: int, seed: int) -> dict[str, PackedMatrix]:
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_product_is_the_fp64_product_of_the_whole_matrix(rows):
-    """Every format, a short batch (padded to the kernel's row group) and a long one: the bits of one
-    FP64 product with the whole decoded matrix, each row of x its bits alone."""
+    """Every format, a short batch and a long one (passes of up to four rows): the bits of one FP64
+    product with the whole decoded matrix, each row of x its bits alone."""
     x = torch.randn(rows, 256, generator=_g(rows)).to(torch.bfloat16).float()
     for fmt, m in _matrices(160, 256, 7).items():
         want = (x.double() @ m.dense().t()).float()
@@ -145,3 +147,63 @@ def test_card_matrices_decode_to_the_cards_weights():
     for k in keys:
         assert torch.equal(w.matrix(k).dense().reshape(w[k].shape), w[k]), k
     assert w.matrix("head.weight") is w.matrix("head.weight")    # made once per key
+
+
+def _raw(m: PackedMatrix, x: torch.Tensor, r0: int, r1: int, variant: str | None) -> np.ndarray:
+    """The kernel's FP64 outputs for weight rows [r0, r1) (before the FP32 rounding)."""
+    x64 = np.ascontiguousarray(x.double().numpy())
+    if m.fmt == "fp4":
+        x64 = fused_product.even_odd(x64)
+    out = np.full((x.shape[0], m.shape[0]), np.nan)
+    payload, scale, per = m._stored()
+    fused_product.product(m.fmt, payload, scale, per, x64, out, r0, r1, variant)
+    return out[:, r0:r1]
+
+
+def _available(fmt: str) -> list[str]:
+    return [v for v in fused_product.VARIANTS[fmt] if v != "table" or fused_product.has_permute()]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_every_decode_variant_gives_the_same_fp64_bits(rows):
+    """The FP16-bit decode, FP8's scale carried by x and FP4's permute table: one result, bit for bit,
+    over weight-row ranges that start and end inside a group of four and a 32-row block."""
+    x = torch.randn(rows, 256, generator=_g(40 + rows)).to(torch.bfloat16).float()
+    for fmt in ("fp8", "fp4"):
+        m = _matrices(160, 256, 11)[fmt]
+        assert len(_available(fmt)) >= 1
+        for r0, r1 in ((0, 160), (3, 70), (29, 35), (61, 62)):
+            got = [_raw(m, x, r0, r1, v) for v in _available(fmt)]
+            for g in got[1:]:
+                assert np.array_equal(g.view(np.int64), got[0].view(np.int64)), (fmt, r0, r1)
+            # and each output row is the same whether it shared its pass or not
+            alone = np.concatenate([_raw(m, x[i:i + 1], r0, r1, None) for i in range(rows)])
+            assert np.array_equal(alone.view(np.int64), got[0].view(np.int64)), (fmt, r0, r1)
+
+
+def test_fp8_prescale_is_only_used_where_it_is_exact():
+    """x so large or so small that x times a block scale leaves the normal FP64 range takes the
+    in-register scale: the product is still the FP64 product of the decoded matrix."""
+    m = _matrices(64, 128, 12)["fp8"]
+    base = torch.randn(2, 128, generator=_g(13)).double()
+    for factor in (2.0 ** 900, 2.0 ** -960):
+        x = base * factor
+        assert fused_product.pick_variant("fp8", x.numpy()) == "shifts"
+        want = (x @ m.dense().t()).numpy()
+        got = _raw(m, x, 0, 64, None)
+        assert np.allclose(got, want, rtol=1e-14, atol=0), factor
+    assert fused_product.pick_variant("fp8", base.numpy()) == "prescaled"
+
+
+def test_bf16_and_f32_columns_past_the_last_block():
+    """K = 70: two whole blocks and six more columns, summed after them."""
+    w = torch.randn(40, 70, generator=_g(14))
+    x = torch.randn(3, 70, generator=_g(15))
+    for m in (PackedMatrix("bf16", w.to(torch.bfloat16)), PackedMatrix("f32", w)):
+        assert torch.equal(m.matmul_t(x), (x.double() @ m.dense().t()).float()), m.fmt
+
+
+def test_bad_variant_is_refused_in_one_line():
+    m = _matrices(32, 64, 16)["fp8"]
+    with pytest.raises(ValueError, match=r"variant must be one of \('prescaled', 'shifts'\) for fp8"):
+        _raw(m, torch.zeros(1, 64), 0, 32, "table")

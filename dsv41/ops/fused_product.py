@@ -32,6 +32,10 @@ import llvmlite.binding as llvm
 import numpy as np
 
 FORMATS = ("fp8", "fp4", "bf16", "f32")
+# decodes of each format, all exact: "shifts" builds FP16 bits (any x86-64 with F16C); "prescaled"
+# (fp8) multiplies x by the block's scale once per 32 weight rows instead of each value by it;
+# "table" (fp4) looks the codes up with AVX-512's permute; "widen" (bf16, f32) converts
+VARIANTS = {"fp8": ("prescaled", "shifts"), "fp4": ("table", "shifts"), "bf16": ("widen",), "f32": ("widen",)}
 BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
 MAX_ROWS = 4                # activation rows per pass (more spill the accumulators)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -39,7 +43,7 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _SCALE_BIAS = {"fp8": 1023 - 127 + 8, "fp4": 1023 - 127 + 14}
 _ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_int64, ctypes.c_int64)
+         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
 
 
 def _vec(ty: str, values) -> str:
@@ -94,6 +98,16 @@ class _Function:
         self.do(f"br label %head{tag}")
         self.lines.append(f"done{tag}:")
 
+    def when(self, cond: str, body) -> None:
+        """if cond: body()"""
+        self.n += 1
+        tag = self.n
+        self.do(f"br i1 {cond}, label %then{tag}, label %after{tag}")
+        self.lines.append(f"then{tag}:")
+        body()
+        self.do(f"br label %after{tag}")
+        self.lines.append(f"after{tag}:")
+
 
 def _scale(f: _Function, fmt: str, srow: str, b: str) -> str:
     """The block's E8M0 code as the FP64 power of two that turns the FP16 stand-ins into values."""
@@ -112,11 +126,14 @@ def _quarters(f: _Function, wide: str) -> list[str]:
             for q in range(4)]
 
 
+def _broadcast(f: _Function, value: str, n: int) -> str:
+    one = f.let(f"insertelement <{n} x double> poison, double {value}, i64 0")
+    return f.let(f"shufflevector <{n} x double> {one}, <{n} x double> poison, <{n} x i32> zeroinitializer")
+
+
 def _half_bits_to_values(f: _Function, bits: str, scale: str) -> list[str]:
     d = f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {bits} to <32 x half>')} to <32 x double>")
-    s = f.let(f"insertelement <32 x double> poison, double {scale}, i64 0")
-    s = f.let(f"shufflevector <32 x double> {s}, <32 x double> poison, <32 x i32> zeroinitializer")
-    return _quarters(f, f.let(f"fmul <32 x double> {d}, {s}"))
+    return _quarters(f, f.let(f"fmul <32 x double> {d}, {_broadcast(f, scale, 32)}"))
 
 
 def _to_half(f: _Function, codes: str, shift: int, magnitude: int, sign_shift: int) -> str:
@@ -129,14 +146,18 @@ def _to_half(f: _Function, codes: str, shift: int, magnitude: int, sign_shift: i
     return f.let(f"or <32 x i16> {mag}, {sign}")
 
 
-def _decode(f: _Function, fmt: str, permute: bool, prow: str, srow: str, b: str) -> list[str]:
-    """Block ``b`` of a weight row as four <8 x double>, in the column order of ``_x_columns``."""
+def _decode(f: _Function, fmt: str, variant: str, prow: str, srow: str, b: str) -> list[str]:
+    """Block ``b`` of a weight row as four <8 x double>, in the column order of ``_x_columns``
+    (``prescaled``: without the block's scale, which x carries)."""
     if fmt == "fp8":
         z = f.let(f"zext <32 x i8> {_load(f, '<32 x i8>', prow, b, 32)} to <32 x i16>")
-        return _half_bits_to_values(f, _to_half(f, z, 7, 0x3F80, 8), _scale(f, fmt, srow, b))
-    if fmt == "fp4" and permute:
-        s = f.let(f"insertelement <8 x double> poison, double {_scale(f, fmt, srow, b)}, i64 0")
-        s = f.let(f"shufflevector <8 x double> {s}, <8 x double> poison, <8 x i32> zeroinitializer")
+        d = f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {_to_half(f, z, 7, 0x3F80, 8)} to <32 x half>')} "
+                  f"to <32 x double>")
+        if variant != "prescaled":
+            d = f.let(f"fmul <32 x double> {d}, {_broadcast(f, _scale(f, fmt, srow, b), 32)}")
+        return _quarters(f, d)
+    if variant == "table":
+        s = _broadcast(f, _scale(f, fmt, srow, b), 8)
         codes = [v * 2.0 ** -14 for v in _E2M1] + [-v * 2.0 ** -14 for v in _E2M1]
         pos = f.let(f"fmul <8 x double> {s}, {_vec('double', [_double(v) for v in codes[:8]])}")
         neg = f.let(f"fmul <8 x double> {s}, {_vec('double', [_double(v) for v in codes[8:]])}")
@@ -185,15 +206,17 @@ def _tail_value(f: _Function, fmt: str, prow: str, j: str) -> str:
     return f.let(f"fpext float {value} to double")
 
 
-def kernel_ir(fmt: str, rows: int, weight_rows: int, permute: bool) -> str:
-    """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1)``:
+def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
+    """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1, xs)``:
     out[r, n] = sum_c x[r, c] w[n, c] for r < ``rows`` and n in [r0, r1), ``weight_rows`` at a time;
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
-    FP64, out [rows, ostride] FP64."""
+    FP64, out [rows, ostride] FP64; xs FP64 [rows, k] scratch (``prescaled``: x times the scales of
+    the weight rows' block row, remade when the block row changes; a group of weight rows never
+    straddles two)."""
     f = _Function()
     f.lines.append("define void @product(ptr noalias %p, i64 %pstride, ptr noalias %s, i64 %sstride, "
                    "i64 %sdiv, ptr noalias %x, i64 %xstride, ptr noalias %out, i64 %ostride, i64 %k, "
-                   "i64 %r0, i64 %r1) {")
+                   "i64 %r0, i64 %r1, ptr noalias %xs) {")
     f.lines.append("entry:")
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%half = udiv i64 %k, 2")
@@ -201,6 +224,19 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, permute: bool) -> str:
     acc = {(u, r, i): f.let("alloca <8 x double>, align 64")
            for u in range(weight_rows) for r in range(rows) for i in (0, 1)}
     x_row = [f.let(f"mul i64 %xstride, {r}") for r in range(rows)]
+    xs_row = [f.let(f"mul i64 %k, {r}") for r in range(rows)]
+    made_for = f.let("alloca i64")          # the block row whose scales xs holds
+    f.do(f"store i64 -1, ptr {made_for}")
+
+    def prescale(srow: str) -> None:
+        def block(b: str) -> None:
+            scale = _broadcast(f, _scale(f, fmt, srow, b), 8)
+            for r in range(rows):
+                for c in _x_columns(f, fmt, b):
+                    v = f.let(f"load <8 x double>, ptr {_at(f, 'double', '%x', c, x_row[r])}, align 8")
+                    f.do(f"store <8 x double> {f.let(f'fmul <8 x double> {v}, {scale}')}, "
+                         f"ptr {_at(f, 'double', '%xs', c, xs_row[r])}, align 8")
+        f.loop("0", "%blocks", 1, block)
 
     def weight_group(n0: str) -> None:
         ns = [f.let(f"add i64 {n0}, {u}") for u in range(weight_rows)]
@@ -211,12 +247,21 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, permute: bool) -> str:
             srows.append(f.let(f"getelementptr i8, ptr %s, i64 {f.let(f'mul i64 {block_row}, %sstride')}"))
         for slot in acc.values():
             f.do(f"store <8 x double> zeroinitializer, ptr {slot}")
+        if variant == "prescaled":
+            block_row = f.let(f"udiv i64 {n0}, %sdiv")
+            stale = f.let(f"icmp ne i64 {block_row}, {f.let(f'load i64, ptr {made_for}')}")
+
+            def remake() -> None:
+                prescale(srows[0])
+                f.do(f"store i64 {block_row}, ptr {made_for}")
+            f.when(stale, remake)
+        src, src_row = ("%xs", xs_row) if variant == "prescaled" else ("%x", x_row)
 
         def block(b: str) -> None:
-            ws = [_decode(f, fmt, permute, prows[u], srows[u], b) for u in range(weight_rows)]
+            ws = [_decode(f, fmt, variant, prows[u], srows[u], b) for u in range(weight_rows)]
             cols = _x_columns(f, fmt, b)
             for r in range(rows):
-                xs = [f.let(f"load <8 x double>, ptr {_at(f, 'double', '%x', c, x_row[r])}, align 8") for c in cols]
+                xs = [f.let(f"load <8 x double>, ptr {_at(f, 'double', src, c, src_row[r])}, align 8") for c in cols]
                 for u in range(weight_rows):
                     for q in range(4):
                         slot = acc[u, r, q % 2]
@@ -271,9 +316,9 @@ _compile_lock = threading.Lock()
 _compiled: dict[tuple, tuple] = {}     # process-wide like numba's dispatchers: compiled code, no run state
 
 
-def kernel(fmt: str, rows: int, weight_rows: int, permute: bool):
+def kernel(fmt: str, rows: int, weight_rows: int, variant: str):
     """The compiled kernel (a ctypes function; the call releases the GIL), compiled once per process."""
-    key = (fmt, rows, weight_rows, permute)
+    key = (fmt, rows, weight_rows, variant)
     found = _compiled.get(key)
     if found is None:
         with _compile_lock:
@@ -281,11 +326,11 @@ def kernel(fmt: str, rows: int, weight_rows: int, permute: bool):
     return found[0]
 
 
-def _compile(fmt: str, rows: int, weight_rows: int, permute: bool):
+def _compile(fmt: str, rows: int, weight_rows: int, variant: str):
     """(the kernel's ctypes function, the engine that owns its code)."""
     if not llvm.get_host_cpu_features().get("f16c", False):
         raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
-    mod = llvm.parse_assembly(kernel_ir(fmt, rows, weight_rows, permute))
+    mod = llvm.parse_assembly(kernel_ir(fmt, rows, weight_rows, variant))
     mod.verify()
     tm = _machine()
     tuning = llvm.create_pipeline_tuning_options(speed_level=3)     # the builder borrows it
@@ -296,31 +341,55 @@ def _compile(fmt: str, rows: int, weight_rows: int, permute: bool):
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
 
+def _prescale_safe(x: np.ndarray) -> bool:
+    """Whether x times any scale up to 2^127 and down to 2^-119 stays a normal FP64, so that x f times
+    a value is the same real number as x times the value f (and FMA rounds it the same way)."""
+    a = np.abs(x)
+    if not a.size:
+        return True
+    big = a.max()
+    if not np.isfinite(big) or big >= 2.0 ** 895:
+        return False
+    nonzero = a[a > 0]
+    return not nonzero.size or nonzero.min() >= 2.0 ** -903
+
+
+def pick_variant(fmt: str, x: np.ndarray) -> str:
+    """The fastest decode that gives the defined bits here."""
+    if fmt == "fp8":
+        return "prescaled" if _prescale_safe(x) else "shifts"
+    if fmt == "fp4":
+        return "table" if has_permute() else "shifts"
+    return "widen"
+
+
 def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: int, x: np.ndarray,
-            out: np.ndarray, r0: int, r1: int, permute: bool | None = None) -> None:
+            out: np.ndarray, r0: int, r1: int, variant: str | None = None) -> None:
     """out[:, n] = x @ w[n] for weight rows n in [r0, r1). payload [N, *]: each row's stored values,
     contiguous within the row (u8 E4M3 bytes, u8 packed E2M1 pairs, u16 BF16 bits or FP32); scale
     u8 [N / scale_div, K / 32] E8M0 codes, contiguous within a row (fp8 and fp4); x FP64 [M, K]
-    C-contiguous (for fp4 ``even_odd`` of it); out FP64 [M, N] C-contiguous. ``permute`` picks the
-    FP4 decode (None: the table where the CPU has it)."""
+    C-contiguous (for fp4 ``even_odd`` of it); out FP64 [M, N] C-contiguous. ``variant``: one of
+    ``VARIANTS[fmt]`` (None: ``pick_variant``); every variant gives the same bits."""
     m, k = x.shape
     if fmt in ("fp8", "fp4") and k % BLOCK:
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
-    permute = has_permute() if permute is None else permute
-    if fmt == "fp4" and permute and not has_permute():
-        raise ValueError("fused_product: permute=True needs AVX-512, which this CPU lacks")
+    variant = pick_variant(fmt, x) if variant is None else variant
+    if variant not in VARIANTS[fmt] or (variant == "table" and not has_permute()):
+        raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
+                         f"(table needs AVX-512), got {variant!r}")
     scale = np.zeros((1, 1), np.uint8) if scale is None else scale
-    itemsize = out.itemsize
     for g in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - g)
-        per = 4 if rows == 1 else 1
-        split = r0 + (r1 - r0) // per * per
-        for lo, hi, wr in ((r0, split, per), (split, r1, 1)):
+        xs = np.empty((rows, k)) if variant == "prescaled" else None
+        # one row takes weight rows four at a time, from a multiple of 4 (so never across a 32-row block)
+        a = min(r1, -(-r0 // 4) * 4) if rows == 1 else r0
+        b = a + (r1 - a) // 4 * 4 if rows == 1 else r0
+        for lo, hi, group in ((r0, a, 1), (a, b, 4), (b, r1, 1)):
             if hi > lo:
-                fn = kernel(fmt, rows, wr, permute and fmt == "fp4")
-                fn(payload.ctypes.data, payload.strides[0], scale.ctypes.data, scale.strides[0], scale_div,
-                   x.ctypes.data + g * x.strides[0], x.shape[1], out.ctypes.data + g * out.strides[0],
-                   out.strides[0] // itemsize, k, lo, hi)
+                kernel(fmt, rows, group, variant)(
+                    payload.ctypes.data, payload.strides[0], scale.ctypes.data, scale.strides[0], scale_div,
+                    x.ctypes.data + g * x.strides[0], x.shape[1], out.ctypes.data + g * out.strides[0],
+                    out.strides[0] // out.itemsize, k, lo, hi, None if xs is None else xs.ctypes.data)
 
 
 def even_odd(x: np.ndarray) -> np.ndarray:
