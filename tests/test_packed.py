@@ -155,7 +155,7 @@ def _raw(m: PackedMatrix, x: torch.Tensor, r0: int, r1: int, variant: str | None
     if m.fmt == "fp4":
         x64 = fused_product.even_odd(x64)
     out = np.full((x.shape[0], m.shape[0]), np.nan)
-    payload, scale, per = m._stored()
+    payload, scale, per = m.stored
     fused_product.product(m.fmt, payload, scale, per, x64, out, r0, r1, variant)
     return out[:, r0:r1]
 

@@ -354,10 +354,11 @@ def _prescale_safe(x: np.ndarray) -> bool:
     return not nonzero.size or nonzero.min() >= 2.0 ** -903
 
 
-def pick_variant(fmt: str, x: np.ndarray) -> str:
-    """The fastest decode that gives the defined bits here."""
+def pick_variant(fmt: str, x: np.ndarray, fp32_values: bool = False) -> str:
+    """The fastest decode that gives the defined bits here (``fp32_values``: x holds FP32 values, whose
+    range is always safe to prescale)."""
     if fmt == "fp8":
-        return "prescaled" if _prescale_safe(x) else "shifts"
+        return "prescaled" if fp32_values or _prescale_safe(x) else "shifts"
     if fmt == "fp4":
         return "table" if has_permute() else "shifts"
     return "widen"

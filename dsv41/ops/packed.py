@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
+from functools import cache, cached_property
 
 import numpy as np
 import torch
@@ -83,8 +83,9 @@ class PackedMatrix:
             return expert_mxfp4_decode64(self.payload, self.scale.view(torch.uint8))
         return self.payload.double()
 
-    def _stored(self) -> tuple[np.ndarray, np.ndarray | None, int]:
-        """(payload as the kernel reads it, E8M0 codes, rows per scale row)."""
+    @cached_property
+    def stored(self) -> tuple[np.ndarray, np.ndarray | None, int]:
+        """(payload as the kernel reads it, E8M0 codes, rows per scale row): views of the stored tensors."""
         p = self.payload
         if self.fmt in ("fp8", "fp4"):
             return p.view(torch.uint8).numpy(), self.scale.view(torch.uint8).numpy(), 32 if self.fmt == "fp8" else 1
@@ -99,19 +100,20 @@ class PackedMatrix:
         if self.fmt == "fp4":
             x64 = fused.even_odd(x64)
         out = np.empty((m, n))
-        payload, scale, per = self._stored()
+        payload, scale, per = self.stored
+        variant = fused.pick_variant(self.fmt, x64, fp32_values=x.dtype in (torch.float32, torch.bfloat16, torch.float16))
         args = (self.fmt, payload, scale, per, x64, out)
         passes = -(-m // fused.MAX_ROWS)
         shares = min(_cores(), n) if n * self.shape[1] * passes >= _SPLIT_VALUES else 1
         bounds = [n * i // shares for i in range(shares + 1)]
         if shares > 1:
-            futures = [_pool(os.getpid(), shares - 1).submit(fused.product, *args, bounds[i], bounds[i + 1])
+            futures = [_pool(os.getpid(), shares - 1).submit(fused.product, *args, bounds[i], bounds[i + 1], variant)
                        for i in range(1, shares)]
-            fused.product(*args, bounds[0], bounds[1])
+            fused.product(*args, bounds[0], bounds[1], variant)
             for f in futures:
                 f.result()
         else:
-            fused.product(*args, 0, n)
+            fused.product(*args, 0, n, variant)
         return torch.from_numpy(out).float()
 
 
