@@ -207,3 +207,20 @@ def test_bad_variant_is_refused_in_one_line():
     m = _matrices(32, 64, 16)["fp8"]
     with pytest.raises(ValueError, match=r"variant must be one of \('prescaled', 'shifts'\) for fp8"):
         _raw(m, torch.zeros(1, 64), 0, 32, "table")
+
+
+def test_compiled_kernels_are_reused_from_the_cache_folder(tmp_path, monkeypatch):
+    """A process that finds a kernel's code in the cache (same IR, CPU and compiler) loads it without
+    compiling, and gets the same bits."""
+    m = _matrices(64, 128, 17)["fp8"]
+    x = torch.randn(2, 128, generator=_g(18))
+    monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused_product, "_compiled", {})
+    first = m.matmul_t(x)
+    assert list(tmp_path.glob("*.o"))
+    monkeypatch.setattr(fused_product, "_compiled", {})
+
+    def no_compiler(*a, **k):
+        raise AssertionError("compiled again although the cache holds the code")
+    monkeypatch.setattr(fused_product.llvm, "create_pass_builder", no_compiler)
+    assert torch.equal(m.matmul_t(x), first)

@@ -24,9 +24,12 @@ the batch); a single row takes four weight rows at once so its FMA chains overla
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import struct
 import threading
 from functools import cache
+from pathlib import Path
 
 import llvmlite.binding as llvm
 import numpy as np
@@ -335,17 +338,40 @@ def kernel(fmt: str, rows: int, weight_rows: int, variant: str):
     return found[0]
 
 
-def _compile(fmt: str, rows: int, weight_rows: int, variant: str):
-    """(the kernel's ctypes function, the engine that owns its code)."""
-    if not llvm.get_host_cpu_features().get("f16c", False):
-        raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
-    mod = llvm.parse_assembly(kernel_ir(fmt, rows, weight_rows, variant))
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DSV41_KERNEL_CACHE") or Path(__file__).parent / "__pycache__" / "kernels")
+
+
+def _object_code(ir: str) -> bytes:
+    """The kernel's machine code for this CPU: from the cache where an earlier process wrote it (keyed by
+    the IR, the CPU and the compiler), else optimised and compiled now and written there if it can be."""
+    cpu = f"{llvm.get_host_cpu_name()} {llvm.get_host_cpu_features().flatten()} {llvm.llvm_version_info}"
+    path = _cache_dir() / (hashlib.sha256((cpu + "\n" + ir).encode()).hexdigest() + ".o")
+    if path.exists():
+        return path.read_bytes()
+    mod = llvm.parse_assembly(ir)
     mod.verify()
     tm = _machine()
     tuning = llvm.create_pipeline_tuning_options(speed_level=3)     # the builder borrows it
     passes = llvm.create_pass_builder(tm, tuning)
     passes.getModulePassManager().run(mod, passes)
-    engine = llvm.create_mcjit_compiler(mod, tm)
+    code = tm.emit_object(mod)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(code)
+        os.replace(tmp, path)
+    except OSError:
+        pass        # a read-only tree compiles in every process instead
+    return code
+
+
+def _compile(fmt: str, rows: int, weight_rows: int, variant: str):
+    """(the kernel's ctypes function, the engine that owns its code)."""
+    if not llvm.get_host_cpu_features().get("f16c", False):
+        raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _machine())
+    engine.add_object_file(llvm.ObjectFileRef.from_data(_object_code(kernel_ir(fmt, rows, weight_rows, variant))))
     engine.finalize_object()
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
