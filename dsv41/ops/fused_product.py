@@ -19,7 +19,9 @@ the CPU at hand, once per (format, rows per pass, weight rows per pass) and proc
   other weight rows: a row's bits do not depend on the batch, the layout or the threads.
 
 Passes take 1-4 activation rows (one FP64 FMA per weight value per row is the cost that grows with
-the batch); a single row takes four weight rows at once so its FMA chains overlap.
+the batch); a single row takes four weight rows at once so its FMA chains overlap. The weight rows a
+few groups on are prefetched in software. Compiled code is kept as object files beside this module
+(``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of compiling.
 """
 from __future__ import annotations
 
