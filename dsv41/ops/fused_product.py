@@ -19,9 +19,10 @@ the CPU at hand, once per (format, rows per pass, weight rows per pass) and proc
   other weight rows: a row's bits do not depend on the batch, the layout or the threads.
 
 Passes take 1-4 activation rows (one FP64 FMA per weight value per row is the cost that grows with
-the batch); a single row takes four weight rows at once so its FMA chains overlap. The weight rows a
-few groups on are prefetched in software. Compiled code is kept as object files beside this module
-(``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of compiling.
+the batch) and two or four weight rows (``WEIGHT_ROWS``), so that FMA chains overlap and each load of
+x serves several weight rows. The weight rows a few groups on are prefetched in software. Compiled
+code is kept as object files beside this module (``DSV41_KERNEL_CACHE`` moves them), so later
+processes load it instead of compiling.
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
 _BLOCK_BYTES = {"fp8": 32, "fp4": 16, "bf16": 64, "f32": 128}
 _AHEAD = 8                  # weight rows the software prefetch runs ahead (best of 4, 8, 16 measured)
 MAX_ROWS = 4                # activation rows per pass (more spill the accumulators)
+# weight rows per pass for each count of activation rows: x's loads are shared by the group (x [4, K]
+# FP64 sits in L2, not L1), and each group's accumulators fit the registers; a divisor of 32, so a group
+# never straddles an FP8 32-row block (measured per format; docs/flash-shapes.md)
+WEIGHT_ROWS = {1: 4, 2: 4, 3: 2, 4: 2}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # exponent-field offsets that make 2^(s-127) times the FP16 stand-in's 2^8 (E4M3) or 2^14 (E2M1)
 _SCALE_BIAS = {"fp8": 1023 - 127 + 8, "fp4": 1023 - 127 + 14}
@@ -419,10 +424,11 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
     for g in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - g)
         xs = np.empty((rows, k)) if variant == "prescaled" else None
-        # one row takes weight rows four at a time, from a multiple of 4 (so never across a 32-row block)
-        a = min(r1, -(-r0 // 4) * 4) if rows == 1 else r0
-        b = a + (r1 - a) // 4 * 4 if rows == 1 else r0
-        for lo, hi, group in ((r0, a, 1), (a, b, 4), (b, r1, 1)):
+        # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
+        per = WEIGHT_ROWS[rows]
+        a = min(r1, -(-r0 // per) * per)
+        b = a + (r1 - a) // per * per
+        for lo, hi, group in ((r0, a, 1), (a, b, per), (b, r1, 1)):
             if hi > lo:
                 kernel(fmt, rows, group, variant)(
                     payload.ctypes.data, payload.strides[0], scale.ctypes.data, scale.strides[0], scale_div,
