@@ -3,6 +3,7 @@ decode multiplies by the values of the format's definition bit for bit, and the 
 product with the whole decoded matrix, each row's bits independent of the batch and of the split."""
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -224,3 +225,17 @@ def test_compiled_kernels_are_reused_from_the_cache_folder(tmp_path, monkeypatch
         raise AssertionError("compiled again although the cache holds the code")
     monkeypatch.setattr(fused_product.llvm, "create_pass_builder", no_compiler)
     assert torch.equal(m.matmul_t(x), first)
+    monkeypatch.undo()
+
+
+def test_a_damaged_cached_kernel_is_compiled_again(tmp_path, monkeypatch):
+    m = _matrices(64, 128, 19)["fp4"]
+    x = torch.randn(1, 128, generator=_g(20))
+    monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused_product, "_compiled", {})
+    first = m.matmul_t(x)
+    for f in tmp_path.glob("*.o"):
+        f.write_bytes(f.read_bytes()[:100] + b"garbage")
+    monkeypatch.setattr(fused_product, "_compiled", {})
+    assert torch.equal(m.matmul_t(x), first)
+    assert all(hashlib.sha256(f.read_bytes()[32:]).digest() == f.read_bytes()[:32] for f in tmp_path.glob("*.o"))

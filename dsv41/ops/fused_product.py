@@ -354,8 +354,12 @@ def _object_code(ir: str) -> bytes:
     the IR, the CPU and the compiler), else optimised and compiled now and written there if it can be."""
     cpu = f"{llvm.get_host_cpu_name()} {llvm.get_host_cpu_features().flatten()} {llvm.llvm_version_info}"
     path = _cache_dir() / (hashlib.sha256((cpu + "\n" + ir).encode()).hexdigest() + ".o")
-    if path.exists():
-        return path.read_bytes()
+    try:
+        stored = path.read_bytes()
+        if hashlib.sha256(stored[32:]).digest() == stored[:32]:      # a damaged file is compiled again
+            return stored[32:]
+    except OSError:
+        pass
     mod = llvm.parse_assembly(ir)
     mod.verify()
     tm = _machine()
@@ -366,7 +370,7 @@ def _object_code(ir: str) -> bytes:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(code)
+        tmp.write_bytes(hashlib.sha256(code).digest() + code)
         os.replace(tmp, path)
     except OSError:
         pass        # a read-only tree compiles in every process instead
