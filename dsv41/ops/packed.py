@@ -27,7 +27,7 @@ from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 # largest E8M0 code for which the format's largest value times 2^(s-127) is a finite FP32 (448 for
 # E4M3, 6 for E2M1): below it the decoders' FP32 products are exact, and equal to the FP64 ones here
 _FAST_SCALE_MAX = {"fp8": 246, "fp4": 252}
-_SPLIT_VALUES = 1 << 22       # products this large (weight values x row passes, ~0.3 ms) use every core
+_SPLIT_VALUES = 1 << 20       # products this large (weight values x row passes, ~0.1 ms) use every core
 
 
 @cache
