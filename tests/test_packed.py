@@ -6,14 +6,13 @@ from __future__ import annotations
 import hashlib
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import TINY, Topology
-import numpy as np
-
-from dsv41.ops import fused_product, packed
+from dsv41.ops import cores, fused_product, packed
 from dsv41.ops.packed import PackedMatrix
 from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 from _spec_ref import fp4_value_ref
@@ -117,7 +116,7 @@ def test_a_product_split_over_threads_gives_the_bits_of_one(monkeypatch):
     x = torch.randn(5, 256, generator=_g(3))
     whole = {fmt: m.matmul_t(x) for fmt, m in _matrices(96, 256, 5).items()}
     monkeypatch.setattr(packed, "_SPLIT_VALUES", 1)
-    monkeypatch.setattr(packed, "_cores", lambda: 3)
+    monkeypatch.setattr(cores, "cores", lambda: 3)
     for fmt, m in _matrices(96, 256, 5).items():
         assert torch.equal(m.matmul_t(x), whole[fmt]), fmt
 

@@ -14,31 +14,18 @@ every scale to the formats' definitions.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-from functools import cache, cached_property
+from functools import cached_property
 
 import numpy as np
 import torch
 
-from dsv41.ops import fused_product as fused
+from dsv41.ops import cores, fused_product as fused
 from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 
 # largest E8M0 code for which the format's largest value times 2^(s-127) is a finite FP32 (448 for
 # E4M3, 6 for E2M1): below it the decoders' FP32 products are exact, and equal to the FP64 ones here
 _FAST_SCALE_MAX = {"fp8": 246, "fp4": 252}
 _SPLIT_VALUES = 1 << 20       # products this large (weight values x row passes, ~0.1 ms) use every core
-
-
-@cache
-def _pool(pid: int, workers: int) -> ThreadPoolExecutor:
-    """Threads for the shares of one product past the caller's own (the kernel releases the GIL);
-    one pool per process (a forked child has none of its parent's threads)."""
-    return ThreadPoolExecutor(workers, thread_name_prefix="dsv41-product")
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class PackedMatrix:
@@ -104,16 +91,8 @@ class PackedMatrix:
         variant = fused.pick_variant(self.fmt, x64, fp32_values=x.dtype in (torch.float32, torch.bfloat16, torch.float16))
         args = (self.fmt, payload, scale, per, x64, out)
         passes = -(-m // fused.MAX_ROWS)
-        shares = min(_cores(), n) if n * self.shape[1] * passes >= _SPLIT_VALUES else 1
-        bounds = [n * i // shares for i in range(shares + 1)]
-        if shares > 1:
-            futures = [_pool(os.getpid(), shares - 1).submit(fused.product, *args, bounds[i], bounds[i + 1], variant)
-                       for i in range(1, shares)]
-            fused.product(*args, bounds[0], bounds[1], variant)
-            for f in futures:
-                f.result()
-        else:
-            fused.product(*args, 0, n, variant)
+        shares = min(cores.cores(), n) if n * self.shape[1] * passes >= _SPLIT_VALUES else 1
+        cores.run_shares(lambda lo, hi: fused.product(*args, lo, hi, variant), cores.bounds(n, shares))
         return torch.from_numpy(out).float()
 
 
