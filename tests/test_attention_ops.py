@@ -335,6 +335,13 @@ def test_index_scores_read_each_key_from_the_cache_a_block_at_a_time(monkeypatch
         for block in (5, 2048):
             monkeypatch.setattr(indexer, "KEY_BLOCK", block)
             assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
+        # the key blocks split over three cores' shares: the same scores
+        from dsv41.ops import cores
+        monkeypatch.setattr(indexer, "KEY_BLOCK", 5)
+        monkeypatch.setattr(indexer, "SPLIT_MULTIPLIES", 1)
+        monkeypatch.setattr(cores, "cores", lambda: 3)
+        assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
+        monkeypatch.undo()
 
 
 def _topk_ref(scores, k):

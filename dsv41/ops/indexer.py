@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from dsv41.ops import kv_cache
+from dsv41.ops import cores, kv_cache
 from dsv41.ops.key_kernels import decode_index_rows, index_score_epilogue
 from dsv41.ops.projections import dense_linear, mx_linear
 from dsv41.ops.quant import mxfp4_qdq, round_bf16
@@ -19,6 +19,7 @@ from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
 KEY_BLOCK = 2048      # index keys scored at once: a row's [heads, block] FP64 dots stay in cache
+SPLIT_MULTIPLIES = 1 << 22     # scoring this much (rows x keys x heads x d) splits its key blocks over the cores
 POSITION_LIMIT = (1 << 30) - 1   # positions a Top-K row may hold: (33-bit score key, position) fits an i64
 
 
@@ -77,13 +78,18 @@ def _scores(q, w, payload, scale, rows) -> torch.Tensor:
     qd, wf = q.double(), w.float().contiguous()
     parts = (payload.contiguous().numpy(), scale.contiguous().numpy())
     table, group = kv_cache.value_table(kv_cache.INDEX).numpy(), kv_cache.FORMATS[kv_cache.INDEX].group
-    for a in range(0, p, KEY_BLOCK):
-        r = rows[:, a:a + KEY_BLOCK].contiguous()
-        keys = torch.empty(t, r.shape[1], d, dtype=torch.float64)
-        decode_index_rows(*parts, r.numpy(), table, group, keys.numpy())
-        block = torch.empty(t, r.shape[1], dtype=torch.float32)
-        index_score_epilogue(torch.einsum("thd,tpd->thp", qd, keys).numpy(), wf.numpy(), r.numpy(), block.numpy())
-        out[:, a:a + KEY_BLOCK] = block
+
+    def blocks(first: int, last: int) -> None:
+        for a in range(first * KEY_BLOCK, min(p, last * KEY_BLOCK), KEY_BLOCK):
+            r = rows[:, a:a + KEY_BLOCK].contiguous()
+            keys = torch.empty(t, r.shape[1], d, dtype=torch.float64)
+            decode_index_rows(*parts, r.numpy(), table, group, keys.numpy())
+            block = torch.empty(t, r.shape[1], dtype=torch.float32)
+            index_score_epilogue(torch.einsum("thd,tpd->thp", qd, keys).numpy(), wf.numpy(), r.numpy(), block.numpy())
+            out[:, a:a + KEY_BLOCK] = block
+    n = -(-p // KEY_BLOCK)
+    shares = min(cores.cores(), n) if t * p * q.shape[1] * d >= SPLIT_MULTIPLIES else 1
+    cores.run_shares(blocks, cores.bounds(n, shares))     # key blocks are independent: the same bits
     return out
 
 
