@@ -1,6 +1,7 @@
 """mHC mixes / Sinkhorn / hc_pre / hc_post / hc_head (spec 01 §4) and RMSNorm (01 §5)."""
 import math
 
+import pytest
 import torch
 
 from dsv41.config import TINY
@@ -102,6 +103,21 @@ def test_sinkhorn_doubly_stochastic():
         _, _, ref = _mixes_ref(torch.zeros(1, HC, D), torch.zeros(24, HC * D), torch.tensor([0.0, 0.0, 1.0]),
                                torch.cat([torch.zeros(8), comb0[t].flatten()]))
         assert torch.allclose(c[t].double(), ref[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 3, 500])
+def test_sinkhorn_is_the_torch_iteration_bit_for_bit(t):
+    """The compiled normalisations (``ops.mix_kernels``) equal the Torch loop of FP32 ops, bit for bit,
+    from small to large logits (a sum over 4 lanes in Torch runs lane 0 to lane 3 on this CPU)."""
+    g = _g(30 + t)
+    for scale in (0.01, 0.5, 3.0, 30.0):
+        comb0 = torch.randn(t, 4, 4, generator=g) * scale
+        want = torch.softmax(comb0, -1) + 1e-6
+        want = want / (want.sum(-2, keepdim=True) + 1e-6)
+        for _ in range(19):
+            want = want / (want.sum(-1, keepdim=True) + 1e-6)
+            want = want / (want.sum(-2, keepdim=True) + 1e-6)
+        assert torch.equal(mhc.sinkhorn(comb0, 20, 1e-6), want), scale
 
 
 def test_sinkhorn_single_iteration_is_softmax_then_column_norm():

@@ -6,20 +6,20 @@ forward (``delayed`` below); the final collapse uses the last pre mix and has no
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from dsv41.ops.mix_kernels import normalise
 from dsv41.ops.pointwise import sigmoid
 from dsv41.ops.projections import matmul_t
 from dsv41.ops.quant import round_bf16
 
 
 def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax (+eps), one column normalisation, then iters-1 (row, column) normalisations."""
-    c = torch.softmax(comb0, dim=-1) + eps
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
+    """Row softmax (+eps), one column normalisation, then iters-1 (row, column) normalisations, each
+    in FP32: a lane sum from lane 0 up, + eps, then the division (``mix_kernels.normalise``)."""
+    c = (torch.softmax(comb0.float(), dim=-1) + eps).contiguous()
+    normalise(c.numpy(), iters, np.float32(eps))
     return c
 
 
