@@ -1,0 +1,98 @@
+"""The weight products alone: ns per weight value for each checkpoint format, activation rows 1, 2, 4
+and 8, on one core and on all of them, against what reading the value's bytes at the copy bandwidth
+costs.
+
+    python bench/weight_kernels.py [--json]
+
+Each format multiplies a set of FLASH-shaped matrices larger than the last-level cache (so the
+bytes come from memory, as in a decode step): FP8 the Q projection's ``wq_b`` (32768 x 1280) and
+eight O-projection groups as column slices of one 5120 x 8192 matrix, FP4 routed experts' ``w1``
+(2304 x 5120), BF16 8192-row slices of the head (5120 wide), FP32 the mHC ``fn`` (24 x 20480). Each
+time is the best of ``--repeats`` passes over the set (``PackedMatrix.matmul_t``, the engine's call).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from dsv41.ops import cores
+from dsv41.ops.packed import PackedMatrix
+from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
+
+ROWS = (1, 2, 4, 8)
+
+
+def matrices(g: torch.Generator) -> dict[str, list[PackedMatrix]]:
+    def fp8(n, k):
+        return PackedMatrix("fp8", *block_mxfp8_encode(torch.randn(n, k, generator=g) * 0.02))
+
+    def fp4(n, k):
+        p, s = expert_mxfp4_encode(torch.randn(n, k, generator=g) * 0.02)
+        return PackedMatrix("fp4", p.view(torch.int8), s)
+    wo = fp8(5120, 8192)
+    return {"fp8": [fp8(32768, 1280), *(wo.cols(1024 * i, 1024 * (i + 1)) for i in range(8))],
+            "fp4": [fp4(2304, 5120) for _ in range(12)],
+            "bf16": [PackedMatrix("bf16", torch.randn(8192, 5120, generator=g).to(torch.bfloat16)) for _ in range(6)],
+            "f32": [PackedMatrix("f32", torch.randn(24, 20480, generator=g)) for _ in range(64)]}
+
+
+def best(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def copy_bytes_per_s(repeats: int) -> float:
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / best(lambda: dst.copy_(src), repeats)
+
+
+def measure(repeats: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    bw = copy_bytes_per_s(repeats)
+    out = {"copy_bytes_per_s": bw, "cores": cores.cores(), "formats": {}}
+    all_cores = cores.cores
+    for fmt, ms in matrices(g).items():
+        values = sum(m.shape.numel() for m in ms)
+        stored = sum(m.payload.numel() * m.payload.element_size() + (m.scale.numel() if m.scale is not None else 0)
+                     for m in ms)
+        row = {"values": values, "floor_ns": stored / bw / values * 1e9, "ns": {}}
+        for threads in ("one", "all"):
+            cores.cores = (lambda: 1) if threads == "one" else all_cores
+            for rows in ROWS:
+                xs = [torch.randn(rows, m.shape[1], generator=g).to(torch.bfloat16).float() for m in ms]
+                t = best(lambda: [m.matmul_t(x) for m, x in zip(ms, xs)], repeats)
+                row["ns"][f"{threads}:{rows}"] = t / values * 1e9
+        cores.cores = all_cores
+        out["formats"][fmt] = row
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    r = measure(a.repeats)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"copy {r['copy_bytes_per_s'] / 1e9:.2f} GB/s, {r['cores']} cores; ns per weight value "
+          f"(rows of x: {', '.join(map(str, ROWS))})")
+    for fmt, row in r["formats"].items():
+        cells = "  ".join(f"{threads} core{'s' if threads == 'all' else ''}: "
+                          + " ".join(f"{row['ns'][f'{threads}:{n}']:.3f}" for n in ROWS) for threads in ("one", "all"))
+        print(f"  {fmt:<5} floor {row['floor_ns']:.3f}  {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
