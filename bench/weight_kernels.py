@@ -18,6 +18,9 @@ import time
 
 import torch
 
+from cpu_rates import best                  # bench/cpu_rates.py and cpu_roofline.py, beside this script
+from cpu_roofline import copy_bytes_per_s
+
 from dsv41.ops import cores
 from dsv41.ops.packed import PackedMatrix
 from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
@@ -37,22 +40,6 @@ def matrices(g: torch.Generator) -> dict[str, list[PackedMatrix]]:
             "fp4": [fp4(2304, 5120) for _ in range(12)],
             "bf16": [PackedMatrix("bf16", torch.randn(8192, 5120, generator=g).to(torch.bfloat16)) for _ in range(6)],
             "f32": [PackedMatrix("f32", torch.randn(24, 20480, generator=g)) for _ in range(64)]}
-
-
-def best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def copy_bytes_per_s(repeats: int) -> float:
-    src = torch.ones(64 << 20)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / best(lambda: dst.copy_(src), repeats)
 
 
 def measure(repeats: int) -> dict:
@@ -82,15 +69,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
     r = measure(a.repeats)
-    if a.json:
-        print(json.dumps(r))
-        return 0
-    print(f"copy {r['copy_bytes_per_s'] / 1e9:.2f} GB/s, {r['cores']} cores; ns per weight value "
-          f"(rows of x: {', '.join(map(str, ROWS))})")
+    lines = [f"copy {r['copy_bytes_per_s'] / 1e9:.2f} GB/s, {r['cores']} cores; ns per weight value (rows of x: "
+             f"{', '.join(map(str, ROWS))})"]
     for fmt, row in r["formats"].items():
         cells = "  ".join(f"{threads} core{'s' if threads == 'all' else ''}: "
                           + " ".join(f"{row['ns'][f'{threads}:{n}']:.3f}" for n in ROWS) for threads in ("one", "all"))
-        print(f"  {fmt:<5} floor {row['floor_ns']:.3f}  {cells}")
+        lines.append(f"  {fmt:<5} floor {row['floor_ns']:.3f}  {cells}")
+    print(json.dumps(r) if a.json else "\n".join(lines))
     return 0
 
 
