@@ -2,7 +2,7 @@
 and 8, on one core and on all of them, against what reading the value's bytes at the copy bandwidth
 costs.
 
-    python bench/weight_kernels.py [--json]
+    python bench/weight_kernels.py [--rows 1,2,4,8] [--repeats 5] [--json]
 
 Each format multiplies a set of FLASH-shaped matrices larger than the last-level cache (so the
 bytes come from memory, as in a decode step): FP8 the Q projection's ``wq_b`` (32768 x 1280) and
@@ -25,8 +25,6 @@ from dsv41.ops import cores
 from dsv41.ops.packed import PackedMatrix
 from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
 
-ROWS = (1, 2, 4, 8)
-
 
 def matrices(g: torch.Generator) -> dict[str, list[PackedMatrix]]:
     def fp8(n, k):
@@ -42,7 +40,7 @@ def matrices(g: torch.Generator) -> dict[str, list[PackedMatrix]]:
             "f32": [PackedMatrix("f32", torch.randn(24, 20480, generator=g)) for _ in range(64)]}
 
 
-def measure(repeats: int) -> dict:
+def measure(rows_list: list[int], repeats: int) -> dict:
     g = torch.Generator().manual_seed(0)
     bw = copy_bytes_per_s(repeats)
     out = {"copy_bytes_per_s": bw, "cores": cores.cores(), "formats": {}}
@@ -54,7 +52,7 @@ def measure(repeats: int) -> dict:
         row = {"values": values, "floor_ns": stored / bw / values * 1e9, "ns": {}}
         for threads in ("one", "all"):
             cores.cores = (lambda: 1) if threads == "one" else all_cores
-            for rows in ROWS:
+            for rows in rows_list:
                 xs = [torch.randn(rows, m.shape[1], generator=g).to(torch.bfloat16).float() for m in ms]
                 t = best(lambda: [m.matmul_t(x) for m, x in zip(ms, xs)], repeats)
                 row["ns"][f"{threads}:{rows}"] = t / values * 1e9
@@ -65,15 +63,17 @@ def measure(repeats: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--rows", default="1,2,4,8", help="activation row counts, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    r = measure(a.repeats)
+    rows = [int(n) for n in a.rows.split(",")]
+    r = measure(rows, a.repeats)
     lines = [f"copy {r['copy_bytes_per_s'] / 1e9:.2f} GB/s, {r['cores']} cores; ns per weight value (rows of x: "
-             f"{', '.join(map(str, ROWS))})"]
+             f"{', '.join(map(str, rows))})"]
     for fmt, row in r["formats"].items():
         cells = "  ".join(f"{threads} core{'s' if threads == 'all' else ''}: "
-                          + " ".join(f"{row['ns'][f'{threads}:{n}']:.3f}" for n in ROWS) for threads in ("one", "all"))
+                          + " ".join(f"{row['ns'][f'{threads}:{n}']:.3f}" for n in rows) for threads in ("one", "all"))
         lines.append(f"  {fmt:<5} floor {row['floor_ns']:.3f}  {cells}")
     print(json.dumps(r) if a.json else "\n".join(lines))
     return 0
