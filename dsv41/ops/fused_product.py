@@ -77,12 +77,23 @@ def _double(v: float) -> str:
 
 
 class _Function:
-    """Text of one LLVM function: ``let`` names a value, ``loop`` a counted loop (its counter and the
-    accumulators live in allocas, which the optimiser turns into registers)."""
+    """Text of one LLVM function body: ``let`` names a value, ``loop`` a counted loop, ``slot`` a stack
+    slot (loop counters, accumulators) placed in the entry block, where the optimiser turns it into a
+    register."""
 
     def __init__(self):
         self.lines: list[str] = []
+        self.slots: list[str] = []
         self.n = 0
+
+    def slot(self, ty: str, align: int = 8) -> str:
+        self.n += 1
+        name = f"%slot{self.n}"
+        self.slots.append(f"  {name} = alloca {ty}, align {align}")
+        return name
+
+    def text(self, header: str, footer: list[str]) -> str:
+        return "\n".join([header, "entry:", *self.slots, *self.lines, "}", *footer])
 
     def let(self, expr: str) -> str:
         self.n += 1
@@ -97,7 +108,7 @@ class _Function:
         """for i in range(lo, hi, step): body(i)"""
         self.n += 1
         tag = self.n
-        slot = self.let("alloca i64")
+        slot = self.slot("i64")
         self.do(f"store i64 {lo}, ptr {slot}")
         self.do(f"br label %head{tag}")
         self.lines.append(f"head{tag}:")
@@ -226,18 +237,14 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
     the weight rows' block row, remade when the block row changes; a group of weight rows never
     straddles two)."""
     f = _Function()
-    f.lines.append("define void @product(ptr noalias %p, i64 %pstride, ptr noalias %s, i64 %sstride, "
-                   "i64 %sdiv, ptr noalias %x, i64 %xstride, ptr noalias %out, i64 %ostride, i64 %k, "
-                   "i64 %r0, i64 %r1, ptr noalias %xs) {")
-    f.lines.append("entry:")
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%half = udiv i64 %k, 2")
     f.do("%whole = mul i64 %blocks, 32")
-    acc = {(u, r, i): f.let("alloca <8 x double>, align 64")
+    acc = {(u, r, i): f.slot("<8 x double>", 64)
            for u in range(weight_rows) for r in range(rows) for i in (0, 1)}
     x_row = [f.let(f"mul i64 %xstride, {r}") for r in range(rows)]
     xs_row = [f.let(f"mul i64 %k, {r}") for r in range(rows)]
-    made_for = f.let("alloca i64")          # the block row whose scales xs holds
+    made_for = f.slot("i64")          # the block row whose scales xs holds
     f.do(f"store i64 -1, ptr {made_for}")
 
     def prescale(srow: str) -> None:
@@ -296,7 +303,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
                     lo = f.let(f"shufflevector <{2 * width} x double> {v}, <{2 * width} x double> poison, {_lanes(0, width)}")
                     hi = f.let(f"shufflevector <{2 * width} x double> {v}, <{2 * width} x double> poison, {_lanes(width, 2 * width)}")
                     v = f.let(f"fadd <{width} x double> {lo}, {hi}")
-                total = f.let("alloca double")
+                total = f.slot("double")
                 f.do(f"store double {f.let(f'extractelement <1 x double> {v}, i64 0')}, ptr {total}")
                 if fmt in ("bf16", "f32"):
                     def column(j: str, u=u, r=r, total=total) -> None:
@@ -310,11 +317,13 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
                 f.do(f"store double {result}, ptr {_at(f, 'double', '%out', ns[u], f.let(f'mul i64 %ostride, {r}'))}")
     f.loop("%r0", "%r1", weight_rows, weight_group)
     f.do("ret void")
-    f.lines += ["}", "declare <8 x double> @llvm.fma.v8f64(<8 x double>, <8 x double>, <8 x double>)",
-                "declare double @llvm.fma.f64(double, double, double)",
-                "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
-                "declare <8 x double> @llvm.x86.avx512.vpermi2var.pd.512(<8 x double>, <8 x i64>, <8 x double>)"]
-    return "\n".join(f.lines)
+    return f.text("define void @product(ptr noalias %p, i64 %pstride, ptr noalias %s, i64 %sstride, i64 %sdiv, "
+                  "ptr noalias %x, i64 %xstride, ptr noalias %out, i64 %ostride, i64 %k, i64 %r0, i64 %r1, "
+                  "ptr noalias %xs) {",
+                  ["declare <8 x double> @llvm.fma.v8f64(<8 x double>, <8 x double>, <8 x double>)",
+                   "declare double @llvm.fma.f64(double, double, double)",
+                   "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
+                   "declare <8 x double> @llvm.x86.avx512.vpermi2var.pd.512(<8 x double>, <8 x i64>, <8 x double>)"])
 
 
 def _machine() -> llvm.TargetMachine:
