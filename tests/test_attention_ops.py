@@ -746,18 +746,3 @@ def test_window_list_width_prefill_and_decode():
     md = types.SimpleNamespace(token_to_req_indices=t, kv_seq_lens=kv, query_lens=lens,
                                window_indices=torch.zeros(26, 16))
     assert window_list_width(md).tolist() == [5] * 5 + [16] * 20 + [16]
-
-
-@pytest.mark.parametrize("rows, shared_a", [(1, True), (3, False)])
-def test_the_leaf_products_split_over_cores_give_the_bits_of_one(monkeypatch, rows, shared_a):
-    """The QK (one query against every tile) and PV (a probability block per tile) products, their tiles
-    split over three shares: each tile's product is the one computed whole, bit for bit."""
-    from dsv41.ops import attention, cores
-    g = torch.Generator().manual_seed(21)
-    a = torch.randn(rows, 1 if shared_a else 7, 8, 32, generator=g, dtype=torch.float64)
-    b = torch.randn(rows, 7, 32, 16, generator=g, dtype=torch.float64)
-    whole = torch.matmul(a, b)
-    monkeypatch.setattr(attention, "SPLIT_MULTIPLIES", 1)
-    monkeypatch.setattr(cores, "cores", lambda: 3)
-    split = attention._tile_products(a, b)
-    assert torch.equal(split.view(torch.int64), whole.view(torch.int64))

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.ops import cores, kv_cache
+from dsv41.ops import kv_cache
 from dsv41.ops.key_kernels import decode_slot_rows
 from dsv41.ops.quant import round_bf16
 
 TILE = 64
 ROW_BLOCK_BYTES = 4 << 20    # a query block's FP64 keys: one row at FLASH's 640 x 512 slots (in cache)
-SPLIT_MULTIPLIES = 1 << 22   # a QK or PV product this large (about 0.1 ms) splits its tiles over the cores
 
 
 def slot_list(win_keys: torch.Tensor, win_valid: torch.Tensor, cmp_keys: torch.Tensor, cmp_valid: torch.Tensor,
@@ -84,23 +83,6 @@ def sparse_attention_cached(q: torch.Tensor, window: tuple, compressed: tuple | 
     return _attend(q, rows >= 0, sink, scale, keys_of)
 
 
-def _tile_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.matmul(a, b) for a [rows, 1 or tiles, m, k] and b [rows, tiles, k, n]: one FP64 product per
-    tile, the tiles split over the cores when there are enough of them (each tile's product is the
-    same wherever it runs)."""
-    rows, tiles, k, n = b.shape
-    shares = min(cores.cores(), tiles) if rows * tiles * a.shape[2] * k * n >= SPLIT_MULTIPLIES else 1
-    if shares == 1:
-        return torch.matmul(a, b)
-    parts: dict[int, torch.Tensor] = {}
-
-    def share(lo: int, hi: int) -> None:
-        parts[lo] = torch.matmul(a if a.shape[1] == 1 else a[:, lo:hi], b[:, lo:hi])
-    cuts = cores.bounds(tiles, shares)
-    cores.run_shares(share, cuts)
-    return torch.cat([parts[lo] for lo in cuts[:-1]], 1)
-
-
 def _attend(q: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float, keys_of) -> torch.Tensor:
     """The leaf a query block at a time; keys_of(a, b, slots) gives rows [a, b)'s first ``slots`` keys
     as FP64 [b - a, slots, d] (zeros past the list).
@@ -124,14 +106,14 @@ def _attend(q: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: flo
         b = min(a + step, t)
         kv = keys_of(a, b, tiles * TILE).view(b - a, tiles, TILE, d)
         okb = ok[a:b].view(b - a, tiles, 1, TILE)
-        logits = _tile_products(q[a:b].double().unsqueeze(1), kv.transpose(-1, -2)).float() * scale  # [rows, tiles, H, 64]
+        logits = torch.matmul(q[a:b].double().unsqueeze(1), kv.transpose(-1, -2)).float() * scale  # [rows, tiles, H, 64]
         logits = logits.masked_fill(~okb, -1e30)
         m = torch.cummax(torch.cat([torch.full((b - a, 1, h), -1e30), logits.amax(-1)], 1), 1).values
         p = torch.exp(logits - m[:, 1:].unsqueeze(-1)) * okb
         sums = p.double().sum(-1).float()
         if last < TILE:                                         # the short tile sums its own slots only
             sums[:, -1] = p[:, -1, :, :last].contiguous().double().sum(-1).float()
-        pv = _tile_products(round_bf16(p).double(), kv).float()   # [rows, tiles, H, d]
+        pv = torch.matmul(round_bf16(p).double(), kv).float()   # [rows, tiles, H, d]
         c = torch.exp(m[:, :-1] - m[:, 1:])
         den, num = torch.zeros(b - a, h), torch.zeros(b - a, h, d)
         for i in range(tiles):

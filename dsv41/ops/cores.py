@@ -1,4 +1,4 @@
-"""The host's cores for the shares of one large op (a weight product's rows, a leaf's key tiles): the
+"""The host's cores for the shares of one large op (a weight product's rows, the indexer's key blocks): the
 caller's thread takes the first share and a per-process pool the rest (the kernels release the GIL).
 Each share is computed exactly as it would be alone, so splitting never changes a bit."""
 from __future__ import annotations
