@@ -265,26 +265,27 @@ _CPU_RATES = ("bench/cpu_rates.py on the 2-core development VM with one Torch th
               "256 MiB FP32 copy 11.70 GB/s (read + write), 2048^3 GEMM FP32 157.7 and FP64 62.7 GFLOP/s, a "
               "1-element torch.add 1.56 us per call; a weight's decode to FP64 and one-row product per value: "
               "FP8 11.03, FP4 7.37, BF16 9.09, FP32 8.74 ns")
-_CPU_WEIGHT_USE = ("bench/cpu_roofline.py --context 16384 on the flash-L4-E8 and flash-L40-E8 checkpoints (issue 29; "
-                   "weights multiplied in their checkpoint formats, a tile decoded at a time inside the FP64 "
-                   "product), at load average 2.6 and 3.4: the node kinds of one weight format, their step time over "
-                   "the weight values they multiply, FP8 0.89 and 1.14, FP4 0.70 and 0.93, BF16 0.28 and 0.37 ns; "
-                   "the mean of the two runs; FP32 (only the mHC mixes, under 1% of a step) from "
-                   "bench/cpu_rates.py at load 2.5: 0.27 ns")
+_CPU_WEIGHT_USE = ("bench/weight_kernels.py (issue 29: the weight kernels compiled from LLVM IR, each value decoded in a "
+                   "register next to its FP64 multiply-add), one activation row on both cores, quiet machine: FP8 0.069, "
+                   "FP4 0.041, BF16 0.058, FP32 0.317 ns a value, less the FP64 multiply-add at the FP64 rate "
+                   "(2 / 62.7 GFLOP/s = 0.032 ns), which the FLOPs term prices: the decode alone. "
+                   "bench/cpu_roofline.py --replan against the steps measured with it: flash-L4-E8 batch 1 +4%, "
+                   "batch 8 +10%, flash-L40-E8 batch 1 -12%")
 _CPU_LOOPBACK = ("assumption: dask workers on one host talk over loopback TCP; a collective and a dispatch/combine "
                  "call alike cost 100 us per message (the order of a Python asyncio round trip) and the bytes at the "
                  "measured copy bandwidth; not measured")
 _CPU_LINK = Link(11.7 * G, 1.0, AlphaBeta(100.0, 11.7 * G), ByRanks(((2, AlphaBeta(100.0, 11.7 * G)),)))
-# the kernels multiply FP8/FP4/BF16 weights as held, decoding a tile to FP64 at a time, and accumulate in FP64
-# (docs/numerics.md), so every matmul class runs at the FP64 GEMM rate; the measured rates are achieved ones
+# the kernels multiply FP8/FP4/BF16 weights as held, decoding each value next to its FP64 multiply-add
+# (docs/numerics.md), so every matmul class runs at the FP64 GEMM rate plus the decode (weight_use_ns); the
+# measured rates are achieved ones
 CPU = DeviceProfile(
     "cpu", "this development VM's CPU, 2 cores (Torch eager, FP64 matmuls)", 23 * 2 ** 30, 11.7 * G,
     {"mx": 62.7 * G, "dense": 62.7 * G, "vector": 157.7 * G},
     {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
     launch_us=1.56, host_launch_us=1.56, graph_launch_us=1.56, host_step_us=100.0, token_sync_us=1.56,
-    weight_use_ns={"fp8": 0.170, "fp4": 0.135, "bf16": 0.186, "f32": 0.27}, shared_cores=2,
+    weight_use_ns={"fp8": 0.037, "fp4": 0.009, "bf16": 0.026, "f32": 0.285}, shared_cores=2,
     sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM", "hbm_bytes_per_s": _CPU_RATES,
-             "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (FP64 products of decoded tiles); "
+             "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (FP64 products of decoded values); "
                                          "vector at the FP32 GEMM rate (assumption: an upper bound)",
              "efficiency": "the rates are measured achieved rates (bench/cpu_rates.py), so 1.0",
              "intra": _CPU_LOOPBACK, "inter": _CPU_LOOPBACK,
