@@ -91,8 +91,10 @@ class PackedMatrix:
         variant = fused.pick_variant(self.fmt, x64, fp32_values=x.dtype in (torch.float32, torch.bfloat16, torch.float16))
         args = (self.fmt, payload, scale, per, x64, out)
         passes = -(-m // fused.MAX_ROWS)
-        shares = min(cores.cores(), n) if n * self.shape[1] * passes >= _SPLIT_VALUES else 1
-        cores.run_shares(lambda lo, hi: fused.product(*args, lo, hi, variant), cores.bounds(n, shares))
+        if n * self.shape[1] * passes < _SPLIT_VALUES:
+            fused.product(*args, 0, n, variant)
+        else:
+            cores.run_shares(lambda lo, hi: fused.product(*args, lo, hi, variant), cores.bounds(n, min(cores.cores(), n)))
         return torch.from_numpy(out).float()
 
 
