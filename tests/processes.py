@@ -1,7 +1,19 @@
 """Helpers of the tests that start processes."""
 import os
+import signal
 import subprocess
 import time
+
+
+def as_a_terminal_starts_it() -> None:
+    """``preexec_fn`` of a command that a test stops as a terminal would (Ctrl-C to its group):
+    SIGINT and SIGTERM at their defaults and unblocked, as a shell starts a foreground command,
+    whatever this pytest process inherited. A pytest started as a background job of a
+    non-interactive shell (``pytest &``, nohup) has SIGINT ignored, exec keeps that, and the
+    command's Python then never turns SIGINT into KeyboardInterrupt: it ran on and exited 0."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def still_running(session: int, wait_s: float = 5.0) -> list[str]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import signal_and_wait
+from processes import as_a_terminal_starts_it, signal_and_wait
 
 from dsv41.cli import run
 from dsv41.cli import args as rules
@@ -233,7 +233,8 @@ class _Http:
 def _cli(*argv, env=None, cwd=None):
     return subprocess.Popen([sys.executable, "-m", "dsv41.run", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=cwd,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=as_a_terminal_starts_it)
 
 
 def _kill(p: subprocess.Popen) -> None:

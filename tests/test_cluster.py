@@ -40,11 +40,17 @@ def reference():
 
 
 LAYOUTS = [(1, 1), (2, 2), (4, 1)]
+# a covering array of the grid: every pair of values of any two of layout, wiring and executor
+# meets in the default run (TP2/DP2 sharded threads, the command's default, among them); the whole
+# grid under -m slow
+BY_DEFAULT = {((1, 1), "replicated", "sync"), ((1, 1), "sharded", "threads"), ((2, 2), "sharded", "threads"),
+              ((2, 2), "replicated", "sync"), ((4, 1), "sharded", "sync"), ((4, 1), "replicated", "threads")}
+GRID = [pytest.param(tp, dp, wiring, executor, id=f"{tp}-{dp}-{wiring}-{executor}",
+                     marks=() if ((tp, dp), wiring, executor) in BY_DEFAULT else pytest.mark.slow)
+        for tp, dp in LAYOUTS for wiring in ("replicated", "sharded") for executor in ("sync", "threads")]
 
 
-@pytest.mark.parametrize("executor", ["sync", "threads"])
-@pytest.mark.parametrize("wiring", ["replicated", "sharded"])
-@pytest.mark.parametrize("tp,dp", LAYOUTS)
+@pytest.mark.parametrize("tp,dp,wiring,executor", GRID)
 def test_graph_matches_reference(reference, tp, dp, wiring, executor):
     engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), seed=0, executor=executor, wiring=wiring,
                          max_batch=2, max_context=64)

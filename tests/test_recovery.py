@@ -233,31 +233,84 @@ def test_worker_killed_on_local_cluster_is_recovered(local_cluster):
     _recovers_between_and_mid_step(local_cluster.scheduler_address, same_address=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker_ports(n: int) -> list[int]:
+    """n distinct ports, free now, below the kernel's range of ephemeral ports: no outgoing
+    connection (a worker's to the scheduler, say) can take one before its worker binds it, as it
+    could a port that bind(0) handed out and that was closed again. Held together while chosen,
+    so they differ; drawn at random, so two test runs on the machine rarely meet."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        first_ephemeral = int(f.read().split()[0])
+    held = []
+    try:
+        for port in random.Random().sample(range(max(1024, first_ephemeral - 8000), first_ephemeral), 500):
+            s = socket.socket()
+            try:
+                s.bind(("", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+            if len(held) == n:
+                return [h.getsockname()[1] for h in held]
+        raise RuntimeError(f"no {n} free ports below {first_ephemeral}")
+    finally:
+        for h in held:
+            h.close()
 
 
 class ExternalCluster:
-    """``dask scheduler`` and named workers on fixed ports (a killed worker comes back at the same
-    address, with empty memory), each started with subprocess and stopped by PID."""
+    """``dask scheduler`` and named workers, each started with subprocess and stopped by PID. Each
+    worker keeps its port (a killed worker comes back at the same address, with empty memory); the
+    scheduler and the nannies take theirs when they bind (port 0), so no port is chosen before its
+    server binds it but the workers'."""
 
-    def __init__(self):
+    def __init__(self, folder):
         self.env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        port = _free_port()
-        self.address = f"tcp://127.0.0.1:{port}"
-        self.ports = {name: (_free_port(), _free_port()) for name in ("0", "1")}
-        self.procs = {"scheduler": subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
-             "--dashboard-address", ":0"], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)}
+        self.ports = dict(zip(("0", "1"), _worker_ports(2)))
+        self.procs = {}
+        info = folder / "scheduler.json"
+        self.procs["scheduler"] = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+             "--dashboard-address", ":0", "--scheduler-file", str(info)],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self.address = self._written_address(info)
+        except BaseException:
+            self.stop("scheduler")
+            raise
+
+    def _written_address(self, info, timeout_s=120):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return json.loads(info.read_text())["address"]
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):      # not (all) written yet
+                pass
+            if self.procs["scheduler"].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the dask scheduler did not start (status {self.procs['scheduler'].poll()})")
+            time.sleep(0.1)
 
     def start_worker(self, name: str):
-        worker, nanny = self.ports[name]
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--name", name, "--nthreads", "1",
-             "--worker-port", str(worker), "--nanny-port", str(nanny), "--no-dashboard"],
+             "--worker-port", str(self.ports[name]), "--no-dashboard"],
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start_workers(self, client, timeout_s=120):
+        """Both workers, waited for; one that exits first (another program bound its port after it
+        was chosen) is started again on a new port."""
+        for name in ("0", "1"):
+            self.start_worker(name)
+        deadline = time.monotonic() + timeout_s
+        while len(client.scheduler_info()["workers"]) < 2:
+            for name in ("0", "1"):
+                if self.procs[name].poll() is not None:
+                    self.ports[name] = _worker_ports(1)[0]
+                    self.start_worker(name)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(client.scheduler_info()['workers'])}/2 workers arrived "
+                                   f"after {timeout_s} s")
+            time.sleep(0.2)
 
     def stop(self, name: str):
         p = self.procs.pop(name)
@@ -270,14 +323,12 @@ class ExternalCluster:
 
 
 @pytest.fixture(scope="module")
-def external_cluster():
-    cluster = ExternalCluster()
+def external_cluster(tmp_path_factory):
+    cluster = ExternalCluster(tmp_path_factory.mktemp("scheduler"))
     try:
-        for name in ("0", "1"):
-            cluster.start_worker(name)
         from distributed import Client
         with Client(cluster.address, timeout=60) as client:
-            client.wait_for_workers(2, timeout=120)
+            cluster.start_workers(client)
         yield cluster
     finally:
         for name in [n for n in cluster.procs if n != "scheduler"] + ["scheduler"]:

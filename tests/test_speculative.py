@@ -3,7 +3,8 @@ only the rows that fed it, so generation with any drafter gives exactly the toke
 generation without one (greedy and seeded sampling), on every layout; preemption recomputes to the
 same tokens; a lost card mid-verify recovers to them.
 
-Oracle: plain generation on the same engine (the scheduler with no drafter)."""
+Oracle: plain generation (the scheduler with no drafter) on the reference engine, run once for the
+module (every layout gives its logits bytes), or on the same engine."""
 from contextlib import contextmanager
 
 import pytest
@@ -66,9 +67,19 @@ def assert_same(plain, spec):
     assert torch.equal(spec[1], plain[1])
 
 
-def check_layout(engine, full: bool):
-    """Greedy and seeded sampling: oracle drafts (every policy when full, else prefixes) and n-gram."""
-    plain = generate(engine)
+@pytest.fixture(scope="module")
+def plain_runs():
+    """Plain generation of PROMPTS on the reference engine, greedy and with SAMPLED, run once for the
+    module: the oracle of every engine's speculative runs (each layout gives the reference's logits
+    bytes, tests/test_cluster.py, so a layout's runs are held to the reference's directly)."""
+    ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
+    return generate(ref), generate(ref, sampling=SAMPLED)
+
+
+def check_layout(engine, full: bool, oracle):
+    """Greedy and seeded sampling: oracle drafts (every policy when full, else prefixes) and n-gram;
+    ``oracle``: plain_runs."""
+    plain, sampled = oracle
     policies = [ALL, NONE, PREFIXES] if full else [PREFIXES]
     for pick in policies:
         policy = Policy(plain[0], pick)
@@ -89,16 +100,15 @@ def check_layout(engine, full: bool):
         ngram = generate(engine, NgramDrafter(5), prompts=periodic)
         assert ngram[2].spec.drafted > 0
         assert_same(generate(engine, prompts=periodic), ngram)
-    sampled = generate(engine, sampling=SAMPLED)
     assert sampled[0] != plain[0]                      # the draws are not greedy
     assert_same(sampled, generate(engine, OracleDrafter(Policy(sampled[0], PREFIXES)), SAMPLED))
     assert engine.blocks_in_use()[0] == 0              # every request released
 
 
-def check_dspark(engine, other):
-    """DSpark drafting: greedy tokens and logits equal plain generation; seeded sampling (the
-    speculative-sampling rule over the stages' draft distribution) equal on both engines."""
-    plain = generate(engine)
+def check_dspark(engine, other, plain):
+    """DSpark drafting: greedy tokens and logits equal plain generation (``plain``: plain_runs'
+    greedy run); seeded sampling (the speculative-sampling rule over the stages' draft distribution)
+    equal on both engines."""
     spec = generate(engine, dspark_drafter(engine))
     assert_same(plain, spec)
     assert spec[2].spec.drafted > 0
@@ -122,36 +132,35 @@ def graph_engine(executor="threads", topo=Topology(2, 2, 4), wiring="sharded"):
         engine.close()
 
 
-def test_dspark_drafts_on_the_reference_and_the_graph():
+def test_dspark_drafts_on_the_reference_and_the_graph(plain_runs):
     with graph_engine() as graph:
-        check_dspark(ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX), graph)
-        plain = generate(graph)
-        assert_same(plain, generate(graph, dspark_drafter(graph, k=3, confidence=0.5)))
+        check_dspark(ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX), graph, plain_runs[0])
+        assert_same(plain_runs[0], generate(graph, dspark_drafter(graph, k=3, confidence=0.5)))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("executor,topo,wiring", LAYOUTS)
-def test_dspark_drafts_on_every_layout(executor, topo, wiring):
+def test_dspark_drafts_on_every_layout(executor, topo, wiring, plain_runs):
     with graph_engine(executor, topo, wiring) as engine:
-        check_dspark(engine, ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX))
+        check_dspark(engine, ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX), plain_runs[0])
 
 
-def test_reference_speculative_equals_plain():
-    check_layout(ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX), full=True)
+def test_reference_speculative_equals_plain(plain_runs):
+    check_layout(ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX), True, plain_runs)
 
 
-def test_graph_speculative_equals_plain_on_tp2_dp2():
+def test_graph_speculative_equals_plain_on_tp2_dp2(plain_runs):
     with graph_engine() as engine:
-        check_layout(engine, full=False)
+        check_layout(engine, False, plain_runs)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("executor,topo,wiring", LAYOUTS)
-def test_every_layout_speculative_equals_plain(executor, topo, wiring):
+def test_every_layout_speculative_equals_plain(executor, topo, wiring, plain_runs):
     with graph_engine(executor, topo, wiring) as engine:
-        check_layout(engine, full=True)
+        check_layout(engine, True, plain_runs)
 
 
 @pytest.mark.slow
@@ -380,7 +389,7 @@ class Distributed(Drafter):
         return drafts, probs
 
 
-def test_drafts_with_their_distribution_draw_the_same_tokens_on_every_layout():
+def test_drafts_with_their_distribution_draw_the_same_tokens_on_every_layout(plain_runs):
     ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
     with graph_engine() as graph:
         a = generate(ref, Distributed(), SAMPLED)
@@ -388,4 +397,4 @@ def test_drafts_with_their_distribution_draw_the_same_tokens_on_every_layout():
     assert_same(a, b)
     assert a[2].spec.drafted > 0
     # greedy requests ignore the distribution: drafts accepted while they equal the argmax
-    assert_same(generate(ref), generate(ref, Distributed()))
+    assert_same(plain_runs[0], generate(ref, Distributed()))

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import signal_and_wait
+from processes import as_a_terminal_starts_it, signal_and_wait
 
 REPO = Path(__file__).resolve().parents[1]
 SIGNALS = {signal.SIGINT: (130, "interrupted"), signal.SIGTERM: (143, "terminated")}
@@ -31,7 +31,8 @@ def _interrupt_start_up(tmp_path: Path, signum: int, delay: float, group: bool) 
     p = subprocess.Popen([sys.executable, "-m", "dsv41.run", "--executor", "distributed", "--json", "--tp", "1",
                           "--dp", "2", "--new-tokens", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp)},
-                         stdin=subprocess.DEVNULL, start_new_session=True)
+                         stdin=subprocess.DEVNULL, start_new_session=True,
+                         preexec_fn=as_a_terminal_starts_it)
     try:
         first = p.stderr.readline()
         assert first.startswith("dsv41 decode: "), first
