@@ -149,14 +149,15 @@ def test_card_matrices_decode_to_the_cards_weights():
     assert w.matrix("head.weight") is w.matrix("head.weight")    # made once per key
 
 
-def _raw(m: PackedMatrix, x: torch.Tensor, r0: int, r1: int, variant: str | None) -> np.ndarray:
+def _raw(m: PackedMatrix, x: torch.Tensor, r0: int, r1: int, variant: str | None,
+         model: str | None = None) -> np.ndarray:
     """The kernel's FP64 outputs for weight rows [r0, r1) (before the FP32 rounding)."""
     x64 = np.ascontiguousarray(x.double().numpy())
     if m.fmt == "fp4":
         x64 = fused_product.even_odd(x64)
     out = np.full((x.shape[0], m.shape[0]), np.nan)
     payload, scale, per = m.stored
-    fused_product.product(m.fmt, payload, scale, per, x64, out, r0, r1, variant)
+    fused_product.product(m.fmt, payload, scale, per, x64, out, r0, r1, variant, model)
     return out[:, r0:r1]
 
 
@@ -179,6 +180,21 @@ def test_every_decode_variant_gives_the_same_fp64_bits(rows):
             # and each output row is the same whether it shared its pass or not
             alone = np.concatenate([_raw(m, x[i:i + 1], r0, r1, None) for i in range(rows)])
             assert np.array_equal(alone.view(np.int64), got[0].view(np.int64)), (fmt, r0, r1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
+    """The same IR compiled for an AVX2 CPU (``haswell``: 256-bit vectors, no AVX-512), run here, gives
+    this CPU's bits for every decode it has: the sum order is written in the IR, not chosen by the
+    vector width."""
+    x = torch.randn(rows, 256, generator=_g(60 + rows)).to(torch.bfloat16).float()
+    for fmt, m in _matrices(96, 256, 23).items():
+        for variant in fused_product.VARIANTS[fmt]:
+            if variant == "table":
+                continue                        # AVX-512 only
+            here = _raw(m, x, 3, 90, variant)
+            avx2 = _raw(m, x, 3, 90, variant, model="haswell")
+            assert np.array_equal(avx2.view(np.int64), here.view(np.int64)), (fmt, variant)
 
 
 def test_fp8_prescale_is_only_used_where_it_is_exact():

@@ -326,12 +326,20 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
                    "declare <8 x double> @llvm.x86.avx512.vpermi2var.pd.512(<8 x double>, <8 x i64>, <8 x double>)"])
 
 
-def _machine() -> llvm.TargetMachine:
-    """A target machine for this CPU (each engine takes one: it owns and frees it)."""
+def _target(model: str | None) -> tuple[str, str]:
+    """(CPU name, features) the code is for: this CPU, or an x86 model by LLVM's name with that model's
+    own features (``haswell``: AVX2 without AVX-512, as the tests compile it; it must run here)."""
+    if model is None:
+        return llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    return model, ""
+
+
+def _machine(model: str | None = None) -> llvm.TargetMachine:
+    """A target machine (each engine takes one: it owns and frees it)."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    return llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3, jit=True)
+    cpu, features = _target(model)
+    return llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features, opt=3, jit=True)
 
 
 @cache
@@ -344,9 +352,10 @@ _compile_lock = threading.Lock()
 _compiled: dict[tuple, tuple] = {}     # process-wide like numba's dispatchers: compiled code, no run state
 
 
-def kernel(fmt: str, rows: int, weight_rows: int, variant: str):
-    """The compiled kernel (a ctypes function; the call releases the GIL), compiled once per process."""
-    key = (fmt, rows, weight_rows, variant)
+def kernel(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None = None):
+    """The compiled kernel (a ctypes function; the call releases the GIL), compiled once per process
+    (``model``: for that CPU model instead of this one)."""
+    key = (fmt, rows, weight_rows, variant, model)
     found = _compiled.get(key)
     if found is None:
         with _compile_lock:
@@ -358,10 +367,10 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DSV41_KERNEL_CACHE") or Path(__file__).parent / "__pycache__" / "kernels")
 
 
-def _object_code(ir: str) -> bytes:
-    """The kernel's machine code for this CPU: from the cache where an earlier process wrote it (keyed by
-    the IR, the CPU and the compiler), else optimised and compiled now and written there if it can be."""
-    cpu = f"{llvm.get_host_cpu_name()} {llvm.get_host_cpu_features().flatten()} {llvm.llvm_version_info}"
+def _object_code(ir: str, model: str | None) -> bytes:
+    """The kernel's machine code: from the cache where an earlier process wrote it (keyed by the IR, the
+    CPU and the compiler), else optimised and compiled now and written there if it can be."""
+    cpu = f"{' '.join(_target(model))} {llvm.llvm_version_info}"
     path = _cache_dir() / (hashlib.sha256((cpu + "\n" + ir).encode()).hexdigest() + ".o")
     try:
         stored = path.read_bytes()
@@ -371,7 +380,7 @@ def _object_code(ir: str) -> bytes:
         pass
     mod = llvm.parse_assembly(ir)
     mod.verify()
-    tm = _machine()
+    tm = _machine(model)
     tuning = llvm.create_pipeline_tuning_options(speed_level=3)     # the builder borrows it
     passes = llvm.create_pass_builder(tm, tuning)
     passes.getModulePassManager().run(mod, passes)
@@ -386,12 +395,13 @@ def _object_code(ir: str) -> bytes:
     return code
 
 
-def _compile(fmt: str, rows: int, weight_rows: int, variant: str):
+def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None):
     """(the kernel's ctypes function, the engine that owns its code)."""
     if not llvm.get_host_cpu_features().get("f16c", False):
         raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _machine())
-    engine.add_object_file(llvm.ObjectFileRef.from_data(_object_code(kernel_ir(fmt, rows, weight_rows, variant))))
+    engine.add_object_file(llvm.ObjectFileRef.from_data(
+        _object_code(kernel_ir(fmt, rows, weight_rows, variant), model)))
     engine.finalize_object()
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
@@ -420,19 +430,20 @@ def pick_variant(fmt: str, x: np.ndarray, fp32_values: bool = False) -> str:
 
 
 def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: int, x: np.ndarray,
-            out: np.ndarray, r0: int, r1: int, variant: str | None = None) -> None:
+            out: np.ndarray, r0: int, r1: int, variant: str | None = None, model: str | None = None) -> None:
     """out[:, n] = x @ w[n] for weight rows n in [r0, r1). payload [N, *]: each row's stored values,
     contiguous within the row (u8 E4M3 bytes, u8 packed E2M1 pairs, u16 BF16 bits or FP32); scale
     u8 [N / scale_div, K / 32] E8M0 codes, contiguous within a row (fp8 and fp4); x FP64 [M, K]
     C-contiguous (for fp4 ``even_odd`` of it); out FP64 [M, N] C-contiguous. ``variant``: one of
-    ``VARIANTS[fmt]`` (None: ``pick_variant``); every variant gives the same bits."""
+    ``VARIANTS[fmt]`` (None: ``pick_variant``); every variant gives the same bits. ``model``: run code
+    compiled for that x86 CPU model (see ``_target``; not the table decode)."""
     m, k = x.shape
     if fmt in ("fp8", "fp4") and k % BLOCK:
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
     variant = pick_variant(fmt, x) if variant is None else variant
-    if variant not in VARIANTS[fmt] or (variant == "table" and not has_permute()):
+    if variant not in VARIANTS[fmt] or (variant == "table" and (model is not None or not has_permute())):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
-                         f"(table needs AVX-512), got {variant!r}")
+                         f"(table needs AVX-512 on this CPU), got {variant!r}")
     # addresses read once per call (each .ctypes costs ~1.5 us; small products are many)
     weights = (payload.ctypes.data, payload.strides[0], None if scale is None else scale.ctypes.data,
                0 if scale is None else scale.strides[0], scale_div)
@@ -447,8 +458,9 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
         b = a + (r1 - a) // per * per
         for lo, hi, group in ((r0, a, 1), (a, b, per), (b, r1, 1)):
             if hi > lo:
-                kernel(fmt, rows, group, variant)(*weights, x_at + g * x.strides[0], k, out_at + g * out.strides[0],
-                                                  out.strides[0] // out.itemsize, k, lo, hi, xs_at)
+                kernel(fmt, rows, group, variant, model)(
+                    *weights, x_at + g * x.strides[0], k, out_at + g * out.strides[0],
+                    out.strides[0] // out.itemsize, k, lo, hi, xs_at)
 
 
 def even_odd(x: np.ndarray) -> np.ndarray:
