@@ -2,13 +2,15 @@
 and 8, on one core and on all of them, against what reading the value's bytes at the copy bandwidth
 costs.
 
-    python bench/weight_kernels.py [--rows 1,2,4,8] [--repeats 5] [--json]
+    python bench/weight_kernels.py [--rows 1,2,4,8] [--repeats 5] [--model haswell] [--json]
 
 Each format multiplies a set of FLASH-shaped matrices larger than the last-level cache (so the
 bytes come from memory, as in a decode step): FP8 the Q projection's ``wq_b`` (32768 x 1280) and
 eight O-projection groups as column slices of one 5120 x 8192 matrix, FP4 routed experts' ``w1``
 (2304 x 5120), BF16 8192-row slices of the head (5120 wide), FP32 the mHC ``fn`` (24 x 20480). Each
 time is the best of ``--repeats`` passes over the set (``PackedMatrix.matmul_t``, the engine's call).
+``--model``: one thread of code compiled for that x86 CPU model instead (``haswell``: AVX2 without
+AVX-512, run here; FP4 then takes the FP16 route, FP8 its in-register scale).
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import torch
 from cpu_rates import best                  # bench/cpu_rates.py and cpu_roofline.py, beside this script
 from cpu_roofline import copy_bytes_per_s
 
-from dsv41.ops import cores
+import numpy as np
+
+from dsv41.ops import cores, fused_product
 from dsv41.ops.packed import PackedMatrix
 from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
 
@@ -40,7 +44,18 @@ def matrices(g: torch.Generator) -> dict[str, list[PackedMatrix]]:
             "f32": [PackedMatrix("f32", torch.randn(24, 20480, generator=g)) for _ in range(64)]}
 
 
-def measure(rows_list: list[int], repeats: int) -> dict:
+def product(m: PackedMatrix, x: torch.Tensor, model: str | None) -> None:
+    if model is None:
+        m.matmul_t(x)
+        return
+    x64 = np.ascontiguousarray(x.double().numpy())
+    out = np.empty((x.shape[0], m.shape[0]))
+    payload, scale, per = m.stored
+    fused_product.product(m.fmt, payload, scale, per, fused_product.even_odd(x64) if m.fmt == "fp4" else x64, out,
+                          0, m.shape[0], "widen" if m.fmt in ("bf16", "f32") else "shifts", model)
+
+
+def measure(rows_list: list[int], repeats: int, model: str | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     bw = copy_bytes_per_s(repeats)
     out = {"copy_bytes_per_s": bw, "cores": cores.cores(), "formats": {}}
@@ -50,11 +65,11 @@ def measure(rows_list: list[int], repeats: int) -> dict:
         stored = sum(m.payload.numel() * m.payload.element_size() + (m.scale.numel() if m.scale is not None else 0)
                      for m in ms)
         row = {"values": values, "floor_ns": stored / bw / values * 1e9, "ns": {}}
-        for threads in ("one", "all"):
+        for threads in ("one",) if model else ("one", "all"):
             cores.cores = (lambda: 1) if threads == "one" else all_cores
             for rows in rows_list:
                 xs = [torch.randn(rows, m.shape[1], generator=g).to(torch.bfloat16).float() for m in ms]
-                t = best(lambda: [m.matmul_t(x) for m, x in zip(ms, xs)], repeats)
+                t = best(lambda: [product(m, x, model) for m, x in zip(ms, xs)], repeats)
                 row["ns"][f"{threads}:{rows}"] = t / values * 1e9
         cores.cores = all_cores
         out["formats"][fmt] = row
@@ -65,15 +80,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,8", help="activation row counts, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", help="an x86 CPU model by LLVM's name to compile for (one thread)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     rows = [int(n) for n in a.rows.split(",")]
-    r = measure(rows, a.repeats)
+    r = measure(rows, a.repeats, a.model)
     lines = [f"copy {r['copy_bytes_per_s'] / 1e9:.2f} GB/s, {r['cores']} cores; ns per weight value (rows of x: "
              f"{', '.join(map(str, rows))})"]
     for fmt, row in r["formats"].items():
         cells = "  ".join(f"{threads} core{'s' if threads == 'all' else ''}: "
-                          + " ".join(f"{row['ns'][f'{threads}:{n}']:.3f}" for n in rows) for threads in ("one", "all"))
+                          + " ".join(f"{row['ns'][f'{threads}:{n}']:.3f}" for n in rows)
+                          for threads in ("one", "all") if f"{threads}:{rows[0]}" in row["ns"])
         lines.append(f"  {fmt:<5} floor {row['floor_ns']:.3f}  {cells}")
     print(json.dumps(r) if a.json else "\n".join(lines))
     return 0
