@@ -37,7 +37,6 @@ from pathlib import Path
 import llvmlite.binding as llvm
 import numpy as np
 
-FORMATS = ("fp8", "fp4", "bf16", "f32")
 # decodes of each format, all exact: "shifts" builds FP16 bits (any x86-64 with F16C); "prescaled"
 # (fp8) multiplies x by the block's scale once per 32 weight rows instead of each value by it;
 # "table" (fp4) looks the codes up with AVX-512's permute; "widen" (bf16, f32) converts
@@ -139,9 +138,13 @@ def _scale(f: _Function, fmt: str, srow: str, b: str) -> str:
     return f.let(f"bitcast i64 {f.let(f'shl i64 {exp}, 52')} to double")
 
 
-def _load(f: _Function, ty: str, prow: str, b: str, block_bytes: int) -> str:
-    at = f.let(f"getelementptr i8, ptr {prow}, i64 {f.let(f'mul i64 {b}, {block_bytes}')}")
-    return f.let(f"load {ty}, ptr {at}, align 1")
+def _block_at(f: _Function, fmt: str, prow: str, b: str) -> str:
+    """&(block b of the weight row at prow)."""
+    return f.let(f"getelementptr i8, ptr {prow}, i64 {f.let(f'mul i64 {b}, {_BLOCK_BYTES[fmt]}')}")
+
+
+def _load(f: _Function, ty: str, fmt: str, prow: str, b: str) -> str:
+    return f.let(f"load {ty}, ptr {_block_at(f, fmt, prow, b)}, align 1")
 
 
 def _quarters(f: _Function, wide: str) -> list[str]:
@@ -154,9 +157,13 @@ def _broadcast(f: _Function, value: str, n: int) -> str:
     return f.let(f"shufflevector <{n} x double> {one}, <{n} x double> poison, <{n} x i32> zeroinitializer")
 
 
-def _half_bits_to_values(f: _Function, bits: str, scale: str) -> list[str]:
-    d = f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {bits} to <32 x half>')} to <32 x double>")
-    return _quarters(f, f.let(f"fmul <32 x double> {d}, {_broadcast(f, scale, 32)}"))
+def _from_half(f: _Function, bits: str) -> str:
+    """<32 x i16> FP16 bits as <32 x double> (exact)."""
+    return f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {bits} to <32 x half>')} to <32 x double>")
+
+
+def _scaled(f: _Function, values: str, scale: str) -> str:
+    return f.let(f"fmul <32 x double> {values}, {_broadcast(f, scale, 32)}")
 
 
 def _to_half(f: _Function, codes: str, shift: int, magnitude: int, sign_shift: int) -> str:
@@ -173,33 +180,30 @@ def _decode(f: _Function, fmt: str, variant: str, prow: str, srow: str, b: str) 
     """Block ``b`` of a weight row as four <8 x double>, in the column order of ``_x_columns``
     (``prescaled``: without the block's scale, which x carries)."""
     if fmt == "fp8":
-        z = f.let(f"zext <32 x i8> {_load(f, '<32 x i8>', prow, b, 32)} to <32 x i16>")
-        d = f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {_to_half(f, z, 7, 0x3F80, 8)} to <32 x half>')} "
-                  f"to <32 x double>")
-        if variant != "prescaled":
-            d = f.let(f"fmul <32 x double> {d}, {_broadcast(f, _scale(f, fmt, srow, b), 32)}")
-        return _quarters(f, d)
+        z = f.let(f"zext <32 x i8> {_load(f, '<32 x i8>', fmt, prow, b)} to <32 x i16>")
+        d = _from_half(f, _to_half(f, z, 7, 0x3F80, 8))
+        return _quarters(f, d if variant == "prescaled" else _scaled(f, d, _scale(f, fmt, srow, b)))
     if variant == "table":
         s = _broadcast(f, _scale(f, fmt, srow, b), 8)
         codes = [v * 2.0 ** -14 for v in _E2M1] + [-v * 2.0 ** -14 for v in _E2M1]
         pos = f.let(f"fmul <8 x double> {s}, {_vec('double', [_double(v) for v in codes[:8]])}")
         neg = f.let(f"fmul <8 x double> {s}, {_vec('double', [_double(v) for v in codes[8:]])}")
-        raw = f.let(f"zext <16 x i8> {_load(f, '<16 x i8>', prow, b, 16)} to <16 x i64>")
+        raw = f.let(f"zext <16 x i8> {_load(f, '<16 x i8>', fmt, prow, b)} to <16 x i64>")
         lo = [f.let(f"shufflevector <16 x i64> {raw}, <16 x i64> poison, {_lanes(8 * q, 8 * q + 8)}") for q in (0, 1)]
         idx = lo + [f.let(f"lshr <8 x i64> {v}, {_splat('i64', 8, 4)}") for v in lo]   # the table reads bits 0-3
         return [f.let(f"call <8 x double> @llvm.x86.avx512.vpermi2var.pd.512(<8 x double> {pos}, "
                       f"<8 x i64> {i}, <8 x double> {neg})") for i in idx]
     if fmt == "fp4":
-        z = f.let(f"zext <16 x i8> {_load(f, '<16 x i8>', prow, b, 16)} to <16 x i16>")
+        z = f.let(f"zext <16 x i8> {_load(f, '<16 x i8>', fmt, prow, b)} to <16 x i16>")
         hi = f.let(f"lshr <16 x i16> {z}, {_splat('i16', 16, 4)}")
         both = f.let(f"shufflevector <16 x i16> {z}, <16 x i16> {hi}, {_lanes(0, 32)}")
-        return _half_bits_to_values(f, _to_half(f, both, 9, 0x0E00, 12), _scale(f, fmt, srow, b))
+        return _quarters(f, _scaled(f, _from_half(f, _to_half(f, both, 9, 0x0E00, 12)), _scale(f, fmt, srow, b)))
     if fmt == "bf16":
-        z = f.let(f"zext <32 x i16> {_load(f, '<32 x i16>', prow, b, 64)} to <32 x i32>")
+        z = f.let(f"zext <32 x i16> {_load(f, '<32 x i16>', fmt, prow, b)} to <32 x i32>")
         upper = f.let(f"shl <32 x i32> {z}, {_splat('i32', 32, 16)}")
         wide = f.let(f"bitcast <32 x i32> {upper} to <32 x float>")
         return _quarters(f, f.let(f"fpext <32 x float> {wide} to <32 x double>"))
-    return _quarters(f, f.let(f"fpext <32 x float> {_load(f, '<32 x float>', prow, b, 128)} to <32 x double>"))
+    return _quarters(f, f.let(f"fpext <32 x float> {_load(f, '<32 x float>', fmt, prow, b)} to <32 x double>"))
 
 
 def _x_columns(f: _Function, fmt: str, b: str) -> list[str]:
@@ -260,19 +264,16 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
     def weight_group(n0: str) -> None:
         ns = [f.let(f"add i64 {n0}, {u}") for u in range(weight_rows)]
         prows = [f.let(f"getelementptr i8, ptr %p, i64 {f.let(f'mul i64 {n}, %pstride')}") for n in ns]
-        srows = []
-        for n in ns:
-            block_row = f.let(f"udiv i64 {n}, %sdiv")
-            srows.append(f.let(f"getelementptr i8, ptr %s, i64 {f.let(f'mul i64 {block_row}, %sstride')}"))
+        block_rows = [f.let(f"udiv i64 {n}, %sdiv") for n in ns]
+        srows = [f.let(f"getelementptr i8, ptr %s, i64 {f.let(f'mul i64 {r}, %sstride')}") for r in block_rows]
         for slot in acc.values():
             f.do(f"store <8 x double> zeroinitializer, ptr {slot}")
         if variant == "prescaled":
-            block_row = f.let(f"udiv i64 {n0}, %sdiv")
-            stale = f.let(f"icmp ne i64 {block_row}, {f.let(f'load i64, ptr {made_for}')}")
+            stale = f.let(f"icmp ne i64 {block_rows[0]}, {f.let(f'load i64, ptr {made_for}')}")
 
             def remake() -> None:
                 prescale(srows[0])
-                f.do(f"store i64 {block_row}, ptr {made_for}")
+                f.do(f"store i64 {block_rows[0]}, ptr {made_for}")
             f.when(stale, remake)
         src, src_row = ("%xs", xs_row) if variant == "prescaled" else ("%x", x_row)
         # the rows _AHEAD on, fetched a block at a time while this group works: a column slice's rows
@@ -281,8 +282,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
 
         def block(b: str) -> None:
             for p in ahead:
-                at = f.let(f"getelementptr i8, ptr {p}, i64 {f.let(f'mul i64 {b}, {_BLOCK_BYTES[fmt]}')}")
-                f.do(f"call void @llvm.prefetch.p0(ptr {at}, i32 0, i32 3, i32 1)")
+                f.do(f"call void @llvm.prefetch.p0(ptr {_block_at(f, fmt, p, b)}, i32 0, i32 3, i32 1)")
             ws = [_decode(f, fmt, variant, prows[u], srows[u], b) for u in range(weight_rows)]
             cols = _x_columns(f, fmt, b)
             for r in range(rows):
