@@ -23,9 +23,7 @@ import torch
 from cpu_rates import best                  # bench/cpu_rates.py and cpu_roofline.py, beside this script
 from cpu_roofline import copy_bytes_per_s
 
-import numpy as np
-
-from dsv41.ops import cores, fused_product
+from dsv41.ops import cores
 from dsv41.ops.packed import PackedMatrix
 from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
 
@@ -47,12 +45,8 @@ def matrices(g: torch.Generator) -> dict[str, list[PackedMatrix]]:
 def product(m: PackedMatrix, x: torch.Tensor, model: str | None) -> None:
     if model is None:
         m.matmul_t(x)
-        return
-    x64 = np.ascontiguousarray(x.double().numpy())
-    out = np.empty((x.shape[0], m.shape[0]))
-    payload, scale, per = m.stored
-    fused_product.product(m.fmt, payload, scale, per, fused_product.even_odd(x64) if m.fmt == "fp4" else x64, out,
-                          0, m.shape[0], "widen" if m.fmt in ("bf16", "f32") else "shifts", model)
+    else:
+        m.fp64_rows(x, 0, m.shape[0], "widen" if m.fmt in ("bf16", "f32") else "shifts", model)
 
 
 def measure(rows_list: list[int], repeats: int, model: str | None = None) -> dict:

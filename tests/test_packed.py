@@ -149,18 +149,6 @@ def test_card_matrices_decode_to_the_cards_weights():
     assert w.matrix("head.weight") is w.matrix("head.weight")    # made once per key
 
 
-def _raw(m: PackedMatrix, x: torch.Tensor, r0: int, r1: int, variant: str | None,
-         model: str | None = None) -> np.ndarray:
-    """The kernel's FP64 outputs for weight rows [r0, r1) (before the FP32 rounding)."""
-    x64 = np.ascontiguousarray(x.double().numpy())
-    if m.fmt == "fp4":
-        x64 = fused_product.even_odd(x64)
-    out = np.full((x.shape[0], m.shape[0]), np.nan)
-    payload, scale, per = m.stored
-    fused_product.product(m.fmt, payload, scale, per, x64, out, r0, r1, variant, model)
-    return out[:, r0:r1]
-
-
 def _available(fmt: str) -> list[str]:
     return [v for v in fused_product.VARIANTS[fmt] if v != "table" or fused_product.has_permute()]
 
@@ -174,11 +162,11 @@ def test_every_decode_variant_gives_the_same_fp64_bits(rows):
         m = _matrices(160, 256, 11)[fmt]
         assert len(_available(fmt)) >= 1
         for r0, r1 in ((0, 160), (3, 70), (29, 35), (61, 62)):
-            got = [_raw(m, x, r0, r1, v) for v in _available(fmt)]
+            got = [m.fp64_rows(x, r0, r1, v) for v in _available(fmt)]
             for g in got[1:]:
                 assert np.array_equal(g.view(np.int64), got[0].view(np.int64)), (fmt, r0, r1)
             # and each output row is the same whether it shared its pass or not
-            alone = np.concatenate([_raw(m, x[i:i + 1], r0, r1, None) for i in range(rows)])
+            alone = np.concatenate([m.fp64_rows(x[i:i + 1], r0, r1, None) for i in range(rows)])
             assert np.array_equal(alone.view(np.int64), got[0].view(np.int64)), (fmt, r0, r1)
 
 
@@ -192,8 +180,8 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
         for variant in fused_product.VARIANTS[fmt]:
             if variant == "table":
                 continue                        # AVX-512 only
-            here = _raw(m, x, 3, 90, variant)
-            avx2 = _raw(m, x, 3, 90, variant, model="haswell")
+            here = m.fp64_rows(x, 3, 90, variant)
+            avx2 = m.fp64_rows(x, 3, 90, variant, model="haswell")
             assert np.array_equal(avx2.view(np.int64), here.view(np.int64)), (fmt, variant)
 
 
@@ -206,7 +194,7 @@ def test_fp8_prescale_is_only_used_where_it_is_exact():
         x = base * factor
         assert fused_product.pick_variant("fp8", x.numpy()) == "shifts"
         want = (x @ m.dense().t()).numpy()
-        got = _raw(m, x, 0, 64, None)
+        got = m.fp64_rows(x, 0, 64, None)
         assert np.allclose(got, want, rtol=1e-14, atol=0), factor
     assert fused_product.pick_variant("fp8", base.numpy()) == "prescaled"
 
@@ -222,7 +210,7 @@ def test_bf16_and_f32_columns_past_the_last_block():
 def test_bad_variant_is_refused_in_one_line():
     m = _matrices(32, 64, 16)["fp8"]
     with pytest.raises(ValueError, match=r"variant must be one of \('prescaled', 'shifts'\) for fp8"):
-        _raw(m, torch.zeros(1, 64), 0, 32, "table")
+        m.fp64_rows(torch.zeros(1, 64), 0, 32, "table")
 
 
 def test_compiled_kernels_are_reused_from_the_cache_folder(tmp_path, monkeypatch):

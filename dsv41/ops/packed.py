@@ -78,14 +78,27 @@ class PackedMatrix:
             return p.view(torch.uint8).numpy(), self.scale.view(torch.uint8).numpy(), 32 if self.fmt == "fp8" else 1
         return (p.view(torch.int16).numpy().view(np.uint16) if self.fmt == "bf16" else p.numpy()), None, 1
 
+    def _x64(self, x: torch.Tensor) -> np.ndarray:
+        """x as the kernel reads it: FP64, C-contiguous (fp4: ``even_odd``)."""
+        x64 = np.ascontiguousarray(x.double().numpy())
+        return fused.even_odd(x64) if self.fmt == "fp4" else x64
+
+    def fp64_rows(self, x: torch.Tensor, r0: int, r1: int, variant: str | None,
+                  model: str | None = None) -> np.ndarray:
+        """The kernel's FP64 sums x @ self[r0:r1]^T before the FP32 rounding, on this thread, with the
+        given decode ``variant`` (None: the fastest exact one) and code for CPU ``model``
+        (``fused_product.product``)."""
+        out = np.full((x.shape[0], self.shape[0]), np.nan)
+        payload, scale, per = self.stored
+        fused.product(self.fmt, payload, scale, per, self._x64(x), out, r0, r1, variant, model)
+        return out[:, r0:r1]
+
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ self^T in FP64, rounded to FP32 once -> [M, N]."""
         if self._exact_tables:
             return (x.double() @ self.dense().t()).float()
         m, n = x.shape[0], self.shape[0]
-        x64 = np.ascontiguousarray(x.double().numpy())
-        if self.fmt == "fp4":
-            x64 = fused.even_odd(x64)
+        x64 = self._x64(x)
         out = np.empty((m, n))
         payload, scale, per = self.stored
         variant = fused.pick_variant(self.fmt, x64, fp32_values=x.dtype in (torch.float32, torch.bfloat16, torch.float16))
