@@ -14,10 +14,10 @@ def o_proj_partial(attended, cos, sin, wo_a, wo_b) -> torch.Tensor:
 
     attended [T, Hl, hd] BF16; wo_a [Gl, o_lora, group_in] dense, or the checkpoint's
     [Gl*o_lora, group_in] as a ``PackedMatrix``; wo_b [D, Gl*o_lora] this rank's input columns.
-    Each group's wo_a product is accumulated in FP64 and rounded to FP32, then to BF16; each output
-    group's wo_b product is accumulated in FP64 and rounded to FP32, and the groups are summed as a pairwise tree (``tree_sum``), so
-    that with the ranks' partials summed the same way the result does not depend on how the groups
-    are split over TP ranks (TP divides o_groups; both are powers of two).
+    Each group's wo_a product is an FP32 sum in ``matmul_t``'s order, rounded to BF16; each output
+    group's wo_b product is one too, kept FP32, and the groups are summed as a pairwise tree
+    (``tree_sum``), so that with the ranks' partials summed the same way the result does not depend on
+    how the groups are split over TP ranks (TP divides o_groups; both are powers of two).
     """
     t = attended.shape[0]
     a = apply_rope(attended, cos, sin, inverse=True)
