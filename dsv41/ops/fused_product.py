@@ -336,8 +336,8 @@ def prescale_safe(x: np.ndarray, codes: tuple[int, int]) -> bool:
     big = float(a.max())
     if not np.isfinite(big) or big * 2.0 ** (codes[1] - 119) >= 2.0 ** 128:
         return False
-    nonzero = a[a > 0]
-    return not nonzero.size or float(nonzero.min()) * 2.0 ** (codes[0] - 119) >= 2.0 ** -126
+    small = float(np.min(a, initial=np.inf, where=a > 0))
+    return small == np.inf or small * 2.0 ** (codes[0] - 119) >= 2.0 ** -126
 
 
 def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None) -> str:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.ops.packed import PackedMatrix
-from dsv41.ops.projections import matmul_t
+from dsv41.ops.packed import PackedMatrix, products
 from dsv41.ops.quant import mxfp8_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
@@ -23,10 +22,10 @@ def o_proj_partial(attended, cos, sin, wo_a, wo_b) -> torch.Tensor:
     a = apply_rope(attended, cos, sin, inverse=True)
     a = a.reshape(t, -1, wo_a.shape[-1])
     per_group = _groups(wo_a, a.shape[1])
-    z = round_bf16(torch.cat([matmul_t(a[:, g], w) for g, w in enumerate(per_group)], 1))
+    z = round_bf16(torch.cat(products([(a[:, g], w) for g, w in enumerate(per_group)]), 1))
     zq, r = mxfp8_qdq(z), per_group[0].shape[0]   # quantizer groups of 32 never straddle two o_groups
-    return tree_sum([matmul_t(zq[:, g * r:(g + 1) * r], _cols(wo_b, g * r, (g + 1) * r))
-                     for g in range(len(per_group))])
+    return tree_sum(products([(zq[:, g * r:(g + 1) * r], _cols(wo_b, g * r, (g + 1) * r))
+                              for g in range(len(per_group))]))
 
 
 def _groups(wo_a, groups: int) -> list:

@@ -25,7 +25,7 @@ from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 # largest E8M0 code for which the format's largest value times 2^(s-127) is a finite FP32 (448 for
 # E4M3, 6 for E2M1): below it every decoded value is an FP32, which the fused decode gives exactly
 _FAST_SCALE_MAX = {"fp8": 246, "fp4": 252}
-_SPLIT_VALUES = 1 << 20       # products this large (weight values x row passes, ~0.1 ms) use every core
+_SPLIT_VALUES = 1 << 23       # work this large (weight values x row passes, ~0.3 ms) is shared over the cores
 
 
 class PackedMatrix:
@@ -95,8 +95,13 @@ class PackedMatrix:
         fused.product(self.fmt, payload, scale, per, _x32(x), out, r0, r1, variant, model)
         return out[:, r0:r1]
 
-    def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ self^T -> FP32 [M, N] (x taken at FP32; see the module)."""
+    def work(self, x: torch.Tensor) -> int:
+        """Weight values times passes of x's rows: what a product with x costs."""
+        return self.shape.numel() * -(-x.shape[0] // fused.MAX_ROWS)
+
+    def matmul_t(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        """x [M, K] @ self^T -> FP32 [M, N] (x taken at FP32; see the module); ``split``: the weight rows
+        shared over the cores when the product is large."""
         if self._exact_tables:
             return (x.double() @ self.dense().t()).float()
         m, n = x.shape[0], self.shape[0]
@@ -105,12 +110,34 @@ class PackedMatrix:
         payload, scale, per = self.stored
         args = (self.fmt, payload, scale, per, x32, out)
         variant = fused.pick_variant(self.fmt, x32, self.codes)
-        passes = -(-m // fused.MAX_ROWS)
-        if n * self.shape[1] * passes < _SPLIT_VALUES:
+        if not split or self.work(x) < _SPLIT_VALUES:
             fused.product(*args, 0, n, variant)
         else:
             cores.run_shares(lambda lo, hi: fused.product(*args, lo, hi, variant), cores.bounds(n, min(cores.cores(), n)))
         return torch.from_numpy(out)
+
+
+def products(pairs: list) -> list[torch.Tensor]:
+    """x @ w^T for each (x, w) (w a ``PackedMatrix`` or dense), each product on one thread and the
+    products in runs of about equal work over the cores: one hand-over per run instead of one per
+    product (waking the other core costs about as much as a small product; measured in
+    docs/flash-shapes.md). Each result has the bits of its ``matmul_t``."""
+    mats = [(x, w if isinstance(w, PackedMatrix) else dense_f32(w)) for x, w in pairs]
+    work = [w.work(x) for x, w in mats]
+    shares = min(cores.cores(), len(mats))
+    if shares < 2 or sum(work) < _SPLIT_VALUES:
+        return [w.matmul_t(x) for x, w in mats]
+    if max(work) * shares > sum(work) * 2:      # one product dominates: its rows split instead
+        return [w.matmul_t(x) for x, w in mats]
+    done = np.cumsum([0] + work)
+    cuts = [int(np.searchsorted(done, done[-1] * i / shares)) for i in range(shares)] + [len(mats)]
+    outs: list = [None] * len(mats)
+
+    def run(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            outs[i] = mats[i][1].matmul_t(mats[i][0], split=False)
+    cores.run_shares(run, sorted(set(cuts)))
+    return outs
 
 
 def dense_f32(w: torch.Tensor) -> PackedMatrix:
