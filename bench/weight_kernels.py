@@ -46,7 +46,7 @@ def product(m: PackedMatrix, x: torch.Tensor, model: str | None) -> None:
     if model is None:
         m.matmul_t(x)
     else:
-        m.fp64_rows(x, 0, m.shape[0], "widen" if m.fmt in ("bf16", "f32") else "shifts", model)
+        m.sums(x, 0, m.shape[0], "widen" if m.fmt in ("bf16", "f32") else "shifts", model)
 
 
 def measure(rows_list: list[int], repeats: int, model: str | None = None) -> dict:

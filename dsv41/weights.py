@@ -101,8 +101,8 @@ def runtime_key(name: str, names) -> str | None:
 
 def decode_tensor(cfg: ModelConfig, key: str, t: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """One runtime weight from its checkpoint tensor(s), which may be a card's slice: FP32 values of
-    the exact quantized numbers; matrices in FP64 so matmul_t accumulates without a per-call cast
-    (values unchanged); wo_a as [groups, o_lora, group_in]."""
+    the exact quantized numbers; matrices in FP64, as ``PackedMatrix.dense`` gives them (the values are
+    FP32s, which matmul_t takes them as); wo_a as [groups, o_lora, group_in]."""
     if scale is None:
         v = t.float()
     elif key.endswith("engram.embed"):

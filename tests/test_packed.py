@@ -1,10 +1,13 @@
 """Weights multiplied in their checkpoint formats (``ops.packed``, ``ops.fused_product``): the fused
-decode multiplies by the values of the format's definition bit for bit, and the product is the FP64
-product with the whole decoded matrix, each row's bits independent of the batch and of the split."""
+decode multiplies by the values of the format's definition bit for bit, and the product is the FP32
+sum in the defined order (``_fp32_sum.defined_sum``, written here with an exact FP32 FMA) over the whole decoded
+matrix, within FP32 summation's error bound of the exact product, each row's bits independent of the
+batch, the split and the format."""
 from __future__ import annotations
 
 import hashlib
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -13,8 +16,9 @@ import torch
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import TINY, Topology
 from dsv41.ops import cores, fused_product, packed
-from dsv41.ops.packed import PackedMatrix
+from dsv41.ops.packed import PackedMatrix, dense_f32
 from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
+from _fp32_sum import defined_sum, fma32, round32, within_fp32_bound
 from _spec_ref import fp4_value_ref
 
 
@@ -101,14 +105,17 @@ def _matrices(n: int, k: int, seed: int) -> dict[str, PackedMatrix]:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_product_is_the_fp64_product_of_the_whole_matrix(rows):
-    """Every format, a short batch and a long one (passes of up to four rows): the bits of one FP64
-    product with the whole decoded matrix, each row of x its bits alone."""
+def test_product_is_the_defined_fp32_sum_over_the_whole_matrix(rows):
+    """Every format, a short batch and a long one (passes of up to four rows): the bits of the defined
+    sum over the whole decoded matrix, whatever the format holding the values, within FP32
+    summation's bound of the exact product; each row of x its bits alone."""
     x = torch.randn(rows, 256, generator=_g(rows)).to(torch.bfloat16).float()
     for fmt, m in _matrices(160, 256, 7).items():
-        want = (x.double() @ m.dense().t()).float()
+        d = m.dense().float()
         got = m.matmul_t(x)
-        assert got.dtype == torch.float32 and torch.equal(got, want), fmt
+        assert got.dtype == torch.float32 and torch.equal(got, defined_sum(x, d)), fmt
+        assert torch.equal(dense_f32(d).matmul_t(x), got), fmt
+        assert within_fp32_bound(got, x, d), fmt
         assert torch.equal(torch.cat([m.matmul_t(x[i:i + 1]) for i in range(rows)]), got), fmt
 
 
@@ -127,8 +134,8 @@ def test_row_and_column_slices_are_the_dense_slices():
         assert torch.equal(m.rows(32, 96).dense(), d[32:96]), fmt
         assert torch.equal(m.cols(64, 128).dense(), d[:, 64:128]), fmt
         x = torch.randn(2, 64, generator=_g(9))
-        assert torch.equal(m.cols(0, 64).matmul_t(x), (x.double() @ d[:, :64].t()).float()), fmt
-        assert torch.equal(m.cols(64, 128).matmul_t(x), (x.double() @ d[:, 64:].t()).float()), fmt
+        assert torch.equal(m.cols(0, 64).matmul_t(x), defined_sum(x, d[:, :64])), fmt
+        assert torch.equal(m.cols(64, 128).matmul_t(x), defined_sum(x, d[:, 64:])), fmt
 
 
 def test_bad_format_is_refused_in_one_line():
@@ -154,7 +161,7 @@ def _available(fmt: str) -> list[str]:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
-def test_every_decode_variant_gives_the_same_fp64_bits(rows):
+def test_every_decode_variant_gives_the_same_bits(rows):
     """The FP16-bit decode, FP8's scale carried by x and FP4's permute table: one result, bit for bit,
     over weight-row ranges that start and end inside a group of four and a 32-row block."""
     x = torch.randn(rows, 256, generator=_g(40 + rows)).to(torch.bfloat16).float()
@@ -162,12 +169,12 @@ def test_every_decode_variant_gives_the_same_fp64_bits(rows):
         m = _matrices(160, 256, 11)[fmt]
         assert len(_available(fmt)) >= 1
         for r0, r1 in ((0, 160), (3, 70), (29, 35), (61, 62)):
-            got = [m.fp64_rows(x, r0, r1, v) for v in _available(fmt)]
+            got = [m.sums(x, r0, r1, v) for v in _available(fmt)]
             for g in got[1:]:
-                assert np.array_equal(g.view(np.int64), got[0].view(np.int64)), (fmt, r0, r1)
+                assert np.array_equal(g.view(np.int32), got[0].view(np.int32)), (fmt, r0, r1)
             # and each output row is the same whether it shared its pass or not
-            alone = np.concatenate([m.fp64_rows(x[i:i + 1], r0, r1, None) for i in range(rows)])
-            assert np.array_equal(alone.view(np.int64), got[0].view(np.int64)), (fmt, r0, r1)
+            alone = np.concatenate([m.sums(x[i:i + 1], r0, r1, None) for i in range(rows)])
+            assert np.array_equal(alone.view(np.int32), got[0].view(np.int32)), (fmt, r0, r1)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
@@ -180,23 +187,31 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
         for variant in fused_product.VARIANTS[fmt]:
             if variant == "table":
                 continue                        # AVX-512 only
-            here = m.fp64_rows(x, 3, 90, variant)
-            avx2 = m.fp64_rows(x, 3, 90, variant, model="haswell")
-            assert np.array_equal(avx2.view(np.int64), here.view(np.int64)), (fmt, variant)
+            here = m.sums(x, 3, 90, variant)
+            avx2 = m.sums(x, 3, 90, variant, model="haswell")
+            assert np.array_equal(avx2.view(np.int32), here.view(np.int32)), (fmt, variant)
 
 
 def test_fp8_prescale_is_only_used_where_it_is_exact():
-    """x so large or so small that x times a block scale leaves the normal FP64 range takes the
-    in-register scale: the product is still the FP64 product of the decoded matrix."""
+    """x so large or so small that x times 2^8 and a block scale leaves the normal FP32 range takes
+    the in-register scale: the product is still the defined sum over the decoded matrix."""
     m = _matrices(64, 128, 12)["fp8"]
-    base = torch.randn(2, 128, generator=_g(13)).double()
-    for factor in (2.0 ** 900, 2.0 ** -960):
+    scale, payload = m.scale.clone(), m.payload.view(torch.uint8).clone()
+    scale[0, 0], scale[1, 3] = 240, 40          # one block near the top of the codes, one far down
+    payload[:32, :32] = 0x38                    # 1.0 there, so that x times the values stays finite
+    m = PackedMatrix("fp8", payload.view(torch.float8_e4m3fn), scale)
+    base = torch.randn(2, 128, generator=_g(13))
+    assert fused_product.pick_variant("fp8", base.numpy(), m.codes) == "prescaled"
+    for factor in (2.0 ** 10, 2.0 ** -50):
         x = base * factor
-        assert fused_product.pick_variant("fp8", x.numpy()) == "shifts"
-        want = (x @ m.dense().t()).numpy()
-        got = m.fp64_rows(x, 0, 64, None)
-        assert np.allclose(got, want, rtol=1e-14, atol=0), factor
-    assert fused_product.pick_variant("fp8", base.numpy()) == "prescaled"
+        if factor < 1:
+            x[:, :96] = 0                       # the far-down block alone, its x subnormal once scaled
+        assert not fused_product.prescale_safe(x.numpy(), m.codes)
+        assert fused_product.pick_variant("fp8", x.numpy(), m.codes) == "shifts"
+        assert torch.equal(m.matmul_t(x), defined_sum(x, m.dense().float())), factor
+        # carried by x, the scale would have overflowed or lost bits
+        forced = torch.from_numpy(m.sums(x, 0, 64, "prescaled"))
+        assert not torch.equal(forced, m.matmul_t(x)), factor
 
 
 def test_bf16_and_f32_columns_past_the_last_block():
@@ -204,13 +219,13 @@ def test_bf16_and_f32_columns_past_the_last_block():
     w = torch.randn(40, 70, generator=_g(14))
     x = torch.randn(3, 70, generator=_g(15))
     for m in (PackedMatrix("bf16", w.to(torch.bfloat16)), PackedMatrix("f32", w)):
-        assert torch.equal(m.matmul_t(x), (x.double() @ m.dense().t()).float()), m.fmt
+        assert torch.equal(m.matmul_t(x), defined_sum(x, m.dense())), m.fmt
 
 
 def test_bad_variant_is_refused_in_one_line():
     m = _matrices(32, 64, 16)["fp8"]
     with pytest.raises(ValueError, match=r"variant must be one of \('prescaled', 'shifts'\) for fp8"):
-        m.fp64_rows(torch.zeros(1, 64), 0, 32, "table")
+        m.sums(torch.zeros(1, 64), 0, 32, "table")
 
 
 def test_compiled_kernels_are_reused_from_the_cache_folder(tmp_path, monkeypatch):
@@ -242,3 +257,21 @@ def test_a_damaged_cached_kernel_is_compiled_again(tmp_path, monkeypatch):
     monkeypatch.setattr(fused_product, "_compiled", {})
     assert torch.equal(m.matmul_t(x), first)
     assert all(hashlib.sha256(f.read_bytes()[32:]).digest() == f.read_bytes()[:32] for f in tmp_path.glob("*.o"))
+
+
+def test_the_reference_fma_rounds_once():
+    """``fma32`` against exact rational arithmetic, on random triples and on ones whose FP64 sum lands
+    on an FP32 midpoint (where rounding twice would go wrong)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(400).astype(np.float32)
+    b = (rng.standard_normal(400) * 2.0 ** rng.integers(-30, 30, 400)).astype(np.float32)
+    c = (rng.standard_normal(400) * 2.0 ** rng.integers(-30, 30, 400)).astype(np.float32)
+    # (1 + 2^-15)(1 - 2^-15) 2^-24 = 2^-24 - 2^-54: the FP64 sum with c lands on the FP32 midpoint
+    # below or above c, and only the lost 2^-54 says which way (ties to even would pick the other)
+    up, down = 2.0 ** -12 * (1 + 2.0 ** -15), 2.0 ** -12 * (1 - 2.0 ** -15)
+    a = np.concatenate([a, np.float32([up, -up])])
+    b = np.concatenate([b, np.float32([down, down])])
+    c = np.concatenate([c, np.float32([1 + 2.0 ** -23, 1 + 3 * 2.0 ** -23])])
+    assert list(fma32(a[-2:], b[-2:], c[-2:])) == [np.float32(1 + 2.0 ** -23), np.float32(1 + 3 * 2.0 ** -23)]
+    want = [round32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))) for x, y, z in zip(a, b, c)]
+    assert np.array_equal(fma32(a, b, c).view(np.int32), np.array(want, np.float32).view(np.int32))

@@ -2,23 +2,25 @@
 register and multiplied into every activation row of the pass while its bytes are in cache, so a
 decode step reads each weight byte once from memory and never writes a decoded value.
 
-The kernels are LLVM IR written here and compiled by llvmlite (numba's compiler, a dependency) for
-the CPU at hand, once per (format, rows per pass, weight rows per pass) and process:
+The kernels are LLVM IR written here (``ops.ir_text``) and compiled by llvmlite (numba's compiler, a
+dependency) for the CPU at hand, once per (format, rows per pass, weight rows per pass, decode) and
+process:
 
-- **Decode** (exact: every value has at most 4 significant bits). E4M3 bytes become FP16 bits by two
-  shifts (the FP16 layout holds E4M3's exponent and significand, subnormals included, at 2^-8 of the
-  value), then FP64 by the CPU's conversions, times the block's E8M0 scale. E2M1 nibbles do the same
-  at 2^-14, or, where the CPU has AVX-512, index a 16-entry table of the codes times the scale
-  (``vpermi2pd``): the same values with no conversion. BF16 and FP32 widen to FP64.
-- **Sums.** Each output is an FP64 sum of exact FP64 products in one fixed order: 16 lanes, lane
-  ``j`` of a 32-column block taking columns ``j`` and ``j + 16`` of the block's four vectors of 8
-  (for FP4, the block's even columns then its odd ones: ``even_odd``), each lane in column order;
-  then the lanes summed as a tree (8 + 8, 4 + 4, 2 + 2, 1 + 1), then columns past the last whole
-  block one by one. No fast-math flag is set, so the compiler keeps that order, and every row runs
-  the same operations whether it shares a pass with 0 or 3 others, or a weight row's pass with 3
-  other weight rows: a row's bits do not depend on the batch, the layout or the threads.
+- **Decode** (exact: every value is an FP32, subnormals included, for the scale codes this path
+  takes). E4M3 bytes become FP16 bits by two shifts (the FP16 layout holds E4M3's exponent and
+  significand at 2^-8 of the value), then FP32 by the CPU's conversion, times the block's E8M0
+  scale. E2M1 nibbles do the same at 2^-14, or, where the CPU has AVX-512, index a 16-entry FP32
+  table of the codes times the scale (``vpermps``). BF16 and FP32 widen.
+- **Sums** (``docs/numerics.md``). Each output is an FP32 sum of FP32 fused multiply-adds in one
+  fixed order: two vectors of 16 lanes, lane ``j`` of the first taking column ``j`` of every 32-column
+  block in block order and lane ``j`` of the second column ``j + 16``; then the two vectors added, the
+  16 lanes summed as a tree (8 + 8, 4 + 4, 2 + 2, 1 + 1), then columns past the last whole block one
+  by one. No fast-math flag is set, so the compiler keeps that order, and every row runs the same
+  operations whether it shares a pass with 0 or 3 others, or a weight row's pass with 3 other weight
+  rows: a row's bits do not depend on the batch, the layout or the threads, nor on the weights'
+  format (a matrix decoded to FP32 first gives the same bits as the format's own decode).
 
-Passes take 1-4 activation rows (one FP64 FMA per weight value per row is the cost that grows with
+Passes take 1-4 activation rows (one FP32 FMA per weight value per row is the cost that grows with
 the batch) and two or four weight rows (``WEIGHT_ROWS``), so that FMA chains overlap and each load of
 x serves several weight rows. The weight rows a few groups on are prefetched in software. Compiled
 code is kept as object files beside this module (``DSV41_KERNEL_CACHE`` moves them), so later
@@ -37,6 +39,8 @@ from pathlib import Path
 import llvmlite.binding as llvm
 import numpy as np
 
+from dsv41.ops.ir_text import Function, interleave, lanes, splat, vec
+
 # decodes of each format, all exact: "shifts" builds FP16 bits (any x86-64 with F16C); "prescaled"
 # (fp8) multiplies x by the block's scale once per 32 weight rows instead of each value by it;
 # "table" (fp4) looks the codes up with AVX-512's permute; "widen" (bf16, f32) converts
@@ -45,220 +49,137 @@ BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
 _BLOCK_BYTES = {"fp8": 32, "fp4": 16, "bf16": 64, "f32": 128}
 _AHEAD = 8                  # weight rows the software prefetch runs ahead (best of 4, 8, 16 measured)
 MAX_ROWS = 4                # activation rows per pass (more spill the accumulators)
-# weight rows per pass for each count of activation rows: x's loads are shared by the group (x [4, K]
-# FP64 sits in L2, not L1), and each group's accumulators fit the registers; a divisor of 32, so a group
-# never straddles an FP8 32-row block (measured per format; docs/flash-shapes.md)
+# weight rows per pass for each count of activation rows: each load of x serves the group, and the
+# group's accumulators fit the registers; a divisor of 32, so a group never straddles an FP8 32-row
+# block (measured per format; docs/flash-shapes.md)
 WEIGHT_ROWS = {1: 4, 2: 4, 3: 2, 4: 2}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# exponent-field offsets that make 2^(s-127) times the FP16 stand-in's 2^8 (E4M3) or 2^14 (E2M1)
-_SCALE_BIAS = {"fp8": 1023 - 127 + 8, "fp4": 1023 - 127 + 14}
+# the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1)
+_STAND_IN = {"fp8": 8, "fp4": 14}
 _ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
 
 
-def _vec(ty: str, values) -> str:
-    """A constant vector operand (its type given by the instruction)."""
-    return "<" + ", ".join(f"{ty} {v}" for v in values) + ">"
+def _float(v: float) -> str:
+    """An FP32 constant as LLVM writes it (the FP64 bits of the same value)."""
+    return f"0x{struct.unpack('<Q', struct.pack('<d', float(np.float32(v))))[0]:016X}"
 
 
-def _splat(ty: str, n: int, v) -> str:
-    return _vec(ty, [v] * n)
-
-
-def _lanes(lo: int, hi: int) -> str:
-    """The shuffle mask that takes lanes [lo, hi)."""
-    return f"<{hi - lo} x i32> " + _vec("i32", range(lo, hi))
-
-
-def _double(v: float) -> str:
-    return f"0x{struct.unpack('<Q', struct.pack('<d', v))[0]:016X}"
-
-
-class _Function:
-    """Text of one LLVM function body: ``let`` names a value, ``loop`` a counted loop, ``slot`` a stack
-    slot (loop counters, accumulators) placed in the entry block, where the optimiser turns it into a
-    register."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-        self.slots: list[str] = []
-        self.n = 0
-
-    def slot(self, ty: str, align: int = 8) -> str:
-        self.n += 1
-        name = f"%slot{self.n}"
-        self.slots.append(f"  {name} = alloca {ty}, align {align}")
-        return name
-
-    def text(self, header: str, footer: list[str]) -> str:
-        return "\n".join([header, "entry:", *self.slots, *self.lines, "}", *footer])
-
-    def let(self, expr: str) -> str:
-        self.n += 1
-        name = f"%t{self.n}"
-        self.lines.append(f"  {name} = {expr}")
-        return name
-
-    def do(self, stmt: str) -> None:
-        self.lines.append(f"  {stmt}")
-
-    def loop(self, lo: str, hi: str, step: int, body) -> None:
-        """for i in range(lo, hi, step): body(i)"""
-        self.n += 1
-        tag = self.n
-        slot = self.slot("i64")
-        self.do(f"store i64 {lo}, ptr {slot}")
-        self.do(f"br label %head{tag}")
-        self.lines.append(f"head{tag}:")
-        i = self.let(f"load i64, ptr {slot}")
-        more = self.let(f"icmp slt i64 {i}, {hi}")
-        self.do(f"br i1 {more}, label %body{tag}, label %done{tag}")
-        self.lines.append(f"body{tag}:")
-        body(i)
-        self.do(f"store i64 {self.let(f'add i64 {i}, {step}')}, ptr {slot}")
-        self.do(f"br label %head{tag}")
-        self.lines.append(f"done{tag}:")
-
-    def when(self, cond: str, body) -> None:
-        """if cond: body()"""
-        self.n += 1
-        tag = self.n
-        self.do(f"br i1 {cond}, label %then{tag}, label %after{tag}")
-        self.lines.append(f"then{tag}:")
-        body()
-        self.do(f"br label %after{tag}")
-        self.lines.append(f"after{tag}:")
-
-
-def _scale(f: _Function, fmt: str, srow: str, b: str) -> str:
-    """The block's E8M0 code as the FP64 power of two that turns the FP16 stand-ins into values."""
+def _power_of_two(f: Function, srow: str, b: str, shift: int) -> str:
+    """The block's E8M0 code s as the FP32 2^(s - 127 + shift), exactly (built as an FP64; for the
+    codes this path takes it is an FP32, 2^-127 a subnormal one)."""
     code = f.let(f"load i8, ptr {f.let(f'getelementptr i8, ptr {srow}, i64 {b}')}")
-    exp = f.let(f"add i64 {f.let(f'zext i8 {code} to i64')}, {_SCALE_BIAS[fmt]}")
-    return f.let(f"bitcast i64 {f.let(f'shl i64 {exp}, 52')} to double")
+    exp = f.let(f"add i64 {f.let(f'zext i8 {code} to i64')}, {1023 - 127 + shift}")
+    wide = f.let(f"bitcast i64 {f.let(f'shl i64 {exp}, 52')} to double")
+    return f.let(f"fptrunc double {wide} to float")
 
 
-def _block_at(f: _Function, fmt: str, prow: str, b: str) -> str:
+def _block_at(f: Function, fmt: str, prow: str, b: str) -> str:
     """&(block b of the weight row at prow)."""
     return f.let(f"getelementptr i8, ptr {prow}, i64 {f.let(f'mul i64 {b}, {_BLOCK_BYTES[fmt]}')}")
 
 
-def _load(f: _Function, ty: str, fmt: str, prow: str, b: str) -> str:
+def _load(f: Function, ty: str, fmt: str, prow: str, b: str) -> str:
     return f.let(f"load {ty}, ptr {_block_at(f, fmt, prow, b)}, align 1")
 
 
-def _quarters(f: _Function, wide: str) -> list[str]:
-    return [f.let(f"shufflevector <32 x double> {wide}, <32 x double> poison, {_lanes(8 * q, 8 * q + 8)}")
-            for q in range(4)]
+def _times(f: Function, values: str, factor: str) -> str:
+    return f.let(f"fmul <32 x float> {values}, {f.broadcast('float', factor, 32)}")
 
 
-def _broadcast(f: _Function, value: str, n: int) -> str:
-    one = f.let(f"insertelement <{n} x double> poison, double {value}, i64 0")
-    return f.let(f"shufflevector <{n} x double> {one}, <{n} x double> poison, <{n} x i32> zeroinitializer")
+def _from_half(f: Function, bits: str) -> str:
+    """<32 x i16> FP16 bits as <32 x float> (exact)."""
+    return f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {bits} to <32 x half>')} to <32 x float>")
 
 
-def _from_half(f: _Function, bits: str) -> str:
-    """<32 x i16> FP16 bits as <32 x double> (exact)."""
-    return f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {bits} to <32 x half>')} to <32 x double>")
-
-
-def _scaled(f: _Function, values: str, scale: str) -> str:
-    return f.let(f"fmul <32 x double> {values}, {_broadcast(f, scale, 32)}")
-
-
-def _to_half(f: _Function, codes: str, shift: int, magnitude: int, sign_shift: int) -> str:
+def _to_half(f: Function, codes: str, shift: int, magnitude: int, sign_shift: int) -> str:
     """<32 x i16> codes as FP16 bits: the magnitude bits shifted into FP16's exponent and significand,
     the sign bit into bit 15."""
-    mag = f.let(f"shl <32 x i16> {codes}, {_splat('i16', 32, shift)}")
-    mag = f.let(f"and <32 x i16> {mag}, {_splat('i16', 32, magnitude)}")
-    sign = f.let(f"shl <32 x i16> {codes}, {_splat('i16', 32, sign_shift)}")
-    sign = f.let(f"and <32 x i16> {sign}, {_splat('i16', 32, 0x8000)}")
+    mag = f.let(f"shl <32 x i16> {codes}, {splat('i16', 32, shift)}")
+    mag = f.let(f"and <32 x i16> {mag}, {splat('i16', 32, magnitude)}")
+    sign = f.let(f"shl <32 x i16> {codes}, {splat('i16', 32, sign_shift)}")
+    sign = f.let(f"and <32 x i16> {sign}, {splat('i16', 32, 0x8000)}")
     return f.let(f"or <32 x i16> {mag}, {sign}")
 
 
-def _decode(f: _Function, fmt: str, variant: str, prow: str, srow: str, b: str) -> list[str]:
-    """Block ``b`` of a weight row as four <8 x double>, in the column order of ``_x_columns``
-    (``prescaled``: without the block's scale, which x carries)."""
+def _nibbles(f: Function, prow: str, b: str) -> str:
+    """Block ``b``'s 16 bytes of E2M1 pairs as <32 x i8> codes in column order (low nibble first)."""
+    raw = _load(f, "<16 x i8>", "fp4", prow, b)
+    lo = f.let(f"and <16 x i8> {raw}, {splat('i8', 16, 15)}")
+    hi = f.let(f"lshr <16 x i8> {raw}, {splat('i8', 16, 4)}")
+    return f.let(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, {interleave(16)}")
+
+
+def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str) -> list[str]:
+    """Block ``b`` of a weight row as two <16 x float>: its columns 0-15 and 16-31 (``prescaled``: the
+    FP16 stand-ins, whose 2^8 and block scale x carries)."""
     if fmt == "fp8":
         z = f.let(f"zext <32 x i8> {_load(f, '<32 x i8>', fmt, prow, b)} to <32 x i16>")
         d = _from_half(f, _to_half(f, z, 7, 0x3F80, 8))
-        return _quarters(f, d if variant == "prescaled" else _scaled(f, d, _scale(f, fmt, srow, b)))
+        if variant != "prescaled":
+            d = _times(f, d, _power_of_two(f, srow, b, _STAND_IN[fmt]))
+        return f.halves("float", d)
     if variant == "table":
-        s = _broadcast(f, _scale(f, fmt, srow, b), 8)
-        codes = [v * 2.0 ** -14 for v in _E2M1] + [-v * 2.0 ** -14 for v in _E2M1]
-        pos = f.let(f"fmul <8 x double> {s}, {_vec('double', [_double(v) for v in codes[:8]])}")
-        neg = f.let(f"fmul <8 x double> {s}, {_vec('double', [_double(v) for v in codes[8:]])}")
-        raw = f.let(f"zext <16 x i8> {_load(f, '<16 x i8>', fmt, prow, b)} to <16 x i64>")
-        lo = [f.let(f"shufflevector <16 x i64> {raw}, <16 x i64> poison, {_lanes(8 * q, 8 * q + 8)}") for q in (0, 1)]
-        idx = lo + [f.let(f"lshr <8 x i64> {v}, {_splat('i64', 8, 4)}") for v in lo]   # the table reads bits 0-3
-        return [f.let(f"call <8 x double> @llvm.x86.avx512.vpermi2var.pd.512(<8 x double> {pos}, "
-                      f"<8 x i64> {i}, <8 x double> {neg})") for i in idx]
+        codes = list(_E2M1) + [-v for v in _E2M1]
+        scale = f.broadcast("float", _power_of_two(f, srow, b, 0), 16)
+        table = f.let(f"fmul <16 x float> {scale}, {vec('float', [_float(v) for v in codes])}")
+        idx = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i32>")
+        return [f.let(f"call <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float> {table}, <16 x i32> {i})")
+                for i in f.halves("i32", idx)]
     if fmt == "fp4":
-        z = f.let(f"zext <16 x i8> {_load(f, '<16 x i8>', fmt, prow, b)} to <16 x i16>")
-        hi = f.let(f"lshr <16 x i16> {z}, {_splat('i16', 16, 4)}")
-        both = f.let(f"shufflevector <16 x i16> {z}, <16 x i16> {hi}, {_lanes(0, 32)}")
-        return _quarters(f, _scaled(f, _from_half(f, _to_half(f, both, 9, 0x0E00, 12)), _scale(f, fmt, srow, b)))
+        z = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i16>")
+        d = _times(f, _from_half(f, _to_half(f, z, 9, 0x0E00, 12)), _float(2.0 ** _STAND_IN[fmt]))
+        return f.halves("float", _times(f, d, _power_of_two(f, srow, b, 0)))
     if fmt == "bf16":
         z = f.let(f"zext <32 x i16> {_load(f, '<32 x i16>', fmt, prow, b)} to <32 x i32>")
-        upper = f.let(f"shl <32 x i32> {z}, {_splat('i32', 32, 16)}")
-        wide = f.let(f"bitcast <32 x i32> {upper} to <32 x float>")
-        return _quarters(f, f.let(f"fpext <32 x float> {wide} to <32 x double>"))
-    return _quarters(f, f.let(f"fpext <32 x float> {_load(f, '<32 x float>', fmt, prow, b)} to <32 x double>"))
+        upper = f.let(f"shl <32 x i32> {z}, {splat('i32', 32, 16)}")
+        return f.halves("float", f.let(f"bitcast <32 x i32> {upper} to <32 x float>"))
+    return f.halves("float", _load(f, "<32 x float>", fmt, prow, b))
 
 
-def _x_columns(f: _Function, fmt: str, b: str) -> list[str]:
-    """Column offsets of the four x vectors block ``b`` multiplies (fp4: even columns first, from
-    ``even_odd``'s halves)."""
-    if fmt != "fp4":
-        base = f.let(f"mul i64 {b}, 32")
-        return [f.let(f"add i64 {base}, {8 * q}") for q in range(4)]
-    base = f.let(f"mul i64 {b}, 16")
-    odd = f.let(f"add i64 {base}, %half")
-    return [f.let(f"add i64 {base}, 0"), f.let(f"add i64 {base}, 8"), f.let(f"add i64 {odd}, 0"),
-            f.let(f"add i64 {odd}, 8")]
-
-
-def _at(f: _Function, ty: str, base: str, i: str, j: str) -> str:
+def _at(f: Function, ty: str, base: str, i: str, j: str) -> str:
     """&base[i + j] for elements of type ``ty``."""
     return f.let(f"getelementptr {ty}, ptr {base}, i64 {f.let(f'add i64 {i}, {j}')}")
 
 
-def _tail_value(f: _Function, fmt: str, prow: str, j: str) -> str:
+def _tail_value(f: Function, fmt: str, prow: str, j: str) -> str:
     if fmt == "bf16":
         bits = f.let(f"load i16, ptr {f.let(f'getelementptr i16, ptr {prow}, i64 {j}')}")
         wide = f.let(f"shl i32 {f.let(f'zext i16 {bits} to i32')}, 16")
-        value = f.let(f"bitcast i32 {wide} to float")
-    else:
-        value = f.let(f"load float, ptr {f.let(f'getelementptr float, ptr {prow}, i64 {j}')}")
-    return f.let(f"fpext float {value} to double")
+        return f.let(f"bitcast i32 {wide} to float")
+    return f.let(f"load float, ptr {f.let(f'getelementptr float, ptr {prow}, i64 {j}')}")
 
 
 def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
     """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1, xs)``:
     out[r, n] = sum_c x[r, c] w[n, c] for r < ``rows`` and n in [r0, r1), ``weight_rows`` at a time;
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
-    FP64, out [rows, ostride] FP64; xs FP64 [rows, k] scratch (``prescaled``: x times the scales of
-    the weight rows' block row, remade when the block row changes; a group of weight rows never
-    straddles two)."""
-    f = _Function()
+    FP32, out [rows, ostride] FP32; xs FP32 [rows, k] scratch (``prescaled``: x times 2^8 and the
+    scales of the weight rows' block row, remade when the block row changes; a group of weight rows
+    never straddles two)."""
+    f = Function()
     f.do("%blocks = udiv i64 %k, 32")
-    f.do("%half = udiv i64 %k, 2")
     f.do("%whole = mul i64 %blocks, 32")
-    acc = {(u, r, i): f.slot("<8 x double>", 64)
-           for u in range(weight_rows) for r in range(rows) for i in (0, 1)}
+    acc = {(u, r, h): f.slot("<16 x float>", 64)
+           for u in range(weight_rows) for r in range(rows) for h in (0, 1)}
     x_row = [f.let(f"mul i64 %xstride, {r}") for r in range(rows)]
     xs_row = [f.let(f"mul i64 %k, {r}") for r in range(rows)]
     made_for = f.slot("i64")          # the block row whose scales xs holds
     f.do(f"store i64 -1, ptr {made_for}")
 
+    def columns(b: str) -> list[str]:
+        base = f.let(f"mul i64 {b}, 32")
+        return [base, f.let(f"add i64 {base}, 16")]
+
     def prescale(srow: str) -> None:
         def block(b: str) -> None:
-            scale = _broadcast(f, _scale(f, fmt, srow, b), 8)
+            scale = f.broadcast("float", _power_of_two(f, srow, b, _STAND_IN[fmt]), 16)
             for r in range(rows):
-                for c in _x_columns(f, fmt, b):
-                    v = f.let(f"load <8 x double>, ptr {_at(f, 'double', '%x', c, x_row[r])}, align 8")
-                    f.do(f"store <8 x double> {f.let(f'fmul <8 x double> {v}, {scale}')}, "
-                         f"ptr {_at(f, 'double', '%xs', c, xs_row[r])}, align 8")
+                for c in columns(b):
+                    v = f.let(f"load <16 x float>, ptr {_at(f, 'float', '%x', c, x_row[r])}, align 4")
+                    f.do(f"store <16 x float> {f.let(f'fmul <16 x float> {v}, {scale}')}, "
+                         f"ptr {_at(f, 'float', '%xs', c, xs_row[r])}, align 4")
         f.loop("0", "%blocks", 1, block)
 
     def weight_group(n0: str) -> None:
@@ -267,7 +188,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
         block_rows = [f.let(f"udiv i64 {n}, %sdiv") for n in ns]
         srows = [f.let(f"getelementptr i8, ptr %s, i64 {f.let(f'mul i64 {r}, %sstride')}") for r in block_rows]
         for slot in acc.values():
-            f.do(f"store <8 x double> zeroinitializer, ptr {slot}")
+            f.do(f"store <16 x float> zeroinitializer, ptr {slot}")
         if variant == "prescaled":
             stale = f.let(f"icmp ne i64 {block_rows[0]}, {f.let(f'load i64, ptr {made_for}')}")
 
@@ -284,46 +205,45 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
             for p in ahead:
                 f.do(f"call void @llvm.prefetch.p0(ptr {_block_at(f, fmt, p, b)}, i32 0, i32 3, i32 1)")
             ws = [_decode(f, fmt, variant, prows[u], srows[u], b) for u in range(weight_rows)]
-            cols = _x_columns(f, fmt, b)
+            cols = columns(b)
             for r in range(rows):
-                xs = [f.let(f"load <8 x double>, ptr {_at(f, 'double', src, c, src_row[r])}, align 8") for c in cols]
+                xs = [f.let(f"load <16 x float>, ptr {_at(f, 'float', src, c, src_row[r])}, align 4") for c in cols]
                 for u in range(weight_rows):
-                    for q in range(4):
-                        slot = acc[u, r, q % 2]
-                        a = f.let(f"load <8 x double>, ptr {slot}")
-                        y = f.let(f"call <8 x double> @llvm.fma.v8f64(<8 x double> {xs[q]}, <8 x double> {ws[u][q]}, "
-                                  f"<8 x double> {a})")
-                        f.do(f"store <8 x double> {y}, ptr {slot}")
+                    for h in (0, 1):
+                        a = f.let(f"load <16 x float>, ptr {acc[u, r, h]}")
+                        y = f.let(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {xs[h]}, <16 x float> {ws[u][h]}, "
+                                  f"<16 x float> {a})")
+                        f.do(f"store <16 x float> {y}, ptr {acc[u, r, h]}")
         f.loop("0", "%blocks", 1, block)
         for u in range(weight_rows):
             for r in range(rows):
-                a0 = f.let(f"load <8 x double>, ptr {acc[u, r, 0]}")
-                v = f.let(f"fadd <8 x double> {a0}, {f.let(f'load <8 x double>, ptr {acc[u, r, 1]}')}")
-                for width in (4, 2, 1):
-                    lo = f.let(f"shufflevector <{2 * width} x double> {v}, <{2 * width} x double> poison, {_lanes(0, width)}")
-                    hi = f.let(f"shufflevector <{2 * width} x double> {v}, <{2 * width} x double> poison, {_lanes(width, 2 * width)}")
-                    v = f.let(f"fadd <{width} x double> {lo}, {hi}")
-                total = f.slot("double")
-                f.do(f"store double {f.let(f'extractelement <1 x double> {v}, i64 0')}, ptr {total}")
+                a0 = f.let(f"load <16 x float>, ptr {acc[u, r, 0]}")
+                v = f.let(f"fadd <16 x float> {a0}, {f.let(f'load <16 x float>, ptr {acc[u, r, 1]}')}")
+                for width in (8, 4, 2, 1):
+                    lo = f.let(f"shufflevector <{2 * width} x float> {v}, <{2 * width} x float> poison, {lanes(0, width)}")
+                    hi = f.let(f"shufflevector <{2 * width} x float> {v}, <{2 * width} x float> poison, {lanes(width, 2 * width)}")
+                    v = f.let(f"fadd <{width} x float> {lo}, {hi}")
+                total = f.slot("float", 4)
+                f.do(f"store float {f.let(f'extractelement <1 x float> {v}, i64 0')}, ptr {total}")
                 if fmt in ("bf16", "f32"):
                     def column(j: str, u=u, r=r, total=total) -> None:
-                        xv = f.let(f"load double, ptr {_at(f, 'double', '%x', j, x_row[r])}")
-                        so_far = f.let(f"load double, ptr {total}")
-                        s = f.let(f"call double @llvm.fma.f64(double {xv}, double {_tail_value(f, fmt, prows[u], j)}, "
-                                  f"double {so_far})")
-                        f.do(f"store double {s}, ptr {total}")
+                        xv = f.let(f"load float, ptr {_at(f, 'float', '%x', j, x_row[r])}")
+                        so_far = f.let(f"load float, ptr {total}")
+                        s = f.let(f"call float @llvm.fma.f32(float {xv}, float {_tail_value(f, fmt, prows[u], j)}, "
+                                  f"float {so_far})")
+                        f.do(f"store float {s}, ptr {total}")
                     f.loop("%whole", "%k", 1, column)
-                result = f.let(f"load double, ptr {total}")
-                f.do(f"store double {result}, ptr {_at(f, 'double', '%out', ns[u], f.let(f'mul i64 %ostride, {r}'))}")
+                result = f.let(f"load float, ptr {total}")
+                f.do(f"store float {result}, ptr {_at(f, 'float', '%out', ns[u], f.let(f'mul i64 %ostride, {r}'))}")
     f.loop("%r0", "%r1", weight_rows, weight_group)
     f.do("ret void")
     return f.text("define void @product(ptr noalias %p, i64 %pstride, ptr noalias %s, i64 %sstride, i64 %sdiv, "
                   "ptr noalias %x, i64 %xstride, ptr noalias %out, i64 %ostride, i64 %k, i64 %r0, i64 %r1, "
                   "ptr noalias %xs) {",
-                  ["declare <8 x double> @llvm.fma.v8f64(<8 x double>, <8 x double>, <8 x double>)",
-                   "declare double @llvm.fma.f64(double, double, double)",
+                  ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
+                   "declare float @llvm.fma.f32(float, float, float)",
                    "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
-                   "declare <8 x double> @llvm.x86.avx512.vpermi2var.pd.512(<8 x double>, <8 x i64>, <8 x double>)"])
+                   "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)"])
 
 
 def _target(model: str | None) -> tuple[str, str]:
@@ -344,7 +264,7 @@ def _machine(model: str | None = None) -> llvm.TargetMachine:
 
 @cache
 def has_permute() -> bool:
-    """Whether this CPU has AVX-512's two-table permute (the FP4 table decode)."""
+    """Whether this CPU has AVX-512's 16-lane permute (the FP4 table decode)."""
     return llvm.get_host_cpu_features().get("avx512f", False)
 
 
@@ -406,24 +326,25 @@ def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | N
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
 
-def _prescale_safe(x: np.ndarray) -> bool:
-    """Whether x times any scale up to 2^127 and down to 2^-119 stays a normal FP64, so that x f times
-    a value is the same real number as x times the value f (and FMA rounds it the same way)."""
+def prescale_safe(x: np.ndarray, codes: tuple[int, int]) -> bool:
+    """Whether x times 2^(s - 119) is a normal FP32 (or 0) for every E8M0 code s in ``codes`` (lowest,
+    highest), so that x carrying the scale and 2^8 multiplies each value into the same real number as
+    the decoded value does (and FMA rounds it the same way)."""
     a = np.abs(x)
     if not a.size:
         return True
-    big = a.max()
-    if not np.isfinite(big) or big >= 2.0 ** 895:
+    big = float(a.max())
+    if not np.isfinite(big) or big * 2.0 ** (codes[1] - 119) >= 2.0 ** 128:
         return False
-    nonzero = a[a > 0]
-    return not nonzero.size or nonzero.min() >= 2.0 ** -903
+    small = float(np.min(a, initial=np.inf, where=a > 0))
+    return small == np.inf or small * 2.0 ** (codes[0] - 119) >= 2.0 ** -126
 
 
-def pick_variant(fmt: str, x: np.ndarray, fp32_values: bool = False) -> str:
-    """The fastest decode that gives the defined bits here (``fp32_values``: x holds FP32 values, whose
-    range is always safe to prescale)."""
+def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None) -> str:
+    """The fastest decode that gives the defined bits here; ``codes``: the lowest and highest scale
+    codes of the fp8 matrix."""
     if fmt == "fp8":
-        return "prescaled" if fp32_values or _prescale_safe(x) else "shifts"
+        return "prescaled" if codes is not None and prescale_safe(x, codes) else "shifts"
     if fmt == "fp4":
         return "table" if has_permute() else "shifts"
     return "widen"
@@ -433,14 +354,16 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
             out: np.ndarray, r0: int, r1: int, variant: str | None = None, model: str | None = None) -> None:
     """out[:, n] = x @ w[n] for weight rows n in [r0, r1). payload [N, *]: each row's stored values,
     contiguous within the row (u8 E4M3 bytes, u8 packed E2M1 pairs, u16 BF16 bits or FP32); scale
-    u8 [N / scale_div, K / 32] E8M0 codes, contiguous within a row (fp8 and fp4); x FP64 [M, K]
-    C-contiguous (for fp4 ``even_odd`` of it); out FP64 [M, N] C-contiguous. ``variant``: one of
-    ``VARIANTS[fmt]`` (None: ``pick_variant``); every variant gives the same bits. ``model``: run code
-    compiled for that x86 CPU model (see ``_target``; not the table decode)."""
+    u8 [N / scale_div, K / 32] E8M0 codes, contiguous within a row (fp8 and fp4); x FP32 [M, K] and
+    out FP32 [M, N], C-contiguous. ``variant``: one of ``VARIANTS[fmt]`` (None: ``pick_variant`` with
+    the codes of ``scale``); every variant gives the same bits. ``model``: run code compiled for that
+    x86 CPU model (see ``_target``; not the table decode)."""
     m, k = x.shape
     if fmt in ("fp8", "fp4") and k % BLOCK:
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
-    variant = pick_variant(fmt, x) if variant is None else variant
+    if variant is None:
+        codes = (int(scale.min()), int(scale.max())) if scale is not None and scale.size else None
+        variant = pick_variant(fmt, x, codes)
     if variant not in VARIANTS[fmt] or (variant == "table" and (model is not None or not has_permute())):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
                          f"(table needs AVX-512 on this CPU), got {variant!r}")
@@ -448,7 +371,7 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
     weights = (payload.ctypes.data, payload.strides[0], None if scale is None else scale.ctypes.data,
                0 if scale is None else scale.strides[0], scale_div)
     x_at, out_at = x.ctypes.data, out.ctypes.data
-    xs = np.empty((min(m, MAX_ROWS), k)) if variant == "prescaled" else None
+    xs = np.empty((min(m, MAX_ROWS), k), np.float32) if variant == "prescaled" else None
     xs_at = None if xs is None else xs.ctypes.data
     for g in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - g)
@@ -461,9 +384,3 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
                 kernel(fmt, rows, group, variant, model)(
                     *weights, x_at + g * x.strides[0], k, out_at + g * out.strides[0],
                     out.strides[0] // out.itemsize, k, lo, hi, xs_at)
-
-
-def even_odd(x: np.ndarray) -> np.ndarray:
-    """x [M, K] as the FP4 kernel reads it: columns 0, 2, 4, ... then 1, 3, 5, ... (contiguous loads
-    for the two nibbles of each byte)."""
-    return np.ascontiguousarray(np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1))

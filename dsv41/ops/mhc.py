@@ -44,7 +44,7 @@ def hc_pre(x_hc: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def hc_post(sub: torch.Tensor, x_hc: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[t,k] = post[t,k]*sub[t] + sum_j comb[t,j,k]*x_hc[t,j], rounded to BF16 (stored FP32).
 
-    The lane mix accumulates in FP64 and rounds to FP32 once (batch-independent, as matmul_t)."""
+    The lane mix accumulates in FP64 and rounds to FP32 once (batch-independent)."""
     mixed = torch.einsum("tjk,tjd->tkd", comb.double(), x_hc.double()).float()
     return round_bf16(post.unsqueeze(-1) * sub.unsqueeze(1) + mixed)
 

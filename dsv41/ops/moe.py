@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.ops.packed import products
 from dsv41.ops.pointwise import silu, softplus
 from dsv41.ops.projections import matmul_t
 from dsv41.ops.quant import mxfp8_qdq, round_bf16
@@ -53,13 +54,13 @@ def experts_grouped(x: torch.Tensor, weight: torch.Tensor | None, expert_ids: li
     row's bits are those its expert gives it alone (matmul_t is independent of the row count).
     """
     xq = mxfp8_qdq(round_bf16(x)).split(counts)
-    g = torch.cat([matmul_t(a, linear(e, "w1")) for e, a in zip(expert_ids, xq)])
-    u = torch.cat([matmul_t(a, linear(e, "w3")) for e, a in zip(expert_ids, xq)])
+    gu = products([(a, linear(e, name)) for name in ("w1", "w3") for e, a in zip(expert_ids, xq)])
+    g, u = torch.cat(gu[:len(xq)]), torch.cat(gu[len(xq):])
     h = silu(round_bf16(g).clamp(max=limit)) * round_bf16(u).clamp(-limit, limit)
     if weight is not None:
         h = h * weight.unsqueeze(-1)
     hq = mxfp8_qdq(round_bf16(h)).split(counts)
-    return round_bf16(torch.cat([matmul_t(a, linear(e, "w2")) for e, a in zip(expert_ids, hq)]))
+    return round_bf16(torch.cat(products([(a, linear(e, "w2")) for e, a in zip(expert_ids, hq)])))
 
 
 def dispatch_rows(indices: torch.Tensor, expert_ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

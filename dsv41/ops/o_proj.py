@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.ops.packed import PackedMatrix
-from dsv41.ops.projections import matmul_t
+from dsv41.ops.packed import PackedMatrix, products
 from dsv41.ops.quant import mxfp8_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
@@ -14,19 +13,19 @@ def o_proj_partial(attended, cos, sin, wo_a, wo_b) -> torch.Tensor:
 
     attended [T, Hl, hd] BF16; wo_a [Gl, o_lora, group_in] dense, or the checkpoint's
     [Gl*o_lora, group_in] as a ``PackedMatrix``; wo_b [D, Gl*o_lora] this rank's input columns.
-    Each group's wo_a product is accumulated in FP64 and rounded to FP32, then to BF16; each output
-    group's wo_b product is accumulated in FP64 and rounded to FP32, and the groups are summed as a pairwise tree (``tree_sum``), so
-    that with the ranks' partials summed the same way the result does not depend on how the groups
-    are split over TP ranks (TP divides o_groups; both are powers of two).
+    Each group's wo_a product is an FP32 sum in ``matmul_t``'s order, rounded to BF16; each output
+    group's wo_b product is one too, kept FP32, and the groups are summed as a pairwise tree
+    (``tree_sum``), so that with the ranks' partials summed the same way the result does not depend on
+    how the groups are split over TP ranks (TP divides o_groups; both are powers of two).
     """
     t = attended.shape[0]
     a = apply_rope(attended, cos, sin, inverse=True)
     a = a.reshape(t, -1, wo_a.shape[-1])
     per_group = _groups(wo_a, a.shape[1])
-    z = round_bf16(torch.cat([matmul_t(a[:, g], w) for g, w in enumerate(per_group)], 1))
+    z = round_bf16(torch.cat(products([(a[:, g], w) for g, w in enumerate(per_group)]), 1))
     zq, r = mxfp8_qdq(z), per_group[0].shape[0]   # quantizer groups of 32 never straddle two o_groups
-    return tree_sum([matmul_t(zq[:, g * r:(g + 1) * r], _cols(wo_b, g * r, (g + 1) * r))
-                     for g in range(len(per_group))])
+    return tree_sum(products([(zq[:, g * r:(g + 1) * r], _cols(wo_b, g * r, (g + 1) * r))
+                              for g in range(len(per_group))]))
 
 
 def _groups(wo_a, groups: int) -> list:

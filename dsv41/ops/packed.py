@@ -2,15 +2,15 @@
 
 ``PackedMatrix`` keeps the stored bytes (MXFP8 E4M3 with 32x32 E8M0 block scales, packed MXFP4 with
 per-row group-32 E8M0 scales, BF16, FP32) and computes ``a @ w^T`` the way ``ops.projections.matmul_t``
-defines it (every product and the sum in FP64, rounded to FP32 once) without ever writing a decoded
-value to memory: ``ops.fused_product`` decodes each weight in a register next to the multiply, so a
-use reads each stored byte once. Decoding the whole matrix (or a tile of it) to FP64 first wrote and
-read back 8 B a value on every use; at FLASH widths that, not the arithmetic, was the step.
+defines it (FP32 fused multiply-adds in ``ops.fused_product``'s fixed order) without ever writing a
+decoded value to memory: the product decodes each weight in a register next to the multiply, so a
+use reads each stored byte once. Decoding the whole matrix (or a tile of it) first wrote and read
+back several bytes a value on every use; at FLASH widths that, not the arithmetic, was the step.
 
 The fused decode is exact where ``quant``'s FP32 decoders are: a matrix with a scale code above
 ``_FAST_SCALE_MAX`` (where the largest value times its scale overflows FP32) or an E4M3 NaN byte is
-multiplied through ``quant``'s tables instead, whole. ``tests/test_packed.py`` holds every byte at
-every scale to the formats' definitions.
+multiplied through ``quant``'s tables instead, whole, in FP64. ``tests/test_packed.py`` holds every
+byte at every scale to the formats' definitions.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from dsv41.ops import cores, fused_product as fused
 from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 
 # largest E8M0 code for which the format's largest value times 2^(s-127) is a finite FP32 (448 for
-# E4M3, 6 for E2M1): below it the decoders' FP32 products are exact, and equal to the FP64 ones here
+# E4M3, 6 for E2M1): below it every decoded value is an FP32, which the fused decode gives exactly
 _FAST_SCALE_MAX = {"fp8": 246, "fp4": 252}
-_SPLIT_VALUES = 1 << 20       # products this large (weight values x row passes, ~0.1 ms) use every core
+_SPLIT_VALUES = 1 << 23       # work this large (weight values x row passes, ~0.3 ms) is shared over the cores
 
 
 class PackedMatrix:
@@ -44,7 +44,7 @@ class PackedMatrix:
     def _needs_tables(self) -> bool:
         if self.fmt not in _FAST_SCALE_MAX:
             return False
-        if self.scale.numel() and int(self.scale.view(torch.uint8).max()) > _FAST_SCALE_MAX[self.fmt]:
+        if self.scale.numel() and self.codes[1] > _FAST_SCALE_MAX[self.fmt]:
             return True
         return self.fmt == "fp8" and bool(((self.payload.view(torch.uint8) & 0x7F) == 0x7F).any())   # E4M3 NaN
 
@@ -71,6 +71,14 @@ class PackedMatrix:
         return self.payload.double()
 
     @cached_property
+    def codes(self) -> tuple[int, int] | None:
+        """The lowest and highest E8M0 scale codes (None without scales or values)."""
+        if self.scale is None or not self.scale.numel():
+            return None
+        u = self.scale.view(torch.uint8)
+        return int(u.min()), int(u.max())
+
+    @cached_property
     def stored(self) -> tuple[np.ndarray, np.ndarray | None, int]:
         """(payload as the kernel reads it, E8M0 codes, rows per scale row): views of the stored tensors."""
         p = self.payload
@@ -78,37 +86,70 @@ class PackedMatrix:
             return p.view(torch.uint8).numpy(), self.scale.view(torch.uint8).numpy(), 32 if self.fmt == "fp8" else 1
         return (p.view(torch.int16).numpy().view(np.uint16) if self.fmt == "bf16" else p.numpy()), None, 1
 
-    def _x64(self, x: torch.Tensor) -> np.ndarray:
-        """x as the kernel reads it: FP64, C-contiguous (fp4: ``even_odd``)."""
-        x64 = np.ascontiguousarray(x.double().numpy())
-        return fused.even_odd(x64) if self.fmt == "fp4" else x64
-
-    def fp64_rows(self, x: torch.Tensor, r0: int, r1: int, variant: str | None,
-                  model: str | None = None) -> np.ndarray:
-        """The kernel's FP64 sums x @ self[r0:r1]^T before the FP32 rounding, on this thread, with the
-        given decode ``variant`` (None: the fastest exact one) and code for CPU ``model``
-        (``fused_product.product``)."""
-        out = np.full((x.shape[0], self.shape[0]), np.nan)
+    def sums(self, x: torch.Tensor, r0: int, r1: int, variant: str | None,
+             model: str | None = None) -> np.ndarray:
+        """The kernel's FP32 results x @ self[r0:r1]^T on this thread, with the given decode ``variant``
+        (None: the fastest exact one) and code for CPU ``model`` (``fused_product.product``)."""
+        out = np.full((x.shape[0], self.shape[0]), np.nan, np.float32)
         payload, scale, per = self.stored
-        fused.product(self.fmt, payload, scale, per, self._x64(x), out, r0, r1, variant, model)
+        fused.product(self.fmt, payload, scale, per, _x32(x), out, r0, r1, variant, model)
         return out[:, r0:r1]
 
-    def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ self^T in FP64, rounded to FP32 once -> [M, N]."""
+    def work(self, x: torch.Tensor) -> int:
+        """Weight values times passes of x's rows: what a product with x costs."""
+        return self.shape.numel() * -(-x.shape[0] // fused.MAX_ROWS)
+
+    def matmul_t(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        """x [M, K] @ self^T -> FP32 [M, N] (x taken at FP32; see the module); ``split``: the weight rows
+        shared over the cores when the product is large."""
         if self._exact_tables:
             return (x.double() @ self.dense().t()).float()
         m, n = x.shape[0], self.shape[0]
-        x64 = self._x64(x)
-        out = np.empty((m, n))
+        x32 = _x32(x)
+        out = np.empty((m, n), np.float32)
         payload, scale, per = self.stored
-        variant = fused.pick_variant(self.fmt, x64, fp32_values=x.dtype in (torch.float32, torch.bfloat16, torch.float16))
-        args = (self.fmt, payload, scale, per, x64, out)
-        passes = -(-m // fused.MAX_ROWS)
-        if n * self.shape[1] * passes < _SPLIT_VALUES:
+        args = (self.fmt, payload, scale, per, x32, out)
+        variant = fused.pick_variant(self.fmt, x32, self.codes)
+        if not split or self.work(x) < _SPLIT_VALUES:
             fused.product(*args, 0, n, variant)
         else:
             cores.run_shares(lambda lo, hi: fused.product(*args, lo, hi, variant), cores.bounds(n, min(cores.cores(), n)))
-        return torch.from_numpy(out).float()
+        return torch.from_numpy(out)
+
+
+def products(pairs: list) -> list[torch.Tensor]:
+    """x @ w^T for each (x, w) (w a ``PackedMatrix`` or dense), each product on one thread and the
+    products in runs of about equal work over the cores: one hand-over per run instead of one per
+    product (waking the other core costs about as much as a small product; measured in
+    docs/flash-shapes.md). Each result has the bits of its ``matmul_t``."""
+    mats = [(x, w if isinstance(w, PackedMatrix) else dense_f32(w)) for x, w in pairs]
+    work = [w.work(x) for x, w in mats]
+    shares = min(cores.cores(), len(mats))
+    if shares < 2 or sum(work) < _SPLIT_VALUES:
+        return [w.matmul_t(x) for x, w in mats]
+    if max(work) * shares > sum(work) * 2:      # one product dominates: its rows split instead
+        return [w.matmul_t(x) for x, w in mats]
+    done = np.cumsum([0] + work)
+    cuts = [int(np.searchsorted(done, done[-1] * i / shares)) for i in range(shares)] + [len(mats)]
+    outs: list = [None] * len(mats)
+
+    def run(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            outs[i] = mats[i][1].matmul_t(mats[i][0], split=False)
+    cores.run_shares(run, sorted(set(cuts)))
+    return outs
+
+
+def dense_f32(w: torch.Tensor) -> PackedMatrix:
+    """A dense [N, K] weight as an FP32 ``PackedMatrix`` (its values taken at FP32), whose product has
+    the bits of any format's product of the same values."""
+    w = w.float()
+    return PackedMatrix("f32", w if w.stride(-1) == 1 else w.contiguous())
+
+
+def _x32(x: torch.Tensor) -> np.ndarray:
+    """x as the kernel reads it: FP32, C-contiguous."""
+    return np.ascontiguousarray(x.float().numpy())
 
 
 def matrix(weights, key: str):

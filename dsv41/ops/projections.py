@@ -4,24 +4,23 @@ from __future__ import annotations
 import torch
 
 from dsv41.ops.norm import rms_norm
-from dsv41.ops.packed import PackedMatrix
+from dsv41.ops.packed import PackedMatrix, dense_f32
 from dsv41.ops.quant import mxfp8_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
 
-def matmul_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a @ w^T with products accumulated in FP64 and rounded to FP32 once.
+def matmul_t(a: torch.Tensor, w) -> torch.Tensor:
+    """a @ w^T -> FP32: FP32 fused multiply-adds in one fixed order per output (``ops.fused_product``),
+    a and w taken at FP32.
 
-    FP32 BLAS results depend on how many rows are multiplied together, so a row computed on a
-    slab (sequence-parallel) or a subset (one source card's MoE rows) would differ in the last
-    ulp from the same row in a full batch, and Top-K/router choices amplify such ulps. With FP64
-    accumulation every row's FP32 result is independent of batching and partitioning. w is a dense
-    tensor or a ``PackedMatrix`` in its checkpoint format, each value decoded in a register inside the
-    product (the same FP64 values; the whole matrix is never decoded at once).
+    The order is written in the kernel, so a row's result does not depend on how many rows are
+    multiplied together: a row computed on a slab (sequence-parallel) or a subset (one source card's
+    MoE rows) has the bits of the same row in a full batch (a BLAS's order changes with the shape, and
+    Top-K/router choices amplify such ulps). w is a dense tensor or a ``PackedMatrix`` in its
+    checkpoint format, each value decoded in a register inside the product: the same bits as the
+    dense matrix of its decoded values.
     """
-    if isinstance(w, PackedMatrix):
-        return w.matmul_t(a)
-    return (a.double() @ w.double().t()).float()
+    return (w if isinstance(w, PackedMatrix) else dense_f32(w)).matmul_t(a)
 
 
 def mx_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ class DeviceProfile:
     token_sync_us: float       # the sampled tokens' copy to the host and its wait, at the end of a step
     sources: dict = field(default_factory=dict)   # constant -> where it comes from
     # checkpoint format -> ns per weight value on each use, before the body: a part whose kernels
-    # read the stored formats (every accelerator profile) has none; this CPU decodes each value to FP64 per use
+    # read the stored formats (every accelerator profile) has none; this CPU decodes each value to FP32 per use
     weight_use_ns: dict = field(default_factory=dict)
     shared_cores: int = 0      # the cards are threads or processes sharing this many host cores (0: own devices)
 
@@ -265,28 +265,33 @@ _CPU_RATES = ("bench/cpu_rates.py on the 2-core development VM with one Torch th
               "256 MiB FP32 copy 11.70 GB/s (read + write), 2048^3 GEMM FP32 157.7 and FP64 62.7 GFLOP/s, a "
               "1-element torch.add 1.56 us per call; a weight's decode to FP64 and one-row product per value: "
               "FP8 11.03, FP4 7.37, BF16 9.09, FP32 8.74 ns")
-_CPU_WEIGHT_USE = ("bench/weight_kernels.py (issue 29: the weight kernels compiled from LLVM IR, each value decoded in a "
-                   "register next to its FP64 multiply-add), one activation row on both cores, quiet machine: FP8 0.069, "
-                   "FP4 0.041, BF16 0.058, FP32 0.317 ns a value, less the FP64 multiply-add at the FP64 rate "
-                   "(2 / 62.7 GFLOP/s = 0.032 ns), which the FLOPs term prices: the decode alone. "
-                   "bench/cpu_roofline.py --replan against the steps measured with it: flash-L4-E8 batch 1 +4%, "
-                   "batch 8 +10%, flash-L40-E8 batch 1 -12%")
+_CPU_WEIGHT_USE = ("bench/cpu_roofline.py (issue 29: the weight kernels compiled from LLVM IR, each value decoded in a "
+                   "register next to its FP32 multiply-add): the per-value cost of the node kinds of one format in the "
+                   "measured steps (bench/results/cpu-roofline-flash-*-fp32.json), less the FP32 multiply-add the FLOPs "
+                   "term prices (2 / 157.7 GFLOP/s = 0.013 ns): FP8 and FP4 from the 40-layer step (0.068, 0.043 ns), "
+                   "BF16 the mean of the 4- and 40-layer steps' (0.058, 0.087), FP32 bench/weight_kernels.py's one-row "
+                   "0.146 (the steps' FP32 products are too small to price it). --replan against those steps: "
+                   "flash-L4-E8 batch 1 +12%, batch 8 +1%, flash-L40-E8 batch 1 -20%")
 _CPU_LOOPBACK = ("assumption: dask workers on one host talk over loopback TCP; a collective and a dispatch/combine "
                  "call alike cost 100 us per message (the order of a Python asyncio round trip) and the bytes at the "
                  "measured copy bandwidth; not measured")
 _CPU_LINK = Link(11.7 * G, 1.0, AlphaBeta(100.0, 11.7 * G), ByRanks(((2, AlphaBeta(100.0, 11.7 * G)),)))
-# the kernels multiply FP8/FP4/BF16 weights as held, decoding each value next to its FP64 multiply-add
-# (docs/numerics.md), so every matmul class runs at the FP64 GEMM rate plus the decode (weight_use_ns); the
+# the kernels multiply FP8/FP4/BF16 weights as held, decoding each value next to its FP32 multiply-add
+# (docs/numerics.md), so every matmul class runs at the FP32 GEMM rate plus the decode (weight_use_ns); the
 # measured rates are achieved ones
 CPU = DeviceProfile(
-    "cpu", "this development VM's CPU, 2 cores (Torch eager, FP64 matmuls)", 23 * 2 ** 30, 11.7 * G,
-    {"mx": 62.7 * G, "dense": 62.7 * G, "vector": 157.7 * G},
+    "cpu", "this development VM's CPU, 2 cores (Torch eager, FP32 weight products)", 23 * 2 ** 30, 29.2 * G,
+    {"mx": 157.7 * G, "dense": 62.7 * G, "vector": 157.7 * G},
     {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
     launch_us=1.56, host_launch_us=1.56, graph_launch_us=1.56, host_step_us=100.0, token_sync_us=1.56,
-    weight_use_ns={"fp8": 0.037, "fp4": 0.009, "bf16": 0.026, "f32": 0.285}, shared_cores=2,
-    sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM", "hbm_bytes_per_s": _CPU_RATES,
-             "flops_per_s": _CPU_RATES + "; mx and dense at the FP64 rate (FP64 products of decoded values); "
-                                         "vector at the FP32 GEMM rate (assumption: an upper bound)",
+    weight_use_ns={"fp8": 0.055, "fp4": 0.030, "bf16": 0.060, "f32": 0.133}, shared_cores=2,
+    sources={"hbm_bytes": "free -b: 23 GiB of RAM on the VM",
+             "hbm_bytes_per_s": "bench/cpu_roofline.py's copy bandwidth (a 256 MiB FP32 copy, read + write) in the "
+                                "three steps of bench/results/cpu-roofline-flash-*-fp32.json: 29.2, 31.8, 27.6 GB/s; "
+                                "the median (bench/cpu_rates.py measured 11.70 GB/s under load)",
+             "flops_per_s": _CPU_RATES + "; mx at the FP32 rate (the weight kernels' FP32 multiply-adds), dense at "
+                                         "the FP64 rate (the attention leaves' FP64 products; the BF16 head is "
+                                         "memory-bound); vector at the FP32 GEMM rate (assumption: an upper bound)",
              "efficiency": "the rates are measured achieved rates (bench/cpu_rates.py), so 1.0",
              "intra": _CPU_LOOPBACK, "inter": _CPU_LOOPBACK,
              "cards_per_node": "assumption: the 8 workers of run 2 share one host",
