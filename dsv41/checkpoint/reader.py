@@ -27,15 +27,27 @@ from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
 
 
+# dtype -> (the payload's bits as integers, the magnitude mask, the lowest magnitude that may not appear,
+# what is allowed): a value is bad when (bits & mask) >= that bound (BF16/FP32 inf and NaN, E4M3 NaN
+# 0x7F/0xFF, E8M0 NaN 0xFF), so one max over each chunk finds whether any is (torch.isfinite on BF16
+# took 8.5 ns a value here, 17 of a 4-layer FLASH checkpoint's 28 s start)
+_BAD = {torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000, "finite values"),
+        torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, "finite values"),
+        torch.float8_e4m3fn: (torch.uint8, 0x7F, 0x7F, "E4M3 codes that are not NaN (0x7F, 0xFF)"),
+        torch.float8_e8m0fnu: (torch.uint8, 0xFF, 0xFF, "E8M0 scale codes below 0xFF (NaN)")}
+_CHUNK = 1 << 24        # values masked at a time: the mask's copy stays small beside the tensor
+
+
 def _bad_values(t: torch.Tensor) -> tuple[torch.Tensor, str] | None:
-    """(bool mask of values that may not appear, what is allowed), or None when every code is finite."""
-    if t.dtype in (torch.float32, torch.bfloat16):
-        return ~torch.isfinite(t), "finite values"
-    if t.dtype == torch.float8_e4m3fn:
-        return (t.view(torch.uint8) & 0x7F) == 0x7F, "E4M3 codes that are not NaN (0x7F, 0xFF)"
-    if t.dtype == torch.float8_e8m0fnu:
-        return t.view(torch.uint8) == 0xFF, "E8M0 scale codes below 0xFF (NaN)"
-    return None
+    """(bool mask of values that may not appear, what is allowed), or None when every code is allowed."""
+    rule = _BAD.get(t.dtype)
+    if rule is None or not t.numel():
+        return None
+    bits_type, mask, bound, allowed = rule
+    flat = t.reshape(-1).view(bits_type)
+    if all(int((flat[i:i + _CHUNK] & mask).max()) < bound for i in range(0, flat.numel(), _CHUNK)):
+        return None
+    return ((t.view(bits_type) & mask) >= bound), allowed
 
 
 class Checkpoint:
@@ -82,7 +94,7 @@ class Checkpoint:
                 self._open[file] = safe_open(str(self.path / file), framework="pt")
             t = self._open[file].get_slice(name)[index]
         check = _bad_values(t)
-        if check is not None and bool(check[0].any()):
+        if check is not None:
             bad, allowed = check
             at = [int(i) for i in bad.nonzero()[0]]
             code = t.view(torch.uint8)[tuple(at)] if t.dtype.itemsize == 1 else t[tuple(at)]
