@@ -338,7 +338,7 @@ def test_index_scores_read_each_key_from_the_cache_a_block_at_a_time(monkeypatch
         # the key blocks split over three cores' shares: the same scores
         from dsv41.ops import cores
         monkeypatch.setattr(indexer, "KEY_BLOCK", 5)
-        monkeypatch.setattr(indexer, "SPLIT_MULTIPLIES", 1)
+        monkeypatch.setattr(cores, "SPLIT_MULTIPLIES", 1)
         monkeypatch.setattr(cores, "cores", lambda: 3)
         assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
         monkeypatch.undo()
@@ -559,6 +559,20 @@ def test_sparse_attention_masked_keys_equal_dense_over_valid(attn_inputs):
     out = sparse_attention(q, keys, valid, sink, scale)
     assert (out[3] == 0).all()                                       # exactly 0
     _assert_bf16_p_bound(out, q, keys, valid, sink, scale)
+
+
+def test_sparse_attention_rows_split_over_cores_give_the_same_bits(attn_inputs, monkeypatch):
+    """The rows in shares on three cores (one share a row block of its own): each row's bits as
+    computed in one share, an empty row included."""
+    from dsv41.ops import attention, cores
+    q, keys, valid, sink, scale = attn_inputs
+    valid = valid.clone()
+    valid[3] = False
+    whole = sparse_attention(q, keys, valid, sink, scale)
+    monkeypatch.setattr(cores, "SPLIT_MULTIPLIES", 1)
+    monkeypatch.setattr(cores, "cores", lambda: 3)
+    monkeypatch.setattr(attention, "ROW_BLOCK_BYTES", 1)
+    assert torch.equal(sparse_attention(q, keys, valid, sink, scale), whole)
 
 
 def test_sparse_attention_huge_sink_gives_zero(attn_inputs):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.ops import kv_cache
+from dsv41.ops import cores, kv_cache
 from dsv41.ops.key_kernels import decode_slot_rows
 from dsv41.ops.quant import round_bf16
 
@@ -102,24 +102,29 @@ def _attend(q: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: flo
     ok = torch.zeros(t, tiles * TILE, dtype=torch.bool)
     ok[:, :width] = valid[:, :width]
     step = max(1, ROW_BLOCK_BYTES // (tiles * TILE * d * 8))
-    for a in range(0, t, step):
-        b = min(a + step, t)
-        kv = keys_of(a, b, tiles * TILE).view(b - a, tiles, TILE, d)
-        okb = ok[a:b].view(b - a, tiles, 1, TILE)
-        logits = torch.matmul(q[a:b].double().unsqueeze(1), kv.transpose(-1, -2)).float() * scale  # [rows, tiles, H, 64]
-        logits = logits.masked_fill(~okb, -1e30)
-        m = torch.cummax(torch.cat([torch.full((b - a, 1, h), -1e30), logits.amax(-1)], 1), 1).values
-        p = torch.exp(logits - m[:, 1:].unsqueeze(-1)) * okb
-        sums = p.double().sum(-1).float()
-        if last < TILE:                                         # the short tile sums its own slots only
-            sums[:, -1] = p[:, -1, :, :last].contiguous().double().sum(-1).float()
-        pv = torch.matmul(round_bf16(p).double(), kv).float()   # [rows, tiles, H, d]
-        c = torch.exp(m[:, :-1] - m[:, 1:])
-        den, num = torch.zeros(b - a, h), torch.zeros(b - a, h, d)
-        for i in range(tiles):
-            den = den * c[:, i] + sums[:, i]
-            num = num * c[:, i].unsqueeze(-1) + pv[:, i]
-        den = den + torch.exp(sink.float().unsqueeze(0) - m[:, -1])
-        has_key = valid[a:b].any(1).view(b - a, 1, 1)
-        out[a:b] = torch.where(has_key, num / den.unsqueeze(-1), torch.zeros(()))
+
+    def rows_of(lo: int, hi: int) -> None:
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            kv = keys_of(a, b, tiles * TILE).view(b - a, tiles, TILE, d)
+            okb = ok[a:b].view(b - a, tiles, 1, TILE)
+            logits = torch.matmul(q[a:b].double().unsqueeze(1), kv.transpose(-1, -2)).float() * scale  # [rows, tiles, H, 64]
+            logits = logits.masked_fill(~okb, -1e30)
+            m = torch.cummax(torch.cat([torch.full((b - a, 1, h), -1e30), logits.amax(-1)], 1), 1).values
+            p = torch.exp(logits - m[:, 1:].unsqueeze(-1)) * okb
+            sums = p.double().sum(-1).float()
+            if last < TILE:                                         # the short tile sums its own slots only
+                sums[:, -1] = p[:, -1, :, :last].contiguous().double().sum(-1).float()
+            pv = torch.matmul(round_bf16(p).double(), kv).float()   # [rows, tiles, H, d]
+            c = torch.exp(m[:, :-1] - m[:, 1:])
+            den, num = torch.zeros(b - a, h), torch.zeros(b - a, h, d)
+            for i in range(tiles):
+                den = den * c[:, i] + sums[:, i]
+                num = num * c[:, i].unsqueeze(-1) + pv[:, i]
+            den = den + torch.exp(sink.float().unsqueeze(0) - m[:, -1])
+            has_key = valid[a:b].any(1).view(b - a, 1, 1)
+            out[a:b] = torch.where(has_key, num / den.unsqueeze(-1), torch.zeros(()))
+
+    shares = min(cores.cores(), t) if t * tiles * TILE * d * h >= cores.SPLIT_MULTIPLIES else 1
+    cores.run_shares(rows_of, cores.bounds(t, shares))     # rows are independent: the same bits
     return round_bf16(out)

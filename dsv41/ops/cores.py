@@ -23,6 +23,10 @@ def _pool(pid: int, workers: int) -> ThreadPoolExecutor:
                               initargs=(torch.get_num_threads(),))
 
 
+# multiply-adds below which an op stays on one core: handing a share to the pool costs ~40 us here
+SPLIT_MULTIPLIES = 1 << 22
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

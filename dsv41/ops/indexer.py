@@ -19,7 +19,6 @@ from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
 KEY_BLOCK = 2048      # index keys scored at once: a row's [heads, block] FP64 dots stay in cache
-SPLIT_MULTIPLIES = 1 << 22     # scoring this much (rows x keys x heads x d) splits its key blocks over the cores
 POSITION_LIMIT = (1 << 30) - 1   # positions a Top-K row may hold: (33-bit score key, position) fits an i64
 
 
@@ -88,7 +87,7 @@ def _scores(q, w, payload, scale, rows) -> torch.Tensor:
             index_score_epilogue(torch.einsum("thd,tpd->thp", qd, keys).numpy(), wf.numpy(), r.numpy(), block.numpy())
             out[:, a:a + KEY_BLOCK] = block
     n = -(-p // KEY_BLOCK)
-    shares = min(cores.cores(), n) if t * p * q.shape[1] * d >= SPLIT_MULTIPLIES else 1
+    shares = min(cores.cores(), n) if t * p * q.shape[1] * d >= cores.SPLIT_MULTIPLIES else 1
     cores.run_shares(blocks, cores.bounds(n, shares))     # key blocks are independent: the same bits
     return out
 
