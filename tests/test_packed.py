@@ -128,6 +128,19 @@ def test_a_product_split_over_threads_gives_the_bits_of_one(monkeypatch):
         assert torch.equal(m.matmul_t(x), whole[fmt]), fmt
 
 
+def test_products_spread_over_threads_give_each_products_bits(monkeypatch):
+    """A list of products in runs over three cores (formats and row counts mixed, a dense matrix among
+    them): each result is its own ``matmul_t``, in order."""
+    ms = list(_matrices(96, 256, 21).values())
+    pairs = [(torch.randn(rows, 256, generator=_g(22 + i)), m) for i, (rows, m) in enumerate(zip((1, 5, 2, 3), ms))]
+    pairs.append((torch.randn(2, 256, generator=_g(30)), ms[0].dense()))
+    want = [w.matmul_t(x) if isinstance(w, PackedMatrix) else dense_f32(w).matmul_t(x) for x, w in pairs]
+    monkeypatch.setattr(packed, "_SPLIT_VALUES", 1)
+    monkeypatch.setattr(cores, "cores", lambda: 3)
+    got = packed.products(pairs)
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_row_and_column_slices_are_the_dense_slices():
     for fmt, m in _matrices(96, 128, 8).items():
         d = m.dense()

@@ -125,9 +125,8 @@ def products(pairs: list) -> list[torch.Tensor]:
     mats = [(x, w if isinstance(w, PackedMatrix) else dense_f32(w)) for x, w in pairs]
     work = [w.work(x) for x, w in mats]
     shares = min(cores.cores(), len(mats))
-    if shares < 2 or sum(work) < _SPLIT_VALUES:
-        return [w.matmul_t(x) for x, w in mats]
-    if max(work) * shares > sum(work) * 2:      # one product dominates: its rows split instead
+    # small work stays on this core; where one product dominates, its own rows are split instead
+    if shares < 2 or sum(work) < _SPLIT_VALUES or max(work) * shares > sum(work) * 2:
         return [w.matmul_t(x) for x, w in mats]
     done = np.cumsum([0] + work)
     cuts = [int(np.searchsorted(done, done[-1] * i / shares)) for i in range(shares)] + [len(mats)]
