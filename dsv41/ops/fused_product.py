@@ -42,7 +42,7 @@ import numpy as np
 from dsv41.ops.ir_text import Function, interleave, lanes, splat, vec
 
 # decodes of each format, all exact: "shifts" builds FP16 bits (any x86-64 with F16C); "prescaled"
-# (fp8) multiplies x by the block's scale once per 32 weight rows instead of each value by it;
+# (fp8) multiplies x by the block's scale (and 2^8) once per 32 weight rows instead of each value by it;
 # "table" (fp4) looks the codes up with AVX-512's permute; "widen" (bf16, f32) converts
 VARIANTS = {"fp8": ("prescaled", "shifts"), "fp4": ("table", "shifts"), "bf16": ("widen",), "f32": ("widen",)}
 BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
@@ -51,7 +51,7 @@ _AHEAD = 8                  # weight rows the software prefetch runs ahead (best
 MAX_ROWS = 4                # activation rows per pass (more spill the accumulators)
 # weight rows per pass for each count of activation rows: each load of x serves the group, and the
 # group's accumulators fit the registers; a divisor of 32, so a group never straddles an FP8 32-row
-# block (measured per format; docs/flash-shapes.md)
+# block (measured per format for the FP64 sums, docs/flash-shapes.md; kept, not measured again, for FP32)
 WEIGHT_ROWS = {1: 4, 2: 4, 3: 2, 4: 2}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1)
