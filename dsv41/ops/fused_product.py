@@ -340,11 +340,18 @@ def prescale_safe(x: np.ndarray, codes: tuple[int, int]) -> bool:
     return small == np.inf or small * 2.0 ** (codes[0] - 119) >= 2.0 ** -126
 
 
-def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None) -> str:
+# below this much work (weight values x passes of x's rows) an FP8 product keeps its scales in
+# registers: carrying them on x saves a multiply a value, but the range check over x costs more than
+# that on a small product
+_PRESCALE_WORK = 1 << 20
+
+
+def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None, work: int = _PRESCALE_WORK) -> str:
     """The fastest decode that gives the defined bits here; ``codes``: the lowest and highest scale
-    codes of the fp8 matrix."""
+    codes of the fp8 matrix; ``work``: the product's weight values times passes of x's rows (by default
+    taken as large enough to carry the scales on x)."""
     if fmt == "fp8":
-        return "prescaled" if codes is not None and prescale_safe(x, codes) else "shifts"
+        return "prescaled" if work >= _PRESCALE_WORK and codes is not None and prescale_safe(x, codes) else "shifts"
     if fmt == "fp4":
         return "table" if has_permute() else "shifts"
     return "widen"
@@ -363,7 +370,7 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
     if variant is None:
         codes = (int(scale.min()), int(scale.max())) if scale is not None and scale.size else None
-        variant = pick_variant(fmt, x, codes)
+        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS))
     if variant not in VARIANTS[fmt] or (variant == "table" and (model is not None or not has_permute())):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
                          f"(table needs AVX-512 on this CPU), got {variant!r}")

@@ -26,9 +26,6 @@ from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 # E4M3, 6 for E2M1): below it every decoded value is an FP32, which the fused decode gives exactly
 _FAST_SCALE_MAX = {"fp8": 246, "fp4": 252}
 _SPLIT_VALUES = 1 << 23       # work this large (weight values x row passes, ~0.3 ms) is shared over the cores
-# below this much work an FP8 product decodes with its scales in registers: carrying them on x saves a
-# multiply a value, but its range check over x costs more than that on a small product
-_PRESCALE_VALUES = 1 << 20
 
 
 class PackedMatrix:
@@ -113,8 +110,7 @@ class PackedMatrix:
         payload, scale, per = self.stored
         args = (self.fmt, payload, scale, per, x32, out)
         work = self.work(x)
-        variant = "shifts" if self.fmt == "fp8" and work < _PRESCALE_VALUES else \
-            fused.pick_variant(self.fmt, x32, self.codes)
+        variant = fused.pick_variant(self.fmt, x32, self.codes, work)
         if not split or work < _SPLIT_VALUES:
             fused.product(*args, 0, n, variant)
         else:
