@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import as_a_terminal_starts_it, signal_and_wait
+from processes import as_a_terminal_starts_it, signal_and_wait, still_running
 
 REPO = Path(__file__).resolve().parents[1]
 SIGNALS = {signal.SIGINT: (130, "interrupted"), signal.SIGTERM: (143, "terminated")}
@@ -79,3 +79,51 @@ def test_ten_signals_at_moments_of_start_up(tmp_path):
              for i, d in enumerate((0.0, 0.3, 0.7, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0))]
     judged = sum(_check(tmp_path, signum, delay, group) for signum, delay, group in tries)
     assert judged >= 8, judged       # on a fast machine the last moments may fall after the run's end
+
+
+EXITING_PARENT = """
+import atexit, multiprocessing, os, sys, time
+if __name__ == "__mp_main__":
+    time.sleep(1.5)            # a worker still importing when its parent exits
+def work(queue):
+    queue.put(1)
+if __name__ == "__main__":
+    from dsv41.cluster.connect import _kill_started_processes
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()        # held: collected, it would remove its semaphore at once
+    ctx.Process(target=work, args=(queue,)).start()
+    if sys.argv[1] == "kill":
+        atexit.register(_kill_started_processes)
+    atexit._run_exitfuncs()    # as an interrupted run exits (cli.run._exit_now)
+    os._exit(130)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kill", [False, True], ids=["left-alone", "killed-at-exit"])
+def test_a_worker_still_starting_at_exit_prints_nothing(tmp_path, kill):
+    """The cause of a traceback seen once in CI after a Ctrl-C: a spawned worker still importing
+    when the run exits reads its queue's semaphore after multiprocessing's exit removed it. The
+    exit pass of ``_kill_started_processes`` (which an interrupted start-up registers) ends it first;
+    left alone it prints the traceback, which shows the script reproduces the cause."""
+    script = tmp_path / "parent.py"
+    script.write_text(EXITING_PARENT)
+    p = subprocess.Popen([sys.executable, str(script), "kill" if kill else "keep"], stderr=subprocess.PIPE,
+                         text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         start_new_session=True)
+    try:
+        p.wait(60)
+        time.sleep(3.0)            # the worker's import ends; a worker left alone prints now
+        left = still_running(p.pid)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    rest = p.stderr.read()
+    assert p.returncode == 130
+    assert left == []
+    if kill:
+        assert rest == "", rest
+    else:
+        assert "FileNotFoundError" in rest, rest

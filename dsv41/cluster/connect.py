@@ -6,6 +6,7 @@ Every failure (malformed or unreachable address, workers missing, misnamed or mu
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
@@ -18,7 +19,6 @@ from typing import Callable
 DEFAULT_TIMEOUT_S = 30.0
 POLL_S = 0.1
 ABANDON_S = 2.0     # closing the client, then the cluster, of a start-up that did not finish
-DASK_WORKER_PROCESS = "Dask Worker process (from Nanny)"   # distributed.nanny's name for a worker process
 # loggers that report, at exit, the parts of an interrupted start-up that were cut short
 ABANDONED_LOGGERS = ("distributed", "tornado.application", "asyncio")
 
@@ -151,21 +151,18 @@ def quiet_abandoned_start() -> None:
 def _abandon(cluster, client, interrupted: bool) -> None:
     """Undo a start-up that did not finish (a refusal, or Ctrl-C / SIGTERM at any moment of it) in
     bounded time and without raising over what ended it. Interrupted, the worker processes still
-    starting are killed first (they have done no work worth an orderly close; the exit would
-    otherwise wait for each to finish starting, ~10 s on a loaded machine, and a nanny may not know
-    its process yet, so they are found as this process's children by dask's name for them). Then
-    the client and the cluster are closed, each failure of theirs swallowed: an interrupted start
-    leaves dask's loop half-way, and its close can fail with errors of its own (``UnboundLocalError:
-    'result'``) that must not replace the interrupt; a cluster that could not close is left out of
-    dask's own close at exit (which would wait 10 s for it). The process is about to exit: what
-    dask logs about the parts cut short (a nanny whose process was killed, a scratch folder
-    already removed) is silenced."""
+    starting are killed first, and again at exit (``_kill_started_processes``). Then the client and
+    the cluster are closed, each failure of theirs swallowed: an interrupted start leaves dask's loop
+    half-way, and its close can fail with errors of its own (``UnboundLocalError: 'result'``) that
+    must not replace the interrupt; a cluster that could not close is left out of dask's own close at
+    exit (which would wait 10 s for it). The process is about to exit: what dask logs about the parts
+    cut short (a nanny whose process was killed, a scratch folder already removed) is silenced."""
     if interrupted and cluster is not None:
         quiet_abandoned_start()
-        for child in multiprocessing.active_children():
-            if child.name == DASK_WORKER_PROCESS:
-                child.kill()
-                child.join(ABANDON_S)          # reaped, not left a zombie
+        _kill_started_processes()
+        # atexit runs last-registered first: this pass comes before multiprocessing's own exit,
+        # which removes the semaphores a worker spawned meanwhile would still read
+        atexit.register(_kill_started_processes)
     for part in (client, cluster):
         if part is not None:
             try:
@@ -174,6 +171,29 @@ def _abandon(cluster, client, interrupted: bool) -> None:
                 pass
     if interrupted and cluster is not None:
         cluster.shutdown_on_close = False
+
+
+def _kill_started_processes() -> None:
+    """SIGKILL every child of this process but multiprocessing's resource tracker, and reap them.
+
+    Dask's nannies start their workers from threads of their own, so at an interrupt a worker can
+    be anywhere in its start: not yet in ``multiprocessing.active_children()`` (spawned, its
+    ``Process.start`` still writing to it), or importing while its parent exits. Left alone, such a
+    worker reads its queues' semaphores after the exit removed them and prints a
+    ``FileNotFoundError`` traceback on the run's stderr. Workers still starting have done no work
+    worth an orderly close (and the exit would otherwise wait ~10 s for each to finish starting)."""
+    import psutil
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    children = [c for c in psutil.Process().children() if c.pid != tracker]
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    known = {p.pid for p in multiprocessing.active_children()}
+    for process in multiprocessing.active_children():   # reaped through multiprocessing's bookkeeping
+        process.join(ABANDON_S)
+    psutil.wait_procs([c for c in children if c.pid not in known], timeout=ABANDON_S)
 
 
 def _probe(address: str, timeout: float) -> str | None:
