@@ -9,8 +9,9 @@ process:
 - **Decode** (exact: every value is an FP32, subnormals included, for the scale codes this path
   takes). E4M3 bytes become FP16 bits by two shifts (the FP16 layout holds E4M3's exponent and
   significand at 2^-8 of the value), then FP32 by the CPU's conversion, times the block's E8M0
-  scale. E2M1 nibbles do the same at 2^-14, or, where the CPU has AVX-512, index a 16-entry FP32
-  table of the codes times the scale (``vpermps``). BF16 and FP32 widen.
+  scale. E2M1 nibbles do the same at 2^-14, or index a table of the codes times the scale
+  (``vpermps``): with AVX-512 all 16 codes, with AVX2 the 8 magnitudes, the sign bit then moved
+  into place. BF16 and FP32 widen.
 - **Sums** (``docs/numerics.md``). Each output is an FP32 sum of FP32 fused multiply-adds in one
   fixed order: two vectors of 16 lanes, lane ``j`` of the first taking column ``j`` of every 32-column
   block in block order and lane ``j`` of the second column ``j + 16``; then the two vectors added, the
@@ -43,7 +44,7 @@ from dsv41.ops.ir_text import Function, interleave, lanes, splat, vec
 
 # decodes of each format, all exact: "shifts" builds FP16 bits (any x86-64 with F16C); "prescaled"
 # (fp8) multiplies x by the block's scale (and 2^8) once per 32 weight rows instead of each value by it;
-# "table" (fp4) looks the codes up with AVX-512's permute; "widen" (bf16, f32) converts
+# "table" (fp4) looks the codes up with a permute (AVX-512 or AVX2); "widen" (bf16, f32) converts
 VARIANTS = {"fp8": ("prescaled", "shifts"), "fp4": ("table", "shifts"), "bf16": ("widen",), "f32": ("widen",)}
 BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
 _BLOCK_BYTES = {"fp8": 32, "fp4": 16, "bf16": 64, "f32": 128}
@@ -111,9 +112,34 @@ def _nibbles(f: Function, prow: str, b: str) -> str:
     return f.let(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, {interleave(16)}")
 
 
-def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str) -> list[str]:
+def _table_decode(f: Function, prow: str, srow: str, b: str, width: int) -> list[str]:
+    """An E2M1 block by table: the codes times the block scale, indexed by ``vpermps``. With 16 lanes
+    (AVX-512) the table holds all 16 codes; with 8 (AVX2) it holds the 8 magnitudes (the permute
+    reads an index's low 3 bits) and the sign, bit 3 of the code, is XORed into bit 31 (code 8 is
+    -0.0 either way)."""
+    scale = f.broadcast("float", _power_of_two(f, srow, b, 0), width)
+    magnitudes = list(_E2M1) + ([-v for v in _E2M1] if width == 16 else [])
+    table = f.let(f"fmul <{width} x float> {scale}, {vec('float', [_float(v) for v in magnitudes])}")
+    idx = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i32>")
+    parts = []
+    for lo in range(0, 32, width):
+        i = f.let(f"shufflevector <32 x i32> {idx}, <32 x i32> poison, {lanes(lo, lo + width)}")
+        if width == 16:
+            parts.append(f.let(f"call <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float> {table}, <16 x i32> {i})"))
+            continue
+        mag = f.let(f"call <8 x float> @llvm.x86.avx2.permps(<8 x float> {table}, <8 x i32> {i})")
+        bit3 = f.let(f"shl <8 x i32> {i}, {splat('i32', 8, 28)}")
+        sign = f.let(f"and <8 x i32> {bit3}, {splat('i32', 8, -(1 << 31))}")
+        signed = f.let(f"xor <8 x i32> {f.let(f'bitcast <8 x float> {mag} to <8 x i32>')}, {sign}")
+        parts.append(f.let(f"bitcast <8 x i32> {signed} to <8 x float>"))
+    if width == 16:
+        return parts
+    return [f.let(f"shufflevector <8 x float> {parts[h]}, <8 x float> {parts[h + 1]}, {lanes(0, 16)}") for h in (0, 2)]
+
+
+def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, width: int) -> list[str]:
     """Block ``b`` of a weight row as two <16 x float>: its columns 0-15 and 16-31 (``prescaled``: the
-    FP16 stand-ins, whose 2^8 and block scale x carries)."""
+    FP16 stand-ins, whose 2^8 and block scale x carries; ``table``: a permute ``width`` lanes wide)."""
     if fmt == "fp8":
         z = f.let(f"zext <32 x i8> {_load(f, '<32 x i8>', fmt, prow, b)} to <32 x i16>")
         d = _from_half(f, _to_half(f, z, 7, 0x3F80, 8))
@@ -121,12 +147,7 @@ def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str) -
             d = _times(f, d, _power_of_two(f, srow, b, _STAND_IN[fmt]))
         return f.halves("float", d)
     if variant == "table":
-        codes = list(_E2M1) + [-v for v in _E2M1]
-        scale = f.broadcast("float", _power_of_two(f, srow, b, 0), 16)
-        table = f.let(f"fmul <16 x float> {scale}, {vec('float', [_float(v) for v in codes])}")
-        idx = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i32>")
-        return [f.let(f"call <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float> {table}, <16 x i32> {i})")
-                for i in f.halves("i32", idx)]
+        return _table_decode(f, prow, srow, b, width)
     if fmt == "fp4":
         z = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i16>")
         d = _times(f, _from_half(f, _to_half(f, z, 9, 0x0E00, 12)), _float(2.0 ** _STAND_IN[fmt]))
@@ -151,13 +172,13 @@ def _tail_value(f: Function, fmt: str, prow: str, j: str) -> str:
     return f.let(f"load float, ptr {f.let(f'getelementptr float, ptr {prow}, i64 {j}')}")
 
 
-def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
+def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 16) -> str:
     """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1, xs)``:
     out[r, n] = sum_c x[r, c] w[n, c] for r < ``rows`` and n in [r0, r1), ``weight_rows`` at a time;
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
     FP32, out [rows, ostride] FP32; xs FP32 [rows, k] scratch (``prescaled``: x times 2^8 and the
     scales of the weight rows' block row, remade when the block row changes; a group of weight rows
-    never straddles two)."""
+    never straddles two). ``width``: the table decode's permute, 16 (AVX-512) or 8 (AVX2) lanes."""
     f = Function()
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%whole = mul i64 %blocks, 32")
@@ -204,7 +225,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
         def block(b: str) -> None:
             for p in ahead:
                 f.do(f"call void @llvm.prefetch.p0(ptr {_block_at(f, fmt, p, b)}, i32 0, i32 3, i32 1)")
-            ws = [_decode(f, fmt, variant, prows[u], srows[u], b) for u in range(weight_rows)]
+            ws = [_decode(f, fmt, variant, prows[u], srows[u], b, width) for u in range(weight_rows)]
             cols = columns(b)
             for r in range(rows):
                 xs = [f.let(f"load <16 x float>, ptr {_at(f, 'float', src, c, src_row[r])}, align 4") for c in cols]
@@ -219,10 +240,10 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
             for r in range(rows):
                 a0 = f.let(f"load <16 x float>, ptr {acc[u, r, 0]}")
                 v = f.let(f"fadd <16 x float> {a0}, {f.let(f'load <16 x float>, ptr {acc[u, r, 1]}')}")
-                for width in (8, 4, 2, 1):
-                    lo = f.let(f"shufflevector <{2 * width} x float> {v}, <{2 * width} x float> poison, {lanes(0, width)}")
-                    hi = f.let(f"shufflevector <{2 * width} x float> {v}, <{2 * width} x float> poison, {lanes(width, 2 * width)}")
-                    v = f.let(f"fadd <{width} x float> {lo}, {hi}")
+                for n in (8, 4, 2, 1):
+                    lo = f.let(f"shufflevector <{2 * n} x float> {v}, <{2 * n} x float> poison, {lanes(0, n)}")
+                    hi = f.let(f"shufflevector <{2 * n} x float> {v}, <{2 * n} x float> poison, {lanes(n, 2 * n)}")
+                    v = f.let(f"fadd <{n} x float> {lo}, {hi}")
                 total = f.slot("float", 4)
                 f.do(f"store float {f.let(f'extractelement <1 x float> {v}, i64 0')}, ptr {total}")
                 if fmt in ("bf16", "f32"):
@@ -243,7 +264,8 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
                   ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
                    "declare float @llvm.fma.f32(float, float, float)",
                    "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
-                   "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)"])
+                   "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)",
+                   "declare <8 x float> @llvm.x86.avx2.permps(<8 x float>, <8 x i32>)"])
 
 
 def _target(model: str | None) -> tuple[str, str]:
@@ -262,10 +284,16 @@ def _machine(model: str | None = None) -> llvm.TargetMachine:
     return llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features, opt=3, jit=True)
 
 
+def permute_width(model: str | None = None) -> int:
+    """Lanes of the table decode's permute on this CPU (or on x86 CPU ``model``, taken as one with
+    AVX2 and without AVX-512, as ``haswell``): 16 with AVX-512, 8 with AVX2, 0 without either."""
+    return 8 if model is not None else _host_permute_width()
+
+
 @cache
-def has_permute() -> bool:
-    """Whether this CPU has AVX-512's 16-lane permute (the FP4 table decode)."""
-    return llvm.get_host_cpu_features().get("avx512f", False)
+def _host_permute_width() -> int:
+    features = llvm.get_host_cpu_features()      # ~0.2 ms a call: asked once
+    return 16 if features.get("avx512f", False) else 8 if features.get("avx2", False) else 0
 
 
 _compile_lock = threading.Lock()
@@ -321,7 +349,7 @@ def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | N
         raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _machine())
     engine.add_object_file(llvm.ObjectFileRef.from_data(
-        _object_code(kernel_ir(fmt, rows, weight_rows, variant), model)))
+        _object_code(kernel_ir(fmt, rows, weight_rows, variant, permute_width(model)), model)))
     engine.finalize_object()
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
@@ -353,7 +381,7 @@ def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None, 
     if fmt == "fp8":
         return "prescaled" if work >= _PRESCALE_WORK and codes is not None and prescale_safe(x, codes) else "shifts"
     if fmt == "fp4":
-        return "table" if has_permute() else "shifts"
+        return "table" if permute_width() else "shifts"
     return "widen"
 
 
@@ -364,16 +392,16 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
     u8 [N / scale_div, K / 32] E8M0 codes, contiguous within a row (fp8 and fp4); x FP32 [M, K] and
     out FP32 [M, N], C-contiguous. ``variant``: one of ``VARIANTS[fmt]`` (None: ``pick_variant`` with
     the codes of ``scale``); every variant gives the same bits. ``model``: run code compiled for that
-    x86 CPU model (see ``_target``; not the table decode)."""
+    x86 CPU model (see ``_target``)."""
     m, k = x.shape
     if fmt in ("fp8", "fp4") and k % BLOCK:
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
     if variant is None:
         codes = (int(scale.min()), int(scale.max())) if scale is not None and scale.size else None
         variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS))
-    if variant not in VARIANTS[fmt] or (variant == "table" and (model is not None or not has_permute())):
+    if variant not in VARIANTS[fmt] or (variant == "table" and not permute_width(model)):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
-                         f"(table needs AVX-512 on this CPU), got {variant!r}")
+                         f"(table needs AVX2 or AVX-512 on this CPU), got {variant!r}")
     # addresses read once per call (each .ctypes costs ~1.5 us; small products are many)
     weights = (payload.ctypes.data, payload.strides[0], None if scale is None else scale.ctypes.data,
                0 if scale is None else scale.strides[0], scale_div)
