@@ -12,8 +12,9 @@ best of 5. Floor: bytes / bandwidth. Measured: one ``python -m dsv41.run`` (``sy
 each request at ``--context`` tokens of drawn history, runs the one-token prompt step, then
 ``--steps`` decode steps; the step is their median wall time, a node kind's time the median over
 those steps of its node spans' summed wall time (``--trace``). Per weight value: for each checkpoint
-format, the time of the node kinds that multiply weights of that format only (and take at least 1% of
-the step) over the weight values the plan says they multiply: the ``cpu`` profile's ``weight_use_ns``.
+format, the time of the node kinds that multiply weights of that format only (weights that are most of
+the kind's bytes, and take at least 1% of the step) over the weight values the plan says they
+multiply: the ``cpu`` profile's ``weight_use_ns``.
 Weights are drawn at random (``--config`` and the reductions) or served from ``--checkpoint``
 (drawing FLASH-width layers takes about a minute each; a written checkpoint is read in seconds).
 """
@@ -83,16 +84,25 @@ def planned(cfg, batch: int, context: int) -> tuple[dict[str, int], dict[str, di
     return dict(by_kind), {k: dict(v) for k, v in values.items()}, report
 
 
-def weight_use_ns(measured_ms: dict[str, float], values: dict[str, dict[str, int]], least: float = 0.01) -> dict:
+# bytes a stored weight value takes (FP4: a nibble and its share of a 32-value block's scale byte)
+_VALUE_BYTES = {"fp8": 1 + 1 / 32, "fp4": 0.5 + 1 / 32, "bf16": 2, "f32": 4}
+
+
+def weight_use_ns(measured_ms: dict[str, float], values: dict[str, dict[str, int]], bytes_by_kind: dict[str, int],
+                  least: float = 0.01) -> dict:
     """Checkpoint format -> ns per weight value, from the node kinds whose multiplied weights are all of
-    that one format and take at least ``least`` of the step's node time (their time over their values:
-    what the ``cpu`` profile's ``weight_use_ns`` prices, measured in the step itself)."""
+    that one format, are most of the bytes the kind moves, and take at least ``least`` of the step's node
+    time (their time over their values: what the ``cpu`` profile's ``weight_use_ns`` prices, measured in
+    the step itself). An attention leaf multiplies a few FP32 values (its sinks) but spends its time on
+    the cache: it prices nothing."""
     total = sum(measured_ms.values())
     time_ns: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     for kind, by_fmt in values.items():
-        if len(by_fmt) == 1 and measured_ms.get(kind, 0.0) >= least * total:
-            (fmt, n), = by_fmt.items()
+        if len(by_fmt) != 1 or measured_ms.get(kind, 0.0) < least * total:
+            continue
+        (fmt, n), = by_fmt.items()
+        if n * _VALUE_BYTES[fmt] >= 0.5 * bytes_by_kind.get(kind, 0):
             time_ns[fmt] += measured_ms[kind] * 1e6
             count[fmt] += n
     return {fmt: time_ns[fmt] / count[fmt] for fmt in sorted(count)}
@@ -161,7 +171,7 @@ def main(argv=None) -> int:
            "bytes": total, "copy_bytes_per_s": bw, "floor_ms": floor_ms, "measured_step_ms": step_ms,
            "ratio": step_ms / floor_ms, "predicted_step_ms": report["predicted_step_us"] / 1e3,
            "tokens": run["tokens"], "last_logits_sha256": run["last_logits_sha256"], "kinds": rows,
-           "weight_use_ns": weight_use_ns(run["by_kind_ms"], values)}
+           "weight_use_ns": weight_use_ns(run["by_kind_ms"], values, by_kind_bytes)}
     if a.json:
         print(json.dumps(out))
         return 0

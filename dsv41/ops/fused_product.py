@@ -53,7 +53,7 @@ MAX_ROWS = 4                # activation rows per pass (more spill the accumulat
 # weight rows per pass for each count of activation rows: each load of x serves the group, and the
 # group's accumulators fit the registers; a divisor of 32, so a group never straddles an FP8 32-row
 # block (measured per format for the FP64 sums, docs/flash-shapes.md; kept, not measured again, for FP32)
-WEIGHT_ROWS = {1: 4, 2: 4, 3: 2, 4: 2}
+WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1)
 _STAND_IN = {"fp8": 8, "fp4": 14}
@@ -411,7 +411,7 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
     for g in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - g)
         # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
-        per = WEIGHT_ROWS[rows]
+        per = WEIGHT_ROWS[16 if permute_width(model) == 16 else 8][rows]
         a = min(r1, -(-r0 // per) * per)
         b = a + (r1 - a) // per * per
         for lo, hi, group in ((r0, a, 1), (a, b, per), (b, r1, 1)):
