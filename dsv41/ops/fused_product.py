@@ -57,6 +57,8 @@ WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1)
 _STAND_IN = {"fp8": 8, "fp4": 14}
+_I16 = "i16"
+_FP8_HALF_MASK = -0x4080          # 0xBF80 as an i16: FP16's sign bit and the E4M3 magnitude's 7 bits
 _ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
@@ -68,12 +70,14 @@ def _float(v: float) -> str:
 
 
 def _power_of_two(f: Function, srow: str, b: str, shift: int) -> str:
-    """The block's E8M0 code s as the FP32 2^(s - 127 + shift), exactly (built as an FP64; for the
-    codes this path takes it is an FP32, 2^-127 a subnormal one)."""
+    """The block's E8M0 code s as the FP32 2^(s - 127 + shift), exactly: s + shift is its exponent
+    field, except 2^-127 (s = 0, shift 0), FP32's subnormal 0x00400000 (the codes this path takes
+    keep s + shift <= 254)."""
     code = f.let(f"load i8, ptr {f.let(f'getelementptr i8, ptr {srow}, i64 {b}')}")
-    exp = f.let(f"add i64 {f.let(f'zext i8 {code} to i64')}, {1023 - 127 + shift}")
-    wide = f.let(f"bitcast i64 {f.let(f'shl i64 {exp}, 52')} to double")
-    return f.let(f"fptrunc double {wide} to float")
+    exp = f.let(f"add i32 {f.let(f'zext i8 {code} to i32')}, {shift}")
+    normal = f.let(f"shl i32 {exp}, 23")
+    bits = f.let(f"select i1 {f.let(f'icmp eq i32 {exp}, 0')}, i32 {1 << 22}, i32 {normal}")
+    return f.let(f"bitcast i32 {bits} to float")
 
 
 def _block_at(f: Function, fmt: str, prow: str, b: str) -> str:
@@ -141,8 +145,11 @@ def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, w
     """Block ``b`` of a weight row as two <16 x float>: its columns 0-15 and 16-31 (``prescaled``: the
     FP16 stand-ins, whose 2^8 and block scale x carries; ``table``: a permute ``width`` lanes wide)."""
     if fmt == "fp8":
-        z = f.let(f"zext <32 x i8> {_load(f, '<32 x i8>', fmt, prow, b)} to <32 x i16>")
-        d = _from_half(f, _to_half(f, z, 7, 0x3F80, 8))
+        # sign-extended and shifted by 7, a byte's sign lands in bit 15 (and 14, cleared by the mask) and
+        # its magnitude in FP16's exponent and significand: three operations per 16 values
+        z = f.let(f"sext <32 x i8> {_load(f, '<32 x i8>', fmt, prow, b)} to <32 x i16>")
+        bits = f.let(f"and <32 x i16> {f.let(f'shl <32 x i16> {z}, {splat(_I16, 32, 7)}')}, {splat(_I16, 32, _FP8_HALF_MASK)}")
+        d = _from_half(f, bits)
         if variant != "prescaled":
             d = _times(f, d, _power_of_two(f, srow, b, _STAND_IN[fmt]))
         return f.halves("float", d)
