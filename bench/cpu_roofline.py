@@ -5,6 +5,9 @@ copy bandwidth, the measured step, their ratio, and the same per node kind.
     python bench/cpu_roofline.py --checkpoint /tmp/flash-L4-E8 --context 16384 --steps 3 --json > l4.json
     python bench/cpu_roofline.py --replan l4.json     # that step planned again on the cpu profile as it is now
 
+The plan prices the step with the ``cpu`` device profile, which is this machine's kind: ``cpu-avx512``
+or ``cpu-avx2`` (``dsv41/plan/profiles.py``).
+
 Bytes: the plan of the same decode step (``plan.step.run_plan``, TP1, one row per request as the
 engine decodes): every node's reads and writes (weights in their stored formats, caches, activations),
 summed per node kind and over the step. Bandwidth: a 256 MiB FP32 copy (read + write bytes over time),
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
                                row["context"] + len(row["steps"]))
         ms = report["predicted_step_us"] / 1e3
         print(f"{row['config']} batch {row['batch']} context {row['context']}: measured {row['measured_step_ms']:.0f} "
-              f"ms, the cpu profile now predicts {ms:.0f} ms ({ms / row['measured_step_ms'] - 1:+.0%})")
+              f"ms, the {report['device_profile']} profile now predicts {ms:.0f} ms ({ms / row['measured_step_ms'] - 1:+.0%})")
         return 0
     if a.steps < 1 or a.batch < 1 or a.context < 1:
         p.error("--steps, --batch and --context must be at least 1")
@@ -170,6 +173,7 @@ def main(argv=None) -> int:
     out = {"config": run["config"], "model": model, "batch": a.batch, "context": a.context, "steps": run["step_ms"],
            "bytes": total, "copy_bytes_per_s": bw, "floor_ms": floor_ms, "measured_step_ms": step_ms,
            "ratio": step_ms / floor_ms, "predicted_step_ms": report["predicted_step_us"] / 1e3,
+           "device_profile": report["device_profile"],
            "tokens": run["tokens"], "last_logits_sha256": run["last_logits_sha256"], "kinds": rows,
            "weight_use_ns": weight_use_ns(run["by_kind_ms"], values, by_kind_bytes)}
     if a.json:
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
     print(f"{out['config']} batch {a.batch} context {a.context}: a decode step moves {total / 1e9:.3f} GB (plan); "
           f"copy {bw / 1e9:.2f} GB/s -> floor {floor_ms:.0f} ms; measured {step_ms:.0f} ms (median of "
           f"{len(run['step_ms'])}: {', '.join(f'{s:.0f}' for s in run['step_ms'])}) = {out['ratio']:.1f}x the floor; "
-          f"the cpu profile predicts {out['predicted_step_ms']:.0f} ms ({out['predicted_step_ms'] / step_ms - 1:+.0%})")
+          f"the {out['device_profile']} profile predicts {out['predicted_step_ms']:.0f} ms ({out['predicted_step_ms'] / step_ms - 1:+.0%})")
     print("  per weight value in the step (kinds of one format, >= 1% of it): "
           + ", ".join(f"{fmt} {ns:.2f} ns" for fmt, ns in out["weight_use_ns"].items()))
     for r in rows:

@@ -13,7 +13,7 @@ an end-to-end step time or throughput of a DeepSeek model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dsv41.plan.primitives import AlphaBeta, ByRanks, Point, fit
 
@@ -280,7 +280,8 @@ _CPU_LINK = Link(11.7 * G, 1.0, AlphaBeta(100.0, 11.7 * G), ByRanks(((2, AlphaBe
 # (docs/numerics.md), so every matmul class runs at the FP32 GEMM rate plus the decode (weight_use_ns); the
 # measured rates are achieved ones
 CPU = DeviceProfile(
-    "cpu", "this development VM's CPU, 2 cores (Torch eager, FP32 weight products)", 23 * 2 ** 30, 29.2 * G,
+    "cpu-avx512", "the 2-core development VM with AVX-512 (AMD Zen 5; Torch eager, FP32 weight products)",
+    23 * 2 ** 30, 29.2 * G,
     {"mx": 157.7 * G, "dense": 62.7 * G, "vector": 157.7 * G},
     {"matmul": (1.0, 1.0), "gather": (1.0, 1.0), "vector": (1.0, 1.0)}, _CPU_LINK, _CPU_LINK, 8,
     launch_us=1.56, host_launch_us=1.56, graph_launch_us=1.56, host_step_us=100.0, token_sync_us=1.56,
@@ -301,4 +302,41 @@ CPU = DeviceProfile(
              "launch_us": _CPU_RATES + ": one eager Torch op's dispatch per kernel",
              "host_launch_us": _CPU_RATES, "graph_launch_us": "no graph capture on CPU: one op's dispatch",
              "host_step_us": _HOST_STEP, "token_sync_us": "the tokens are in host memory already: one op's dispatch to read them"})
+
+_AVX2_RATES = ("bench/cpu_rates.py on the 2-core development VM without AVX-512 (AMD Zen 3, AVX2 and F16C), one "
+               "Torch thread, idle: 256 MiB FP32 copy 17.59 GB/s, 2048^3 GEMM FP32 69.8 and FP64 40.0 GFLOP/s, a "
+               "1-element torch.add 2.14 us per call")
+_AVX2_WEIGHT_USE = ("bench/cpu_roofline.py on that VM (bench/results/cpu-roofline-flash-*-avx2.json): the per-value "
+                    "cost of the node kinds of one format in the measured steps less the FP32 multiply-add the FLOPs "
+                    "term prices (2 / 69.8 GFLOP/s = 0.029 ns): FP8 and FP4 from the 40-layer step (0.148, 0.148 "
+                    "ns), BF16 the mean of the 4- and 40-layer steps' (0.079, 0.153), FP32 bench/cpu_rates.py's "
+                    "one-row 0.26. --replan against those steps: flash-L4-E8 batch 1 -10%, batch 8 -8%, "
+                    "flash-L40-E8 batch 1 -15%")
+# the same kernels on a CPU without AVX-512: 8-lane vectors, half the registers, the FP4 table a permute of
+# the 8 magnitudes; the decode costs 3-5x more per value (docs/flash-shapes.md)
+CPU_AVX2 = replace(
+    CPU, name="cpu-avx2",
+    description="the 2-core development VM without AVX-512 (AMD Zen 3, AVX2; Torch eager, FP32 weight products)",
+    hbm_bytes_per_s=17.4 * G, flops_per_s={"mx": 69.8 * G, "dense": 40.0 * G, "vector": 69.8 * G},
+    launch_us=2.14, host_launch_us=2.14, graph_launch_us=2.14, token_sync_us=2.14,
+    weight_use_ns={"fp8": 0.119, "fp4": 0.119, "bf16": 0.088, "f32": 0.231},
+    sources={**CPU.sources,
+             "hbm_bytes_per_s": "bench/cpu_roofline.py's copy bandwidth in the steps of "
+                                "bench/results/cpu-roofline-flash-*-avx2.json: 14.7, 16.2, 18.5 GB/s, and "
+                                "bench/cpu_rates.py's 17.59; their median",
+             "flops_per_s": _AVX2_RATES + "; mx at the FP32 rate, dense at the FP64 rate, vector at the FP32 rate "
+                                          "(as cpu-avx512)",
+             "weight_use_ns": _AVX2_WEIGHT_USE, "launch_us": _AVX2_RATES, "host_launch_us": _AVX2_RATES,
+             "graph_launch_us": _AVX2_RATES, "token_sync_us": _AVX2_RATES})
 PROFILES[CPU.name] = CPU
+PROFILES[CPU_AVX2.name] = CPU_AVX2
+
+
+def _this_cpu() -> DeviceProfile:
+    """``cpu``: the profile of the kernels this machine runs (AVX-512 or not, as ``ops.fused_product``
+    decides), so that a plan for ``--device-profile cpu`` prices the step this CPU will run."""
+    from dsv41.ops.fused_product import permute_width
+    return CPU if permute_width() == 16 else CPU_AVX2
+
+
+PROFILES["cpu"] = _this_cpu()
