@@ -76,8 +76,10 @@ def _power_of_two(f: Function, srow: str, b: str, shift: int) -> str:
     code = f.let(f"load i8, ptr {f.let(f'getelementptr i8, ptr {srow}, i64 {b}')}")
     exp = f.let(f"add i32 {f.let(f'zext i8 {code} to i32')}, {shift}")
     normal = f.let(f"shl i32 {exp}, 23")
-    bits = f.let(f"select i1 {f.let(f'icmp eq i32 {exp}, 0')}, i32 {1 << 22}, i32 {normal}")
-    return f.let(f"bitcast i32 {bits} to float")
+    # the subnormal's bit set by a flag, not a select: the optimiser made the select a branch
+    zero = f.let(f"icmp eq i32 {exp}, 0")
+    tiny = f.let(f"shl i32 {f.let(f'zext i1 {zero} to i32')}, 22")
+    return f.let(f"bitcast i32 {f.let(f'or i32 {normal}, {tiny}')} to float")
 
 
 def _block_at(f: Function, fmt: str, prow: str, b: str) -> str:
@@ -118,26 +120,41 @@ def _nibbles(f: Function, prow: str, b: str) -> str:
 
 def _table_decode(f: Function, prow: str, srow: str, b: str, width: int) -> list[str]:
     """An E2M1 block by table: the codes times the block scale, indexed by ``vpermps``. With 16 lanes
-    (AVX-512) the table holds all 16 codes; with 8 (AVX2) it holds the 8 magnitudes (the permute
-    reads an index's low 3 bits) and the sign, bit 3 of the code, is XORed into bit 31 (code 8 is
-    -0.0 either way)."""
+    (AVX-512) the table holds all 16 codes; with 8 (AVX2) see ``_table_decode8``."""
     scale = f.broadcast("float", _power_of_two(f, srow, b, 0), width)
     magnitudes = list(_E2M1) + ([-v for v in _E2M1] if width == 16 else [])
     table = f.let(f"fmul <{width} x float> {scale}, {vec('float', [_float(v) for v in magnitudes])}")
+    if width == 8:
+        return _table_decode8(f, prow, b, table)
     idx = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i32>")
+    return [f.let(f"call <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float> {table}, <16 x i32> {i})")
+            for i in f.halves("i32", idx)]
+
+
+def _table_decode8(f: Function, prow: str, b: str, table: str) -> list[str]:
+    """The AVX2 table decode, 8 columns at a time, with few of the shuffles Zen 3 has two ports for
+    (``llvm-mca -mcpu=znver3``: they, not the loads or the FMAs, bound the loop). Each column's lane
+    takes its whole byte (the block's 16 bytes in both 128-bit halves, one ``vpshufb`` a group); an
+    odd column's shifted down 4 (``vpsrlvd``), so the code's low 3 bits index the 8 magnitudes (the
+    permute reads no more) and its bit 3, the sign, goes to bit 31 by a shift, a mask and a XOR (code 8
+    is -0.0, as in the 16-code table)."""
+    raw = _load(f, "<16 x i8>", "fp4", prow, b)
+    both = f.let(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, <32 x i32> {vec('i32', [i % 16 for i in range(32)])}")
+    shifts = vec("i32", [4 * (i % 2) for i in range(8)])
     parts = []
-    for lo in range(0, 32, width):
-        i = f.let(f"shufflevector <32 x i32> {idx}, <32 x i32> poison, {lanes(lo, lo + width)}")
-        if width == 16:
-            parts.append(f.let(f"call <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float> {table}, <16 x i32> {i})"))
-            continue
-        mag = f.let(f"call <8 x float> @llvm.x86.avx2.permps(<8 x float> {table}, <8 x i32> {i})")
-        bit3 = f.let(f"shl <8 x i32> {i}, {splat('i32', 8, 28)}")
+    for g in range(4):
+        # dword lane i of half L takes byte 4g + 2L + i // 2; 0x80 zeroes the other three bytes
+        mask = []
+        for half in range(2):
+            for i in range(4):
+                mask += [4 * g + 2 * half + i // 2, -128, -128, -128]
+        spread = f.let(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {both}, <32 x i8> {vec('i8', mask)})")
+        codes = f.let(f"lshr <8 x i32> {f.let(f'bitcast <32 x i8> {spread} to <8 x i32>')}, {shifts}")
+        mag = f.let(f"call <8 x float> @llvm.x86.avx2.permps(<8 x float> {table}, <8 x i32> {codes})")
+        bit3 = f.let(f"shl <8 x i32> {codes}, {splat('i32', 8, 28)}")
         sign = f.let(f"and <8 x i32> {bit3}, {splat('i32', 8, -(1 << 31))}")
         signed = f.let(f"xor <8 x i32> {f.let(f'bitcast <8 x float> {mag} to <8 x i32>')}, {sign}")
         parts.append(f.let(f"bitcast <8 x i32> {signed} to <8 x float>"))
-    if width == 16:
-        return parts
     return [f.let(f"shufflevector <8 x float> {parts[h]}, <8 x float> {parts[h + 1]}, {lanes(0, 16)}") for h in (0, 2)]
 
 
@@ -272,7 +289,8 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                    "declare float @llvm.fma.f32(float, float, float)",
                    "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
                    "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)",
-                   "declare <8 x float> @llvm.x86.avx2.permps(<8 x float>, <8 x i32>)"])
+                   "declare <8 x float> @llvm.x86.avx2.permps(<8 x float>, <8 x i32>)",
+                   "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)"])
 
 
 def _target(model: str | None) -> tuple[str, str]:
