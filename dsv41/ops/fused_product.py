@@ -22,8 +22,8 @@ process:
   format (a matrix decoded to FP32 first gives the same bits as the format's own decode).
 
 Passes take 1-4 activation rows (one FP32 FMA per weight value per row is the cost that grows with
-the batch) and two or four weight rows (``WEIGHT_ROWS``), so that FMA chains overlap and each load of
-x serves several weight rows. The weight rows a few groups on are prefetched in software. Compiled
+the batch) and up to four weight rows (``WEIGHT_ROWS``, as many as the CPU's vector registers hold
+the accumulators of), so that FMA chains overlap and each load of x serves several weight rows. The weight rows a few groups on are prefetched in software. Compiled
 code is kept as object files beside this module (``DSV41_KERNEL_CACHE`` moves them), so later
 processes load it instead of compiling.
 """
@@ -50,14 +50,15 @@ BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
 _BLOCK_BYTES = {"fp8": 32, "fp4": 16, "bf16": 64, "f32": 128}
 _AHEAD = 8                  # weight rows the software prefetch runs ahead (best of 4, 8, 16 measured)
 MAX_ROWS = 4                # activation rows per pass (more spill the accumulators)
-# weight rows per pass for each count of activation rows: each load of x serves the group, and the
-# group's accumulators fit the registers; a divisor of 32, so a group never straddles an FP8 32-row
-# block (measured per format for the FP64 sums, docs/flash-shapes.md; kept, not measured again, for FP32)
+# weight rows per pass for each count of activation rows, by the vector registers' lanes: each load of
+# x serves the group, and the group's accumulators (rows x weight rows x 32 FP32 lanes) fit the
+# registers beside the decode's: AVX-512 has 32 of 16 lanes (measured for the FP64 sums,
+# docs/flash-shapes.md), AVX2 16 of 8 (the same budget in registers: a 2-row pass of one weight row ran
+# faster than of two or four, Zen 3). A divisor of 32, so a group never straddles an FP8 32-row block.
 WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1)
 _STAND_IN = {"fp8": 8, "fp4": 14}
-_I16 = "i16"
 _FP8_HALF_MASK = -0x4080          # 0xBF80 as an i16: FP16's sign bit and the E4M3 magnitude's 7 bits
 _ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -165,7 +166,8 @@ def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, w
         # sign-extended and shifted by 7, a byte's sign lands in bit 15 (and 14, cleared by the mask) and
         # its magnitude in FP16's exponent and significand: three operations per 16 values
         z = f.let(f"sext <32 x i8> {_load(f, '<32 x i8>', fmt, prow, b)} to <32 x i16>")
-        bits = f.let(f"and <32 x i16> {f.let(f'shl <32 x i16> {z}, {splat(_I16, 32, 7)}')}, {splat(_I16, 32, _FP8_HALF_MASK)}")
+        shifted = f.let(f"shl <32 x i16> {z}, {splat('i16', 32, 7)}")
+        bits = f.let(f"and <32 x i16> {shifted}, {splat('i16', 32, _FP8_HALF_MASK)}")
         d = _from_half(f, bits)
         if variant != "prescaled":
             d = _times(f, d, _power_of_two(f, srow, b, _STAND_IN[fmt]))
