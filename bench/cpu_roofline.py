@@ -153,7 +153,8 @@ def main(argv=None) -> int:
                                row["context"] + len(row["steps"]))
         ms = report["predicted_step_us"] / 1e3
         print(f"{row['config']} batch {row['batch']} context {row['context']}: measured {row['measured_step_ms']:.0f} "
-              f"ms, the {report['device_profile']} profile now predicts {ms:.0f} ms ({ms / row['measured_step_ms'] - 1:+.0%})")
+              f"ms, the {report['device_profile']} profile now predicts {ms:.0f} ms "
+              f"({ms / row['measured_step_ms'] - 1:+.0%})")
         return 0
     if a.steps < 1 or a.batch < 1 or a.context < 1:
         p.error("--steps, --batch and --context must be at least 1")
@@ -182,7 +183,8 @@ def main(argv=None) -> int:
     print(f"{out['config']} batch {a.batch} context {a.context}: a decode step moves {total / 1e9:.3f} GB (plan); "
           f"copy {bw / 1e9:.2f} GB/s -> floor {floor_ms:.0f} ms; measured {step_ms:.0f} ms (median of "
           f"{len(run['step_ms'])}: {', '.join(f'{s:.0f}' for s in run['step_ms'])}) = {out['ratio']:.1f}x the floor; "
-          f"the {out['device_profile']} profile predicts {out['predicted_step_ms']:.0f} ms ({out['predicted_step_ms'] / step_ms - 1:+.0%})")
+          f"the {out['device_profile']} profile predicts {out['predicted_step_ms']:.0f} ms "
+          f"({out['predicted_step_ms'] / step_ms - 1:+.0%})")
     print("  per weight value in the step (kinds of one format, >= 1% of it): "
           + ", ".join(f"{fmt} {ns:.2f} ns" for fmt, ns in out["weight_use_ns"].items()))
     for r in rows:

@@ -27,12 +27,7 @@ DEFAULT = "fp8:1:1:prescaled,fp8:4:1:prescaled,fp4:1:1:table,fp4:4:1:table,bf16:
 def block_loop(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
     """The assembly of the kernel's loop over blocks: the basic block with the most FMAs, up to its
     jump back."""
-    mod = llvm.parse_assembly(fp.kernel_ir(fmt, rows, weight_rows, variant, fp.permute_width()))
-    mod.verify()
-    tm = fp._machine()
-    tuning = llvm.create_pipeline_tuning_options(speed_level=3)     # the builder borrows it
-    passes = llvm.create_pass_builder(tm, tuning)
-    passes.getModulePassManager().run(mod, passes)
+    mod, tm = fp.optimised(fp.kernel_ir(fmt, rows, weight_rows, variant, fp.permute_width()))
     blocks = tm.emit_assembly(mod).split("\n.LBB")
     body = max(blocks, key=lambda b: b.count("vfmadd"))
     lines = []

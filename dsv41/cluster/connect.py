@@ -190,8 +190,9 @@ def _kill_started_processes() -> None:
             child.kill()
         except psutil.NoSuchProcess:
             pass
-    known = {p.pid for p in multiprocessing.active_children()}
-    for process in multiprocessing.active_children():   # reaped through multiprocessing's bookkeeping
+    listed = multiprocessing.active_children()
+    known = {p.pid for p in listed}
+    for process in listed:                               # reaped through multiprocessing's bookkeeping
         process.join(ABANDON_S)
     psutil.wait_procs([c for c in children if c.pid not in known], timeout=ABANDON_S)
 

@@ -7,11 +7,11 @@ dependency) for the CPU at hand, once per (format, rows per pass, weight rows pe
 process:
 
 - **Decode** (exact: every value is an FP32, subnormals included, for the scale codes this path
-  takes). E4M3 bytes become FP16 bits by two shifts (the FP16 layout holds E4M3's exponent and
-  significand at 2^-8 of the value), then FP32 by the CPU's conversion, times the block's E8M0
-  scale. E2M1 nibbles do the same at 2^-14, or index a table of the codes times the scale
-  (``vpermps``): with AVX-512 all 16 codes, with AVX2 the 8 magnitudes, the sign bit then moved
-  into place. BF16 and FP32 widen.
+  takes). E4M3 bytes become FP16 bits by a sign extension, a shift and a mask (the FP16 layout
+  holds E4M3's exponent and significand at 2^-8 of the value), then FP32 by the CPU's conversion,
+  times the block's E8M0 scale. E2M1 nibbles become FP16 bits by shifts at 2^-14, or index a table
+  of the codes times the scale (``vpermps``): with AVX-512 all 16 codes, with AVX2 the 8
+  magnitudes, the sign bit then moved into place. BF16 and FP32 widen.
 - **Sums** (``docs/numerics.md``). Each output is an FP32 sum of FP32 fused multiply-adds in one
   fixed order: two vectors of 16 lanes, lane ``j`` of the first taking column ``j`` of every 32-column
   block in block order and lane ``j`` of the second column ``j + 16``; then the two vectors added, the
@@ -23,9 +23,10 @@ process:
 
 Passes take 1-4 activation rows (one FP32 FMA per weight value per row is the cost that grows with
 the batch) and up to four weight rows (``WEIGHT_ROWS``, as many as the CPU's vector registers hold
-the accumulators of), so that FMA chains overlap and each load of x serves several weight rows. The weight rows a few groups on are prefetched in software. Compiled
-code is kept as object files beside this module (``DSV41_KERNEL_CACHE`` moves them), so later
-processes load it instead of compiling.
+the accumulators of), so that FMA chains overlap and each load of x serves several weight rows. The
+weight rows a few groups on are prefetched in software. Compiled code is kept as object files
+beside this module (``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of
+compiling.
 """
 from __future__ import annotations
 
@@ -140,7 +141,8 @@ def _table_decode8(f: Function, prow: str, b: str, table: str) -> list[str]:
     permute reads no more) and its bit 3, the sign, goes to bit 31 by a shift, a mask and a XOR (code 8
     is -0.0, as in the 16-code table)."""
     raw = _load(f, "<16 x i8>", "fp4", prow, b)
-    both = f.let(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, <32 x i32> {vec('i32', [i % 16 for i in range(32)])}")
+    twice = vec("i32", [i % 16 for i in range(32)])
+    both = f.let(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, <32 x i32> {twice}")
     shifts = vec("i32", [4 * (i % 2) for i in range(8)])
     parts = []
     for g in range(4):
@@ -342,6 +344,18 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DSV41_KERNEL_CACHE") or Path(__file__).parent / "__pycache__" / "kernels")
 
 
+def optimised(ir: str, model: str | None = None) -> tuple[llvm.ModuleRef, llvm.TargetMachine]:
+    """The kernel's IR parsed, checked and optimised as it is compiled, with the target machine that
+    emits it (``bench/kernel_mca.py`` reads its assembly)."""
+    mod = llvm.parse_assembly(ir)
+    mod.verify()
+    tm = _machine(model)
+    tuning = llvm.create_pipeline_tuning_options(speed_level=3)     # the builder borrows it
+    passes = llvm.create_pass_builder(tm, tuning)
+    passes.getModulePassManager().run(mod, passes)
+    return mod, tm
+
+
 def _object_code(ir: str, model: str | None) -> bytes:
     """The kernel's machine code: from the cache where an earlier process wrote it (keyed by the IR, the
     CPU and the compiler), else optimised and compiled now and written there if it can be."""
@@ -353,12 +367,7 @@ def _object_code(ir: str, model: str | None) -> bytes:
             return stored[32:]
     except OSError:
         pass
-    mod = llvm.parse_assembly(ir)
-    mod.verify()
-    tm = _machine(model)
-    tuning = llvm.create_pipeline_tuning_options(speed_level=3)     # the builder borrows it
-    passes = llvm.create_pass_builder(tm, tuning)
-    passes.getModulePassManager().run(mod, passes)
+    mod, tm = optimised(ir, model)
     code = tm.emit_object(mod)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
