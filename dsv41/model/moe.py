@@ -60,11 +60,16 @@ class MoE:
         return expert(x, w("w1"), w("w2"), w("w3"), self.cfg.swiglu_limit)
 
     def routed(self, x, indices, weights, expert_ids) -> dict:
-        """Outputs of the given experts for their dispatched rows: expert id -> (rows, BF16 [n, D])."""
-        w = self._expert
-        return {e: (rows, expert(x[rows], w(e, "w1"), w(e, "w2"), w(e, "w3"), self.cfg.swiglu_limit,
-                                 weights[rows, slots]))
-                for e, (rows, slots) in dispatch_rows(indices, expert_ids).items()}
+        """Outputs of the given experts for their dispatched rows: expert id -> (rows, BF16 [n, D]);
+        every expert's rows in one grouped pass (a row's bits are those of its expert alone)."""
+        hit = dispatch_rows(indices, expert_ids)
+        if not hit:
+            return {}
+        rows = torch.cat([r for r, _ in hit.values()])
+        w = torch.cat([weights[r, k] for r, k in hit.values()])
+        counts = [len(r) for r, _ in hit.values()]
+        y = self.grouped(x[rows], w, list(hit), counts)
+        return {e: (r, part) for (e, (r, _)), part in zip(hit.items(), y.split(counts))}
 
     def grouped(self, x, weight, experts: list[int], counts: list[int]):
         """Rows sorted by expert (``counts`` per expert) through their experts in one pass."""
