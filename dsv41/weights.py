@@ -64,14 +64,44 @@ def draw_checkpoint(cfg: ModelConfig, seed: int = 0):
     yield from draw(Transformer.tensors(cfg), seed)
 
 
+# drawn FP4 matrices up to this many values wait to be encoded together (TINY's 2,064 expert matrices
+# took ~1 s one by one, nearly all of it per-call overhead); FLASH's each go alone, as drawn
+_BATCHED_FP4_VALUES = 1 << 20
+
+
 def draw(tensors, seed: int = 0):
     """(name, tensor) in checkpoint format of declared tensors ((name, shape, format, std, mean), as the
     blocks' ``tensors`` give them), drawn in order from one generator seeded ``seed``."""
     g = torch.Generator().manual_seed(seed)
+    waiting, held = [], 0        # small FP4 matrices drawn, not yet encoded, and their values
     for name, shape, fmt, std, mean in tensors:
         # in place: the same bits as ``* std + mean`` without two more tensors of the draw's size,
         # whose first touch cost more than the arithmetic (a FLASH-width embedding is 2.6 GB)
-        yield from _encode(name, fmt, torch.randn(*shape, generator=g).mul_(std).add_(mean)).items()
+        w = torch.randn(*shape, generator=g).mul_(std).add_(mean)
+        if fmt != "fp4" or held + w.numel() > _BATCHED_FP4_VALUES:
+            yield from _fp4_together(waiting)
+            waiting, held = [], 0
+        if fmt == "fp4" and w.numel() <= _BATCHED_FP4_VALUES:
+            waiting.append((name, w))
+            held += w.numel()
+        else:
+            yield from _encode(name, fmt, w).items()
+    yield from _fp4_together(waiting)
+
+
+def _fp4_together(drawn: list[tuple[str, torch.Tensor]]):
+    """``_encode``'s items for FP4 matrices, in the given order, each width's rows encoded in one call:
+    the format scales each row's groups of 32 alone, so a row's codes do not depend on its neighbours."""
+    encoded = {}
+    for k in {w.shape[1] for _, w in drawn}:
+        same = [(name, w) for name, w in drawn if w.shape[1] == k]
+        packed, scale = expert_mxfp4_encode(torch.cat([w for _, w in same]))
+        counts = [w.shape[0] for _, w in same]
+        for (name, _), p, sc in zip(same, packed.split(counts), scale.split(counts)):
+            # each its own storage, as one encoded alone (a checkpoint file stores tensors that share none)
+            encoded[name] = {f"{name}.weight": p.clone().view(torch.int8), f"{name}.scale": _as_e8m0(sc.clone())}
+    for name, _ in drawn:
+        yield from encoded[name].items()
 
 
 def init_checkpoint(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -79,6 +79,19 @@ def test_fp8_product_decodes_every_byte_at_every_scale_to_its_definition():
     assert big._exact_tables and _same_bits(big.dense(), block_mxfp8_decode64(big.payload, big.scale))
 
 
+def test_one_nan_byte_of_either_sign_sends_an_fp8_matrix_to_the_tables():
+    """Every finite byte but one, that one 0x7F (+NaN) or 0xFF (-NaN), anywhere in the matrix."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    payload = finite.repeat(32 * 64 // len(finite) + 1)[:32 * 64].reshape(32, 64).contiguous()
+    scale = torch.full((1, 2), 127, dtype=torch.uint8)
+    assert not PackedMatrix("fp8", payload.view(torch.float8_e4m3fn), scale)._exact_tables
+    for nan in (0x7F, 0xFF):
+        for at in ((0, 0), (17, 40), (31, 63)):
+            p = payload.clone()
+            p[at] = nan
+            assert PackedMatrix("fp8", p.view(torch.float8_e4m3fn), scale)._exact_tables, (nan, at)
+
+
 def test_fp4_product_decodes_every_byte_at_every_scale_to_its_definition():
     codes = [0, 1, 60, 127, 128, 200, 246, 252]       # 6 x 2^(252-127) is still a finite FP32
     packed_bytes = torch.arange(256, dtype=torch.uint8).repeat(len(codes), 1)     # [8, 256] -> K = 512

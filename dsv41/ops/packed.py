@@ -46,7 +46,10 @@ class PackedMatrix:
             return False
         if self.scale.numel() and self.codes[1] > _FAST_SCALE_MAX[self.fmt]:
             return True
-        return self.fmt == "fp8" and bool(((self.payload.view(torch.uint8) & 0x7F) == 0x7F).any())   # E4M3 NaN
+        # an E4M3 NaN is 0x7F or 0xFF: the largest byte read unsigned or signed (two reductions, ~40x
+        # faster than masking every byte, which took 17 s of a FLASH-width test's 160)
+        return self.fmt == "fp8" and self.payload.numel() > 0 and (
+            int(self.payload.view(torch.uint8).max()) == 0xFF or int(self.payload.view(torch.int8).max()) == 0x7F)
 
     def rows(self, a: int, b: int) -> "PackedMatrix":
         """Rows [a, b) (whole 32-row blocks for fp8)."""
