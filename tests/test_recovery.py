@@ -219,6 +219,7 @@ def local_cluster():
         cluster.close()
 
 
+@pytest.mark.slow        # the same abort as sync and threads (test_injected_failures_abort_completely), on a cluster
 @pytest.mark.timeout(300)
 def test_distributed_injected_failures_abort_completely(local_cluster):
     engine = engine_for(Topology(2, 1, 2), executor="distributed", address=local_cluster.scheduler_address)
@@ -357,6 +358,7 @@ def test_two_concurrent_cli_runs_on_one_scheduler_give_local_results(external_cl
     assert [json.loads(o)["last_logits_sha256"] for o in outs] == [local, local]
 
 
+@pytest.mark.slow        # the recovery of test_worker_killed_on_local_cluster_is_recovered, the worker back at its address
 @pytest.mark.timeout(300)
 def test_worker_killed_on_fixed_port_cluster_is_recovered(external_cluster):
     _recovers_between_and_mid_step(external_cluster.address, same_address=True)
