@@ -30,3 +30,15 @@ def tiny_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_checkpoint")
     write_checkpoint(TINY, path, seed=0, shard_bytes=2_000_000)
     return path
+
+
+# files of a minute or more of the default run (tests/test_speculative.py ~300 s on the 2-core CI
+# machine), started first: each file runs on one worker (pyproject's --dist loadfile), and the
+# longest left for last kept one worker busy for minutes after the other had finished
+LONGEST_FIRST = ("test_speculative.py", "test_recovery.py", "test_flash_shapes.py", "test_cluster.py",
+                 "test_sampling_engines.py", "test_serve_hostile.py", "test_serve.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: the rest in their order
