@@ -46,6 +46,11 @@ def _encode(name: str, fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         payload = packed.view(torch.int8)
     else:
         payload, scale = mxfp8_encode(w)
+    return _scaled(name, payload, scale)
+
+
+def _scaled(name: str, payload: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A quantized matrix's checkpoint tensors: its payload and its E8M0 scales."""
     return {f"{name}.weight": payload, f"{name}.scale": _as_e8m0(scale)}
 
 
@@ -99,7 +104,7 @@ def _fp4_together(drawn: list[tuple[str, torch.Tensor]]):
         counts = [w.shape[0] for _, w in same]
         for (name, _), p, sc in zip(same, packed.split(counts), scale.split(counts)):
             # each its own storage, as one encoded alone (a checkpoint file stores tensors that share none)
-            encoded[name] = {f"{name}.weight": p.clone().view(torch.int8), f"{name}.scale": _as_e8m0(sc.clone())}
+            encoded[name] = _scaled(name, p.clone().view(torch.int8), sc.clone())
     for name, _ in drawn:
         yield from encoded[name].items()
 
