@@ -39,13 +39,7 @@ def _encode(name: str, fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: w}
     if fmt == "bf16":
         return {name: w.to(torch.bfloat16)}
-    if fmt == "fp8":
-        payload, scale = block_mxfp8_encode(w)
-    elif fmt == "fp4":
-        packed, scale = expert_mxfp4_encode(w)
-        payload = packed.view(torch.int8)
-    else:
-        payload, scale = mxfp8_encode(w)
+    payload, scale = block_mxfp8_encode(w) if fmt == "fp8" else mxfp8_encode(w)     # fp4: _fp4_together
     return _scaled(name, payload, scale)
 
 
@@ -69,8 +63,8 @@ def draw_checkpoint(cfg: ModelConfig, seed: int = 0):
     yield from draw(Transformer.tensors(cfg), seed)
 
 
-# drawn FP4 matrices up to this many values wait to be encoded together (TINY's 2,064 expert matrices
-# took ~1 s one by one, nearly all of it per-call overhead); FLASH's each go alone, as drawn
+# drawn FP4 matrices wait to be encoded together up to this many values (TINY's 2,064 expert matrices
+# took ~1 s one by one, nearly all of it per-call overhead); FLASH's, each larger, go one at a time
 _BATCHED_FP4_VALUES = 1 << 20
 
 
@@ -78,15 +72,15 @@ def draw(tensors, seed: int = 0):
     """(name, tensor) in checkpoint format of declared tensors ((name, shape, format, std, mean), as the
     blocks' ``tensors`` give them), drawn in order from one generator seeded ``seed``."""
     g = torch.Generator().manual_seed(seed)
-    waiting, held = [], 0        # small FP4 matrices drawn, not yet encoded, and their values
+    waiting, held = [], 0        # FP4 matrices drawn, not yet encoded, and their values
     for name, shape, fmt, std, mean in tensors:
         # in place: the same bits as ``* std + mean`` without two more tensors of the draw's size,
         # whose first touch cost more than the arithmetic (a FLASH-width embedding is 2.6 GB)
         w = torch.randn(*shape, generator=g).mul_(std).add_(mean)
-        if fmt != "fp4" or held + w.numel() > _BATCHED_FP4_VALUES:
+        if waiting and (fmt != "fp4" or held + w.numel() > _BATCHED_FP4_VALUES):
             yield from _fp4_together(waiting)
             waiting, held = [], 0
-        if fmt == "fp4" and w.numel() <= _BATCHED_FP4_VALUES:
+        if fmt == "fp4":
             waiting.append((name, w))
             held += w.numel()
         else:
@@ -95,16 +89,18 @@ def draw(tensors, seed: int = 0):
 
 
 def _fp4_together(drawn: list[tuple[str, torch.Tensor]]):
-    """``_encode``'s items for FP4 matrices, in the given order, each width's rows encoded in one call:
-    the format scales each row's groups of 32 alone, so a row's codes do not depend on its neighbours."""
+    """The checkpoint tensors of FP4 matrices, in the given order, each width's rows encoded in one
+    call: the format scales each row's groups of 32 alone, so a row's codes do not depend on its
+    neighbours."""
     encoded = {}
     for k in {w.shape[1] for _, w in drawn}:
         same = [(name, w) for name, w in drawn if w.shape[1] == k]
-        packed, scale = expert_mxfp4_encode(torch.cat([w for _, w in same]))
+        packed, scale = expert_mxfp4_encode(torch.cat([w for _, w in same]) if len(same) > 1 else same[0][1])
         counts = [w.shape[0] for _, w in same]
         for (name, _), p, sc in zip(same, packed.split(counts), scale.split(counts)):
-            # each its own storage, as one encoded alone (a checkpoint file stores tensors that share none)
-            encoded[name] = _scaled(name, p.clone().view(torch.int8), sc.clone())
+            if len(same) > 1:       # each its own storage (a checkpoint file stores tensors that share none)
+                p, sc = p.clone(), sc.clone()
+            encoded[name] = _scaled(name, p.view(torch.int8), sc)
     for name, _ in drawn:
         yield from encoded[name].items()
 
