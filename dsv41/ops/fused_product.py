@@ -134,31 +134,36 @@ def _table_decode(f: Function, prow: str, srow: str, b: str, width: int) -> list
 
 
 def _table_decode8(f: Function, prow: str, b: str, table: str) -> list[str]:
-    """The AVX2 table decode, 8 columns at a time, with few of the shuffles Zen 3 has two ports for
-    (``llvm-mca -mcpu=znver3``: they, not the loads or the FMAs, bound the loop). Each column's lane
-    takes its whole byte (the block's 16 bytes in both 128-bit halves, one ``vpshufb`` a group); an
-    odd column's shifted down 4 (``vpsrlvd``), so the code's low 3 bits index the 8 magnitudes (the
-    permute reads no more) and its bit 3, the sign, goes to bit 31 by a shift, a mask and a XOR (code 8
-    is -0.0, as in the 16-code table)."""
-    raw = _load(f, "<16 x i8>", "fp4", prow, b)
-    twice = vec("i32", [i % 16 for i in range(32)])
-    both = f.let(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, <32 x i32> {twice}")
-    shifts = vec("i32", [4 * (i % 2) for i in range(8)])
-    parts = []
-    for g in range(4):
-        # dword lane i of half L takes byte 4g + 2L + i // 2; 0x80 zeroes the other three bytes
-        mask = []
-        for half in range(2):
-            for i in range(4):
-                mask += [4 * g + 2 * half + i // 2, -128, -128, -128]
-        spread = f.let(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {both}, <32 x i8> {vec('i8', mask)})")
-        codes = f.let(f"lshr <8 x i32> {f.let(f'bitcast <32 x i8> {spread} to <8 x i32>')}, {shifts}")
-        mag = f.let(f"call <8 x float> @llvm.x86.avx2.permps(<8 x float> {table}, <8 x i32> {codes})")
-        bit3 = f.let(f"shl <8 x i32> {codes}, {splat('i32', 8, 28)}")
-        sign = f.let(f"and <8 x i32> {bit3}, {splat('i32', 8, -(1 << 31))}")
+    """The AVX2 table decode: each byte's two codes index the 8 magnitudes (``vpermps`` reads an
+    index's low 3 bits) from one dword lane per byte (``vpmovzxbd``), the high code after a shift by 4.
+    The table's entry m carries m in bits 28-30 (XORed in), so XOR with the code shifted to bits 28-31
+    clears them and sets the sign (code 8 is -0.0, as in the 16-code table): four operations per 8
+    values, of which two on the shuffle ports that bound this decode on Zen 3. The columns come out
+    as [even, odd] within each 16 (``permuted_x``): x is stored in that order, the sums restored after."""
+    marked = f.let(f"xor <8 x i32> {f.let(f'bitcast <8 x float> {table} to <8 x i32>')}, "
+                   f"{vec('i32', [m << 28 for m in range(8)])}")
+    marked = f.let(f"bitcast <8 x i32> {marked} to <8 x float>")
+
+    def look(codes: str) -> str:
+        mag = f.let(f"call <8 x float> @llvm.x86.avx2.permps(<8 x float> {marked}, <8 x i32> {codes})")
+        sign = f.let(f"shl <8 x i32> {codes}, {splat('i32', 8, 28)}")
         signed = f.let(f"xor <8 x i32> {f.let(f'bitcast <8 x float> {mag} to <8 x i32>')}, {sign}")
-        parts.append(f.let(f"bitcast <8 x i32> {signed} to <8 x float>"))
-    return [f.let(f"shufflevector <8 x float> {parts[h]}, <8 x float> {parts[h + 1]}, {lanes(0, 16)}") for h in (0, 2)]
+        return f.let(f"bitcast <8 x i32> {signed} to <8 x float>")
+    halves = []
+    for h in (0, 1):
+        at = f.let(f"getelementptr i8, ptr {_block_at(f, 'fp4', prow, b)}, i64 {8 * h}")
+        codes = f.let(f"zext <8 x i8> {f.let(f'load <8 x i8>, ptr {at}, align 1')} to <8 x i32>")
+        high = f.let(f"lshr <8 x i32> {codes}, {splat('i32', 8, 4)}")
+        halves.append(f.let(f"shufflevector <8 x float> {look(codes)}, <8 x float> {look(high)}, {lanes(0, 16)}"))
+    return halves
+
+
+def permuted_x(fmt: str, variant: str, width: int) -> bool:
+    """Whether the kernel reads x with each block's 16-column halves as [even columns, odd columns]
+    (the AVX2 E2M1 table decode's order): lanes hold the same columns in every block, so each lane's
+    sum is the same sum, and the two halves' sums are added first and then put back in column order
+    before the tree, which is then the defined one."""
+    return fmt == "fp4" and variant == "table" and width == 8
 
 
 def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, width: int) -> list[str]:
@@ -206,7 +211,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
     FP32, out [rows, ostride] FP32; xs FP32 [rows, k] scratch (``prescaled``: x times 2^8 and the
     scales of the weight rows' block row, remade when the block row changes; a group of weight rows
-    never straddles two). ``width``: the table decode's permute, 16 (AVX-512) or 8 (AVX2) lanes."""
+    never straddles two; ``permuted_x``: x in the decode's column order, made once). ``width``: the table decode's permute, 16 (AVX-512) or 8 (AVX2) lanes."""
     f = Function()
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%whole = mul i64 %blocks, 32")
@@ -231,6 +236,18 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                          f"ptr {_at(f, 'float', '%xs', c, xs_row[r])}, align 4")
         f.loop("0", "%blocks", 1, block)
 
+    permuted = permuted_x(fmt, variant, width)
+    if permuted:
+        order = vec("i32", [16 * h + 2 * i + e for h in (0, 1) for e in (0, 1) for i in range(8)])
+
+        def reorder(b: str) -> None:
+            c = f.let(f"mul i64 {b}, 32")
+            for r in range(rows):
+                v = f.let(f"load <32 x float>, ptr {_at(f, 'float', '%x', c, x_row[r])}, align 4")
+                f.do(f"store <32 x float> {f.let(f'shufflevector <32 x float> {v}, <32 x float> poison, <32 x i32> {order}')}, "
+                     f"ptr {_at(f, 'float', '%xs', c, xs_row[r])}, align 4")
+        f.loop("0", "%blocks", 1, reorder)
+
     def weight_group(n0: str) -> None:
         ns = [f.let(f"add i64 {n0}, {u}") for u in range(weight_rows)]
         prows = [f.let(f"getelementptr i8, ptr %p, i64 {f.let(f'mul i64 {n}, %pstride')}") for n in ns]
@@ -245,7 +262,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                 prescale(srows[0])
                 f.do(f"store i64 {block_rows[0]}, ptr {made_for}")
             f.when(stale, remake)
-        src, src_row = ("%xs", xs_row) if variant == "prescaled" else ("%x", x_row)
+        src, src_row = ("%xs", xs_row) if variant == "prescaled" or permuted else ("%x", x_row)
         # the rows _AHEAD on, fetched a block at a time while this group works: a column slice's rows
         # are short strided runs the hardware prefetcher does not follow (1.6x slower from memory)
         ahead = [f.let(f"getelementptr i8, ptr {p}, i64 {f.let(f'mul i64 %pstride, {_AHEAD}')}") for p in prows]
@@ -268,6 +285,8 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
             for r in range(rows):
                 a0 = f.let(f"load <16 x float>, ptr {acc[u, r, 0]}")
                 v = f.let(f"fadd <16 x float> {a0}, {f.let(f'load <16 x float>, ptr {acc[u, r, 1]}')}")
+                if permuted:
+                    v = f.let(f"shufflevector <16 x float> {v}, <16 x float> poison, {interleave(8)}")
                 for n in (8, 4, 2, 1):
                     lo = f.let(f"shufflevector <{2 * n} x float> {v}, <{2 * n} x float> poison, {lanes(0, n)}")
                     hi = f.let(f"shufflevector <{2 * n} x float> {v}, <{2 * n} x float> poison, {lanes(n, 2 * n)}")
@@ -442,7 +461,8 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
     weights = (payload.ctypes.data, payload.strides[0], None if scale is None else scale.ctypes.data,
                0 if scale is None else scale.strides[0], scale_div)
     x_at, out_at = x.ctypes.data, out.ctypes.data
-    xs = np.empty((min(m, MAX_ROWS), k), np.float32) if variant == "prescaled" else None
+    scratch = variant == "prescaled" or permuted_x(fmt, variant, permute_width(model))
+    xs = np.empty((min(m, MAX_ROWS), k), np.float32) if scratch else None
     xs_at = None if xs is None else xs.ctypes.data
     for g in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - g)
