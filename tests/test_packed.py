@@ -205,8 +205,8 @@ def test_every_decode_variant_gives_the_same_bits(rows):
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
-    """The same IR compiled for an AVX2 CPU (``haswell``: 256-bit vectors, no AVX-512, the FP4 table an
-    8-lane permute and a sign), run here, gives this CPU's bits for every decode: the sum order is
+    """The same IR compiled for an AVX2 CPU (``haswell``: 256-bit vectors, no AVX-512, the FP4 table byte
+    shuffles in the decode's own column order), run here, gives this CPU's bits for every decode: the sum order is
     written in the IR, not chosen by the vector width."""
     x = torch.randn(rows, 256, generator=_g(60 + rows)).to(torch.bfloat16).float()
     for fmt, m in _matrices(96, 256, 23).items():

@@ -10,8 +10,9 @@ process:
   takes). E4M3 bytes become FP16 bits by a sign extension, a shift and a mask (the FP16 layout
   holds E4M3's exponent and significand at 2^-8 of the value), then FP32 by the CPU's conversion,
   times the block's E8M0 scale. E2M1 nibbles become FP16 bits by shifts at 2^-14, or index a table
-  of the codes times the scale (``vpermps``): with AVX-512 all 16 codes, with AVX2 the 8
-  magnitudes, the sign bit then moved into place. BF16 and FP32 widen.
+  of the codes times the scale: with AVX-512 all 16 as FP32 (``vpermps``), with AVX2 two tables per
+  scale code of the bytes of their FP32s' upper halves (``vpshufb``; the lower halves are zero).
+  BF16 and FP32 widen.
 - **Sums** (``docs/numerics.md``). Each output is an FP32 sum of FP32 fused multiply-adds in one
   fixed order: two vectors of 16 lanes, lane ``j`` of the first taking column ``j`` of every 32-column
   block in block order and lane ``j`` of the second column ``j + 16``; then the two vectors added, the
@@ -45,7 +46,7 @@ from dsv41.ops.ir_text import Function, interleave, lanes, splat, vec
 
 # decodes of each format, all exact: "shifts" builds FP16 bits (any x86-64 with F16C); "prescaled"
 # (fp8) multiplies x by the block's scale (and 2^8) once per 32 weight rows instead of each value by it;
-# "table" (fp4) looks the codes up with a permute (AVX-512 or AVX2); "widen" (bf16, f32) converts
+# "table" (fp4) looks the codes up (a permute with AVX-512, byte shuffles with AVX2); "widen" (bf16, f32) converts
 VARIANTS = {"fp8": ("prescaled", "shifts"), "fp4": ("table", "shifts"), "bf16": ("widen",), "f32": ("widen",)}
 BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
 _BLOCK_BYTES = {"fp8": 32, "fp4": 16, "bf16": 64, "f32": 128}
@@ -121,54 +122,65 @@ def _nibbles(f: Function, prow: str, b: str) -> str:
 
 
 def _table_decode(f: Function, prow: str, srow: str, b: str, width: int) -> list[str]:
-    """An E2M1 block by table: the codes times the block scale, indexed by ``vpermps``. With 16 lanes
-    (AVX-512) the table holds all 16 codes; with 8 (AVX2) see ``_table_decode8``."""
-    scale = f.broadcast("float", _power_of_two(f, srow, b, 0), width)
-    magnitudes = list(_E2M1) + ([-v for v in _E2M1] if width == 16 else [])
-    table = f.let(f"fmul <{width} x float> {scale}, {vec('float', [_float(v) for v in magnitudes])}")
+    """An E2M1 block by table: the codes times the block scale. With 16 lanes (AVX-512) a ``vpermps``
+    of all 16 codes times the scale; with 8 (AVX2) see ``_byte_decode``."""
     if width == 8:
-        return _table_decode8(f, prow, b, table)
+        return _byte_decode(f, prow, srow, b)
+    scale = f.broadcast("float", _power_of_two(f, srow, b, 0), width)
+    magnitudes = list(_E2M1) + [-v for v in _E2M1]
+    table = f.let(f"fmul <16 x float> {scale}, {vec('float', [_float(v) for v in magnitudes])}")
     idx = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i32>")
     return [f.let(f"call <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float> {table}, <16 x i32> {i})")
             for i in f.halves("i32", idx)]
 
 
-def _table_decode8(f: Function, prow: str, b: str, table: str) -> list[str]:
-    """The AVX2 table decode: each byte's two codes index the 8 magnitudes (``vpermps`` reads an
-    index's low 3 bits) from one dword lane per byte (``vpmovzxbd``), the high code after a shift by 4.
-    The table's entry m carries m in bits 28-30 (XORed in), so XOR with the code shifted to bits 28-31
-    clears them and sets the sign (code 8 is -0.0, as in the 16-code table): four operations per 8
-    values, of which two on the shuffle ports that bound this decode on Zen 3. The columns come out
-    as [even, odd] within each 16 (``permuted_x``): x is stored in that order, the sums restored after."""
-    marked = f.let(f"xor <8 x i32> {f.let(f'bitcast <8 x float> {table} to <8 x i32>')}, "
-                   f"{vec('i32', [m << 28 for m in range(8)])}")
-    marked = f.let(f"bitcast <8 x i32> {marked} to <8 x float>")
+# lane l of a 16-column half holds column _BYTE_ORDER[l] (the unpacks' order; see _byte_decode)
+_BYTE_ORDER = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
 
-    def look(codes: str) -> str:
-        mag = f.let(f"call <8 x float> @llvm.x86.avx2.permps(<8 x float> {marked}, <8 x i32> {codes})")
-        sign = f.let(f"shl <8 x i32> {codes}, {splat('i32', 8, 28)}")
-        signed = f.let(f"xor <8 x i32> {f.let(f'bitcast <8 x float> {mag} to <8 x i32>')}, {sign}")
-        return f.let(f"bitcast <8 x i32> {signed} to <8 x float>")
-    halves = []
-    for h in (0, 1):
-        at = f.let(f"getelementptr i8, ptr {_block_at(f, 'fp4', prow, b)}, i64 {8 * h}")
-        codes = f.let(f"zext <8 x i8> {f.let(f'load <8 x i8>, ptr {at}, align 1')} to <8 x i32>")
-        high = f.let(f"lshr <8 x i32> {codes}, {splat('i32', 8, 4)}")
-        halves.append(f.let(f"shufflevector <8 x float> {look(codes)}, <8 x float> {look(high)}, {lanes(0, 16)}"))
-    return halves
+
+def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
+    """The AVX2 E2M1 decode: every value's FP32 has a zero low half, so two ``vpshufb`` lookups of the
+    block scale's byte tables (``_byte_tables_ir``, 32 bytes a scale code, read as two 16-byte
+    broadcasts) give its upper half's two bytes for all 32 codes at once; byte and word unpacks with
+    zeros then make the FP32s. Nine shuffles a block and no lane-crossing permute. Low codes come
+    first in each 128-bit lane, high codes second, so the columns of each 16 come out in
+    ``_BYTE_ORDER``: x is stored in that order, the sums put back in column order after."""
+    byte = f.let(f"load i8, ptr {f.let(f'getelementptr i8, ptr {srow}, i64 {b}')}")
+    code = f.let(f"zext i8 {byte} to i64")
+    at = f.let(f"getelementptr i8, ptr @byte_tables, i64 {f.let(f'mul i64 {code}, 32')}")
+    tables = []
+    for part in (0, 1):
+        t = f.let(f"load <16 x i8>, ptr {f.let(f'getelementptr i8, ptr {at}, i64 {16 * part}')}, align 1")
+        tables.append(f.let(f"shufflevector <16 x i8> {t}, <16 x i8> poison, <32 x i32> {vec('i32', [*range(16), *range(16)])}"))
+    raw = _load(f, "<16 x i8>", "fp4", prow, b)
+    lo = f.let(f"and <16 x i8> {raw}, {splat('i8', 16, 15)}")
+    hi = f.let(f"lshr <16 x i8> {raw}, {splat('i8', 16, 4)}")
+    idx = f.let(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, {lanes(0, 32)}")
+    low, high = (f.let(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {t}, <32 x i8> {idx})") for t in tables)
+    floats = []
+    for part in (range(8), range(8, 16)):
+        mask = vec("i32", [j for lane in (0, 1) for i in part for j in (16 * lane + i, 32 + 16 * lane + i)])
+        words = f.let(f"bitcast <32 x i8> {f.let(f'shufflevector <32 x i8> {low}, <32 x i8> {high}, <32 x i32> {mask}')} "
+                      f"to <16 x i16>")
+        for quarter in (range(4), range(4, 8)):
+            mask = vec("i32", [j for lane in (0, 1) for i in quarter for j in (8 * lane + i, 16 + 8 * lane + i)])
+            wide = f.let(f"shufflevector <16 x i16> zeroinitializer, <16 x i16> {words}, <16 x i32> {mask}")
+            floats.append(f.let(f"bitcast <16 x i16> {wide} to <8 x float>"))
+    return [f.let(f"shufflevector <8 x float> {floats[2 * h]}, <8 x float> {floats[2 * h + 1]}, {lanes(0, 16)}")
+            for h in (0, 1)]
 
 
 def permuted_x(fmt: str, variant: str, width: int) -> bool:
-    """Whether the kernel reads x with each block's 16-column halves as [even columns, odd columns]
-    (the AVX2 E2M1 table decode's order): lanes hold the same columns in every block, so each lane's
-    sum is the same sum, and the two halves' sums are added first and then put back in column order
-    before the tree, which is then the defined one."""
+    """Whether the kernel reads x with each block's 16-column halves in ``_BYTE_ORDER`` (the AVX2 E2M1
+    decode's): lanes hold the same columns in every block, so each lane's sum is the same sum, and
+    the two halves' sums are added first and then put back in column order before the tree, which is
+    then the defined one."""
     return fmt == "fp4" and variant == "table" and width == 8
 
 
 def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, width: int) -> list[str]:
     """Block ``b`` of a weight row as two <16 x float>: its columns 0-15 and 16-31 (``prescaled``: the
-    FP16 stand-ins, whose 2^8 and block scale x carries; ``table``: a permute ``width`` lanes wide)."""
+    FP16 stand-ins, whose 2^8 and block scale x carries; ``table``: by ``width``, AVX-512's or AVX2's)."""
     if fmt == "fp8":
         # sign-extended and shifted by 7, a byte's sign lands in bit 15 (and 14, cleared by the mask) and
         # its magnitude in FP16's exponent and significand: three operations per 16 values
@@ -211,7 +223,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
     FP32, out [rows, ostride] FP32; xs FP32 [rows, k] scratch (``prescaled``: x times 2^8 and the
     scales of the weight rows' block row, remade when the block row changes; a group of weight rows
-    never straddles two; ``permuted_x``: x in the decode's column order, made once). ``width``: the table decode's permute, 16 (AVX-512) or 8 (AVX2) lanes."""
+    never straddles two; ``permuted_x``: x in the decode's column order, made once). ``width``: the vector lanes of the table decode, 16 (AVX-512) or 8 (AVX2)."""
     f = Function()
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%whole = mul i64 %blocks, 32")
@@ -238,7 +250,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
 
     permuted = permuted_x(fmt, variant, width)
     if permuted:
-        order = vec("i32", [16 * h + 2 * i + e for h in (0, 1) for e in (0, 1) for i in range(8)])
+        order = vec("i32", [16 * h + c for h in (0, 1) for c in _BYTE_ORDER])
 
         def reorder(b: str) -> None:
             c = f.let(f"mul i64 {b}, 32")
@@ -286,7 +298,8 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                 a0 = f.let(f"load <16 x float>, ptr {acc[u, r, 0]}")
                 v = f.let(f"fadd <16 x float> {a0}, {f.let(f'load <16 x float>, ptr {acc[u, r, 1]}')}")
                 if permuted:
-                    v = f.let(f"shufflevector <16 x float> {v}, <16 x float> poison, {interleave(8)}")
+                    back = vec("i32", [_BYTE_ORDER.index(c) for c in range(16)])
+                    v = f.let(f"shufflevector <16 x float> {v}, <16 x float> poison, <16 x i32> {back}")
                 for n in (8, 4, 2, 1):
                     lo = f.let(f"shufflevector <{2 * n} x float> {v}, <{2 * n} x float> poison, {lanes(0, n)}")
                     hi = f.let(f"shufflevector <{2 * n} x float> {v}, <{2 * n} x float> poison, {lanes(n, 2 * n)}")
@@ -312,8 +325,22 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                    "declare float @llvm.fma.f32(float, float, float)",
                    "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
                    "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)",
-                   "declare <8 x float> @llvm.x86.avx2.permps(<8 x float>, <8 x i32>)",
-                   "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)"])
+                   "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)",
+                   *([_byte_tables_ir()] if permuted else [])])
+
+
+@cache
+def _byte_tables_ir() -> str:
+    """``@byte_tables``: for each E8M0 code s, the 16 E2M1 codes times 2^(s - 127) as FP32, whose low 16
+    bits are all zero (two significant bits, the lowest at 2^-149 * 2^21 or above): the low bytes of
+    their upper halves, then the high bytes (32 bytes a code; codes past ``packed``'s 252 never come)."""
+    codes = np.array(list(_E2M1) + [-v for v in _E2M1], np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):          # codes past 254: 2^128 is no FP32
+        scales = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
+        upper = ((codes[None, :] * scales[:, None]).view(np.uint32) >> 16).astype(np.uint16)
+    data = np.concatenate([(upper & 0xFF).astype(np.uint8), (upper >> 8).astype(np.uint8)], 1).tobytes()
+    return (f"@byte_tables = private unnamed_addr constant [{len(data)} x i8] c\""
+            + "".join(f"\\{v:02X}" for v in data) + "\", align 64")
 
 
 def _target(model: str | None) -> tuple[str, str]:

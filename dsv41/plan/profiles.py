@@ -312,8 +312,8 @@ _AVX2_WEIGHT_USE = ("bench/cpu_roofline.py on that VM (bench/results/cpu-rooflin
                     "ns), BF16 the mean of the 4- and 40-layer steps' (0.079, 0.153), FP32 bench/cpu_rates.py's "
                     "one-row 0.26. --replan against those steps: flash-L4-E8 batch 1 -10%, batch 8 -8%, "
                     "flash-L40-E8 batch 1 -15%")
-# the same kernels on a CPU without AVX-512: 8-lane vectors, half the registers, the FP4 table a permute of
-# the 8 magnitudes; the decode costs 3-5x more per value (docs/flash-shapes.md)
+# the same kernels on a CPU without AVX-512: 8-lane vectors, half the registers, the FP4 table byte
+# shuffles; the decode costs 3-5x more per value (docs/flash-shapes.md)
 CPU_AVX2 = replace(
     CPU, name="cpu-avx2",
     description="the 2-core development VM without AVX-512 (AMD Zen 3, AVX2; Torch eager, FP32 weight products)",
