@@ -217,25 +217,30 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
 
 
 def test_fp8_prescale_is_only_used_where_it_is_exact():
-    """x so large or so small that x times 2^8 and a block scale leaves the normal FP32 range takes
-    the in-register scale: the product is still the defined sum over the decoded matrix."""
+    """x so large or so small that x times the FP8 stand-in's 2^k (``stand_in``: 8 with AVX-512's FP16
+    decode, 120 with AVX2's BF16 one) and a block scale leaves the normal FP32 range takes the
+    in-register scale: the product is still the defined sum over the decoded matrix, bit for bit."""
+    k = fused_product.stand_in("fp8", fused_product.permute_width())
     m = _matrices(64, 128, 12)["fp8"]
     scale, payload = m.scale.clone(), m.payload.view(torch.uint8).clone()
-    scale[0, 0], scale[1, 3] = 240, 40          # one block near the top of the codes, one far down
-    payload[:32, :32] = 0x38                    # 1.0 there, so that x times the values stays finite
+    scale[0, 0], scale[1, 3] = 248 - k, 0       # x carries 2^121 in one block, 2^(k - 127) in another
+    payload[:32, :32] = 0x38                    # 1.0 in both, so that x times the values stays finite
+    payload[32:, 96:] = 0x38
     m = PackedMatrix("fp8", payload.view(torch.float8_e4m3fn), scale)
     base = torch.randn(2, 128, generator=_g(13))
-    assert fused_product.pick_variant("fp8", base.numpy(), m.codes) == "prescaled"
-    for factor in (2.0 ** 10, 2.0 ** -50):
-        x = base * factor
-        if factor < 1:
-            x[:, :96] = 0                       # the far-down block alone, its x subnormal once scaled
+    assert fused_product.prescale_safe(base.numpy(), (100, 248 - k))     # ordinary x carries the top one
+    tiny = torch.zeros(2, 128)
+    tiny[:, 96:] = -torch.arange(1, 33) * 2.0 ** -149      # subnormal x: its products round to -0.0
+    for x in (base * 2.0 ** 10, tiny):          # scaled, x would overflow, or flush to +0.0
         assert not fused_product.prescale_safe(x.numpy(), m.codes)
         assert fused_product.pick_variant("fp8", x.numpy(), m.codes) == "shifts"
-        assert torch.equal(m.matmul_t(x), defined_sum(x, m.dense().float())), factor
-        # carried by x, the scale would have overflowed or lost bits
+        got = m.matmul_t(x)
+        assert torch.equal(got.view(torch.int32), defined_sum(x, m.dense().float()).view(torch.int32))
+        # carried by x, the scale would have overflowed or lost the sign of zero
         forced = torch.from_numpy(m.sums(x, 0, 64, "prescaled"))
-        assert not torch.equal(forced, m.matmul_t(x)), factor
+        assert not torch.equal(forced.view(torch.int32), got.view(torch.int32))
+    # and a scale code past 254 - k could not be carried at all
+    assert not fused_product.prescale_safe(base.numpy(), (1, 255 - k))
 
 
 def test_bf16_and_f32_columns_past_the_last_block():

@@ -59,9 +59,12 @@ MAX_ROWS = 4                # activation rows per pass (more spill the accumulat
 # faster than of two or four, Zen 3). A divisor of 32, so a group never straddles an FP8 32-row block.
 WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1)
+# the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1); E4M3's BF16 one (the 8-lane
+# decode's) is the value times 2^-120
 _STAND_IN = {"fp8": 8, "fp4": 14}
+_BF16_STAND_IN = 120
 _FP8_HALF_MASK = -0x4080          # 0xBF80 as an i16: FP16's sign bit and the E4M3 magnitude's 7 bits
+_FP8_BF16_MASK = -0x7801          # 0x87FF as an i16: BF16's sign bit and the E4M3 magnitude's 7 bits
 _ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
@@ -134,17 +137,70 @@ def _table_decode(f: Function, prow: str, srow: str, b: str, width: int) -> list
             for i in f.halves("i32", idx)]
 
 
-# lane l of a 16-column half holds column _BYTE_ORDER[l] (the unpacks' order; see _byte_decode)
-_BYTE_ORDER = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
+# the 8-lane decodes' unpacks (in-lane on AVX2, so no lane-crossing shuffle) give a block's 32 values in
+# these column orders (``x_order``): E2M1 low codes then high codes of each 128-bit lane, E4M3 bytes 0-7
+# and 16-23, then 8-15 and 24-31, each as two 4-value halves
+_FP4_ORDER = [16 * h + c for h in (0, 1) for c in (0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)]
+_FP8_ORDER = [c + q for part in (0, 8) for q in (0, 4) for c in (part, part + 1, part + 2, part + 3,
+                                                                  part + 16, part + 17, part + 18, part + 19)]
+
+
+def _words(f: Function, low: str, high: str) -> list[str]:
+    """Two <32 x i8> as 16-bit lanes (``low`` the low bytes, ``high`` the high ones) by byte unpacks in
+    each 128-bit lane: bytes 0-7 and 16-23, then 8-15 and 24-31, as two <16 x i16>."""
+    out = []
+    for part in (range(8), range(8, 16)):
+        mask = vec("i32", [j for lane in (0, 1) for i in part for j in (16 * lane + i, 32 + 16 * lane + i)])
+        out.append(f.let(f"bitcast <32 x i8> {f.let(f'shufflevector <32 x i8> {low}, <32 x i8> {high}, <32 x i32> {mask}')} "
+                         f"to <16 x i16>"))
+    return out
+
+
+def _upper_halves(f: Function, words: list[str]) -> list[str]:
+    """<16 x i16> as the upper halves of FP32s whose lower halves are zero (word unpacks with zeros in
+    each 128-bit lane, four values from each lane at a time): a block's two halves, <16 x float> each,
+    in the order the unpacks give."""
+    floats = []
+    for w in words:
+        for quarter in (range(4), range(4, 8)):
+            mask = vec("i32", [j for lane in (0, 1) for i in quarter for j in (8 * lane + i, 16 + 8 * lane + i)])
+            wide = f.let(f"shufflevector <16 x i16> zeroinitializer, <16 x i16> {w}, <16 x i32> {mask}")
+            floats.append(f.let(f"bitcast <16 x i16> {wide} to <8 x float>"))
+    return [f.let(f"shufflevector <8 x float> {floats[2 * h]}, <8 x float> {floats[2 * h + 1]}, {lanes(0, 16)}")
+            for h in (0, 1)]
+
+
+def _fp8_bf16_decode(f: Function, prow: str, b: str) -> list[str]:
+    """The 8-lane E4M3 decode: a byte's sign in bit 15 and its magnitude in bits 4-10 are the BF16 bits
+    of the value times 2^-120 (E4M3's exponent field in BF16's, subnormals included), the upper half of
+    its FP32. Each byte becomes a word's high byte (an unpack with zeros), shifted down 4 arithmetically
+    (the sign spreads over bits 11-15; the mask keeps 15), then the words FP32s: no conversion
+    instruction, and columns in ``_FP8_ORDER``. For ``prescaled`` only (x carries 2^120 and the block
+    scale): multiplying the stand-ins here instead took twice as long as the FP16 route (Zen 3, a
+    multiply of a subnormal, as E4M3's subnormals' stand-ins are, needs an assist; an FMA does not)."""
+    words = []
+    for w in _words(f, "zeroinitializer", _load(f, "<32 x i8>", "fp8", prow, b)):
+        w = f.let(f"ashr <16 x i16> {w}, {splat('i16', 16, 4)}")
+        words.append(f.let(f"and <16 x i16> {w}, {splat('i16', 16, _FP8_BF16_MASK)}"))
+    return _upper_halves(f, words)
+
+
+def x_order(fmt: str, variant: str, width: int) -> list[int] | None:
+    """The column order of a block's 32 values in the decode for ``width`` lanes (None: column
+    order). The kernel reads x stored in that order: lanes hold the same columns in every block, so
+    each lane's sum is the same sum, and the sums are put back in column order before the tree, which
+    is then the defined one."""
+    if width == 16:
+        return None
+    return {("fp8", "prescaled"): _FP8_ORDER, ("fp4", "table"): _FP4_ORDER}.get((fmt, variant))
 
 
 def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
     """The AVX2 E2M1 decode: every value's FP32 has a zero low half, so two ``vpshufb`` lookups of the
     block scale's byte tables (``_byte_tables_ir``, 32 bytes a scale code, read as two 16-byte
     broadcasts) give its upper half's two bytes for all 32 codes at once; byte and word unpacks with
-    zeros then make the FP32s. Nine shuffles a block and no lane-crossing permute. Low codes come
-    first in each 128-bit lane, high codes second, so the columns of each 16 come out in
-    ``_BYTE_ORDER``: x is stored in that order, the sums put back in column order after."""
+    zeros then make the FP32s: nine shuffles a block and no lane-crossing permute; columns in
+    ``_FP4_ORDER``."""
     byte = f.let(f"load i8, ptr {f.let(f'getelementptr i8, ptr {srow}, i64 {b}')}")
     code = f.let(f"zext i8 {byte} to i64")
     at = f.let(f"getelementptr i8, ptr @byte_tables, i64 {f.let(f'mul i64 {code}, 32')}")
@@ -157,30 +213,14 @@ def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
     hi = f.let(f"lshr <16 x i8> {raw}, {splat('i8', 16, 4)}")
     idx = f.let(f"shufflevector <16 x i8> {lo}, <16 x i8> {hi}, {lanes(0, 32)}")
     low, high = (f.let(f"call <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8> {t}, <32 x i8> {idx})") for t in tables)
-    floats = []
-    for part in (range(8), range(8, 16)):
-        mask = vec("i32", [j for lane in (0, 1) for i in part for j in (16 * lane + i, 32 + 16 * lane + i)])
-        words = f.let(f"bitcast <32 x i8> {f.let(f'shufflevector <32 x i8> {low}, <32 x i8> {high}, <32 x i32> {mask}')} "
-                      f"to <16 x i16>")
-        for quarter in (range(4), range(4, 8)):
-            mask = vec("i32", [j for lane in (0, 1) for i in quarter for j in (8 * lane + i, 16 + 8 * lane + i)])
-            wide = f.let(f"shufflevector <16 x i16> zeroinitializer, <16 x i16> {words}, <16 x i32> {mask}")
-            floats.append(f.let(f"bitcast <16 x i16> {wide} to <8 x float>"))
-    return [f.let(f"shufflevector <8 x float> {floats[2 * h]}, <8 x float> {floats[2 * h + 1]}, {lanes(0, 16)}")
-            for h in (0, 1)]
-
-
-def permuted_x(fmt: str, variant: str, width: int) -> bool:
-    """Whether the kernel reads x with each block's 16-column halves in ``_BYTE_ORDER`` (the AVX2 E2M1
-    decode's): lanes hold the same columns in every block, so each lane's sum is the same sum, and
-    the two halves' sums are added first and then put back in column order before the tree, which is
-    then the defined one."""
-    return fmt == "fp4" and variant == "table" and width == 8
+    return _upper_halves(f, _words(f, low, high))
 
 
 def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, width: int) -> list[str]:
     """Block ``b`` of a weight row as two <16 x float>: its columns 0-15 and 16-31 (``prescaled``: the
     FP16 stand-ins, whose 2^8 and block scale x carries; ``table``: by ``width``, AVX-512's or AVX2's)."""
+    if fmt == "fp8" and variant == "prescaled" and width != 16:
+        return _fp8_bf16_decode(f, prow, b)
     if fmt == "fp8":
         # sign-extended and shifted by 7, a byte's sign lands in bit 15 (and 14, cleared by the mask) and
         # its magnitude in FP16's exponent and significand: three operations per 16 values
@@ -221,9 +261,10 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
     """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1, xs)``:
     out[r, n] = sum_c x[r, c] w[n, c] for r < ``rows`` and n in [r0, r1), ``weight_rows`` at a time;
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
-    FP32, out [rows, ostride] FP32; xs FP32 [rows, k] scratch (``prescaled``: x times 2^8 and the
-    scales of the weight rows' block row, remade when the block row changes; a group of weight rows
-    never straddles two; ``permuted_x``: x in the decode's column order, made once). ``width``: the vector lanes of the table decode, 16 (AVX-512) or 8 (AVX2)."""
+    FP32, out [rows, ostride] FP32; xs FP32 [rows, k] scratch: x in the decode's column order
+    (``x_order``), made once, or (``prescaled``) x times the stand-in's 2^8 or 2^120 and the scales of
+    the weight rows' block row, remade when the block row changes (a group of weight rows never
+    straddles two). ``width``: the vector lanes of the decode, 16 (AVX-512) or 8 (AVX2)."""
     f = Function()
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%whole = mul i64 %blocks, 32")
@@ -238,27 +279,24 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
         base = f.let(f"mul i64 {b}, 32")
         return [base, f.let(f"add i64 {base}, 16")]
 
-    def prescale(srow: str) -> None:
+    order = x_order(fmt, variant, width)
+
+    def stage(srow: str | None) -> None:
+        """xs: x in ``order``, times the block scales and the stand-in's power of two with ``srow``."""
         def block(b: str) -> None:
-            scale = f.broadcast("float", _power_of_two(f, srow, b, _STAND_IN[fmt]), 16)
-            for r in range(rows):
-                for c in columns(b):
-                    v = f.let(f"load <16 x float>, ptr {_at(f, 'float', '%x', c, x_row[r])}, align 4")
-                    f.do(f"store <16 x float> {f.let(f'fmul <16 x float> {v}, {scale}')}, "
-                         f"ptr {_at(f, 'float', '%xs', c, xs_row[r])}, align 4")
-        f.loop("0", "%blocks", 1, block)
-
-    permuted = permuted_x(fmt, variant, width)
-    if permuted:
-        order = vec("i32", [16 * h + c for h in (0, 1) for c in _BYTE_ORDER])
-
-        def reorder(b: str) -> None:
             c = f.let(f"mul i64 {b}, 32")
             for r in range(rows):
                 v = f.let(f"load <32 x float>, ptr {_at(f, 'float', '%x', c, x_row[r])}, align 4")
-                f.do(f"store <32 x float> {f.let(f'shufflevector <32 x float> {v}, <32 x float> poison, <32 x i32> {order}')}, "
-                     f"ptr {_at(f, 'float', '%xs', c, xs_row[r])}, align 4")
-        f.loop("0", "%blocks", 1, reorder)
+                if srow is not None:
+                    factor = _power_of_two(f, srow, b, stand_in(fmt, width))
+                    v = f.let(f"fmul <32 x float> {v}, {f.broadcast('float', factor, 32)}")
+                if order is not None:
+                    v = f.let(f"shufflevector <32 x float> {v}, <32 x float> poison, <32 x i32> {vec('i32', order)}")
+                f.do(f"store <32 x float> {v}, ptr {_at(f, 'float', '%xs', c, xs_row[r])}, align 4")
+        f.loop("0", "%blocks", 1, block)
+
+    if order is not None and variant != "prescaled":
+        stage(None)
 
     def weight_group(n0: str) -> None:
         ns = [f.let(f"add i64 {n0}, {u}") for u in range(weight_rows)]
@@ -271,10 +309,10 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
             stale = f.let(f"icmp ne i64 {block_rows[0]}, {f.let(f'load i64, ptr {made_for}')}")
 
             def remake() -> None:
-                prescale(srows[0])
+                stage(srows[0])
                 f.do(f"store i64 {block_rows[0]}, ptr {made_for}")
             f.when(stale, remake)
-        src, src_row = ("%xs", xs_row) if variant == "prescaled" or permuted else ("%x", x_row)
+        src, src_row = ("%xs", xs_row) if variant == "prescaled" or order is not None else ("%x", x_row)
         # the rows _AHEAD on, fetched a block at a time while this group works: a column slice's rows
         # are short strided runs the hardware prefetcher does not follow (1.6x slower from memory)
         ahead = [f.let(f"getelementptr i8, ptr {p}, i64 {f.let(f'mul i64 %pstride, {_AHEAD}')}") for p in prows]
@@ -295,11 +333,12 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
         f.loop("0", "%blocks", 1, block)
         for u in range(weight_rows):
             for r in range(rows):
-                a0 = f.let(f"load <16 x float>, ptr {acc[u, r, 0]}")
-                v = f.let(f"fadd <16 x float> {a0}, {f.let(f'load <16 x float>, ptr {acc[u, r, 1]}')}")
-                if permuted:
-                    back = vec("i32", [_BYTE_ORDER.index(c) for c in range(16)])
-                    v = f.let(f"shufflevector <16 x float> {v}, <16 x float> poison, <16 x i32> {back}")
+                a0, a1 = (f.let(f"load <16 x float>, ptr {acc[u, r, h]}") for h in (0, 1))
+                if order is not None:       # each lane's sum back to its column's lane
+                    back = vec("i32", [order.index(c) for c in range(32)])
+                    both = f.let(f"shufflevector <16 x float> {a0}, <16 x float> {a1}, <32 x i32> {back}")
+                    a0, a1 = f.halves("float", both)
+                v = f.let(f"fadd <16 x float> {a0}, {a1}")
                 for n in (8, 4, 2, 1):
                     lo = f.let(f"shufflevector <{2 * n} x float> {v}, <{2 * n} x float> poison, {lanes(0, n)}")
                     hi = f.let(f"shufflevector <{2 * n} x float> {v}, <{2 * n} x float> poison, {lanes(n, 2 * n)}")
@@ -326,7 +365,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                    "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
                    "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)",
                    "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)",
-                   *([_byte_tables_ir()] if permuted else [])])
+                   *([_byte_tables_ir()] if fmt == "fp4" and order is not None else [])])
 
 
 @cache
@@ -436,18 +475,28 @@ def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | N
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
 
-def prescale_safe(x: np.ndarray, codes: tuple[int, int]) -> bool:
-    """Whether x times 2^(s - 119) is a normal FP32 (or 0) for every E8M0 code s in ``codes`` (lowest,
-    highest), so that x carrying the scale and 2^8 multiplies each value into the same real number as
-    the decoded value does (and FMA rounds it the same way)."""
+def stand_in(fmt: str, width: int) -> int:
+    """k where the decode's stand-in for a value v (before the block scale) is v 2^-k: E4M3 in FP16 (8),
+    or in BF16 where x carries the scales with 8 lanes (120); E2M1 in FP16 (14)."""
+    return _BF16_STAND_IN if fmt == "fp8" and width != 16 else _STAND_IN[fmt]
+
+
+def prescale_safe(x: np.ndarray, codes: tuple[int, int], width: int | None = None) -> bool:
+    """Whether x times 2^(s - 127 + k) is a normal FP32 (or 0) for every E8M0 code s in ``codes``
+    (lowest, highest), k the FP8 stand-in's (``stand_in``, for ``width`` lanes; None: this CPU's), so
+    that x carrying the scale and 2^k multiplies each value into the same real number as the decoded
+    value does (and FMA rounds it the same way)."""
+    k = stand_in("fp8", permute_width() if width is None else width)
     a = np.abs(x)
+    if codes[1] + k > 254:              # 2^(s - 127 + k) itself is no FP32
+        return False
     if not a.size:
         return True
     big = float(a.max())
-    if not np.isfinite(big) or big * 2.0 ** (codes[1] - 119) >= 2.0 ** 128:
+    if not np.isfinite(big) or big * 2.0 ** (codes[1] - 127 + k) >= 2.0 ** 128:
         return False
     small = float(np.min(a, initial=np.inf, where=a > 0))
-    return small == np.inf or small * 2.0 ** (codes[0] - 119) >= 2.0 ** -126
+    return small == np.inf or small * 2.0 ** (codes[0] - 127 + k) >= 2.0 ** -126
 
 
 # below this much work (weight values x passes of x's rows) an FP8 product keeps its scales in
@@ -456,14 +505,17 @@ def prescale_safe(x: np.ndarray, codes: tuple[int, int]) -> bool:
 _PRESCALE_WORK = 1 << 20
 
 
-def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None, work: int = _PRESCALE_WORK) -> str:
-    """The fastest decode that gives the defined bits here; ``codes``: the lowest and highest scale
-    codes of the fp8 matrix; ``work``: the product's weight values times passes of x's rows (by default
-    taken as large enough to carry the scales on x)."""
+def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None, work: int = _PRESCALE_WORK,
+                 width: int | None = None) -> str:
+    """The fastest decode that gives the defined bits with ``width`` lanes (None: this CPU's);
+    ``codes``: the lowest and highest scale codes of the fp8 matrix; ``work``: the product's weight
+    values times passes of x's rows (by default taken as large enough to carry the scales on x)."""
+    width = permute_width() if width is None else width
     if fmt == "fp8":
-        return "prescaled" if work >= _PRESCALE_WORK and codes is not None and prescale_safe(x, codes) else "shifts"
+        safe = codes is not None and prescale_safe(x, codes, width)
+        return "prescaled" if work >= _PRESCALE_WORK and safe else "shifts"
     if fmt == "fp4":
-        return "table" if permute_width() else "shifts"
+        return "table" if width else "shifts"
     return "widen"
 
 
@@ -480,7 +532,7 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
     if variant is None:
         codes = (int(scale.min()), int(scale.max())) if scale is not None and scale.size else None
-        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS))
+        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS), permute_width(model))
     if variant not in VARIANTS[fmt] or (variant == "table" and not permute_width(model)):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
                          f"(table needs AVX2 or AVX-512 on this CPU), got {variant!r}")
@@ -488,7 +540,7 @@ def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: 
     weights = (payload.ctypes.data, payload.strides[0], None if scale is None else scale.ctypes.data,
                0 if scale is None else scale.strides[0], scale_div)
     x_at, out_at = x.ctypes.data, out.ctypes.data
-    scratch = variant == "prescaled" or permuted_x(fmt, variant, permute_width(model))
+    scratch = variant == "prescaled" or x_order(fmt, variant, permute_width(model)) is not None
     xs = np.empty((min(m, MAX_ROWS), k), np.float32) if scratch else None
     xs_at = None if xs is None else xs.ctypes.data
     for g in range(0, m, MAX_ROWS):
