@@ -482,21 +482,24 @@ def stand_in(fmt: str, width: int) -> int:
 
 
 def prescale_safe(x: np.ndarray, codes: tuple[int, int], width: int | None = None) -> bool:
-    """Whether x times 2^(s - 127 + k) is a normal FP32 (or 0) for every E8M0 code s in ``codes``
-    (lowest, highest), k the FP8 stand-in's (``stand_in``, for ``width`` lanes; None: this CPU's), so
-    that x carrying the scale and 2^k multiplies each value into the same real number as the decoded
-    value does (and FMA rounds it the same way)."""
+    """Whether x times 2^(s - 127 + k) is exact (no overflow, and no bits lost: a normal FP32 or 0
+    where the factor is below 1) for every E8M0 code s in ``codes`` (lowest, highest), k the FP8
+    stand-in's (``stand_in``, for ``width`` lanes; None: this CPU's), so that x carrying the scale and
+    2^k multiplies each value into the same real number as the decoded value does (and FMA rounds it
+    the same way)."""
     k = stand_in("fp8", permute_width() if width is None else width)
-    a = np.abs(x)
     if codes[1] + k > 254:              # 2^(s - 127 + k) itself is no FP32
         return False
-    if not a.size:
+    if not x.size:
         return True
-    big = float(a.max())
+    big = max(float(x.max()), -float(x.min()))
     if not np.isfinite(big) or big * 2.0 ** (codes[1] - 127 + k) >= 2.0 ** 128:
         return False
-    small = float(np.min(a, initial=np.inf, where=a > 0))
-    return small == np.inf or small * 2.0 ** (codes[0] - 127 + k) >= 2.0 ** -126
+    if codes[0] - 127 + k >= 0:         # x times a power of two of at least 1 loses no bits
+        return True
+    a = np.abs(x)
+    nonzero = a[a > 0]
+    return not nonzero.size or float(nonzero.min()) * 2.0 ** (codes[0] - 127 + k) >= 2.0 ** -126
 
 
 # below this much work (weight values x passes of x's rows) an FP8 product keeps its scales in
@@ -512,41 +515,41 @@ def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None, 
     values times passes of x's rows (by default taken as large enough to carry the scales on x)."""
     width = permute_width() if width is None else width
     if fmt == "fp8":
-        safe = codes is not None and prescale_safe(x, codes, width)
-        return "prescaled" if work >= _PRESCALE_WORK and safe else "shifts"
+        return "prescaled" if work >= _PRESCALE_WORK and codes is not None and prescale_safe(x, codes, width) \
+            else "shifts"
     if fmt == "fp4":
         return "table" if width else "shifts"
     return "widen"
 
 
-def product(fmt: str, payload: np.ndarray, scale: np.ndarray | None, scale_div: int, x: np.ndarray,
-            out: np.ndarray, r0: int, r1: int, variant: str | None = None, model: str | None = None) -> None:
-    """out[:, n] = x @ w[n] for weight rows n in [r0, r1). payload [N, *]: each row's stored values,
-    contiguous within the row (u8 E4M3 bytes, u8 packed E2M1 pairs, u16 BF16 bits or FP32); scale
-    u8 [N / scale_div, K / 32] E8M0 codes, contiguous within a row (fp8 and fp4); x FP32 [M, K] and
-    out FP32 [M, N], C-contiguous. ``variant``: one of ``VARIANTS[fmt]`` (None: ``pick_variant`` with
-    the codes of ``scale``); every variant gives the same bits. ``model``: run code compiled for that
-    x86 CPU model (see ``_target``)."""
+def product(fmt: str, weights: tuple, x: np.ndarray, out: np.ndarray, r0: int, r1: int,
+            variant: str | None = None, model: str | None = None, codes: tuple[int, int] | None = None) -> None:
+    """out[:, n] = x @ w[n] for weight rows n in [r0, r1). ``weights``: (address of row 0, bytes
+    between rows, address of the scale codes or None, bytes between scale rows, weight rows per scale
+    row): each row's stored values contiguous within the row (u8 E4M3 bytes, u8 packed E2M1 pairs,
+    u16 BF16 bits or FP32), the u8 E8M0 codes of a scale row (fp8 and fp4) contiguous, one per 32
+    columns; x FP32 [M, K] and out FP32 [M, N], C-contiguous. ``variant``: one of ``VARIANTS[fmt]``
+    (None: ``pick_variant`` with ``codes``, the lowest and highest scale codes or bounds of them);
+    every variant gives the same bits. ``model``: run code compiled for that x86 CPU model (see
+    ``_target``)."""
     m, k = x.shape
     if fmt in ("fp8", "fp4") and k % BLOCK:
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
+    width = permute_width(model)
     if variant is None:
-        codes = (int(scale.min()), int(scale.max())) if scale is not None and scale.size else None
-        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS), permute_width(model))
-    if variant not in VARIANTS[fmt] or (variant == "table" and not permute_width(model)):
+        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS), width)
+    if variant not in VARIANTS[fmt] or (variant == "table" and not width):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
                          f"(table needs AVX2 or AVX-512 on this CPU), got {variant!r}")
-    # addresses read once per call (each .ctypes costs ~1.5 us; small products are many)
-    weights = (payload.ctypes.data, payload.strides[0], None if scale is None else scale.ctypes.data,
-               0 if scale is None else scale.strides[0], scale_div)
-    x_at, out_at = x.ctypes.data, out.ctypes.data
-    scratch = variant == "prescaled" or x_order(fmt, variant, permute_width(model)) is not None
+    # addresses read once per call (each numpy .ctypes costs ~2 us; small products are many)
+    x_at, out_at = x.__array_interface__["data"][0], out.__array_interface__["data"][0]
+    scratch = variant == "prescaled" or x_order(fmt, variant, width) is not None
     xs = np.empty((min(m, MAX_ROWS), k), np.float32) if scratch else None
-    xs_at = None if xs is None else xs.ctypes.data
+    xs_at = None if xs is None else xs.__array_interface__["data"][0]
     for g in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - g)
         # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
-        per = WEIGHT_ROWS[16 if permute_width(model) == 16 else 8][rows]
+        per = WEIGHT_ROWS[16 if width == 16 else 8][rows]
         a = min(r1, -(-r0 // per) * per)
         b = a + (r1 - a) // per * per
         for lo, hi, group in ((r0, a, 1), (a, b, per), (b, r1, 1)):

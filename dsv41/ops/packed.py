@@ -30,15 +30,18 @@ _SPLIT_VALUES = 1 << 23       # work this large (weight values x row passes, ~0.
 
 class PackedMatrix:
     """[N, K] weight in checkpoint format ``fmt`` ('fp8', 'fp4', 'bf16', 'f32'); see the module.
-    ``exact_tables`` is for slices of a checked matrix (None: check this one)."""
+    ``exact_tables`` and ``codes`` are for slices of a checked matrix (None: check this one; its
+    scale codes' range, which bounds a slice's)."""
 
     def __init__(self, fmt: str, payload: torch.Tensor, scale: torch.Tensor | None = None,
-                 exact_tables: bool | None = None):
+                 exact_tables: bool | None = None, codes: tuple[int, int] | None = None):
         if fmt not in ("fp8", "fp4", "bf16", "f32"):
             raise ValueError(f"PackedMatrix: fmt must be fp8, fp4, bf16 or f32, got {fmt!r}")
         self.fmt, self.payload, self.scale = fmt, payload, scale
         k = payload.shape[1] * (2 if fmt == "fp4" else 1)
         self.shape = torch.Size((payload.shape[0], k))
+        if codes is not None:
+            self.codes = codes
         self._exact_tables = self._needs_tables() if exact_tables is None else exact_tables
 
     def _needs_tables(self) -> bool:
@@ -54,7 +57,7 @@ class PackedMatrix:
     def rows(self, a: int, b: int) -> "PackedMatrix":
         """Rows [a, b) (whole 32-row blocks for fp8)."""
         scale = None if self.scale is None else self.scale[a // 32:b // 32] if self.fmt == "fp8" else self.scale[a:b]
-        return PackedMatrix(self.fmt, self.payload[a:b], scale, self._exact_tables)
+        return PackedMatrix(self.fmt, self.payload[a:b], scale, self._exact_tables, self.codes)
 
     def cols(self, a: int, b: int) -> "PackedMatrix":
         """Columns [a, b) (whole 32-column groups for fp8 and fp4)."""
@@ -62,7 +65,7 @@ class PackedMatrix:
             return PackedMatrix(self.fmt, self.payload[:, a:b], None, False)
         half = 2 if self.fmt == "fp4" else 1
         return PackedMatrix(self.fmt, self.payload[:, a // half:b // half], self.scale[:, a // 32:b // 32],
-                            self._exact_tables)
+                            self._exact_tables, self.codes)
 
     def dense(self) -> torch.Tensor:
         """The whole matrix decoded to FP64 by ``quant``'s tables (what ``weights.decode_tensor`` gives
@@ -82,20 +85,22 @@ class PackedMatrix:
         return int(u.min()), int(u.max())
 
     @cached_property
-    def stored(self) -> tuple[np.ndarray, np.ndarray | None, int]:
-        """(payload as the kernel reads it, E8M0 codes, rows per scale row): views of the stored tensors."""
-        p = self.payload
-        if self.fmt in ("fp8", "fp4"):
-            return p.view(torch.uint8).numpy(), self.scale.view(torch.uint8).numpy(), 32 if self.fmt == "fp8" else 1
-        return (p.view(torch.int16).numpy().view(np.uint16) if self.fmt == "bf16" else p.numpy()), None, 1
+    def stored(self) -> tuple:
+        """Where the kernel reads the stored tensors (``fused_product.product``'s ``weights``)."""
+        p, s = self.payload, self.scale
+        if p.numel() and p.stride(-1) != 1 or s is not None and s.numel() and s.stride(-1) != 1:
+            raise ValueError("PackedMatrix: a stored row must be contiguous")
+        rows = p.stride(0) * p.element_size()
+        if s is None:
+            return p.data_ptr(), rows, None, 0, 1
+        return p.data_ptr(), rows, s.data_ptr(), s.stride(0) * s.element_size(), 32 if self.fmt == "fp8" else 1
 
     def sums(self, x: torch.Tensor, r0: int, r1: int, variant: str | None,
              model: str | None = None) -> np.ndarray:
         """The kernel's FP32 results x @ self[r0:r1]^T on this thread, with the given decode ``variant``
         (None: the fastest exact one) and code for CPU ``model`` (``fused_product.product``)."""
         out = np.full((x.shape[0], self.shape[0]), np.nan, np.float32)
-        payload, scale, per = self.stored
-        fused.product(self.fmt, payload, scale, per, _x32(x), out, r0, r1, variant, model)
+        fused.product(self.fmt, self.stored, _x32(x), out, r0, r1, variant, model, self.codes)
         return out[:, r0:r1]
 
     def work(self, x: torch.Tensor) -> int:
@@ -110,8 +115,7 @@ class PackedMatrix:
         m, n = x.shape[0], self.shape[0]
         x32 = _x32(x)
         out = np.empty((m, n), np.float32)
-        payload, scale, per = self.stored
-        args = (self.fmt, payload, scale, per, x32, out)
+        args = (self.fmt, self.stored, x32, out)
         work = self.work(x)
         variant = fused.pick_variant(self.fmt, x32, self.codes, work)
         if not split or work < _SPLIT_VALUES:
