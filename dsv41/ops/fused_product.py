@@ -522,6 +522,21 @@ def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None, 
     return "widen"
 
 
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _empty64(shape: tuple, like: np.ndarray | None = None) -> np.ndarray:
+    """An FP32 array at a 64-byte boundary (numpy's own may sit 16 bytes off one), holding ``like``."""
+    n = int(np.prod(shape))
+    buf = np.empty(n + 16, np.float32)
+    skip = -_address(buf) % 64 // 4
+    out = buf[skip:skip + n].reshape(shape)
+    if like is not None:
+        out[...] = like
+    return out
+
+
 def product(fmt: str, weights: tuple, x: np.ndarray, out: np.ndarray, r0: int, r1: int,
             variant: str | None = None, model: str | None = None, codes: tuple[int, int] | None = None) -> None:
     """out[:, n] = x @ w[n] for weight rows n in [r0, r1). ``weights``: (address of row 0, bytes
@@ -541,11 +556,13 @@ def product(fmt: str, weights: tuple, x: np.ndarray, out: np.ndarray, r0: int, r
     if variant not in VARIANTS[fmt] or (variant == "table" and not width):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
                          f"(table needs AVX2 or AVX-512 on this CPU), got {variant!r}")
+    if _address(x) % 64:            # x's loads split cache lines otherwise (~20% slower at 4 rows, Zen 3)
+        x = _empty64(x.shape, x)
     # addresses read once per call (each numpy .ctypes costs ~2 us; small products are many)
-    x_at, out_at = x.__array_interface__["data"][0], out.__array_interface__["data"][0]
+    x_at, out_at = _address(x), _address(out)
     scratch = variant == "prescaled" or x_order(fmt, variant, width) is not None
-    xs = np.empty((min(m, MAX_ROWS), k), np.float32) if scratch else None
-    xs_at = None if xs is None else xs.__array_interface__["data"][0]
+    xs = _empty64((min(m, MAX_ROWS), k)) if scratch else None
+    xs_at = None if xs is None else _address(xs)
     for g in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - g)
         # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)

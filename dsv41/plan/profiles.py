@@ -306,20 +306,19 @@ CPU = DeviceProfile(
 _AVX2_RATES = ("bench/cpu_rates.py on the 2-core development VM without AVX-512 (AMD Zen 3, AVX2 and F16C), one "
                "Torch thread, idle: 256 MiB FP32 copy 17.59 GB/s, 2048^3 GEMM FP32 69.8 and FP64 40.0 GFLOP/s, a "
                "1-element torch.add 2.14 us per call")
-_AVX2_WEIGHT_USE = ("bench/cpu_roofline.py on that VM (bench/results/cpu-roofline-flash-*-avx2.json): the per-value "
-                    "cost of the node kinds of one format in the measured steps less the FP32 multiply-add the FLOPs "
-                    "term prices (2 / 69.8 GFLOP/s = 0.029 ns): FP8 and FP4 from the 40-layer step (0.148, 0.148 "
-                    "ns), BF16 the mean of the 4- and 40-layer steps' (0.079, 0.153), FP32 bench/cpu_rates.py's "
-                    "one-row 0.26. --replan against those steps: flash-L4-E8 batch 1 -10%, batch 8 -8%, "
-                    "flash-L40-E8 batch 1 -15%")
-# the same kernels on a CPU without AVX-512: 8-lane vectors, half the registers, the FP4 table byte
-# shuffles; the decode costs 3-5x more per value (docs/flash-shapes.md)
+_AVX2_WEIGHT_USE = ("bench/cpu_roofline.py on that VM: the per-value cost of the node kinds of one format in the "
+                    "measured steps less the FP32 multiply-add the FLOPs term prices (2 / 69.8 GFLOP/s = 0.029 ns): "
+                    "FP8 and FP4 the medians of four 40-layer steps with the byte-table decodes (0.114, 0.082 ns; "
+                    "bench/results/cpu-roofline-flash-L40-E8-b1-avx2-e2m1.json is one), BF16 the mean of the 4- and "
+                    "40-layer steps' medians (0.104, 0.133), FP32 bench/cpu_rates.py's one-row 0.26 (docs/flash-shapes.md)")
+# the same kernels on a CPU without AVX-512: 8-lane vectors, half the registers, the FP4 and FP8 decodes
+# byte shuffles (docs/flash-shapes.md)
 CPU_AVX2 = replace(
     CPU, name="cpu-avx2",
     description="the 2-core development VM without AVX-512 (AMD Zen 3, AVX2; Torch eager, FP32 weight products)",
     hbm_bytes_per_s=17.4 * G, flops_per_s={"mx": 69.8 * G, "dense": 40.0 * G, "vector": 69.8 * G},
     launch_us=2.14, host_launch_us=2.14, graph_launch_us=2.14, token_sync_us=2.14,
-    weight_use_ns={"fp8": 0.119, "fp4": 0.119, "bf16": 0.088, "f32": 0.231},
+    weight_use_ns={"fp8": 0.085, "fp4": 0.053, "bf16": 0.089, "f32": 0.231},
     sources={**CPU.sources,
              "hbm_bytes_per_s": "bench/cpu_roofline.py's copy bandwidth in the steps of "
                                 "bench/results/cpu-roofline-flash-*-avx2.json: 14.7, 16.2, 18.5 GB/s, and "

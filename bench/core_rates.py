@@ -1,0 +1,80 @@
+"""One core's FMA and L1 load rates for 8-lane FP32 vectors: what bounds a weight product's pass once
+its decode is cheap (docs/flash-shapes.md, issue 29).
+
+    python bench/core_rates.py [--repeats 5]
+
+Two loops compiled by llvmlite for this CPU, each with twelve independent 8-lane accumulators:
+``registers`` (every FMA's operands in registers: the FMA ports alone) and ``loads`` (each FMA reads
+one operand from a 16 KB buffer that stays in L1, as a product's pass reads x). Prints the best of
+``--repeats`` runs of 200M lanes each, in G vector operations a second.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import llvmlite.binding as llvm
+import numpy as np
+
+CHAINS = 12
+SPAN = 4096          # floats of the buffer the loads cycle over (16 KB)
+
+
+def loop_ir(load: bool) -> str:
+    body = [f"  %a{i} = phi <8 x float> [ zeroinitializer, %entry ], [ %b{i}, %loop ]" for i in range(CHAINS)]
+    body += ["  %i = phi i64 [ 0, %entry ], [ %j, %loop ]", f"  %at = and i64 %i, {SPAN - 1}"]
+    for i in range(CHAINS):
+        if load:
+            body += [f"  %p{i} = getelementptr float, ptr %buf, i64 %o{i}",
+                     f"  %x{i} = load <8 x float>, ptr %p{i}, align 32"]
+            body.insert(len(body) - 2, f"  %o{i} = add i64 %at, {8 * i}")
+        operand = f"%x{i}" if load else "%c"
+        body.append(f"  %b{i} = call <8 x float> @llvm.fma.v8f32(<8 x float> {operand}, <8 x float> %c, "
+                    f"<8 x float> %a{i})")
+    body += [f"  %j = add i64 %i, {8 * CHAINS}", "  %more = icmp slt i64 %j, %n",
+             "  br i1 %more, label %loop, label %done"]
+    stores = [f"  %s{i} = getelementptr <8 x float>, ptr %out, i64 {i}\n  store <8 x float> %b{i}, ptr %s{i}"
+              for i in range(CHAINS)]
+    return "\n".join([
+        "declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)",
+        "define void @f(i64 %n, ptr %buf, ptr %out, float %s) {", "entry:",
+        "  %c0 = insertelement <8 x float> poison, float %s, i64 0",
+        "  %c = shufflevector <8 x float> %c0, <8 x float> poison, <8 x i32> zeroinitializer",
+        "  br label %loop", "loop:", *body, "done:", *stores, "  ret void", "}"])
+
+
+def rate(load: bool, repeats: int, lanes: int = 200_000_000) -> float:
+    """G 8-lane FMAs a second."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    tm = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+    mod = llvm.parse_assembly(loop_ir(load))
+    mod.verify()
+    engine = llvm.create_mcjit_compiler(mod, tm)
+    engine.finalize_object()
+    f = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float)(
+        engine.get_function_address("f"))
+    buf, out = np.zeros(SPAN + 8 * CHAINS, np.float32), np.zeros(8 * CHAINS, np.float32)
+    f(100_000, buf.ctypes.data, out.ctypes.data, 1e-9)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(lanes, buf.ctypes.data, out.ctypes.data, 1e-9)
+        best = min(best, time.perf_counter() - t0)
+    return lanes / 8 / best / 1e9
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    fma, loads = rate(False, a.repeats), rate(True, a.repeats)
+    print(f"one core, 8-lane FP32: {fma:.2f} G FMAs/s with register operands; {loads:.2f} G FMAs/s that each "
+          f"load an operand from L1 ({loads * 32:.0f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
