@@ -9,10 +9,12 @@ process:
 - **Decode** (exact: every value is an FP32, subnormals included, for the scale codes this path
   takes). E4M3 bytes become FP16 bits by a sign extension, a shift and a mask (the FP16 layout
   holds E4M3's exponent and significand at 2^-8 of the value), then FP32 by the CPU's conversion,
-  times the block's E8M0 scale. E2M1 nibbles become FP16 bits by shifts at 2^-14, or index a table
+  times the block's E8M0 scale (or, with AVX2 where x carries the scales, BF16 bits at 2^-120 by
+  unpacks, a shift and a mask). E2M1 nibbles become FP16 bits by shifts at 2^-14, or index a table
   of the codes times the scale: with AVX-512 all 16 as FP32 (``vpermps``), with AVX2 two tables per
   scale code of the bytes of their FP32s' upper halves (``vpshufb``; the lower halves are zero).
-  BF16 and FP32 widen.
+  BF16 and FP32 widen. The AVX2 unpacks give a block's columns in their own order; x is staged in
+  it (``x_order``) and the lane sums are put back in column order before the tree.
 - **Sums** (``docs/numerics.md``). Each output is an FP32 sum of FP32 fused multiply-adds in one
   fixed order: two vectors of 16 lanes, lane ``j`` of the first taking column ``j`` of every 32-column
   block in block order and lane ``j`` of the second column ``j + 16``; then the two vectors added, the
