@@ -43,6 +43,7 @@ from pathlib import Path
 
 import llvmlite.binding as llvm
 import numpy as np
+import torch
 
 from dsv41.ops.ir_text import Function, interleave, lanes, splat, vec
 
@@ -524,47 +525,34 @@ def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None, 
     return "widen"
 
 
-def _address(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
-
-
-def _empty64(shape: tuple, like: np.ndarray | None = None) -> np.ndarray:
-    """An FP32 array at a 64-byte boundary (numpy's own may sit 16 bytes off one), holding ``like``."""
-    n = int(np.prod(shape))
-    buf = np.empty(n + 16, np.float32)
-    skip = -_address(buf) % 64 // 4
-    out = buf[skip:skip + n].reshape(shape)
-    if like is not None:
-        out[...] = like
-    return out
-
-
-def product(fmt: str, weights: tuple, x: np.ndarray, out: np.ndarray, r0: int, r1: int,
+def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: int, r1: int,
             variant: str | None = None, model: str | None = None, codes: tuple[int, int] | None = None) -> None:
     """out[:, n] = x @ w[n] for weight rows n in [r0, r1). ``weights``: (address of row 0, bytes
     between rows, address of the scale codes or None, bytes between scale rows, weight rows per scale
     row): each row's stored values contiguous within the row (u8 E4M3 bytes, u8 packed E2M1 pairs,
     u16 BF16 bits or FP32), the u8 E8M0 codes of a scale row (fp8 and fp4) contiguous, one per 32
-    columns; x FP32 [M, K] and out FP32 [M, N], C-contiguous. ``variant``: one of ``VARIANTS[fmt]``
-    (None: ``pick_variant`` with ``codes``, the lowest and highest scale codes or bounds of them);
-    every variant gives the same bits. ``model``: run code compiled for that x86 CPU model (see
-    ``_target``)."""
+    columns; x FP32 [M, K] and out FP32 [M, N], C-contiguous tensors. ``variant``: one of
+    ``VARIANTS[fmt]`` (None: ``pick_variant`` with ``codes``, the lowest and highest scale codes or
+    bounds of them); every variant gives the same bits. ``model``: run code compiled for that x86 CPU
+    model (see ``_target``)."""
     m, k = x.shape
     if fmt in ("fp8", "fp4") and k % BLOCK:
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
     width = permute_width(model)
     if variant is None:
-        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS), width)
+        variant = pick_variant(fmt, x.numpy(), codes, (r1 - r0) * k * -(-m // MAX_ROWS), width)
     if variant not in VARIANTS[fmt] or (variant == "table" and not width):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
                          f"(table needs AVX2 or AVX-512 on this CPU), got {variant!r}")
-    if _address(x) % 64:            # x's loads split cache lines otherwise (~20% slower at 4 rows, Zen 3)
-        x = _empty64(x.shape, x)
-    # addresses read once per call (each numpy .ctypes costs ~2 us; small products are many)
-    x_at, out_at = _address(x), _address(out)
+    # x and its scratch at 64-byte boundaries, as Torch allocates them: 16 bytes off one, every other
+    # load of x splits a cache line (a 4-row pass ~20% slower in L1, Zen 3; bench/core_rates.py)
+    if x.data_ptr() % 64:
+        x = x.clone()
     scratch = variant == "prescaled" or x_order(fmt, variant, width) is not None
-    xs = _empty64((min(m, MAX_ROWS), k)) if scratch else None
-    xs_at = None if xs is None else _address(xs)
+    xs = torch.empty(min(m, MAX_ROWS), k) if scratch else None
+    # addresses read once per call: small products are many
+    x_at, out_at, xs_at = x.data_ptr(), out.data_ptr(), None if xs is None else xs.data_ptr()
+    x_row, out_row = x.stride(0) * 4, out.stride(0)
     for g in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - g)
         # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
@@ -574,5 +562,4 @@ def product(fmt: str, weights: tuple, x: np.ndarray, out: np.ndarray, r0: int, r
         for lo, hi, group in ((r0, a, 1), (a, b, per), (b, r1, 1)):
             if hi > lo:
                 kernel(fmt, rows, group, variant, model)(
-                    *weights, x_at + g * x.strides[0], k, out_at + g * out.strides[0],
-                    out.strides[0] // out.itemsize, k, lo, hi, xs_at)
+                    *weights, x_at + g * x_row, k, out_at + g * out_row * 4, out_row, k, lo, hi, xs_at)

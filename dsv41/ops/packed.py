@@ -99,9 +99,9 @@ class PackedMatrix:
              model: str | None = None) -> np.ndarray:
         """The kernel's FP32 results x @ self[r0:r1]^T on this thread, with the given decode ``variant``
         (None: the fastest exact one) and code for CPU ``model`` (``fused_product.product``)."""
-        out = np.full((x.shape[0], self.shape[0]), np.nan, np.float32)
+        out = torch.full((x.shape[0], self.shape[0]), torch.nan)
         fused.product(self.fmt, self.stored, _x32(x), out, r0, r1, variant, model, self.codes)
-        return out[:, r0:r1]
+        return out.numpy()[:, r0:r1]
 
     def work(self, x: torch.Tensor) -> int:
         """Weight values times passes of x's rows: what a product with x costs."""
@@ -114,15 +114,15 @@ class PackedMatrix:
             return (x.double() @ self.dense().t()).float()
         m, n = x.shape[0], self.shape[0]
         x32 = _x32(x)
-        out = np.empty((m, n), np.float32)
+        out = torch.empty(m, n)
         args = (self.fmt, self.stored, x32, out)
         work = self.work(x)
-        variant = fused.pick_variant(self.fmt, x32, self.codes, work)
+        variant = fused.pick_variant(self.fmt, x32.numpy(), self.codes, work)
         if not split or work < _SPLIT_VALUES:
             fused.product(*args, 0, n, variant)
         else:
             cores.run_shares(lambda lo, hi: fused.product(*args, lo, hi, variant), cores.bounds(n, min(cores.cores(), n)))
-        return torch.from_numpy(out)
+        return out
 
 
 def products(pairs: list) -> list[torch.Tensor]:
@@ -154,9 +154,9 @@ def dense_f32(w: torch.Tensor) -> PackedMatrix:
     return PackedMatrix("f32", w if w.stride(-1) == 1 else w.contiguous())
 
 
-def _x32(x: torch.Tensor) -> np.ndarray:
+def _x32(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel reads it: FP32, C-contiguous."""
-    return np.ascontiguousarray(x.float().numpy())
+    return x.float().contiguous()
 
 
 def matrix(weights, key: str):
