@@ -146,6 +146,7 @@ def _table_decode(f: Function, prow: str, srow: str, b: str, width: int) -> list
 _FP4_ORDER = [16 * h + c for h in (0, 1) for c in (0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)]
 _FP8_ORDER = [c + q for part in (0, 8) for q in (0, 4) for c in (part, part + 1, part + 2, part + 3,
                                                                   part + 16, part + 17, part + 18, part + 19)]
+_ORDERS = {("fp8", "prescaled"): _FP8_ORDER, ("fp4", "table"): _FP4_ORDER}
 
 
 def _words(f: Function, low: str, high: str) -> list[str]:
@@ -193,9 +194,7 @@ def x_order(fmt: str, variant: str, width: int) -> list[int] | None:
     order). The kernel reads x stored in that order: lanes hold the same columns in every block, so
     each lane's sum is the same sum, and the sums are put back in column order before the tree, which
     is then the defined one."""
-    if width == 16:
-        return None
-    return {("fp8", "prescaled"): _FP8_ORDER, ("fp4", "table"): _FP4_ORDER}.get((fmt, variant))
+    return None if width == 16 else _ORDERS.get((fmt, variant))
 
 
 def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
@@ -283,6 +282,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
         return [base, f.let(f"add i64 {base}, 16")]
 
     order = x_order(fmt, variant, width)
+    back = None if order is None else vec("i32", [order.index(c) for c in range(32)])
 
     def stage(srow: str | None) -> None:
         """xs: x in ``order``, times the block scales and the stand-in's power of two with ``srow``."""
@@ -337,8 +337,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
         for u in range(weight_rows):
             for r in range(rows):
                 a0, a1 = (f.let(f"load <16 x float>, ptr {acc[u, r, h]}") for h in (0, 1))
-                if order is not None:       # each lane's sum back to its column's lane
-                    back = vec("i32", [order.index(c) for c in range(32)])
+                if back is not None:        # each lane's sum back to its column's lane
                     both = f.let(f"shufflevector <16 x float> {a0}, <16 x float> {a1}, <32 x i32> {back}")
                     a0, a1 = f.halves("float", both)
                 v = f.let(f"fadd <16 x float> {a0}, {a1}")
