@@ -483,7 +483,7 @@ def stand_in(fmt: str, width: int) -> int:
     return _BF16_STAND_IN if fmt == "fp8" and width != 16 else _STAND_IN[fmt]
 
 
-def prescale_safe(x: np.ndarray, codes: tuple[int, int], width: int | None = None) -> bool:
+def prescale_safe(x: np.ndarray | torch.Tensor, codes: tuple[int, int], width: int | None = None) -> bool:
     """Whether x times 2^(s - 127 + k) is exact (no overflow, and no bits lost: a normal FP32 or 0
     where the factor is below 1) for every E8M0 code s in ``codes`` (lowest, highest), k the FP8
     stand-in's (``stand_in``, for ``width`` lanes; None: this CPU's), so that x carrying the scale and
@@ -492,6 +492,7 @@ def prescale_safe(x: np.ndarray, codes: tuple[int, int], width: int | None = Non
     k = stand_in("fp8", permute_width() if width is None else width)
     if codes[1] + k > 254:              # 2^(s - 127 + k) itself is no FP32
         return False
+    x = np.asarray(x)
     if not x.size:
         return True
     big = max(float(x.max()), -float(x.min()))
@@ -510,7 +511,7 @@ def prescale_safe(x: np.ndarray, codes: tuple[int, int], width: int | None = Non
 _PRESCALE_WORK = 1 << 20
 
 
-def pick_variant(fmt: str, x: np.ndarray, codes: tuple[int, int] | None = None, work: int = _PRESCALE_WORK,
+def pick_variant(fmt: str, x: np.ndarray | torch.Tensor, codes: tuple[int, int] | None = None, work: int = _PRESCALE_WORK,
                  width: int | None = None) -> str:
     """The fastest decode that gives the defined bits with ``width`` lanes (None: this CPU's);
     ``codes``: the lowest and highest scale codes of the fp8 matrix; ``work``: the product's weight
@@ -539,7 +540,7 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
     width = permute_width(model)
     if variant is None:
-        variant = pick_variant(fmt, x.numpy(), codes, (r1 - r0) * k * -(-m // MAX_ROWS), width)
+        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS), width)
     if variant not in VARIANTS[fmt] or (variant == "table" and not width):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
                          f"(table needs AVX2 or AVX-512 on this CPU), got {variant!r}")

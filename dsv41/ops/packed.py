@@ -117,7 +117,7 @@ class PackedMatrix:
         out = torch.empty(m, n)
         args = (self.fmt, self.stored, x32, out)
         work = self.work(x)
-        variant = fused.pick_variant(self.fmt, x32.numpy(), self.codes, work)
+        variant = fused.pick_variant(self.fmt, x32, self.codes, work)
         if not split or work < _SPLIT_VALUES:
             fused.product(*args, 0, n, variant)
         else:
