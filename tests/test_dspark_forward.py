@@ -15,11 +15,13 @@ Each part of a stage (mHC mixes, collapse + norm, attention, expand, MoE) is fed
 inputs (teacher forcing, as ``test_spec_forward``) and compared
 within that test's per-row bounds: BF16 stages at most MAX_BF16_ULPS BF16 ulps of the row RMS
 (elementwise FP32 work such as exp/sigmoid is evaluated differently on the two sides, which can
-flip a BF16 rounding by one ulp), FP32 results (pre mixes, logits, confidences) within
-MAX_FP32_ULPS FP32 ulps of the row RMS (each mHC site fed the model's own stream, the FFN site's
-included); drafted tokens exactly, and greedy drafts also end to end
-(the independent side from its own windows). A wrong rounding point, position, slot list, source
-or expert count moves whole rows far past these bounds.
+flip a BF16 rounding by one ulp), FP32 results (pre mixes, logits) within MAX_FP32_ULPS FP32 ulps
+of the row RMS (each mHC site fed the model's own stream, the FFN site's included); the confidence
+scores, one dot product each, within the error bound of the model's FP32 sum order against the
+exact dot product of the model's own input (the input checked on its own); drafted tokens exactly,
+and greedy drafts also end to end (the independent side from its own windows), where they may part
+only at a decision within TIE of a tie. A wrong rounding point, position, slot list, source or
+expert count moves whole rows far past these bounds.
 """
 from __future__ import annotations
 
@@ -42,6 +44,10 @@ from dsv41.weights import decode_checkpoint, draw, init_checkpoint
 
 MAX_BF16_ULPS = 4.0
 MAX_FP32_ULPS = 16.0
+# a discrete decision (an expert's choice, a greedy draw) whose two candidates' scores differ by less
+# than this, relative to them, is taken as a tie either side may break: one BF16 ulp, the precision of
+# the stream the two sides carry from stage to stage
+TIE = 2.0 ** -7
 
 
 # ---- the independent DSpark forward -----------------------------------------------------------------
@@ -85,9 +91,10 @@ def spec_attention(cfg, W, stage, a, ring, filled, pos, table):
     return S.bf16(S.mx_linear(z, W[p + "wo_b"]))
 
 
-def spec_moe(cfg, W, stage, x):
+def spec_moe(cfg, W, stage, x, routes=None):
     """The stage's MoE: sqrt-softplus router over its own experts, top dspark_n_activated_experts by
-    biased score (lower id first at ties), routed outputs summed in ascending id, + shared."""
+    biased score (lower id first at ties), routed outputs summed in ascending id, + shared. ``routes``:
+    a list to append (each row's experts [T, k] ascending, each row's ``relative_gap``) to."""
     f = f"mtp.{stage}.ffn."
     z = S.mm(x, W[f + "gate.weight"])
     s = torch.sqrt(torch.clamp_min(z, 0) + torch.log1p(torch.exp(-z.abs())))
@@ -95,6 +102,8 @@ def spec_moe(cfg, W, stage, x):
     k = cfg.dspark_n_activated_experts
     idx = torch.tensor([sorted(range(biased.shape[1]), key=lambda e: (-float(biased[t, e]), e))[:k]
                         for t in range(x.shape[0])], dtype=torch.long)
+    if routes is not None:
+        routes.append((idx.sort(-1).values, relative_gap(biased, k)))
     picked = torch.gather(s, 1, idx)
     wts = cfg.routed_scaling_factor * picked / (picked.sum(-1, keepdim=True) + 1e-20)
     acc = torch.zeros_like(x)
@@ -105,7 +114,13 @@ def spec_moe(cfg, W, stage, x):
     return S.bf16(acc + S.swiglu(cfg, W, f + "shared_experts.", x))
 
 
-def spec_stage(cfg, W, stage, x_hc, pre, rings, positions, table):
+def relative_gap(scores, k: int) -> torch.Tensor:
+    """Per row, how far its top-k choice is from a tie: (k-th largest - next) / |k-th largest|."""
+    top = scores.double().sort(-1, descending=True).values
+    return (top[:, k - 1] - top[:, k]) / top[:, k - 1].abs().clamp_min(1e-30)
+
+
+def spec_stage(cfg, W, stage, x_hc, pre, rings, positions, table, routes=None):
     """One stage over B requests' blocks (rows request-major) -> (stream, FFN pre mix)."""
     p, eps, k = f"mtp.{stage}.", cfg.rms_norm_eps, cfg.dspark_block_size
 
@@ -118,30 +133,49 @@ def spec_stage(cfg, W, stage, x_hc, pre, rings, positions, table):
                      for b in range(len(rings))])
     h = S.expand(att, x_hc, a_post, a_comb)
     f_pre, f_post, f_comb = mix("ffn", h)
-    m = spec_moe(cfg, W, stage, S.rms_norm(S.collapse(h, a_pre), W[p + "ffn_norm.weight"], eps))
+    m = spec_moe(cfg, W, stage, S.rms_norm(S.collapse(h, a_pre), W[p + "ffn_norm.weight"], eps), routes)
     return S.expand(m, h, f_post, f_comb), f_pre
 
 
 def spec_heads(cfg, W, x_hc, pre, last, pick):
     """(tokens [B, K], logits [B, K, V], confidence [B, K]); pick(logits [B, V], i) draws position i."""
-    p, k = f"mtp.{cfg.n_mtp_layers - 1}.", cfg.dspark_block_size
+    k = cfg.dspark_block_size
     b = last.numel()
     hid = S.collapse(x_hc, pre)
+    logits, toks = spec_logits(cfg, W, hid, last, pick)
+    return toks, logits, S.mm(spec_features(cfg, W, hid, last, toks), confidence_weight(cfg, W)).reshape(b, k)
+
+
+def confidence_weight(cfg, W):
+    return W[f"mtp.{cfg.n_mtp_layers - 1}.confidence_head.proj.weight"]
+
+
+def spec_features(cfg, W, hid, last, toks):
+    """The confidence head's input [B*K, D + r]: each position's hidden, then the Markov embedding of
+    the token drawn before it."""
+    b, k = toks.shape
+    prev = torch.cat([last.reshape(b, 1), toks[:, :-1]], 1)
+    embs = W[f"mtp.{cfg.n_mtp_layers - 1}.markov_head.embed.weight"][prev]
+    return torch.cat([hid.reshape(b, k, -1), embs], -1).reshape(b * k, -1)
+
+
+def spec_logits(cfg, W, hid, last, pick):
+    """(logits [B, K, V] with the Markov bias, tokens [B, K]) from the collapsed hidden."""
+    p, k = f"mtp.{cfg.n_mtp_layers - 1}.", cfg.dspark_block_size
+    b = last.numel()
     logits = S.mm(S.rms_norm(hid, W[p + "norm.weight"], cfg.rms_norm_eps), W["head.weight"]).reshape(b, k, -1)
-    prev, toks, embs = last, [], []
+    prev, toks = last, []
     for i in range(k):
-        e = W[p + "markov_head.embed.weight"][prev]
-        logits[:, i] += S.mm(e, W[p + "markov_head.head.weight"])
+        logits[:, i] += S.mm(W[p + "markov_head.embed.weight"][prev], W[p + "markov_head.head.weight"])
         prev = pick(logits[:, i], i)
         toks.append(prev)
-        embs.append(e)
-    feats = torch.cat([hid.reshape(b, k, -1), torch.stack(embs, 1)], -1).reshape(b * k, -1)
-    return torch.stack(toks, 1), logits, S.mm(feats, W[p + "confidence_head.proj.weight"]).reshape(b, k)
+    return logits, torch.stack(toks, 1)
 
 
-def spec_draft(cfg, W, last, rings, positions, table, pick):
+def spec_draft(cfg, W, last, rings, positions, table, pick, routes=None):
     """The whole draft: the block's embedding on every lane, the identity pre mix, the stages, the heads.
-    rings[s][b]: stage s's (ring, filled) of request b."""
+    rings[s][b]: stage s's (ring, filled) of request b; ``routes``: a list to append each stage's
+    routing to (``spec_moe``)."""
     k = cfg.dspark_block_size
     ids = torch.full((last.numel(), k), cfg.dspark_noise_token_id, dtype=torch.long)
     ids[:, 0] = last
@@ -149,7 +183,7 @@ def spec_draft(cfg, W, last, rings, positions, table, pick):
     pre = torch.zeros(x.shape[0], cfg.hc_mult)
     pre[:, 0] = 1
     for s in range(cfg.n_mtp_layers):
-        x, pre = spec_stage(cfg, W, s, x, pre, rings[s], positions, table)
+        x, pre = spec_stage(cfg, W, s, x, pre, rings[s], positions, table, routes)
     return spec_heads(cfg, W, x, pre, last, pick)
 
 
@@ -173,12 +207,26 @@ def _close_fp32(what, mine, ref):
     assert worst <= MAX_FP32_ULPS, f"{what}: {worst:.1f} FP32 ulps of the row RMS"
 
 
+def _within_sum_error(what, mine, feats, w):
+    """An FP32 dot product per row against the exact one of the same inputs, within the error bound of
+    the model's sum order (``ops.fused_product``: 32 lane chains of K/32 fused multiply-adds, then a
+    tree of 6 additions, one rounding each): gamma_n sum|a w| with n = K/32 + 6, gamma_n = n u / (1 - n u)
+    and u = 2^-24. A score is one value, and a sum with cancellation can be far smaller than its
+    terms, so ulps of the value itself say nothing about the arithmetic."""
+    exact = feats.double() @ w.double().t()
+    n = feats.shape[-1] // 32 + 6
+    gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+    bound = gamma * (feats.double().abs() @ w.double().abs().t())
+    worst = float(((mine.reshape(exact.shape).double() - exact).abs() / bound.clamp_min(1e-300)).max())
+    assert worst <= 1.0, f"{what}: {worst:.2f} of the FP32 sum's error bound"
+
+
 def _recording(monkeypatch) -> list[dict]:
     """Wrap the stages, their mHC sites and the heads: each draft appends {stage: ((x, pre, rings),
     (x, pre)), 'mixes': [(block, site, stream in, (pre, post, comb))], 'heads': Draft}."""
     calls: list[dict] = []
     stage_forward, heads, mixes = DSparkStage.forward, DSpark.heads, HyperSite.mixes
-    attend, moe = DSparkStage.attend, MoE.forward
+    attend, moe, gate = DSparkStage.attend, MoE.forward, MoE.gate
 
     def on_stage(self, x, pre, rings, cos, sin):
         if self.stage == 0:
@@ -204,9 +252,15 @@ def _recording(monkeypatch) -> list[dict]:
             calls[-1][("moe", int(self.prefix.split(".")[1]))] = (x, result)
         return result
 
+    def on_gate(self, x):
+        result = gate(self, x)
+        if self.prefix.startswith("mtp."):
+            calls[-1][("route", int(self.prefix.split(".")[1]))] = result[0].sort(-1).values
+        return result
+
     def on_heads(self, hidden, last, sample_fn):
         result = heads(self, hidden, last, sample_fn)
-        calls[-1]["heads"] = result
+        calls[-1]["heads"] = (hidden, result)
         return result
 
     monkeypatch.setattr(DSparkStage, "forward", on_stage)
@@ -214,6 +268,7 @@ def _recording(monkeypatch) -> list[dict]:
     monkeypatch.setattr(HyperSite, "mixes", on_mixes)
     monkeypatch.setattr(DSparkStage, "attend", on_attend)
     monkeypatch.setattr(MoE, "forward", on_moe)
+    monkeypatch.setattr(MoE, "gate", on_gate)
     return calls
 
 
@@ -306,17 +361,51 @@ class Run:
             _close_bf16(f"stage {s} MoE", m, spec_moe(cfg, W, s, f))
             _close_bf16(f"stage {s} stream", x_out, S.expand(m, h, f_mix[1], f_mix[2]))
         x, pre = rec[cfg.n_mtp_layers - 1][1]
-        toks, logits, conf = spec_heads(cfg, W, x, pre, last, pick)
+        hidden, _ = rec["heads"]
+        _close_bf16("heads input", hidden, S.collapse(x, pre))
+        logits, toks = spec_logits(cfg, W, S.collapse(x, pre), last, pick)
         assert torch.equal(out.tokens, toks), (out.tokens, toks)
         _close_fp32("logits", out.logits, logits)
-        _close_fp32("confidence", out.confidence.reshape(-1, 1), conf.reshape(-1, 1))
+        # the confidence from the model's own input (teacher forcing: the input is checked above)
+        _within_sum_error("confidence", out.confidence, spec_features(cfg, W, hidden, last, toks),
+                          confidence_weight(cfg, W))
         assert out.logits.shape == (last.numel(), cfg.dspark_block_size, cfg.vocab_size)
         if forced is not None:
             assert torch.equal(out.tokens, forced)
         else:
-            e2e = spec_draft(cfg, W, last, self.rings(self.own_rows), positions, self.table, pick)
-            assert torch.equal(e2e[0], out.tokens), (e2e[0], out.tokens)
+            self.end_to_end(out.tokens, last, positions, pick)
         return out
+
+
+    def end_to_end(self, tokens, last, positions, pick):
+        """The independent side's greedy draft from its own windows, through every stage, equals the
+        model's; where a request's drafts differ, the first decision the two sides took differently
+        (a row's experts in some stage, else a draw) was within TIE of a tie on the independent side:
+        there the two sides' rounding (FP8 window rows, BF16 streams, FP32 against FP64 sums) may
+        break it either way, and what follows is no longer the same computation."""
+        cfg, k = self.cfg, self.cfg.dspark_block_size
+        routes, draws = [], []
+
+        def recorded(logits, i):
+            draws.append(relative_gap(logits, 1))
+            return pick(logits, i)
+        e2e = spec_draft(cfg, self.spec_w, last, self.rings(self.own_rows), positions, self.table, recorded, routes)
+        mine = self.calls[-1]
+        for b in range(last.numel()):
+            if torch.equal(e2e[0][b], tokens[b]):
+                continue
+            rows = slice(b * k, (b + 1) * k)
+            differ = [(s, idx[rows], gap[rows], mine[("route", s)][rows]) for s, (idx, gap) in enumerate(routes)
+                      if not torch.equal(idx[rows], mine[("route", s)][rows])]
+            if differ:
+                s, idx, gap, theirs = differ[0]
+                flipped = (idx != theirs).any(-1)
+                what, closest = f"stage {s} experts of rows {flipped.nonzero().flatten().tolist()}", float(gap[flipped].max())
+            else:
+                i = int((e2e[0][b] != tokens[b]).nonzero()[0])
+                what, closest = f"the draw at position {i}", float(draws[i][b])
+            assert closest <= TIE, (f"request {b}: drafts {e2e[0][b].tolist()} (independent) and {tokens[b].tolist()} "
+                                    f"differ from {what}, which was {closest:.2e} from a tie (TIE {TIE})")
 
 
 def _greedy(logits, i):
