@@ -17,7 +17,10 @@ each request at ``--context`` tokens of drawn history, runs the one-token prompt
 those steps of its node spans' summed wall time (``--trace``). Per weight value: for each checkpoint
 format, the time of the node kinds that multiply weights of that format only (weights that are most of
 the kind's bytes, and take at least 1% of the step) over the weight values the plan says they
-multiply: the ``cpu`` profile's ``weight_use_ns``.
+multiply: the ``cpu`` profile's ``weight_use_ns``. FMA floor: the plan's matrix multiply-adds (its
+``mx`` and ``dense`` flops over 2) as FP32 fused multiply-adds at one core's measured 8-lane rate
+(``bench/core_rates.py``, register operands) on every core: the time the step's arithmetic takes at
+the least, as the products compute it; at a larger batch it can exceed the memory floor.
 Weights are drawn at random (``--config`` and the reductions) or served from ``--checkpoint``
 (drawing FLASH-width layers takes about a minute each; a written checkpoint is read in seconds).
 """
@@ -37,9 +40,11 @@ from pathlib import Path
 
 import torch
 
+from core_rates import compiled, rate    # bench/core_rates.py, beside this script
 from cpu_plan import node_us_by_step     # bench/cpu_plan.py, beside this script
 
 from dsv41.config import PRESETS, Topology
+from dsv41.ops import cores
 from dsv41.plan.step import run_plan
 
 
@@ -72,19 +77,26 @@ def model_cfg(a):
     return cfg
 
 
-def planned(cfg, batch: int, context: int) -> tuple[dict[str, int], dict[str, dict[str, int]], dict]:
+def planned(cfg, batch: int, context: int) -> tuple[dict[str, int], dict[str, dict[str, int]], dict, float]:
     """Node kind -> bytes the plan's decode step moves (reads + writes); node kind -> weight values it
-    multiplies by checkpoint format; the plan's report."""
+    multiplies by checkpoint format; the plan's report; the step's matrix multiply-adds."""
     cfg = dataclasses.replace(cfg, decode_rows_per_request=1)
     report, step = run_plan(cfg, Topology(1, 1, 1), batch, context, phase="decode", device="cpu")
     by_kind: dict[str, int] = defaultdict(int)
     values: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    macs = 0.0
     for key, c in step.costs.items():
+        macs += (c.flops.get("mx", 0) + c.flops.get("dense", 0)) / 2
         kind = step.plan.graph.nodes[key].kernel
         by_kind[kind] += c.bytes_read + c.bytes_written
         for fmt, n in c.decoded.items():
             values[kind][fmt] += n
-    return dict(by_kind), {k: dict(v) for k, v in values.items()}, report
+    return dict(by_kind), {k: dict(v) for k, v in values.items()}, report, macs
+
+
+def fma_per_s() -> float:
+    """FP32 multiply-adds a second on all cores at one core's measured 8-lane FMA rate."""
+    return rate(compiled(False), 5) * 1e9 * 8 * cores.cores()
 
 
 # bytes a stored weight value takes (FP4: a nibble and its share of a 32-value block's scale byte)
@@ -149,7 +161,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.replan:
         row = json.loads(Path(a.replan).read_text())
-        _, _, report = planned(model_cfg(argparse.Namespace(**row["model"])), row["batch"],
+        _, _, report, _ = planned(model_cfg(argparse.Namespace(**row["model"])), row["batch"],
                                row["context"] + len(row["steps"]))
         ms = report["predicted_step_us"] / 1e3
         print(f"{row['config']} batch {row['batch']} context {row['context']}: measured {row['measured_step_ms']:.0f} "
@@ -161,8 +173,10 @@ def main(argv=None) -> int:
     if a.engram_rows is None and a.config == "flash" and not a.checkpoint:
         a.engram_rows = 4099
     cfg = model_cfg(a)
-    by_kind_bytes, values, report = planned(cfg, a.batch, a.context + a.steps)
+    by_kind_bytes, values, report, macs = planned(cfg, a.batch, a.context + a.steps)
     bw = copy_bytes_per_s()
+    fma = fma_per_s()
+    fma_floor_ms = macs / fma * 1e3
     run = measure(a, tempfile.mkdtemp(prefix="cpu_roofline-"))
     step_ms = statistics.median(run["step_ms"])
     total = sum(by_kind_bytes.values())
@@ -173,7 +187,9 @@ def main(argv=None) -> int:
     model = {k: getattr(a, k) for k in ("config", "layers", "experts", "engram_rows", "checkpoint")}
     out = {"config": run["config"], "model": model, "batch": a.batch, "context": a.context, "steps": run["step_ms"],
            "bytes": total, "copy_bytes_per_s": bw, "floor_ms": floor_ms, "measured_step_ms": step_ms,
-           "ratio": step_ms / floor_ms, "predicted_step_ms": report["predicted_step_us"] / 1e3,
+           "ratio": step_ms / floor_ms, "multiply_adds": macs, "multiply_adds_per_s": fma,
+           "fma_floor_ms": fma_floor_ms,
+           "predicted_step_ms": report["predicted_step_us"] / 1e3,
            "device_profile": report["device_profile"],
            "tokens": run["tokens"], "last_logits_sha256": run["last_logits_sha256"], "kinds": rows,
            "weight_use_ns": weight_use_ns(run["by_kind_ms"], values, by_kind_bytes)}
@@ -185,6 +201,8 @@ def main(argv=None) -> int:
           f"{len(run['step_ms'])}: {', '.join(f'{s:.0f}' for s in run['step_ms'])}) = {out['ratio']:.1f}x the floor; "
           f"the {out['device_profile']} profile predicts {out['predicted_step_ms']:.0f} ms "
           f"({out['predicted_step_ms'] / step_ms - 1:+.0%})")
+    print(f"  FMA floor: {macs / 1e9:.2f} G multiply-adds (plan) at {fma / 1e9:.0f} G FP32 FMAs/s ({cores.cores()} "
+          f"cores) -> {fma_floor_ms:.0f} ms; measured {step_ms / fma_floor_ms:.1f}x it")
     print("  per weight value in the step (kinds of one format, >= 1% of it): "
           + ", ".join(f"{fmt} {ns:.2f} ns" for fmt, ns in out["weight_use_ns"].items()))
     for r in rows:
