@@ -216,6 +216,32 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
             assert np.array_equal(avx2.view(np.int32), here.view(np.int32)), (fmt, variant)
 
 
+@pytest.mark.parametrize("rows", [2, 3, 4, 7])
+def test_products_over_several_k_tiles_are_the_defined_sum(rows):
+    """K over two whole AVX2 K tiles and part of a third (``fused_product.TILE`` blocks each), and
+    bf16 and f32 columns past the last block: every decode, for this CPU and for an AVX2 one (whose
+    passes of more than one row run tile by tile, a 32-row block row at a time), gives the defined
+    sum over weight-row ranges that start and end inside a group and a block row, each output row
+    the bits of its row alone."""
+    k = 32 * (2 * fused_product.TILE + 6)
+    x = torch.randn(rows, k + 5, generator=_g(80 + rows)).to(torch.bfloat16).float()
+    ms = _matrices(96, k, 81)
+    w = torch.randn(96, k + 5, generator=_g(82)) * k ** -0.5
+    ms.update({"bf16 tail": PackedMatrix("bf16", w.to(torch.bfloat16)), "f32 tail": PackedMatrix("f32", w)})
+    for name, m in ms.items():
+        xk, d = x[:, :m.shape[1]], m.dense().float()
+        for r0, r1 in ((0, 96), (3, 70), (29, 35), (61, 62)):
+            want = defined_sum(xk, d[r0:r1]).numpy()
+            for model in (None, "haswell"):
+                for variant in fused_product.VARIANTS[m.fmt]:
+                    if variant == "table" and not fused_product.permute_width(model):
+                        continue
+                    got = m.sums(xk, r0, r1, variant, model)
+                    assert np.array_equal(got.view(np.int32), want.view(np.int32)), (name, r0, r1, model, variant)
+            alone = np.concatenate([m.sums(xk[i:i + 1], r0, r1, None) for i in range(rows)])
+            assert np.array_equal(alone.view(np.int32), want.view(np.int32)), (name, r0, r1)
+
+
 def test_fp8_prescale_is_only_used_where_it_is_exact():
     """x so large or so small that x times the FP8 stand-in's 2^k (``stand_in``: 8 with AVX-512's FP16
     decode, 120 with AVX2's BF16 one) and a block scale leaves the normal FP32 range takes the

@@ -24,9 +24,11 @@ process:
   rows: a row's bits do not depend on the batch, the layout or the threads, nor on the weights'
   format (a matrix decoded to FP32 first gives the same bits as the format's own decode).
 
-Passes take 1-4 activation rows (one FP32 FMA per weight value per row is the cost that grows with
-the batch) and up to four weight rows (``WEIGHT_ROWS``, as many as the CPU's vector registers hold
-the accumulators of), so that FMA chains overlap and each load of x serves several weight rows. The
+Passes take 1-4 activation rows with AVX-512 and 1-3 with AVX2 (``PASS_ROWS``; one FP32 FMA per
+weight value per row is the cost that grows with the batch) and up to four weight rows
+(``WEIGHT_ROWS``, as many as the CPU's vector registers hold the accumulators of), so that FMA chains
+overlap and each load of x serves several weight rows. With AVX2 a pass of two or more rows runs a
+block row of weight rows one K tile at a time (``tiled``), so that x's tile is read from L1. The
 weight rows a few groups on are prefetched in software. Compiled code is kept as object files
 beside this module (``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of
 compiling.
@@ -54,7 +56,11 @@ VARIANTS = {"fp8": ("prescaled", "shifts"), "fp4": ("table", "shifts"), "bf16": 
 BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
 _BLOCK_BYTES = {"fp8": 32, "fp4": 16, "bf16": 64, "f32": 128}
 _AHEAD = 8                  # weight rows the software prefetch runs ahead (best of 4, 8, 16 measured)
-MAX_ROWS = 4                # activation rows per pass (more spill the accumulators)
+# activation rows per pass by the vector registers' lanes: with AVX2 a tiled 3-row pass ran faster per
+# row than a 4-row one (its accumulators fit the registers; in cache, Zen 3)
+PASS_ROWS = {16: 4, 8: 3}
+MAX_ROWS = max(PASS_ROWS.values())      # activation rows of a pass on any CPU (more spill the accumulators)
+TILE = 32                   # blocks of a K tile with AVX2 (``tile_blocks``): x's tile for 4 rows is 16 KB
 # weight rows per pass for each count of activation rows, by the vector registers' lanes: each load of
 # x serves the group, and the group's accumulators (rows x weight rows x 32 FP32 lanes) fit the
 # registers beside the decode's: AVX-512 has 32 of 16 lanes (measured for the FP64 sums,
@@ -259,14 +265,16 @@ def _tail_value(f: Function, fmt: str, prow: str, j: str) -> str:
     return f.let(f"load float, ptr {f.let(f'getelementptr float, ptr {prow}, i64 {j}')}")
 
 
-def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 16) -> str:
+def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 16, tile: int | None = None) -> str:
     """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1, xs)``:
     out[r, n] = sum_c x[r, c] w[n, c] for r < ``rows`` and n in [r0, r1), ``weight_rows`` at a time;
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
     FP32, out [rows, ostride] FP32; xs FP32 [rows, k] scratch: x in the decode's column order
     (``x_order``), made once, or (``prescaled``) x times the stand-in's 2^8 or 2^120 and the scales of
     the weight rows' block row, remade when the block row changes (a group of weight rows never
-    straddles two). ``width``: the vector lanes of the decode, 16 (AVX-512) or 8 (AVX2)."""
+    straddles two). ``width``: the vector lanes of the decode, 16 (AVX-512) or 8 (AVX2). ``tile``:
+    blocks of a K tile (``tiled``; 0: none; None: ``tile_blocks``)."""
+    tile = tile_blocks(rows, width) if tile is None else tile
     f = Function()
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%whole = mul i64 %blocks, 32")
@@ -301,13 +309,18 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
     if order is not None and variant != "prescaled":
         stage(None)
 
-    def weight_group(n0: str) -> None:
+    src, src_row = ("%xs", xs_row) if variant == "prescaled" or order is not None else ("%x", x_row)
+
+    def group(n0: str) -> tuple[list[str], list[str], list[str]]:
+        """(the group's weight rows, their addresses, their scale rows' addresses); for ``prescaled``,
+        xs remade first if it holds another block row's scales."""
         ns = [f.let(f"add i64 {n0}, {u}") for u in range(weight_rows)]
         prows = [f.let(f"getelementptr i8, ptr %p, i64 {f.let(f'mul i64 {n}, %pstride')}") for n in ns]
         block_rows = [f.let(f"udiv i64 {n}, %sdiv") for n in ns]
         srows = [f.let(f"getelementptr i8, ptr %s, i64 {f.let(f'mul i64 {r}, %sstride')}") for r in block_rows]
-        for slot in acc.values():
-            f.do(f"store <16 x float> zeroinitializer, ptr {slot}")
+        return ns, prows, srows, block_rows
+
+    def restage(block_rows: list[str], srows: list[str]) -> None:
         if variant == "prescaled":
             stale = f.let(f"icmp ne i64 {block_rows[0]}, {f.let(f'load i64, ptr {made_for}')}")
 
@@ -315,7 +328,9 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                 stage(srows[0])
                 f.do(f"store i64 {block_rows[0]}, ptr {made_for}")
             f.when(stale, remake)
-        src, src_row = ("%xs", xs_row) if variant == "prescaled" or order is not None else ("%x", x_row)
+
+    def sweep(lo: str, hi: str, prows: list[str], srows: list[str]) -> None:
+        """The group's products over blocks [lo, hi), into the accumulators."""
         # the rows _AHEAD on, fetched a block at a time while this group works: a column slice's rows
         # are short strided runs the hardware prefetcher does not follow (1.6x slower from memory)
         ahead = [f.let(f"getelementptr i8, ptr {p}, i64 {f.let(f'mul i64 %pstride, {_AHEAD}')}") for p in prows]
@@ -333,7 +348,10 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                         y = f.let(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {xs[h]}, <16 x float> {ws[u][h]}, "
                                   f"<16 x float> {a})")
                         f.do(f"store <16 x float> {y}, ptr {acc[u, r, h]}")
-        f.loop("0", "%blocks", 1, block)
+        f.loop(lo, hi, 1, block)
+
+    def finish(ns: list[str], prows: list[str]) -> None:
+        """Each accumulator's lane sums back in column order, the defined tree, the tail, the output."""
         for u in range(weight_rows):
             for r in range(rows):
                 a0, a1 = (f.let(f"load <16 x float>, ptr {acc[u, r, h]}") for h in (0, 1))
@@ -357,7 +375,18 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                     f.loop("%whole", "%k", 1, column)
                 result = f.let(f"load float, ptr {total}")
                 f.do(f"store float {result}, ptr {_at(f, 'float', '%out', ns[u], f.let(f'mul i64 %ostride, {r}'))}")
-    f.loop("%r0", "%r1", weight_rows, weight_group)
+
+    if not tile:
+        def weight_group(n0: str) -> None:
+            ns, prows, srows, block_rows = group(n0)
+            for slot in acc.values():
+                f.do(f"store <16 x float> zeroinitializer, ptr {slot}")
+            restage(block_rows, srows)
+            sweep("0", "%blocks", prows, srows)
+            finish(ns, prows)
+        f.loop("%r0", "%r1", weight_rows, weight_group)
+    else:
+        tiled(f, tile, rows, weight_rows, acc, group, restage, sweep, finish)
     f.do("ret void")
     return f.text("define void @product(ptr noalias %p, i64 %pstride, ptr noalias %s, i64 %sstride, i64 %sdiv, "
                   "ptr noalias %x, i64 %xstride, ptr noalias %out, i64 %ostride, i64 %k, i64 %r0, i64 %r1, "
@@ -368,6 +397,62 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                    "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)",
                    "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)",
                    *([_byte_tables_ir()] if fmt == "fp4" and order is not None else [])])
+
+
+def tile_blocks(rows: int, width: int) -> int:
+    """Blocks of the K tiles a kernel for ``rows`` rows of x runs in (0: none): with AVX2, a tile of
+    x for two or more rows stays in L1 while the tile is swept over a block row of weight rows."""
+    return TILE if width == 8 and rows > 1 else 0
+
+
+def tiled(f: Function, tile: int, rows: int, weight_rows: int, acc: dict, group, restage, sweep, finish) -> None:
+    """The weight rows a block row (32 rows) at a time, and each block row a K tile at a time: every
+    group of weight rows sweeps a tile's blocks, its accumulators kept between tiles in a stack
+    array, then all groups finish. Each lane's sum is still one chain in block order (the same bits),
+    and x's tile is reread from L1 by every group instead of all of x from L2."""
+    state = f.slot(f"[{32 * rows * 2} x <16 x float>]", 64)
+    base = f.let("and i64 %r0, -32")
+    span = f.let(f"sub i64 %r1, {base}")
+    chunks = f.let(f"udiv i64 {f.let(f'add i64 {span}, 31')}, 32")
+    tiles = f.let(f"udiv i64 {f.let(f'add i64 %blocks, {tile - 1}')}, {tile}")
+
+    def saved(n: str, lo: str, u: int, r: int, h: int) -> str:
+        first = f.let(f"mul i64 {f.let(f'sub i64 {n}, {lo}')}, {rows * 2}")
+        at = f.let(f"add i64 {first}, {(u * rows + r) * 2 + h}")
+        return f.let(f"getelementptr <16 x float>, ptr {state}, i64 {at}")
+
+    def chunk(c: str) -> None:
+        start = f.let(f"add i64 {base}, {f.let(f'mul i64 {c}, 32')}")
+        lo = f.let(f"select i1 {f.let(f'icmp ugt i64 %r0, {start}')}, i64 %r0, i64 {start}")
+        end = f.let(f"add i64 {start}, 32")
+        hi = f.let(f"select i1 {f.let(f'icmp ult i64 %r1, {end}')}, i64 %r1, i64 {end}")
+        n_saved = f.let(f"mul i64 {f.let(f'sub i64 {hi}, {lo}')}, {rows * 2}")
+        f.loop("0", n_saved, 1, lambda j: f.do(
+            f"store <16 x float> zeroinitializer, ptr {f.let(f'getelementptr <16 x float>, ptr {state}, i64 {j}')}"))
+
+        def k_tile(t: str) -> None:
+            t0 = f.let(f"mul i64 {t}, {tile}")
+            t_end = f.let(f"add i64 {t0}, {tile}")
+            t1 = f.let(f"select i1 {f.let(f'icmp ult i64 %blocks, {t_end}')}, i64 %blocks, i64 {t_end}")
+
+            def weight_group(n0: str) -> None:
+                _, prows, srows, block_rows = group(n0)
+                restage(block_rows, srows)
+                for (u, r, h), slot in acc.items():
+                    f.do(f"store <16 x float> {f.let(f'load <16 x float>, ptr {saved(n0, lo, u, r, h)}')}, ptr {slot}")
+                sweep(t0, t1, prows, srows)
+                for (u, r, h), slot in acc.items():
+                    f.do(f"store <16 x float> {f.let(f'load <16 x float>, ptr {slot}')}, ptr {saved(n0, lo, u, r, h)}")
+            f.loop(lo, hi, weight_rows, weight_group)
+        f.loop("0", tiles, 1, k_tile)
+
+        def finished(n0: str) -> None:
+            ns, prows, _, _ = group(n0)
+            for (u, r, h), slot in acc.items():
+                f.do(f"store <16 x float> {f.let(f'load <16 x float>, ptr {saved(n0, lo, u, r, h)}')}, ptr {slot}")
+            finish(ns, prows)
+        f.loop(lo, hi, weight_rows, finished)
+    f.loop("0", chunks, 1, chunk)
 
 
 @cache
@@ -477,6 +562,11 @@ def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | N
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
 
+def pass_rows(width: int | None = None) -> int:
+    """Activation rows of a pass for ``width`` lanes (None: this CPU's)."""
+    return PASS_ROWS[16 if (permute_width() if width is None else width) == 16 else 8]
+
+
 def stand_in(fmt: str, width: int) -> int:
     """k where the decode's stand-in for a value v (before the block scale) is v 2^-k: E4M3 in FP16 (8),
     or in BF16 where x carries the scales with 8 lanes (120); E2M1 in FP16 (14)."""
@@ -540,7 +630,7 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
         raise ValueError(f"fused_product: K must be a multiple of {BLOCK} for {fmt}, got {k}")
     width = permute_width(model)
     if variant is None:
-        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // MAX_ROWS), width)
+        variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // pass_rows(width)), width)
     if variant not in VARIANTS[fmt] or (variant == "table" and not width):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
                          f"(table needs AVX2 or AVX-512 on this CPU), got {variant!r}")
@@ -553,8 +643,9 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
     # addresses read once per call: small products are many
     x_at, out_at, xs_at = x.data_ptr(), out.data_ptr(), None if xs is None else xs.data_ptr()
     x_row, out_row = x.stride(0) * 4, out.stride(0)
-    for g in range(0, m, MAX_ROWS):
-        rows = min(MAX_ROWS, m - g)
+    per_pass = pass_rows(width)
+    for g in range(0, m, per_pass):
+        rows = min(per_pass, m - g)
         # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
         per = WEIGHT_ROWS[16 if width == 16 else 8][rows]
         a = min(r1, -(-r0 // per) * per)

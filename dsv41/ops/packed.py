@@ -105,7 +105,7 @@ class PackedMatrix:
 
     def work(self, x: torch.Tensor) -> int:
         """Weight values times passes of x's rows: what a product with x costs."""
-        return self.shape.numel() * -(-x.shape[0] // fused.MAX_ROWS)
+        return self.shape.numel() * -(-x.shape[0] // fused.pass_rows())
 
     def matmul_t(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
         """x [M, K] @ self^T -> FP32 [M, N] (x taken at FP32; see the module); ``split``: the weight rows
