@@ -217,12 +217,15 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
 
 
 @pytest.mark.parametrize("rows", [2, 3, 4, 7])
-def test_products_over_several_k_tiles_are_the_defined_sum(rows):
+@pytest.mark.parametrize("chunk", ["default", "32 rows"])
+def test_products_over_several_k_tiles_are_the_defined_sum(rows, chunk, monkeypatch):
     """K over two whole AVX2 K tiles and part of a third (``fused_product.TILE`` blocks each), and
     bf16 and f32 columns past the last block: every decode, for this CPU and for an AVX2 one (whose
     passes of more than one row run tile by tile, a 32-row block row at a time), gives the defined
     sum over weight-row ranges that start and end inside a group and a block row, each output row
-    the bits of its row alone."""
+    the bits of its row alone; also with the passes taking the weight rows in chunks of 32."""
+    if chunk != "default":
+        monkeypatch.setattr(fused_product, "CHUNK_BYTES", 1)
     k = 32 * (2 * fused_product.TILE + 6)
     x = torch.randn(rows, k + 5, generator=_g(80 + rows)).to(torch.bfloat16).float()
     ms = _matrices(96, k, 81)

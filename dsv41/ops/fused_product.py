@@ -28,8 +28,10 @@ Passes take 1-4 activation rows with AVX-512 and 1-3 with AVX2 (``PASS_ROWS``; o
 weight value per row is the cost that grows with the batch) and up to four weight rows
 (``WEIGHT_ROWS``, as many as the CPU's vector registers hold the accumulators of), so that FMA chains
 overlap and each load of x serves several weight rows. With AVX2 a pass of two or more rows runs a
-block row of weight rows one K tile at a time (``tiled``), so that x's tile is read from L1. The
-weight rows a few groups on are prefetched in software. Compiled code is kept as object files
+block row of weight rows one K tile at a time (``tiled``), so that x's tile is read from L1. With
+more than one pass, every pass runs over a chunk of the weight rows (``CHUNK_BYTES``) before the next
+chunk, so that the chunk comes from memory once. The weight rows a few groups on are prefetched in
+software. Compiled code is kept as object files
 beside this module (``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of
 compiling.
 """
@@ -644,13 +646,29 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
     x_at, out_at, xs_at = x.data_ptr(), out.data_ptr(), None if xs is None else xs.data_ptr()
     x_row, out_row = x.stride(0) * 4, out.stride(0)
     per_pass = pass_rows(width)
-    for g in range(0, m, per_pass):
-        rows = min(per_pass, m - g)
-        # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
-        per = WEIGHT_ROWS[16 if width == 16 else 8][rows]
-        a = min(r1, -(-r0 // per) * per)
-        b = a + (r1 - a) // per * per
-        for lo, hi, group in ((r0, a, 1), (a, b, per), (b, r1, 1)):
-            if hi > lo:
-                kernel(fmt, rows, group, variant, model)(
-                    *weights, x_at + g * x_row, k, out_at + g * out_row * 4, out_row, k, lo, hi, xs_at)
+    passes = [(g, min(per_pass, m - g)) for g in range(0, m, per_pass)]
+    for c0, c1 in _chunks(r0, r1, k * _BLOCK_BYTES[fmt] // BLOCK, len(passes)):
+        for g, rows in passes:
+            # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
+            per = WEIGHT_ROWS[16 if width == 16 else 8][rows]
+            a = min(c1, -(-c0 // per) * per)
+            b = a + (c1 - a) // per * per
+            for lo, hi, group in ((c0, a, 1), (a, b, per), (b, c1, 1)):
+                if hi > lo:
+                    kernel(fmt, rows, group, variant, model)(
+                        *weights, x_at + g * x_row, k, out_at + g * out_row * 4, out_row, k, lo, hi, xs_at)
+
+
+# weight bytes of a chunk that every pass of x's rows runs over before the next chunk
+CHUNK_BYTES = 1 << 22
+
+
+def _chunks(r0: int, r1: int, row_bytes: int, passes: int) -> list[tuple[int, int]]:
+    """Weight rows [r0, r1) as the ranges each pass runs over in turn: with more than one pass,
+    chunks of about CHUNK_BYTES that start at multiples of 32 rows, so that the passes after the
+    first find the chunk in cache and each weight byte comes from memory once."""
+    if passes == 1:
+        return [(r0, r1)]
+    step = max(32, CHUNK_BYTES // max(row_bytes, 1) // 32 * 32)
+    bounds = [r0, *range((r0 // step + 1) * step, r1, step), r1]
+    return list(zip(bounds, bounds[1:]))
