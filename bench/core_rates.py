@@ -1,9 +1,9 @@
-"""One core's FMA and L1 load rates for 8-lane FP32 vectors: what bounds a weight product's pass once
-its decode is cheap (docs/flash-shapes.md, issue 29).
+"""One core's FMA and L1 load rates for FP32 vectors of 8 lanes (and 16 with AVX-512): what bounds a
+weight product's pass once its decode is cheap (docs/flash-shapes.md, issue 29).
 
     python bench/core_rates.py [--repeats 5]
 
-Two loops compiled by llvmlite for this CPU, each with twelve independent 8-lane accumulators:
+Two loops compiled by llvmlite for this CPU, each with twelve independent accumulators:
 ``registers`` (every FMA's operands in registers: the FMA ports alone) and ``loads`` (each FMA reads
 one operand from a 16 KB buffer that stays in L1, as a product's pass reads x), the buffer at a
 64-byte boundary and 16 bytes off one (every other load then splits a cache line). Prints the best
@@ -22,53 +22,54 @@ CHAINS = 12
 SPAN = 4096          # floats of the buffer the loads cycle over (16 KB)
 
 
-def loop_ir(load: bool) -> str:
-    body = [f"  %a{i} = phi <8 x float> [ zeroinitializer, %entry ], [ %b{i}, %loop ]" for i in range(CHAINS)]
+def loop_ir(load: bool, width: int = 8) -> str:
+    v = f"<{width} x float>"
+    body = [f"  %a{i} = phi {v} [ zeroinitializer, %entry ], [ %b{i}, %loop ]" for i in range(CHAINS)]
     body += ["  %i = phi i64 [ 0, %entry ], [ %j, %loop ]", f"  %at = and i64 %i, {SPAN - 1}"]
     for i in range(CHAINS):
         if load:
             body += [f"  %p{i} = getelementptr float, ptr %buf, i64 %o{i}",
-                     f"  %x{i} = load <8 x float>, ptr %p{i}, align 4"]
-            body.insert(len(body) - 2, f"  %o{i} = add i64 %at, {8 * i}")
+                     f"  %x{i} = load {v}, ptr %p{i}, align 4"]
+            body.insert(len(body) - 2, f"  %o{i} = add i64 %at, {width * i}")
         operand = f"%x{i}" if load else "%c"
-        body.append(f"  %b{i} = call <8 x float> @llvm.fma.v8f32(<8 x float> {operand}, <8 x float> %c, "
-                    f"<8 x float> %a{i})")
-    body += [f"  %j = add i64 %i, {8 * CHAINS}", "  %more = icmp slt i64 %j, %n",
+        body.append(f"  %b{i} = call {v} @llvm.fma.v{width}f32({v} {operand}, {v} %c, "
+                    f"{v} %a{i})")
+    body += [f"  %j = add i64 %i, {width * CHAINS}", "  %more = icmp slt i64 %j, %n",
              "  br i1 %more, label %loop, label %done"]
-    stores = [f"  %s{i} = getelementptr <8 x float>, ptr %out, i64 {i}\n  store <8 x float> %b{i}, ptr %s{i}, align 4"
+    stores = [f"  %s{i} = getelementptr {v}, ptr %out, i64 {i}\n  store {v} %b{i}, ptr %s{i}, align 4"
               for i in range(CHAINS)]
     return "\n".join([
-        "declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)",
+        f"declare {v} @llvm.fma.v{width}f32({v}, {v}, {v})",
         "define void @f(i64 %n, ptr %buf, ptr %out, float %s) {", "entry:",
-        "  %c0 = insertelement <8 x float> poison, float %s, i64 0",
-        "  %c = shufflevector <8 x float> %c0, <8 x float> poison, <8 x i32> zeroinitializer",
+        f"  %c0 = insertelement {v} poison, float %s, i64 0",
+        f"  %c = shufflevector {v} %c0, {v} poison, <{width} x i32> zeroinitializer",
         "  br label %loop", "loop:", *body, "done:", *stores, "  ret void", "}"])
 
 
-def rate(engine, repeats: int, offset: int = 0, lanes: int = 200_000_000) -> float:
-    """G 8-lane FMAs a second of the loop ``engine`` holds (``offset``: bytes past a 64-byte boundary
-    the buffer starts at)."""
+def rate(engine, repeats: int, offset: int = 0, lanes: int = 200_000_000, width: int = 8) -> float:
+    """G FMAs a second of the ``width``-lane loop ``engine`` holds (``offset``: bytes past a 64-byte
+    boundary the buffer starts at)."""
     f = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float)(
         engine.get_function_address("f"))
-    room = np.zeros(SPAN + 8 * CHAINS + 32, np.float32)
+    room = np.zeros(SPAN + width * CHAINS + 32, np.float32)
     skip = (-room.ctypes.data % 64 + offset) // 4
-    buf, out = room[skip:skip + SPAN + 8 * CHAINS], np.zeros(8 * CHAINS, np.float32)
+    buf, out = room[skip:skip + SPAN + width * CHAINS], np.zeros(width * CHAINS, np.float32)
     f(100_000, buf.ctypes.data, out.ctypes.data, 1e-9)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         f(lanes, buf.ctypes.data, out.ctypes.data, 1e-9)
         best = min(best, time.perf_counter() - t0)
-    return lanes / 8 / best / 1e9
+    return lanes / width / best / 1e9
 
 
-def compiled(load: bool):
-    """An execution engine holding the loop (kept by the caller while the loop runs)."""
+def compiled(load: bool, width: int = 8):
+    """An execution engine holding the ``width``-lane loop (kept by the caller while the loop runs)."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     tm = llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
-    mod = llvm.parse_assembly(loop_ir(load))
+    mod = llvm.parse_assembly(loop_ir(load, width))
     mod.verify()
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
@@ -79,11 +80,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
-    registers, loads = compiled(False), compiled(True)
-    fma, aligned, split = rate(registers, a.repeats), rate(loads, a.repeats), rate(loads, a.repeats, 16)
-    print(f"one core, 8-lane FP32: {fma:.2f} G FMAs/s with register operands; {aligned:.2f} G FMAs/s that each "
-          f"load an operand from L1 ({aligned * 32:.0f} GB/s), {split:.2f} with the loads 16 bytes off a "
-          f"64-byte boundary")
+    for width in (8, 16) if llvm.get_host_cpu_features().get("avx512f", False) else (8,):
+        registers, loads = compiled(False, width), compiled(True, width)
+        fma = rate(registers, a.repeats, width=width)
+        aligned, split = rate(loads, a.repeats, width=width), rate(loads, a.repeats, 16, width=width)
+        print(f"one core, {width}-lane FP32: {fma:.2f} G FMAs/s with register operands; {aligned:.2f} G FMAs/s "
+              f"that each load an operand from L1 ({aligned * 4 * width:.0f} GB/s), {split:.2f} with the loads "
+              f"16 bytes off a 64-byte boundary")
     return 0
 
 

@@ -18,8 +18,9 @@ those steps of its node spans' summed wall time (``--trace``). Per weight value:
 format, the time of the node kinds that multiply weights of that format only (weights that are most of
 the kind's bytes, and take at least 1% of the step) over the weight values the plan says they
 multiply: the ``cpu`` profile's ``weight_use_ns``. FMA floor: the plan's matrix multiply-adds (its
-``mx`` and ``dense`` flops over 2) as FP32 fused multiply-adds at one core's measured 8-lane rate
-(``bench/core_rates.py``, register operands) on every core: the time the step's arithmetic takes at
+``mx`` and ``dense`` flops over 2) as FP32 fused multiply-adds at one core's measured rate for the
+weight kernels' vectors, 16 lanes with AVX-512, 8 without (``bench/core_rates.py``, register
+operands), on every core: the time the step's arithmetic takes at
 the least, as the products compute it; at a larger batch it can exceed the memory floor.
 Weights are drawn at random (``--config`` and the reductions) or served from ``--checkpoint``
 (drawing FLASH-width layers takes about a minute each; a written checkpoint is read in seconds).
@@ -45,6 +46,7 @@ from cpu_plan import node_us_by_step     # bench/cpu_plan.py, beside this script
 
 from dsv41.config import PRESETS, Topology
 from dsv41.ops import cores
+from dsv41.ops.fused_product import permute_width
 from dsv41.plan.step import run_plan
 
 
@@ -95,8 +97,10 @@ def planned(cfg, batch: int, context: int) -> tuple[dict[str, int], dict[str, di
 
 
 def fma_per_s() -> float:
-    """FP32 multiply-adds a second on all cores at one core's measured 8-lane FMA rate."""
-    return rate(compiled(False), 5) * 1e9 * 8 * cores.cores()
+    """FP32 multiply-adds a second on all cores at one core's measured FMA rate for the vectors the
+    weight kernels use (16 lanes with AVX-512, else 8)."""
+    width = 16 if permute_width() == 16 else 8
+    return rate(compiled(False, width), 5, width=width) * 1e9 * width * cores.cores()
 
 
 # bytes a stored weight value takes (FP4: a nibble and its share of a 32-value block's scale byte)

@@ -11,10 +11,11 @@ process:
   holds E4M3's exponent and significand at 2^-8 of the value), then FP32 by the CPU's conversion,
   times the block's E8M0 scale (or, with AVX2 where x carries the scales, BF16 bits at 2^-120 by
   unpacks, a shift and a mask). E2M1 nibbles become FP16 bits by shifts at 2^-14, or index a table
-  of the codes times the scale: with AVX-512 all 16 as FP32 (``vpermps``), with AVX2 two tables per
-  scale code of the bytes of their FP32s' upper halves (``vpshufb``; the lower halves are zero).
-  BF16 and FP32 widen. The AVX2 unpacks give a block's columns in their own order; x is staged in
-  it (``x_order``) and the lane sums are put back in column order before the tree.
+  of the codes times the scale: with AVX-512 all 16 as FP32 (``vpermps`` of nibbles shifted into
+  place in each 32-bit lane), with AVX2 two tables per scale code of the bytes of their FP32s' upper
+  halves (``vpshufb``; the lower halves are zero). BF16 and FP32 widen. The AVX2 unpacks and the
+  AVX-512 shifts give a block's columns in their own order; x is staged in it (``x_order``) and the
+  lane sums are put back in column order before the tree.
 - **Sums** (``docs/numerics.md``). Each output is an FP32 sum of FP32 fused multiply-adds in one
   fixed order: two vectors of 16 lanes, lane ``j`` of the first taking column ``j`` of every 32-column
   block in block order and lane ``j`` of the second column ``j + 16``; then the two vectors added, the
@@ -136,16 +137,26 @@ def _nibbles(f: Function, prow: str, b: str) -> str:
 
 
 def _table_decode(f: Function, prow: str, srow: str, b: str, width: int) -> list[str]:
-    """An E2M1 block by table: the codes times the block scale. With 16 lanes (AVX-512) a ``vpermps``
-    of all 16 codes times the scale; with 8 (AVX2) see ``_byte_decode``."""
+    """An E2M1 block by table: the codes times the block scale. With 16 lanes (AVX-512) the block's 16
+    bytes go to all four 128-bit lanes (a broadcast load), a variable shift puts a different nibble in
+    the low 4 bits of each 32-bit lane (``vpsrlvd``), and a ``vpermps`` of the scale code's row of
+    ``@value_tables`` (the 16 codes times the scale, read from memory) takes those 4 bits as its index:
+    two shifts and two permutes a block, where zero-extending the codes to 32-bit lanes took nine
+    shuffles on port 5, the port the second FMA shares (columns in ``_FP4_ORDER_16``). With 8 (AVX2)
+    see ``_byte_decode``."""
     if width == 8:
         return _byte_decode(f, prow, srow, b)
-    scale = f.broadcast("float", _power_of_two(f, srow, b, 0), width)
-    magnitudes = list(_E2M1) + [-v for v in _E2M1]
-    table = f.let(f"fmul <16 x float> {scale}, {vec('float', [_float(v) for v in magnitudes])}")
-    idx = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i32>")
-    return [f.let(f"call <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float> {table}, <16 x i32> {i})")
-            for i in f.halves("i32", idx)]
+    byte = f.let(f"load i8, ptr {f.let(f'getelementptr i8, ptr {srow}, i64 {b}')}")
+    at = f.let(f"getelementptr <16 x float>, ptr @value_tables, i64 {f.let(f'zext i8 {byte} to i64')}")
+    table = f.let(f"load <16 x float>, ptr {at}, align 64")
+    raw = _load(f, "<4 x i32>", "fp4", prow, b)
+    wide = f.let(f"shufflevector <4 x i32> {raw}, <4 x i32> poison, <16 x i32> {vec('i32', [*range(4)] * 4)}")
+    out = []
+    for h in (0, 1):
+        shifts = vec("i32", [4 * (j // 4 + 4 * h) for j in range(16)])
+        idx = f.let(f"lshr <16 x i32> {wide}, {shifts}")
+        out.append(f.let(f"call <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float> {table}, <16 x i32> {idx})"))
+    return out
 
 
 # the 8-lane decodes' unpacks (in-lane on AVX2, so no lane-crossing shuffle) give a block's 32 values in
@@ -154,7 +165,9 @@ def _table_decode(f: Function, prow: str, srow: str, b: str, width: int) -> list
 _FP4_ORDER = [16 * h + c for h in (0, 1) for c in (0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)]
 _FP8_ORDER = [c + q for part in (0, 8) for q in (0, 4) for c in (part, part + 1, part + 2, part + 3,
                                                                   part + 16, part + 17, part + 18, part + 19)]
-_ORDERS = {("fp8", "prescaled"): _FP8_ORDER, ("fp4", "table"): _FP4_ORDER}
+# the 16-lane E2M1 decode's: lane j of half h takes nibble j // 4 + 4 h of the block's 32-bit word j % 4
+_FP4_ORDER_16 = [8 * (j % 4) + j // 4 + 4 * h for h in (0, 1) for j in range(16)]
+_ORDERS = {("fp8", "prescaled", 8): _FP8_ORDER, ("fp4", "table", 8): _FP4_ORDER, ("fp4", "table", 16): _FP4_ORDER_16}
 
 
 def _words(f: Function, low: str, high: str) -> list[str]:
@@ -202,12 +215,12 @@ def x_order(fmt: str, variant: str, width: int) -> list[int] | None:
     order). The kernel reads x stored in that order: lanes hold the same columns in every block, so
     each lane's sum is the same sum, and the sums are put back in column order before the tree, which
     is then the defined one."""
-    return None if width == 16 else _ORDERS.get((fmt, variant))
+    return _ORDERS.get((fmt, variant, width))
 
 
 def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
     """The AVX2 E2M1 decode: every value's FP32 has a zero low half, so two ``vpshufb`` lookups of the
-    block scale's byte tables (``_byte_tables_ir``, 32 bytes a scale code, read as two 16-byte
+    block scale's byte tables (``_tables_ir``, 32 bytes a scale code, read as two 16-byte
     broadcasts) give its upper half's two bytes for all 32 codes at once; byte and word unpacks with
     zeros then make the FP32s: nine shuffles a block and no lane-crossing permute; columns in
     ``_FP4_ORDER``."""
@@ -398,7 +411,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                    "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
                    "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)",
                    "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)",
-                   *([_byte_tables_ir()] if fmt == "fp4" and order is not None else [])])
+                   *([_tables_ir(width)] if fmt == "fp4" and variant == "table" else [])])
 
 
 def tile_blocks(rows: int, width: int) -> int:
@@ -457,17 +470,29 @@ def tiled(f: Function, tile: int, rows: int, weight_rows: int, acc: dict, group,
     f.loop("0", chunks, 1, chunk)
 
 
-@cache
-def _byte_tables_ir() -> str:
-    """``@byte_tables``: for each E8M0 code s, the 16 E2M1 codes times 2^(s - 127) as FP32, whose low 16
-    bits are all zero (two significant bits, the lowest at 2^-149 * 2^21 or above): the low bytes of
-    their upper halves, then the high bytes (32 bytes a code; codes past ``packed``'s 252 never come)."""
+def _fp4_values() -> np.ndarray:
+    """[256, 16] FP32: for each E8M0 code s, the 16 E2M1 codes times 2^(s - 127), exactly (codes past
+    ``packed``'s 252 never come; past 254 2^(s - 127) is no FP32)."""
     codes = np.array(list(_E2M1) + [-v for v in _E2M1], np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):          # codes past 254: 2^128 is no FP32
+    with np.errstate(over="ignore", invalid="ignore"):
         scales = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
-        upper = ((codes[None, :] * scales[:, None]).view(np.uint32) >> 16).astype(np.uint16)
-    data = np.concatenate([(upper & 0xFF).astype(np.uint8), (upper >> 8).astype(np.uint8)], 1).tobytes()
-    return (f"@byte_tables = private unnamed_addr constant [{len(data)} x i8] c\""
+        return codes[None, :] * scales[:, None]
+
+
+@cache
+def _tables_ir(width: int) -> str:
+    """The table decode's constant: with 16 lanes ``@value_tables``, ``_fp4_values`` itself (64 bytes a
+    code); with 8 ``@byte_tables``: every value's FP32 has its low 16 bits zero (two significant bits,
+    the lowest at 2^-149 * 2^21 or above), so for each code the low bytes of the upper halves, then
+    the high bytes (32 bytes a code)."""
+    values = _fp4_values()
+    if width == 16:
+        name, data = "value_tables", values.tobytes()
+    else:
+        upper = (values.view(np.uint32) >> 16).astype(np.uint16)
+        name = "byte_tables"
+        data = np.concatenate([(upper & 0xFF).astype(np.uint8), (upper >> 8).astype(np.uint8)], 1).tobytes()
+    return (f"@{name} = private unnamed_addr constant [{len(data)} x i8] c\""
             + "".join(f"\\{v:02X}" for v in data) + "\", align 64")
 
 
