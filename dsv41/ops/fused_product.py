@@ -28,8 +28,8 @@ process:
 Passes take 1-4 activation rows with AVX-512 and 1-3 with AVX2 (``PASS_ROWS``; one FP32 FMA per
 weight value per row is the cost that grows with the batch) and up to four weight rows
 (``WEIGHT_ROWS``, as many as the CPU's vector registers hold the accumulators of), so that FMA chains
-overlap and each load of x serves several weight rows. With AVX2 a pass of two or more rows runs a
-block row of weight rows one K tile at a time (``tiled``), so that x's tile is read from L1. With
+overlap and each load of x serves several weight rows. A pass of two or more rows runs a block row
+of weight rows one K tile at a time (``tiled``), so that x's tile is read from L1. With
 more than one pass, every pass runs over a chunk of the weight rows (``CHUNK_BYTES``) before the next
 chunk, so that the chunk comes from memory once. The weight rows a few groups on are prefetched in
 software. Compiled code is kept as object files
@@ -63,7 +63,7 @@ _AHEAD = 8                  # weight rows the software prefetch runs ahead (best
 # row than a 4-row one (its accumulators fit the registers; in cache, Zen 3)
 PASS_ROWS = {16: 4, 8: 3}
 MAX_ROWS = max(PASS_ROWS.values())      # activation rows of a pass on any CPU (more spill the accumulators)
-TILE = 32                   # blocks of a K tile with AVX2 (``tile_blocks``): x's tile for 4 rows is 16 KB
+TILE = 32                   # blocks of a K tile (``tile_blocks``): x's tile for 4 rows is 16 KB
 # weight rows per pass for each count of activation rows, by the vector registers' lanes: each load of
 # x serves the group, and the group's accumulators (rows x weight rows x 32 FP32 lanes) fit the
 # registers beside the decode's: AVX-512 has 32 of 16 lanes (measured for the FP64 sums,
@@ -289,7 +289,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
     the weight rows' block row, remade when the block row changes (a group of weight rows never
     straddles two). ``width``: the vector lanes of the decode, 16 (AVX-512) or 8 (AVX2). ``tile``:
     blocks of a K tile (``tiled``; 0: none; None: ``tile_blocks``)."""
-    tile = tile_blocks(rows, width) if tile is None else tile
+    tile = tile_blocks(rows) if tile is None else tile
     f = Function()
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%whole = mul i64 %blocks, 32")
@@ -414,10 +414,10 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                    *([_tables_ir(width)] if fmt == "fp4" and variant == "table" else [])])
 
 
-def tile_blocks(rows: int, width: int) -> int:
-    """Blocks of the K tiles a kernel for ``rows`` rows of x runs in (0: none): with AVX2, a tile of
-    x for two or more rows stays in L1 while the tile is swept over a block row of weight rows."""
-    return TILE if width == 8 and rows > 1 else 0
+def tile_blocks(rows: int) -> int:
+    """Blocks of the K tiles a kernel for ``rows`` rows of x runs in (0: none): a tile of x for two or
+    more rows stays in L1 while the tile is swept over a block row of weight rows."""
+    return TILE if rows > 1 else 0
 
 
 def tiled(f: Function, tile: int, rows: int, weight_rows: int, acc: dict, group, restage, sweep, finish) -> None:
