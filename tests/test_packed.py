@@ -216,7 +216,7 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
             assert np.array_equal(avx2.view(np.int32), here.view(np.int32)), (fmt, variant)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4, 7])
+@pytest.mark.parametrize("rows", [2, 3, 4, 7, 8])
 @pytest.mark.parametrize("chunk", ["default", "32 rows"])
 def test_products_over_several_k_tiles_are_the_defined_sum(rows, chunk, monkeypatch):
     """K over two whole AVX2 K tiles and part of a third (``fused_product.TILE`` blocks each), and

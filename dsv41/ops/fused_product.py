@@ -25,11 +25,11 @@ process:
   rows: a row's bits do not depend on the batch, the layout or the threads, nor on the weights'
   format (a matrix decoded to FP32 first gives the same bits as the format's own decode).
 
-Passes take 1-4 activation rows with AVX-512 and 1-3 with AVX2 (``PASS_ROWS``; one FP32 FMA per
+Passes take 1-8 activation rows with AVX-512 and 1-3 with AVX2 (``PASS_ROWS``; one FP32 FMA per
 weight value per row is the cost that grows with the batch) and up to four weight rows
 (``WEIGHT_ROWS``, as many as the CPU's vector registers hold the accumulators of), so that FMA chains
-overlap and each load of x serves several weight rows. A pass of two or more rows runs a block row
-of weight rows one K tile at a time (``tiled``), so that x's tile is read from L1. With
+overlap and each load of x serves several weight rows. A pass of two or more rows over more than one
+K tile runs a block row of weight rows one tile at a time (``tiled``), so that x's tile is read from L1. With
 more than one pass, every pass runs over a chunk of the weight rows (``CHUNK_BYTES``) before the next
 chunk, so that the chunk comes from memory once. The weight rows a few groups on are prefetched in
 software. Compiled code is kept as object files
@@ -60,16 +60,18 @@ BLOCK = 32                  # columns per block: one E8M0 scale for fp8 and fp4
 _BLOCK_BYTES = {"fp8": 32, "fp4": 16, "bf16": 64, "f32": 128}
 _AHEAD = 8                  # weight rows the software prefetch runs ahead (best of 4, 8, 16 measured)
 # activation rows per pass by the vector registers' lanes: with AVX2 a tiled 3-row pass ran faster per
-# row than a 4-row one (its accumulators fit the registers; in cache, Zen 3)
-PASS_ROWS = {16: 4, 8: 3}
+# row than a 4-row one (its accumulators fit the registers; in cache, Zen 3); with AVX-512 an 8-row pass
+# of one weight row decodes each weight once for 8 rows (6 and 8 rows ran 10-25% faster per row than in
+# passes of 4, in cache, Emerald Rapids)
+PASS_ROWS = {16: 8, 8: 3}
 MAX_ROWS = max(PASS_ROWS.values())      # activation rows of a pass on any CPU (more spill the accumulators)
-TILE = 32                   # blocks of a K tile (``tile_blocks``): x's tile for 4 rows is 16 KB
+TILE = 32                   # blocks of a K tile (``tiled``): x's tile for 4 rows is 16 KB, for 8 32 KB
 # weight rows per pass for each count of activation rows, by the vector registers' lanes: each load of
 # x serves the group, and the group's accumulators (rows x weight rows x 32 FP32 lanes) fit the
 # registers beside the decode's: AVX-512 has 32 of 16 lanes (measured for the FP64 sums,
 # docs/flash-shapes.md), AVX2 16 of 8 (the same budget in registers: a 2-row pass of one weight row ran
 # faster than of two or four, Zen 3). A divisor of 32, so a group never straddles an FP8 32-row block.
-WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
+WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1); E4M3's BF16 one (the 8-lane
 # decode's) is the value times 2^-120
@@ -215,7 +217,7 @@ def x_order(fmt: str, variant: str, width: int) -> list[int] | None:
     order). The kernel reads x stored in that order: lanes hold the same columns in every block, so
     each lane's sum is the same sum, and the sums are put back in column order before the tree, which
     is then the defined one."""
-    return _ORDERS.get((fmt, variant, width))
+    return _ORDERS.get((fmt, variant, 16 if width == 16 else 8))
 
 
 def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
@@ -280,7 +282,7 @@ def _tail_value(f: Function, fmt: str, prow: str, j: str) -> str:
     return f.let(f"load float, ptr {f.let(f'getelementptr float, ptr {prow}, i64 {j}')}")
 
 
-def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 16, tile: int | None = None) -> str:
+def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 16, tile: int = 0) -> str:
     """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1, xs)``:
     out[r, n] = sum_c x[r, c] w[n, c] for r < ``rows`` and n in [r0, r1), ``weight_rows`` at a time;
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
@@ -288,8 +290,7 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
     (``x_order``), made once, or (``prescaled``) x times the stand-in's 2^8 or 2^120 and the scales of
     the weight rows' block row, remade when the block row changes (a group of weight rows never
     straddles two). ``width``: the vector lanes of the decode, 16 (AVX-512) or 8 (AVX2). ``tile``:
-    blocks of a K tile (``tiled``; 0: none; None: ``tile_blocks``)."""
-    tile = tile_blocks(rows) if tile is None else tile
+    blocks of a K tile (``tiled``; 0: none)."""
     f = Function()
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%whole = mul i64 %blocks, 32")
@@ -414,12 +415,6 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                    *([_tables_ir(width)] if fmt == "fp4" and variant == "table" else [])])
 
 
-def tile_blocks(rows: int) -> int:
-    """Blocks of the K tiles a kernel for ``rows`` rows of x runs in (0: none): a tile of x for two or
-    more rows stays in L1 while the tile is swept over a block row of weight rows."""
-    return TILE if rows > 1 else 0
-
-
 def tiled(f: Function, tile: int, rows: int, weight_rows: int, acc: dict, group, restage, sweep, finish) -> None:
     """The weight rows a block row (32 rows) at a time, and each block row a K tile at a time: every
     group of weight rows sweeps a tile's blocks, its accumulators kept between tiles in a stack
@@ -528,10 +523,10 @@ _compile_lock = threading.Lock()
 _compiled: dict[tuple, tuple] = {}     # process-wide like numba's dispatchers: compiled code, no run state
 
 
-def kernel(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None = None):
+def kernel(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None = None, tiled: bool = False):
     """The compiled kernel (a ctypes function; the call releases the GIL), compiled once per process
-    (``model``: for that CPU model instead of this one)."""
-    key = (fmt, rows, weight_rows, variant, model)
+    (``model``: for that CPU model instead of this one; ``tiled``: K in tiles of ``TILE`` blocks)."""
+    key = (fmt, rows, weight_rows, variant, model, tiled)
     found = _compiled.get(key)
     if found is None:
         with _compile_lock:
@@ -578,13 +573,13 @@ def _object_code(ir: str, model: str | None) -> bytes:
     return code
 
 
-def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None):
+def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None, tiled: bool):
     """(the kernel's ctypes function, the engine that owns its code)."""
     if not llvm.get_host_cpu_features().get("f16c", False):
         raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _machine())
     engine.add_object_file(llvm.ObjectFileRef.from_data(
-        _object_code(kernel_ir(fmt, rows, weight_rows, variant, permute_width(model)), model)))
+        _object_code(kernel_ir(fmt, rows, weight_rows, variant, permute_width(model), TILE if tiled else 0), model)))
     engine.finalize_object()
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
@@ -672,6 +667,9 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
     x_row, out_row = x.stride(0) * 4, out.stride(0)
     per_pass = pass_rows(width)
     passes = [(g, min(per_pass, m - g)) for g in range(0, m, per_pass)]
+    # a pass of two or more rows over more than one tile of K sweeps a tile of x at a time from L1
+    # (over one tile, the tiles' saved accumulators would only cost)
+    many = k > TILE * BLOCK
     for c0, c1 in _chunks(r0, r1, k * _BLOCK_BYTES[fmt] // BLOCK, len(passes)):
         for g, rows in passes:
             # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
@@ -680,7 +678,7 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
             b = a + (c1 - a) // per * per
             for lo, hi, group in ((c0, a, 1), (a, b, per), (b, c1, 1)):
                 if hi > lo:
-                    kernel(fmt, rows, group, variant, model)(
+                    kernel(fmt, rows, group, variant, model, many and rows > 1)(
                         *weights, x_at + g * x_row, k, out_at + g * out_row * 4, out_row, k, lo, hi, xs_at)
 
 
