@@ -6,7 +6,7 @@ copy bandwidth, the measured step, their ratio, and the same per node kind.
     python bench/cpu_roofline.py --replan l4.json     # that step planned again on the cpu profile as it is now
 
 The plan prices the step with the ``cpu`` device profile, which is this machine's kind: ``cpu-avx512``
-or ``cpu-avx2`` (``dsv41/plan/profiles.py``).
+(Zen 5), ``cpu-avx512-emr`` (Emerald Rapids) or ``cpu-avx2`` (``dsv41/plan/profiles.py``).
 
 Bytes: the plan of the same decode step (``plan.step.run_plan``, TP1, one row per request as the
 engine decodes): every node's reads and writes (weights in their stored formats, caches, activations),

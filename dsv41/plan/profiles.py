@@ -327,15 +327,50 @@ CPU_AVX2 = replace(
                                           "(as cpu-avx512)",
              "weight_use_ns": _AVX2_WEIGHT_USE, "launch_us": _AVX2_RATES, "host_launch_us": _AVX2_RATES,
              "graph_launch_us": _AVX2_RATES, "token_sync_us": _AVX2_RATES})
+_EMR_RATES = ("bench/cpu_rates.py on the 2-core development VM with an Intel Emerald Rapids CPU (LLVM's "
+              "emeraldrapids; AVX-512, its BF16 and AMX not exposed to the VM), DSV41_TORCH_THREADS=1, idle: 256 MiB "
+              "FP32 copy 12.04 GB/s, 2048^3 GEMM FP32 160.7 and FP64 74.7 GFLOP/s, a 1-element torch.add 1.33 us "
+              "per call, a one-row FP32 product 0.27 ns a value")
+_EMR_WEIGHT_USE = ("bench/cpu_roofline.py on that VM (bench/results/cpu-roofline-flash-*-avx512-emr-cal*.json): the per-value "
+                   "cost of the node kinds of one format in the measured steps less the FP32 multiply-add the FLOPs "
+                   "term prices (2 / 160.7 GFLOP/s = 0.012 ns): FP8 and FP4 from the 40-layer step (0.111, 0.098 ns), "
+                   "BF16 the mean of two 4-layer steps' and the 40-layer step's (0.101, 0.095, 0.101), FP32 "
+                   "bench/cpu_rates.py's one-row 0.27 (docs/flash-shapes.md)")
+# the AVX-512 kernels on an Intel CPU whose VM copies at less than half the Zen 5 VM's bandwidth; its
+# weights stream at about twice its copy rate, so the profile prices reads at the read rate
+CPU_EMR = replace(
+    CPU, name="cpu-avx512-emr",
+    description="the 2-core development VM with AVX-512 (Intel Emerald Rapids; Torch eager, FP32 weight products)",
+    hbm_bytes_per_s=22.0 * G, flops_per_s={"mx": 160.7 * G, "dense": 74.7 * G, "vector": 160.7 * G},
+    launch_us=1.33, host_launch_us=1.33, graph_launch_us=1.33, token_sync_us=1.33,
+    weight_use_ns={"fp8": 0.099, "fp4": 0.086, "bf16": 0.087, "f32": 0.258},
+    sources={**CPU.sources,
+             "hbm_bytes_per_s": "bench/weight_kernels.py's one-row BF16 product on both cores, 0.083-0.089 ns a "
+                                "2-byte value: 22.5-24.1 GB/s read (a decode step reads its weights and writes "
+                                "little; the copy, read + write, ran at 10.3-12.3 GB/s, and the 4-layer step's "
+                                "BF16 head read 1.32 GB in 53-63 ms)",
+             "flops_per_s": _EMR_RATES + "; mx at the FP32 rate, dense at the FP64 rate, vector at the FP32 rate "
+                                         "(as cpu-avx512)",
+             "weight_use_ns": _EMR_WEIGHT_USE, "launch_us": _EMR_RATES, "host_launch_us": _EMR_RATES,
+             "graph_launch_us": _EMR_RATES, "token_sync_us": _EMR_RATES})
+# LLVM's names of the CPUs the Emerald Rapids profile stands for (Sapphire Rapids: the same cores,
+# assumed, not measured)
+_EMR_NAMES = ("sapphirerapids", "emeraldrapids")
 PROFILES[CPU.name] = CPU
 PROFILES[CPU_AVX2.name] = CPU_AVX2
+PROFILES[CPU_EMR.name] = CPU_EMR
 
 
 def _this_cpu() -> DeviceProfile:
     """``cpu``: the profile of the kernels this machine runs (AVX-512 or not, as ``ops.fused_product``
-    decides), so that a plan for ``--device-profile cpu`` prices the step this CPU will run."""
+    decides, and the measured VM nearest this one), so that a plan for ``--device-profile cpu`` prices
+    the step this CPU will run."""
+    import llvmlite.binding as llvm
+
     from dsv41.ops.fused_product import permute_width
-    return CPU if permute_width() == 16 else CPU_AVX2
+    if permute_width() != 16:
+        return CPU_AVX2
+    return CPU_EMR if llvm.get_host_cpu_name() in _EMR_NAMES else CPU
 
 
 PROFILES["cpu"] = _this_cpu()
