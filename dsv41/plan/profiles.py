@@ -311,22 +311,31 @@ _AVX2_WEIGHT_USE = ("bench/cpu_roofline.py on that VM: the per-value cost of the
                     "FP8 and FP4 the medians of four 40-layer steps with the byte-table decodes (0.114, 0.082 ns; "
                     "bench/results/cpu-roofline-flash-L40-E8-b1-avx2-e2m1.json is one), BF16 the mean of the 4- and "
                     "40-layer steps' medians (0.104, 0.133), FP32 bench/cpu_rates.py's one-row 0.26 (docs/flash-shapes.md)")
+
+
+def _vm(name: str, description: str, bandwidth: float, bandwidth_source: str, fp32: float, fp64: float, op_us: float,
+        weight_use_ns: dict, rates: str, weight_use: str) -> DeviceProfile:
+    """The ``cpu-avx512`` profile with another development VM's measurements: its bandwidth, FP32 and
+    FP64 GEMM rates (GFLOP/s), one small op's cost and per-value weight use, with their sources."""
+    return replace(
+        CPU, name=name, description=description, hbm_bytes_per_s=bandwidth,
+        flops_per_s={"mx": fp32 * G, "dense": fp64 * G, "vector": fp32 * G},
+        launch_us=op_us, host_launch_us=op_us, graph_launch_us=op_us, token_sync_us=op_us, weight_use_ns=weight_use_ns,
+        sources={**CPU.sources, "hbm_bytes_per_s": bandwidth_source,
+                 "flops_per_s": rates + "; mx at the FP32 rate, dense at the FP64 rate, vector at the FP32 rate "
+                                        "(as cpu-avx512)",
+                 "weight_use_ns": weight_use, "launch_us": rates, "host_launch_us": rates, "graph_launch_us": rates,
+                 "token_sync_us": rates})
+
+
 # the same kernels on a CPU without AVX-512: 8-lane vectors, half the registers, the FP4 and FP8 decodes
 # byte shuffles (docs/flash-shapes.md)
-CPU_AVX2 = replace(
-    CPU, name="cpu-avx2",
-    description="the 2-core development VM without AVX-512 (AMD Zen 3, AVX2; Torch eager, FP32 weight products)",
-    hbm_bytes_per_s=17.4 * G, flops_per_s={"mx": 69.8 * G, "dense": 40.0 * G, "vector": 69.8 * G},
-    launch_us=2.14, host_launch_us=2.14, graph_launch_us=2.14, token_sync_us=2.14,
-    weight_use_ns={"fp8": 0.085, "fp4": 0.053, "bf16": 0.089, "f32": 0.231},
-    sources={**CPU.sources,
-             "hbm_bytes_per_s": "bench/cpu_roofline.py's copy bandwidth in the steps of "
-                                "bench/results/cpu-roofline-flash-*-avx2.json: 14.7, 16.2, 18.5 GB/s, and "
-                                "bench/cpu_rates.py's 17.59; their median",
-             "flops_per_s": _AVX2_RATES + "; mx at the FP32 rate, dense at the FP64 rate, vector at the FP32 rate "
-                                          "(as cpu-avx512)",
-             "weight_use_ns": _AVX2_WEIGHT_USE, "launch_us": _AVX2_RATES, "host_launch_us": _AVX2_RATES,
-             "graph_launch_us": _AVX2_RATES, "token_sync_us": _AVX2_RATES})
+CPU_AVX2 = _vm(
+    "cpu-avx2", "the 2-core development VM without AVX-512 (AMD Zen 3, AVX2; Torch eager, FP32 weight products)",
+    17.4 * G, "bench/cpu_roofline.py's copy bandwidth in the steps of bench/results/cpu-roofline-flash-*-avx2.json: "
+              "14.7, 16.2, 18.5 GB/s, and bench/cpu_rates.py's 17.59; their median",
+    69.8, 40.0, 2.14, {"fp8": 0.085, "fp4": 0.053, "bf16": 0.089, "f32": 0.231}, _AVX2_RATES, _AVX2_WEIGHT_USE)
+
 _EMR_RATES = ("bench/cpu_rates.py on the 2-core development VM with an Intel Emerald Rapids CPU (LLVM's "
               "emeraldrapids; AVX-512, its BF16 and AMX not exposed to the VM), DSV41_TORCH_THREADS=1, idle: 256 MiB "
               "FP32 copy 12.04 GB/s, 2048^3 GEMM FP32 160.7 and FP64 74.7 GFLOP/s, a 1-element torch.add 1.33 us "
@@ -338,21 +347,12 @@ _EMR_WEIGHT_USE = ("bench/cpu_roofline.py on that VM (bench/results/cpu-roofline
                    "bench/cpu_rates.py's one-row 0.27 (docs/flash-shapes.md)")
 # the AVX-512 kernels on an Intel CPU whose VM copies at less than half the Zen 5 VM's bandwidth; its
 # weights stream at about twice its copy rate, so the profile prices reads at the read rate
-CPU_EMR = replace(
-    CPU, name="cpu-avx512-emr",
-    description="the 2-core development VM with AVX-512 (Intel Emerald Rapids; Torch eager, FP32 weight products)",
-    hbm_bytes_per_s=22.0 * G, flops_per_s={"mx": 160.7 * G, "dense": 74.7 * G, "vector": 160.7 * G},
-    launch_us=1.33, host_launch_us=1.33, graph_launch_us=1.33, token_sync_us=1.33,
-    weight_use_ns={"fp8": 0.099, "fp4": 0.086, "bf16": 0.087, "f32": 0.258},
-    sources={**CPU.sources,
-             "hbm_bytes_per_s": "bench/weight_kernels.py's one-row BF16 product on both cores, 0.083-0.089 ns a "
-                                "2-byte value: 22.5-24.1 GB/s read (a decode step reads its weights and writes "
-                                "little; the copy, read + write, ran at 10.3-12.3 GB/s, and the 4-layer step's "
-                                "BF16 head read 1.32 GB in 53-63 ms)",
-             "flops_per_s": _EMR_RATES + "; mx at the FP32 rate, dense at the FP64 rate, vector at the FP32 rate "
-                                         "(as cpu-avx512)",
-             "weight_use_ns": _EMR_WEIGHT_USE, "launch_us": _EMR_RATES, "host_launch_us": _EMR_RATES,
-             "graph_launch_us": _EMR_RATES, "token_sync_us": _EMR_RATES})
+CPU_EMR = _vm(
+    "cpu-avx512-emr", "the 2-core development VM with AVX-512 (Intel Emerald Rapids; Torch eager, FP32 weight products)",
+    22.0 * G, "bench/weight_kernels.py's one-row BF16 product on both cores, 0.083-0.089 ns a 2-byte value: 22.5-24.1 "
+              "GB/s read (a decode step reads its weights and writes little; the copy, read + write, ran at "
+              "10.3-12.3 GB/s, and the 4-layer step's BF16 head read 1.32 GB in 53-63 ms)",
+    160.7, 74.7, 1.33, {"fp8": 0.099, "fp4": 0.086, "bf16": 0.087, "f32": 0.258}, _EMR_RATES, _EMR_WEIGHT_USE)
 # LLVM's names of the CPUs the Emerald Rapids profile stands for (Sapphire Rapids: the same cores,
 # assumed, not measured)
 _EMR_NAMES = ("sapphirerapids", "emeraldrapids")
