@@ -61,8 +61,8 @@ _BLOCK_BYTES = {"fp8": 32, "fp4": 16, "bf16": 64, "f32": 128}
 _AHEAD = 8                  # weight rows the software prefetch runs ahead (best of 4, 8, 16 measured)
 # activation rows per pass by the vector registers' lanes: with AVX2 a tiled 3-row pass ran faster per
 # row than a 4-row one (its accumulators fit the registers; in cache, Zen 3); with AVX-512 an 8-row pass
-# of one weight row decodes each weight once for 8 rows (6 and 8 rows ran 10-25% faster per row than in
-# passes of 4, in cache, Emerald Rapids)
+# of one weight row decodes each weight once for 8 rows (a batch-8 step 466 and 651 ms against 605 and
+# 754 in passes of 4, Emerald Rapids; docs/flash-shapes.md)
 PASS_ROWS = {16: 8, 8: 3}
 MAX_ROWS = max(PASS_ROWS.values())      # activation rows of a pass on any CPU (more spill the accumulators)
 TILE = 32                   # blocks of a K tile (``tiled``): x's tile for 4 rows is 16 KB, for 8 32 KB

@@ -340,15 +340,17 @@ _EMR_RATES = ("bench/cpu_rates.py on the 2-core development VM with an Intel Eme
               "emeraldrapids; AVX-512, its BF16 and AMX not exposed to the VM), DSV41_TORCH_THREADS=1, idle: 256 MiB "
               "FP32 copy 12.04 GB/s, 2048^3 GEMM FP32 160.7 and FP64 74.7 GFLOP/s, a 1-element torch.add 1.33 us "
               "per call, a one-row FP32 product 0.27 ns a value")
-_EMR_WEIGHT_USE = ("bench/cpu_roofline.py on that VM (bench/results/cpu-roofline-flash-*-avx512-emr-cal*.json): the per-value "
-                   "cost of the node kinds of one format in the measured steps less the FP32 multiply-add the FLOPs "
-                   "term prices (2 / 160.7 GFLOP/s = 0.012 ns): FP8 and FP4 from the 40-layer step (0.111, 0.098 ns), "
+_EMR_WEIGHT_USE = ("bench/cpu_roofline.py on that VM (bench/results/cpu-roofline-flash-*-avx512-emr-cal*.json): "
+                   "the per-value cost of the node kinds of one format in the measured steps less the FP32 "
+                   "multiply-add the FLOPs term prices (2 / 160.7 GFLOP/s = 0.012 ns): FP8 and FP4 from the 40-layer "
+                   "step (0.111, 0.098 ns), "
                    "BF16 the mean of two 4-layer steps' and the 40-layer step's (0.101, 0.095, 0.101), FP32 "
                    "bench/cpu_rates.py's one-row 0.27 (docs/flash-shapes.md)")
 # the AVX-512 kernels on an Intel CPU whose VM copies at less than half the Zen 5 VM's bandwidth; its
 # weights stream at about twice its copy rate, so the profile prices reads at the read rate
 CPU_EMR = _vm(
-    "cpu-avx512-emr", "the 2-core development VM with AVX-512 (Intel Emerald Rapids; Torch eager, FP32 weight products)",
+    "cpu-avx512-emr",
+    "the 2-core development VM with AVX-512 (Intel Emerald Rapids; Torch eager, FP32 weight products)",
     22.0 * G, "bench/weight_kernels.py's one-row BF16 product on both cores, 0.083-0.089 ns a 2-byte value: 22.5-24.1 "
               "GB/s read (a decode step reads its weights and writes little; the copy, read + write, ran at "
               "10.3-12.3 GB/s, and the 4-layer step's BF16 head read 1.32 GB in 53-63 ms)",
