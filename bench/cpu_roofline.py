@@ -20,8 +20,8 @@ the kind's bytes, and take at least 1% of the step) over the weight values the p
 multiply: the ``cpu`` profile's ``weight_use_ns``. FMA floor: the plan's matrix multiply-adds (its
 ``mx`` and ``dense`` flops over 2) as FP32 fused multiply-adds at one core's measured rate for the
 weight kernels' vectors, 16 lanes with AVX-512, 8 without (``bench/core_rates.py``, register
-operands), on every core: the time the step's arithmetic takes at
-the least, as the products compute it; at a larger batch it can exceed the memory floor.
+operands), on every core: the time the step's arithmetic takes at the least, as the products compute
+it; at a larger batch it can exceed the memory floor.
 Weights are drawn at random (``--config`` and the reductions) or served from ``--checkpoint``
 (drawing FLASH-width layers takes about a minute each; a written checkpoint is read in seconds).
 """

@@ -219,8 +219,8 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
 @pytest.mark.parametrize("rows", [2, 3, 4, 7, 8])
 @pytest.mark.parametrize("chunk", ["default", "32 rows"])
 def test_products_over_several_k_tiles_are_the_defined_sum(rows, chunk, monkeypatch):
-    """K over two whole AVX2 K tiles and part of a third (``fused_product.TILE`` blocks each), and
-    bf16 and f32 columns past the last block: every decode, for this CPU and for an AVX2 one (whose
+    """K over two whole K tiles and part of a third (``fused_product.TILE`` blocks each), and bf16
+    and f32 columns past the last block: every decode, for this CPU and for an AVX2 one (on both,
     passes of more than one row run tile by tile, a 32-row block row at a time), gives the defined
     sum over weight-row ranges that start and end inside a group and a block row, each output row
     the bits of its row alone; also with the passes taking the weight rows in chunks of 32."""

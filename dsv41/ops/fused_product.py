@@ -29,12 +29,11 @@ Passes take 1-8 activation rows with AVX-512 and 1-3 with AVX2 (``PASS_ROWS``; o
 weight value per row is the cost that grows with the batch) and up to four weight rows
 (``WEIGHT_ROWS``, as many as the CPU's vector registers hold the accumulators of), so that FMA chains
 overlap and each load of x serves several weight rows. A pass of two or more rows over more than one
-K tile runs a block row of weight rows one tile at a time (``tiled``), so that x's tile is read from L1. With
-more than one pass, every pass runs over a chunk of the weight rows (``CHUNK_BYTES``) before the next
-chunk, so that the chunk comes from memory once. The weight rows a few groups on are prefetched in
-software. Compiled code is kept as object files
-beside this module (``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of
-compiling.
+K tile runs a block row of weight rows one tile at a time (``tiled``), so that x's tile is read from
+L1. With more than one pass, every pass runs over a chunk of the weight rows (``CHUNK_BYTES``)
+before the next chunk, so that the chunk comes from memory once. The weight rows a few groups on are
+prefetched in software. Compiled code is kept as object files beside this module
+(``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of compiling.
 """
 from __future__ import annotations
 
