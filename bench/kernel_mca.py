@@ -27,7 +27,9 @@ DEFAULT = "fp8:1:1:prescaled,fp8:4:1:prescaled,fp4:1:1:table,fp4:4:1:table,bf16:
 def block_loop(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
     """The assembly of the kernel's loop over blocks: the basic block with the most FMAs, up to its
     jump back."""
-    mod, tm = fp.optimised(fp.kernel_ir(fmt, rows, weight_rows, variant, fp.permute_width()))
+    width = fp.permute_width()
+    halves = width == 16 and rows >= fp.HALF_ROWS       # as fused_product.product runs such a pass
+    mod, tm = fp.optimised(fp.kernel_ir(fmt, rows, weight_rows, variant, width, halves=halves))
     blocks = tm.emit_assembly(mod).split("\n.LBB")
     body = max(blocks, key=lambda b: b.count("vfmadd"))
     lines = []

@@ -30,10 +30,12 @@ weight value per row is the cost that grows with the batch) and up to four weigh
 (``WEIGHT_ROWS``, as many as the CPU's vector registers hold the accumulators of), so that FMA chains
 overlap and each load of x serves several weight rows. A pass of two or more rows over more than one
 K tile runs a block row of weight rows one tile at a time (``tiled``), so that x's tile is read from
-L1. With more than one pass, every pass runs over a chunk of the weight rows (``CHUNK_BYTES``)
-before the next chunk, so that the chunk comes from memory once. The weight rows a few groups on are
-prefetched in software. Compiled code is kept as object files beside this module
-(``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of compiling.
+L1; from ``HALF_ROWS`` rows on with AVX-512 it takes the blocks' columns 0-15 over the tile, then
+16-31, each lane's sum still one chain in block order. With more than one pass, every pass runs over
+a chunk of the weight rows (``CHUNK_BYTES``) before the next chunk, so that the chunk comes from
+memory once. The weight rows the sweeps reach a few groups on are prefetched in software. Compiled
+code is kept as object files beside this module (``DSV41_KERNEL_CACHE`` moves them), so later
+processes load it instead of compiling.
 """
 from __future__ import annotations
 
@@ -70,7 +72,12 @@ TILE = 32                   # blocks of a K tile (``tiled``): x's tile for 4 row
 # registers beside the decode's: AVX-512 has 32 of 16 lanes (measured for the FP64 sums,
 # docs/flash-shapes.md), AVX2 16 of 8 (the same budget in registers: a 2-row pass of one weight row ran
 # faster than of two or four, Zen 3). A divisor of 32, so a group never straddles an FP8 32-row block.
-WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
+# From HALF_ROWS rows on (AVX-512) a pass sweeps the blocks' two halves one after the other, so only
+# half the accumulators are live and two weight rows share each load of x: fewer loads per FMA,
+# where loads, not the FMA ports, bound an 8-row pass (bench/core_rates.py: 3.1 G FMAs/s that load
+# an operand against 5.1 G without, one core, Emerald Rapids; docs/flash-shapes.md)
+WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
+HALF_ROWS = 5
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1); E4M3's BF16 one (the 8-lane
 # decode's) is the value times 2^-120
@@ -268,6 +275,27 @@ def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, w
     return f.halves("float", _load(f, "<32 x float>", fmt, prow, b))
 
 
+def _half(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, h: int) -> str:
+    """Columns 16 h to 16 h + 15 of block ``b`` alone as <16 x float>, with 16 lanes (AVX-512): the
+    same values as that half of ``_decode``'s, from half the bytes (a sweep of one half at a time)."""
+    at = f.let(f"getelementptr i8, ptr {_block_at(f, fmt, prow, b)}, i64 {_BLOCK_BYTES[fmt] // 2 * h}")
+    if fmt == "fp8":
+        z = f.let(f"sext <16 x i8> {f.let(f'load <16 x i8>, ptr {at}, align 1')} to <16 x i16>")
+        shifted = f.let(f"shl <16 x i16> {z}, {splat('i16', 16, 7)}")
+        bits = f.let(f"and <16 x i16> {shifted}, {splat('i16', 16, _FP8_HALF_MASK)}")
+        d = f.let(f"fpext <16 x half> {f.let(f'bitcast <16 x i16> {bits} to <16 x half>')} to <16 x float>")
+        if variant == "prescaled":
+            return d
+        return f.let(f"fmul <16 x float> {d}, {f.broadcast('float', _power_of_two(f, srow, b, _STAND_IN[fmt]), 16)}")
+    if fmt == "bf16":
+        z = f.let(f"zext <16 x i16> {f.let(f'load <16 x i16>, ptr {at}, align 1')} to <16 x i32>")
+        upper = f.let(f"shl <16 x i32> {z}, {splat('i32', 16, 16)}")
+        return f.let(f"bitcast <16 x i32> {upper} to <16 x float>")
+    if fmt == "f32":
+        return f.let(f"load <16 x float>, ptr {at}, align 1")
+    return _decode(f, fmt, variant, prow, srow, b, 16)[h]     # fp4: each half is its own permute
+
+
 def _at(f: Function, ty: str, base: str, i: str, j: str) -> str:
     """&base[i + j] for elements of type ``ty``."""
     return f.let(f"getelementptr {ty}, ptr {base}, i64 {f.let(f'add i64 {i}, {j}')}")
@@ -281,7 +309,8 @@ def _tail_value(f: Function, fmt: str, prow: str, j: str) -> str:
     return f.let(f"load float, ptr {f.let(f'getelementptr float, ptr {prow}, i64 {j}')}")
 
 
-def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 16, tile: int = 0) -> str:
+def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 16, tile: int = 0,
+              halves: bool = False) -> str:
     """``void product(p, pstride, s, sstride, sdiv, x, xstride, out, ostride, k, r0, r1, xs)``:
     out[r, n] = sum_c x[r, c] w[n, c] for r < ``rows`` and n in [r0, r1), ``weight_rows`` at a time;
     weight row n at p + n pstride bytes, its scale codes at s + (n / sdiv) sstride; x [rows, xstride]
@@ -289,8 +318,10 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
     (``x_order``), made once, or (``prescaled``) x times the stand-in's 2^8 or 2^120 and the scales of
     the weight rows' block row, remade when the block row changes (a group of weight rows never
     straddles two). ``width``: the vector lanes of the decode, 16 (AVX-512) or 8 (AVX2). ``tile``:
-    blocks of a K tile (``tiled``; 0: none)."""
+    blocks of a K tile (``tiled``; 0: none). ``halves``: each sweep takes the blocks' columns 0-15,
+    then 16-31 (16 lanes only; see ``HALF_ROWS``)."""
     f = Function()
+    sweeps = [(0,), (1,)] if halves else [(0, 1)]
     f.do("%blocks = udiv i64 %k, 32")
     f.do("%whole = mul i64 %blocks, 32")
     acc = {(u, r, h): f.slot("<16 x float>", 64)
@@ -344,21 +375,27 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                 f.do(f"store i64 {block_rows[0]}, ptr {made_for}")
             f.when(stale, remake)
 
-    def sweep(lo: str, hi: str, prows: list[str], srows: list[str]) -> None:
-        """The group's products over blocks [lo, hi), into the accumulators."""
+    def sweep(lo: str, hi: str, prows: list[str], srows: list[str], hs: tuple, ahead: list[str] | None = None) -> None:
+        """The group's products over blocks [lo, hi) and halves ``hs``, into the accumulators;
+        ``ahead``: where the prefetch reads for each weight row at block 0 (None: _AHEAD rows on)."""
         # the rows _AHEAD on, fetched a block at a time while this group works: a column slice's rows
         # are short strided runs the hardware prefetcher does not follow (1.6x slower from memory)
-        ahead = [f.let(f"getelementptr i8, ptr {p}, i64 {f.let(f'mul i64 %pstride, {_AHEAD}')}") for p in prows]
+        if ahead is None:
+            ahead = [f.let(f"getelementptr i8, ptr {p}, i64 {f.let(f'mul i64 %pstride, {_AHEAD}')}") for p in prows]
 
         def block(b: str) -> None:
-            for p in ahead:
+            for p in ahead if hs[0] == 0 else ():        # the second half's sweep finds them in cache
                 f.do(f"call void @llvm.prefetch.p0(ptr {_block_at(f, fmt, p, b)}, i32 0, i32 3, i32 1)")
-            ws = [_decode(f, fmt, variant, prows[u], srows[u], b, width) for u in range(weight_rows)]
+            if len(hs) == 2:
+                ws = [_decode(f, fmt, variant, prows[u], srows[u], b, width) for u in range(weight_rows)]
+            else:
+                ws = [{hs[0]: _half(f, fmt, variant, prows[u], srows[u], b, hs[0])} for u in range(weight_rows)]
             cols = columns(b)
             for r in range(rows):
-                xs = [f.let(f"load <16 x float>, ptr {_at(f, 'float', src, c, src_row[r])}, align 4") for c in cols]
+                xs = {h: f.let(f"load <16 x float>, ptr {_at(f, 'float', src, cols[h], src_row[r])}, align 4")
+                      for h in hs}
                 for u in range(weight_rows):
-                    for h in (0, 1):
+                    for h in hs:
                         a = f.let(f"load <16 x float>, ptr {acc[u, r, h]}")
                         y = f.let(f"call <16 x float> @llvm.fma.v16f32(<16 x float> {xs[h]}, <16 x float> {ws[u][h]}, "
                                   f"<16 x float> {a})")
@@ -397,11 +434,12 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
             for slot in acc.values():
                 f.do(f"store <16 x float> zeroinitializer, ptr {slot}")
             restage(block_rows, srows)
-            sweep("0", "%blocks", prows, srows)
+            for hs in sweeps:
+                sweep("0", "%blocks", prows, srows, hs)
             finish(ns, prows)
         f.loop("%r0", "%r1", weight_rows, weight_group)
     else:
-        tiled(f, tile, rows, weight_rows, acc, group, restage, sweep, finish)
+        tiled(f, fmt, tile, rows, weight_rows, acc, group, restage, sweep, finish, sweeps)
     f.do("ret void")
     return f.text("define void @product(ptr noalias %p, i64 %pstride, ptr noalias %s, i64 %sstride, i64 %sdiv, "
                   "ptr noalias %x, i64 %xstride, ptr noalias %out, i64 %ostride, i64 %k, i64 %r0, i64 %r1, "
@@ -414,7 +452,8 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                    *([_tables_ir(width)] if fmt == "fp4" and variant == "table" else [])])
 
 
-def tiled(f: Function, tile: int, rows: int, weight_rows: int, acc: dict, group, restage, sweep, finish) -> None:
+def tiled(f: Function, fmt: str, tile: int, rows: int, weight_rows: int, acc: dict, group, restage, sweep, finish,
+          sweeps: list[tuple]) -> None:
     """The weight rows a block row (32 rows) at a time, and each block row a K tile at a time: every
     group of weight rows sweeps a tile's blocks, its accumulators kept between tiles in a stack
     array, then all groups finish. Each lane's sum is still one chain in block order (the same bits),
@@ -429,6 +468,20 @@ def tiled(f: Function, tile: int, rows: int, weight_rows: int, acc: dict, group,
         first = f.let(f"mul i64 {f.let(f'sub i64 {n}, {lo}')}, {rows * 2}")
         at = f.let(f"add i64 {first}, {(u * rows + r) * 2 + h}")
         return f.let(f"getelementptr <16 x float>, ptr {state}, i64 {at}")
+
+    def ahead(n0: str, lo: str, hi: str) -> list[str]:
+        """The prefetch's rows: those the sweeps reach _AHEAD rows on, past the block row's last row
+        its first rows in the next tile (not the next block row's, which come after every tile)."""
+        out = []
+        span = f.let(f"sub i64 {hi}, {lo}")
+        for u in range(weight_rows):
+            m = f.let(f"add i64 {n0}, {u + _AHEAD}")
+            past = f.let(f"icmp uge i64 {m}, {hi}")
+            row = f.let(f"select i1 {past}, i64 {f.let(f'sub i64 {m}, {span}')}, i64 {m}")
+            shift = f.let(f"select i1 {past}, i64 {tile * _BLOCK_BYTES[fmt]}, i64 0")
+            at = f.let(f"add i64 {f.let(f'mul i64 {row}, %pstride')}, {shift}")
+            out.append(f.let(f"getelementptr i8, ptr %p, i64 {at}"))
+        return out
 
     def chunk(c: str) -> None:
         start = f.let(f"add i64 {base}, {f.let(f'mul i64 {c}, 32')}")
@@ -447,11 +500,15 @@ def tiled(f: Function, tile: int, rows: int, weight_rows: int, acc: dict, group,
             def weight_group(n0: str) -> None:
                 _, prows, srows, block_rows = group(n0)
                 restage(block_rows, srows)
-                for (u, r, h), slot in acc.items():
-                    f.do(f"store <16 x float> {f.let(f'load <16 x float>, ptr {saved(n0, lo, u, r, h)}')}, ptr {slot}")
-                sweep(t0, t1, prows, srows)
-                for (u, r, h), slot in acc.items():
-                    f.do(f"store <16 x float> {f.let(f'load <16 x float>, ptr {slot}')}, ptr {saved(n0, lo, u, r, h)}")
+                for hs in sweeps:       # only a sweep's own accumulators are in registers
+                    mine = [(key, slot) for key, slot in acc.items() if key[2] in hs]
+                    for (u, r, h), slot in mine:
+                        f.do(f"store <16 x float> {f.let(f'load <16 x float>, ptr {saved(n0, lo, u, r, h)}')}, "
+                             f"ptr {slot}")
+                    sweep(t0, t1, prows, srows, hs, ahead(n0, lo, hi))
+                    for (u, r, h), slot in mine:
+                        f.do(f"store <16 x float> {f.let(f'load <16 x float>, ptr {slot}')}, "
+                             f"ptr {saved(n0, lo, u, r, h)}")
             f.loop(lo, hi, weight_rows, weight_group)
         f.loop("0", tiles, 1, k_tile)
 
@@ -522,10 +579,12 @@ _compile_lock = threading.Lock()
 _compiled: dict[tuple, tuple] = {}     # process-wide like numba's dispatchers: compiled code, no run state
 
 
-def kernel(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None = None, tiled: bool = False):
+def kernel(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None = None, tiled: bool = False,
+           halves: bool = False):
     """The compiled kernel (a ctypes function; the call releases the GIL), compiled once per process
-    (``model``: for that CPU model instead of this one; ``tiled``: K in tiles of ``TILE`` blocks)."""
-    key = (fmt, rows, weight_rows, variant, model, tiled)
+    (``model``: for that CPU model instead of this one; ``tiled``: K in tiles of ``TILE`` blocks;
+    ``halves``: see ``kernel_ir``)."""
+    key = (fmt, rows, weight_rows, variant, model, tiled, halves)
     found = _compiled.get(key)
     if found is None:
         with _compile_lock:
@@ -572,13 +631,14 @@ def _object_code(ir: str, model: str | None) -> bytes:
     return code
 
 
-def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None, tiled: bool):
+def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None, tiled: bool, halves: bool):
     """(the kernel's ctypes function, the engine that owns its code)."""
     if not llvm.get_host_cpu_features().get("f16c", False):
         raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _machine())
     engine.add_object_file(llvm.ObjectFileRef.from_data(
-        _object_code(kernel_ir(fmt, rows, weight_rows, variant, permute_width(model), TILE if tiled else 0), model)))
+        _object_code(kernel_ir(fmt, rows, weight_rows, variant, permute_width(model), TILE if tiled else 0, halves),
+                     model)))
     engine.finalize_object()
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
@@ -672,12 +732,13 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
     for c0, c1 in _chunks(r0, r1, k * _BLOCK_BYTES[fmt] // BLOCK, len(passes)):
         for g, rows in passes:
             # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
+            halves = width == 16 and rows >= HALF_ROWS
             per = WEIGHT_ROWS[16 if width == 16 else 8][rows]
             a = min(c1, -(-c0 // per) * per)
             b = a + (c1 - a) // per * per
             for lo, hi, group in ((c0, a, 1), (a, b, per), (b, c1, 1)):
                 if hi > lo:
-                    kernel(fmt, rows, group, variant, model, many and rows > 1)(
+                    kernel(fmt, rows, group, variant, model, many and rows > 1, halves)(
                         *weights, x_at + g * x_row, k, out_at + g * out_row * 4, out_row, k, lo, hi, xs_at)
 
 
