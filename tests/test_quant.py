@@ -112,6 +112,36 @@ def test_mxfp8_qdq_values_idempotent_and_error_bound():
     assert torch.equal(y.double(), mxfp8_qdq_64(x))
 
 
+def test_mxfp8_qdq_edges_match_the_spec_rule_and_torchs_cast():
+    """The compiled pass (``ops.quant_kernels``) on E4M3's ties in every binade and among the
+    subnormals, values rounding up into the next binade, signed zeros, tiny and huge scales: the
+    FP64 spec rule value for value, zero signs included; with infinities and NaN in a group, what
+    Torch's own ops (clamp, the float8 cast) give, NaN for NaN."""
+    grid = quant.E4M3_VALUES[torch.isfinite(quant.E4M3_VALUES)].unique()
+    ties = ((grid[:-1] + grid[1:]) / 2)[torch.randint(len(grid) - 1, (32, 256), generator=torch.Generator().manual_seed(3))]
+    ties[:, ::32] = 448.0                                   # scale 1: every tie is one on E4M3's grid
+    steps = torch.arange(-8192, 8192, 2, dtype=torch.float32)[:8192].reshape(32, 256) * 2.0 ** -16
+    steps[:, ::32] = 448.0                                  # subnormals and their ties (2^-10 steps)
+    zeros = torch.zeros(2, 64)
+    zeros[0, 1::2] = -0.0
+    zeros[1] = -1e-30
+    zeros[1, 0] = 448.0
+    finite = [ties, ties * 2.0 ** -30, ties * 2.0 ** 40, steps, -steps, zeros, _rand(8, 512, seed=8) * 1e-38,
+              _rand(8, 512, seed=9) * 1e36]
+    for x in finite:
+        y = quant.mxfp8_qdq(x)
+        assert torch.equal(y.double(), mxfp8_qdq_64(x))
+        assert torch.equal(torch.signbit(y), torch.signbit(mxfp8_qdq_64(x)))
+    x = _rand(4, 64, seed=10)
+    x[0, 3], x[1, 40], x[2, 7], x[3, 0] = float("inf"), float("-inf"), float("nan"), 3e38
+    g = x.reshape(4, 2, 32)
+    s = quant.pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(quant.MXFP8_AMAX_FLOOR) * quant._INV_E4M3_MAX)
+    want = (quant.e4m3(g / s).float() * s).reshape(x.shape)
+    got = quant.mxfp8_qdq(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
 def test_mxfp8_rejects_ragged_groups():
     with pytest.raises(ValueError, match="group"):
         quant.mxfp8_encode(torch.zeros(2, 33))

@@ -6,7 +6,10 @@ All scale exponents are exact ceil(log2(.)) computed from the float's exponent b
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from dsv41.ops.quant_kernels import mxfp8_qdq_rows
 
 E4M3_MAX = 448.0
 FP4_MAX = 6.0
@@ -16,6 +19,7 @@ FP4_E8M0_FLOOR = 6.0 * 2.0 ** -126   # official floor for E8M0-scaled FP4 (index
 FP4_E4M3_FLOOR = 6.0 * 2.0 ** -9     # E4M3-scaled FP4 (compressed KV): scale >= 2^-9
 MXFP8_AMAX_FLOOR = 1e-4
 _INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+_INV_E4M3_MAX32, _AMAX_FLOOR32 = np.float32(1.0 / E4M3_MAX), np.float32(MXFP8_AMAX_FLOOR)   # mxfp8_qdq's FP32 constants
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +100,12 @@ def mxfp8_qdq(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """Dynamic MXFP8 activation fake-quantization (per row, groups of 32 along the last dim):
     ``mxfp8_decode(*mxfp8_encode(x))`` for finite x without materialising the codes. The scale
     2^ceil(log2(amax/448)) is what its E8M0 code decodes to; with amax floored at 1e-4 and finite it
-    lies in [2^-22, 2^120], where ``pow2_ceil`` is exact, so the bits are the same in fewer ops."""
-    g = _groups(x, group)
-    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(MXFP8_AMAX_FLOOR) * _INV_E4M3_MAX)
-    return (e4m3(g / s).float() * s).reshape(x.shape)
+    lies in [2^-22, 2^120], where ``pow2_ceil`` is exact, so the bits are the same in fewer ops: one
+    compiled pass (``ops.quant_kernels``)."""
+    rows = _groups(x, group).reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    mxfp8_qdq_rows(rows.numpy(), out.numpy(), group, _AMAX_FLOOR32, _INV_E4M3_MAX32)
+    return out.reshape(x.shape)
 
 
 # ---- FP4 E2M1 --------------------------------------------------------------------------------
