@@ -51,12 +51,16 @@ class ConstantLogitsError(NonFiniteError):
 def ensure_finite(x: torch.Tensor, layer: int | None, site: str) -> torch.Tensor:
     """x, or NonFiniteError naming where it was found (at the logits: ConstantLogitsError for a row
     of equal values)."""
-    if not bool(torch.isfinite(x).all()):
+    if not x.numel():
+        return x
+    # one pass for both checks: a NaN is every reduction's min and max, an Inf its max or min
+    rows = x.reshape(-1, x.shape[-1]) if site == LOGITS else x.reshape(1, -1)
+    lo, hi = torch.aminmax(rows, dim=-1)
+    if not bool((torch.isfinite(lo) & torch.isfinite(hi)).all()):
         raise NonFiniteError(layer, site, f"{int(torch.isnan(x).sum())} NaN, {int(torch.isinf(x).sum())} Inf "
                                           f"of {x.numel()} values")
-    if site == LOGITS and x.numel() and x.shape[-1] > 1:
-        rows = x.reshape(-1, x.shape[-1])
-        flat = rows.amax(-1) == rows.amin(-1)
+    if site == LOGITS and x.shape[-1] > 1:
+        flat = lo == hi
         if bool(flat.any()):
             row = int(flat.nonzero()[0])
             raise ConstantLogitsError(layer, site, f"row {row}: all {rows.shape[1]} values equal "
