@@ -118,7 +118,8 @@ def test_mxfp8_qdq_edges_match_the_spec_rule_and_torchs_cast():
     FP64 spec rule value for value, zero signs included; with infinities and NaN in a group, what
     Torch's own ops (clamp, the float8 cast) give, NaN for NaN."""
     grid = quant.E4M3_VALUES[torch.isfinite(quant.E4M3_VALUES)].unique()
-    ties = ((grid[:-1] + grid[1:]) / 2)[torch.randint(len(grid) - 1, (32, 256), generator=torch.Generator().manual_seed(3))]
+    pick = torch.randint(len(grid) - 1, (32, 256), generator=torch.Generator().manual_seed(3))
+    ties = ((grid[:-1] + grid[1:]) / 2)[pick]
     ties[:, ::32] = 448.0                                   # scale 1: every tie is one on E4M3's grid
     steps = torch.arange(-8192, 8192, 2, dtype=torch.float32)[:8192].reshape(32, 256) * 2.0 ** -16
     steps[:, ::32] = 448.0                                  # subnormals and their ties (2^-10 steps)

@@ -19,7 +19,7 @@ FP4_E8M0_FLOOR = 6.0 * 2.0 ** -126   # official floor for E8M0-scaled FP4 (index
 FP4_E4M3_FLOOR = 6.0 * 2.0 ** -9     # E4M3-scaled FP4 (compressed KV): scale >= 2^-9
 MXFP8_AMAX_FLOOR = 1e-4
 _INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
-_INV_E4M3_MAX32, _AMAX_FLOOR32 = np.float32(1.0 / E4M3_MAX), np.float32(MXFP8_AMAX_FLOOR)   # mxfp8_qdq's FP32 constants
+_INV_E4M3_MAX32, _AMAX_FLOOR32 = np.float32(1.0 / E4M3_MAX), np.float32(MXFP8_AMAX_FLOOR)   # mxfp8_qdq's
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
