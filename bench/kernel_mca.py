@@ -28,8 +28,7 @@ def block_loop(fmt: str, rows: int, weight_rows: int, variant: str) -> str:
     """The assembly of the kernel's loop over blocks: the basic block with the most FMAs, up to its
     jump back."""
     width = fp.permute_width()
-    halves = width == 16 and rows >= fp.HALF_ROWS       # as fused_product.product runs such a pass
-    mod, tm = fp.optimised(fp.kernel_ir(fmt, rows, weight_rows, variant, width, halves=halves))
+    mod, tm = fp.optimised(fp.kernel_ir(fmt, rows, weight_rows, variant, width, halves=fp.half_sweeps(rows, width)))
     blocks = tm.emit_assembly(mod).split("\n.LBB")
     body = max(blocks, key=lambda b: b.count("vfmadd"))
     lines = []

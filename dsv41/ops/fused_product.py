@@ -117,13 +117,13 @@ def _load(f: Function, ty: str, fmt: str, prow: str, b: str) -> str:
     return f.let(f"load {ty}, ptr {_block_at(f, fmt, prow, b)}, align 1")
 
 
-def _times(f: Function, values: str, factor: str) -> str:
-    return f.let(f"fmul <32 x float> {values}, {f.broadcast('float', factor, 32)}")
+def _times(f: Function, values: str, factor: str, n: int = 32) -> str:
+    return f.let(f"fmul <{n} x float> {values}, {f.broadcast('float', factor, n)}")
 
 
-def _from_half(f: Function, bits: str) -> str:
-    """<32 x i16> FP16 bits as <32 x float> (exact)."""
-    return f.let(f"fpext <32 x half> {f.let(f'bitcast <32 x i16> {bits} to <32 x half>')} to <32 x float>")
+def _from_half(f: Function, bits: str, n: int = 32) -> str:
+    """<n x i16> FP16 bits as <n x float> (exact)."""
+    return f.let(f"fpext <{n} x half> {f.let(f'bitcast <{n} x i16> {bits} to <{n} x half>')} to <{n} x float>")
 
 
 def _to_half(f: Function, codes: str, shift: int, magnitude: int, sign_shift: int) -> str:
@@ -252,48 +252,38 @@ def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, w
     FP16 stand-ins, whose 2^8 and block scale x carries; ``table``: by ``width``, AVX-512's or AVX2's)."""
     if fmt == "fp8" and variant == "prescaled" and width != 16:
         return _fp8_bf16_decode(f, prow, b)
-    if fmt == "fp8":
-        # sign-extended and shifted by 7, a byte's sign lands in bit 15 (and 14, cleared by the mask) and
-        # its magnitude in FP16's exponent and significand: three operations per 16 values
-        z = f.let(f"sext <32 x i8> {_load(f, '<32 x i8>', fmt, prow, b)} to <32 x i16>")
-        shifted = f.let(f"shl <32 x i16> {z}, {splat('i16', 32, 7)}")
-        bits = f.let(f"and <32 x i16> {shifted}, {splat('i16', 32, _FP8_HALF_MASK)}")
-        d = _from_half(f, bits)
-        if variant != "prescaled":
-            d = _times(f, d, _power_of_two(f, srow, b, _STAND_IN[fmt]))
-        return f.halves("float", d)
     if variant == "table":
         return _table_decode(f, prow, srow, b, width)
     if fmt == "fp4":
         z = f.let(f"zext <32 x i8> {_nibbles(f, prow, b)} to <32 x i16>")
         d = _times(f, _from_half(f, _to_half(f, z, 9, 0x0E00, 12)), _float(2.0 ** _STAND_IN[fmt]))
         return f.halves("float", _times(f, d, _power_of_two(f, srow, b, 0)))
-    if fmt == "bf16":
-        z = f.let(f"zext <32 x i16> {_load(f, '<32 x i16>', fmt, prow, b)} to <32 x i32>")
-        upper = f.let(f"shl <32 x i32> {z}, {splat('i32', 32, 16)}")
-        return f.halves("float", f.let(f"bitcast <32 x i32> {upper} to <32 x float>"))
-    return f.halves("float", _load(f, "<32 x float>", fmt, prow, b))
+    return f.halves("float", _widened(f, fmt, variant, _block_at(f, fmt, prow, b), srow, b, 32))
 
 
 def _half(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, h: int) -> str:
     """Columns 16 h to 16 h + 15 of block ``b`` alone as <16 x float>, with 16 lanes (AVX-512): the
     same values as that half of ``_decode``'s, from half the bytes (a sweep of one half at a time)."""
+    if fmt == "fp4":
+        return _decode(f, fmt, variant, prow, srow, b, 16)[h]     # each half is its own permute
     at = f.let(f"getelementptr i8, ptr {_block_at(f, fmt, prow, b)}, i64 {_BLOCK_BYTES[fmt] // 2 * h}")
+    return _widened(f, fmt, variant, at, srow, b, 16)
+
+
+def _widened(f: Function, fmt: str, variant: str, at: str, srow: str, b: str, n: int) -> str:
+    """The n FP8 (FP16 route), BF16 or FP32 values at ``at`` of block ``b`` as <n x float>."""
     if fmt == "fp8":
-        z = f.let(f"sext <16 x i8> {f.let(f'load <16 x i8>, ptr {at}, align 1')} to <16 x i16>")
-        shifted = f.let(f"shl <16 x i16> {z}, {splat('i16', 16, 7)}")
-        bits = f.let(f"and <16 x i16> {shifted}, {splat('i16', 16, _FP8_HALF_MASK)}")
-        d = f.let(f"fpext <16 x half> {f.let(f'bitcast <16 x i16> {bits} to <16 x half>')} to <16 x float>")
-        if variant == "prescaled":
-            return d
-        return f.let(f"fmul <16 x float> {d}, {f.broadcast('float', _power_of_two(f, srow, b, _STAND_IN[fmt]), 16)}")
+        # sign-extended and shifted by 7, a byte's sign lands in bit 15 (and 14, cleared by the mask) and
+        # its magnitude in FP16's exponent and significand: three operations per 16 values
+        z = f.let(f"sext <{n} x i8> {f.let(f'load <{n} x i8>, ptr {at}, align 1')} to <{n} x i16>")
+        shifted = f.let(f"shl <{n} x i16> {z}, {splat('i16', n, 7)}")
+        d = _from_half(f, f.let(f"and <{n} x i16> {shifted}, {splat('i16', n, _FP8_HALF_MASK)}"), n)
+        return d if variant == "prescaled" else _times(f, d, _power_of_two(f, srow, b, _STAND_IN[fmt]), n)
     if fmt == "bf16":
-        z = f.let(f"zext <16 x i16> {f.let(f'load <16 x i16>, ptr {at}, align 1')} to <16 x i32>")
-        upper = f.let(f"shl <16 x i32> {z}, {splat('i32', 16, 16)}")
-        return f.let(f"bitcast <16 x i32> {upper} to <16 x float>")
-    if fmt == "f32":
-        return f.let(f"load <16 x float>, ptr {at}, align 1")
-    return _decode(f, fmt, variant, prow, srow, b, 16)[h]     # fp4: each half is its own permute
+        z = f.let(f"zext <{n} x i16> {f.let(f'load <{n} x i16>, ptr {at}, align 1')} to <{n} x i32>")
+        upper = f.let(f"shl <{n} x i32> {z}, {splat('i32', n, 16)}")
+        return f.let(f"bitcast <{n} x i32> {upper} to <{n} x float>")
+    return f.let(f"load <{n} x float>, ptr {at}, align 1")
 
 
 def _at(f: Function, ty: str, base: str, i: str, j: str) -> str:
@@ -357,9 +347,8 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
 
     src, src_row = ("%xs", xs_row) if variant == "prescaled" or order is not None else ("%x", x_row)
 
-    def group(n0: str) -> tuple[list[str], list[str], list[str]]:
-        """(the group's weight rows, their addresses, their scale rows' addresses); for ``prescaled``,
-        xs remade first if it holds another block row's scales."""
+    def group(n0: str) -> tuple[list[str], list[str], list[str], list[str]]:
+        """(the group's weight rows, their addresses, their scale rows' addresses, their block rows)."""
         ns = [f.let(f"add i64 {n0}, {u}") for u in range(weight_rows)]
         prows = [f.let(f"getelementptr i8, ptr %p, i64 {f.let(f'mul i64 {n}, %pstride')}") for n in ns]
         block_rows = [f.let(f"udiv i64 {n}, %sdiv") for n in ns]
@@ -648,6 +637,12 @@ def pass_rows(width: int | None = None) -> int:
     return PASS_ROWS[16 if (permute_width() if width is None else width) == 16 else 8]
 
 
+def half_sweeps(rows: int, width: int) -> bool:
+    """Whether a pass of ``rows`` activation rows with ``width`` lanes sweeps half blocks
+    (``HALF_ROWS``, AVX-512 only)."""
+    return width == 16 and rows >= HALF_ROWS
+
+
 def stand_in(fmt: str, width: int) -> int:
     """k where the decode's stand-in for a value v (before the block scale) is v 2^-k: E4M3 in FP16 (8),
     or in BF16 where x carries the scales with 8 lanes (120); E2M1 in FP16 (14)."""
@@ -732,7 +727,7 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
     for c0, c1 in _chunks(r0, r1, k * _BLOCK_BYTES[fmt] // BLOCK, len(passes)):
         for g, rows in passes:
             # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
-            halves = width == 16 and rows >= HALF_ROWS
+            halves = half_sweeps(rows, width)
             per = WEIGHT_ROWS[16 if width == 16 else 8][rows]
             a = min(c1, -(-c0 // per) * per)
             b = a + (c1 - a) // per * per
