@@ -16,28 +16,19 @@ import statistics
 import sys
 import tempfile
 
-from cpu_roofline import measure    # bench/cpu_roofline.py, beside this script
-
-from dsv41.config import PRESETS
+from cpu_roofline import add_run_args, default_engram_rows, measure    # bench/cpu_roofline.py, beside this script
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="flash", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int)
-    p.add_argument("--experts", type=int)
-    p.add_argument("--engram-rows", type=int)
-    p.add_argument("--checkpoint", help="serve the weights from this checkpoint folder")
-    p.add_argument("--context", type=int, default=16384)
+    add_run_args(p)
     p.add_argument("--batch", type=int, default=8, help="the batch compared with batch 1")
-    p.add_argument("--steps", type=int, default=3, help="decode steps a run measures (its median is the step)")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.batch < 2 or a.pairs < 1 or a.steps < 1 or a.context < 1:
         p.error("--batch must be at least 2, and --pairs, --steps and --context at least 1")
-    if a.engram_rows is None and a.config == "flash" and not a.checkpoint:
-        a.engram_rows = 4099
+    default_engram_rows(a)
     pairs = []
     for i in range(a.pairs):
         step = {}

@@ -147,8 +147,8 @@ def measure(a, work: str) -> dict:
     return run
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The model and the run a measurement takes (``model_args``, ``measure``; also bench/batch_growth.py)."""
     p.add_argument("--config", default="flash", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int)
     p.add_argument("--experts", type=int)
@@ -157,8 +157,18 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", help="serve the weights from this checkpoint folder (its config.json holds "
                                         "the model) instead of drawing them")
     p.add_argument("--context", type=int, default=16384)
-    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="decode steps measured (the median is reported)")
+
+
+def default_engram_rows(a: argparse.Namespace) -> None:
+    if a.engram_rows is None and a.config == "flash" and not a.checkpoint:
+        a.engram_rows = 4099
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(p)
+    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true")
     p.add_argument("--replan", metavar="JSON", help="plan the step an earlier --json run measured again (no run)")
@@ -174,8 +184,7 @@ def main(argv=None) -> int:
         return 0
     if a.steps < 1 or a.batch < 1 or a.context < 1:
         p.error("--steps, --batch and --context must be at least 1")
-    if a.engram_rows is None and a.config == "flash" and not a.checkpoint:
-        a.engram_rows = 4099
+    default_engram_rows(a)
     cfg = model_cfg(a)
     by_kind_bytes, values, report, macs = planned(cfg, a.batch, a.context + a.steps)
     bw = copy_bytes_per_s()
