@@ -7,18 +7,20 @@ selected.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from dsv41.ops import cores, kv_cache
-from dsv41.ops.key_kernels import decode_index_rows, index_score_epilogue
+from dsv41.ops.key_kernels import (ZERO_LOW, decode_index_rows, index_key_tables, index_score_epilogue,
+                                   query_bounds)
 from dsv41.ops.projections import dense_linear, mx_linear
 from dsv41.ops.quant import mxfp4_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
 
 NEG_INF = float("-inf")
-KEY_BLOCK = 2048      # index keys scored at once: a row's [heads, block] FP64 dots stay in cache
+KEY_BLOCK = 2048      # index keys scored at once: a row's [heads, block] dots stay in cache
 POSITION_LIMIT = (1 << 30) - 1   # positions a Top-K row may hold: (33-bit score key, position) fits an i64
 
 
@@ -44,11 +46,13 @@ def index_scores(q, w, payload, scale, rows) -> torch.Tensor:
     -inf where rows[t, j] < 0 (not visible).
 
     q [T, nh, d], w [T, nh], (payload, scale) the index cache's parts, rows i64 [T, P]. A block of
-    ``KEY_BLOCK`` keys at a time, each key read once: decoded from its cache bytes straight to FP64
-    (``ops.key_kernels``), dotted with every head in one FP64 product, and the rest of its score
-    (roundings, ReLU, head weights, the head sum) in one compiled pass while the block is in cache.
-    The dot and the head sum accumulate in FP64 (rounded to FP32 once, then to BF16) so that a row's
-    score does not depend on how many rows or heads are batched together. Where no row sees every
+    ``KEY_BLOCK`` keys at a time, each key read once: decoded from its cache bytes straight to FP32
+    (``ops.key_kernels``), dotted with every head in one product, and the rest of its score (roundings,
+    ReLU, head weights, the head sum) in one compiled pass while the block is in cache. The dot is
+    exact (rounded to FP32 once, then to BF16) and the head sum accumulates in FP64, so that a row's
+    score does not depend on how many rows or heads are batched together: a query row's dots with a
+    block are an FP32 product where ``_exact_rows`` proves each one exact in FP32 (the usual case), else
+    the FP64 product of before (exact in practice), with its bits. Where no row sees every
     position (REINDEX rows see only their candidate blocks), each row's visible keys are packed to
     the front first, so only they are read and scored.
     """
@@ -69,22 +73,62 @@ def index_scores(q, w, payload, scale, rows) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def _key_tables():
+    return index_key_tables(kv_cache.value_table(kv_cache.INDEX).numpy())
+
+
+def _exact_rows(q_bounds, low, size) -> torch.Tensor:
+    """bool [T]: whether every dot of query row t with the block's keys (Lk low, sizes ``size`` [T, n])
+    is exact in an FP32 product in any order. A dot of a head (Lq, SA) and a key (Lk, BM) sums products
+    that are integer multiples of 2^(Lq+Lk) of total magnitude at most SA*BM units; below 2^24 units,
+    with the unit no finer than FP32's least subnormal and 2^24 units below its overflow, every partial
+    sum is an FP32 value. Taken over the row's heads and the block's keys at once: max SA * max BM,
+    min Lq + min Lk, max Lq + max Lk. The FP64 product is exact then too: the same value."""
+    q_low, q_high, q_size = q_bounds
+    k_high = torch.where(low < ZERO_LOW, low, -ZERO_LOW).amax(1)
+    return ((q_size * size.amax(1) < 2.0 ** 24) & (q_low + low.amin(1) >= -149)
+            & (q_high + k_high + 24 <= 127))
+
+
+def _epilogue(q, keys, w, rows, wide: bool, out) -> None:
+    """Scores of these rows from their dots: an FP32 product, or (wide) the FP64 product of before, whose
+    bits rows not proven exact keep."""
+    dots = torch.einsum("thd,tpd->thp", q.double(), keys.double()) if wide else torch.bmm(q, keys.mT)
+    index_score_epilogue(dots.numpy(), w.numpy(), rows.numpy(), out.numpy())
+
+
 def _scores(q, w, payload, scale, rows) -> torch.Tensor:
     """``index_scores`` over rows as given, ``KEY_BLOCK`` positions at a time."""
     t, _, d = q.shape
     p = rows.shape[1]
     out = torch.empty(t, p, dtype=torch.float32)
-    qd, wf = q.double(), w.float().contiguous()
+    qf, wf = q.float().contiguous(), w.float().contiguous()
+    q_bounds = (torch.empty(t, dtype=torch.long), torch.empty(t, dtype=torch.long),
+                torch.empty(t, dtype=torch.float64))
+    query_bounds(qf.numpy(), *(b.numpy() for b in q_bounds))
+    # below "highest" oneDNN may take an FP32 product in BF16 or TF32 steps: then no row is proven exact
+    fp32 = torch.get_float32_matmul_precision() == "highest"
     parts = (payload.contiguous().numpy(), scale.contiguous().numpy())
-    table, group = kv_cache.value_table(kv_cache.INDEX).numpy(), kv_cache.FORMATS[kv_cache.INDEX].group
+    tables, group = _key_tables(), kv_cache.FORMATS[kv_cache.INDEX].group
 
     def blocks(first: int, last: int) -> None:
         for a in range(first * KEY_BLOCK, min(p, last * KEY_BLOCK), KEY_BLOCK):
             r = rows[:, a:a + KEY_BLOCK].contiguous()
-            keys = torch.empty(t, r.shape[1], d, dtype=torch.float64)
-            decode_index_rows(*parts, r.numpy(), table, group, keys.numpy())
-            block = torch.empty(t, r.shape[1], dtype=torch.float32)
-            index_score_epilogue(torch.einsum("thd,tpd->thp", qd, keys).numpy(), wf.numpy(), r.numpy(), block.numpy())
+            n = r.shape[1]
+            keys = torch.empty(t, n, d, dtype=torch.float32)
+            low, size = torch.empty(t, n, dtype=torch.long), torch.empty(t, n, dtype=torch.float64)
+            decode_index_rows(*parts, r.numpy(), *tables, group, keys.numpy(), low.numpy(), size.numpy())
+            exact = _exact_rows(q_bounds, low, size) if fp32 else torch.zeros(t, dtype=torch.bool)
+            block = torch.empty(t, n, dtype=torch.float32)
+            for take, wide in ((exact, False), (~exact, True)):
+                i = take.nonzero().squeeze(1)
+                if i.numel() == t:                          # every row alike (the usual case): no copies
+                    _epilogue(qf, keys, wf, r, wide, block)
+                elif i.numel():
+                    part = torch.empty(i.numel(), n, dtype=torch.float32)
+                    _epilogue(qf[i], keys[i], wf[i], r[i], wide, part)
+                    block[i] = part
             out[:, a:a + KEY_BLOCK] = block
     n = -(-p // KEY_BLOCK)
     shares = min(cores.cores(), n) if t * p * q.shape[1] * d >= cores.SPLIT_MULTIPLIES else 1
