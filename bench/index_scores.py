@@ -6,7 +6,7 @@ prove it exact against the FP64 product everywhere (Torch's ``float32_matmul_pre
     python bench/index_scores.py [--rows 8] [--keys 4096] [--repeats 7]
 
 Shapes: FLASH's index heads (64 x 128), FP4 queries (as ``Options(fp4_index_query=True)`` gives
-them), each row a different request's keys (random cache rows), every key visible.
+them), each row a different request's keys (cache rows of its own, in order), every key visible.
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ def inputs(rows: int, keys: int, g: torch.Generator) -> tuple:
     kv_cache.publish(payload, scale, fmt, torch.arange(keys * rows), torch.randn(keys * rows, DIM, generator=g))
     q = round_bf16(mxfp4_qdq(torch.randn(rows, HEADS * DIM, generator=g))).reshape(rows, HEADS, DIM)
     w = round_bf16(torch.randn(rows, HEADS, generator=g) * 0.1)
-    at = torch.stack([torch.randperm(keys * rows, generator=g)[:keys] for _ in range(rows)])
-    return q, w, payload, scale, at
+    return q, w, payload, scale, torch.arange(keys * rows).reshape(rows, keys)
 
 
 def scores(args: tuple, precision: str) -> torch.Tensor:
