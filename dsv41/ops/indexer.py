@@ -13,7 +13,7 @@ import math
 import torch
 
 from dsv41.ops import cores, kv_cache
-from dsv41.ops.key_kernels import (ZERO_LOW, decode_index_rows, index_key_tables, index_score_epilogue,
+from dsv41.ops.key_kernels import (decode_index_rows, exact_rows, index_key_tables, index_score_epilogue,
                                    query_bounds)
 from dsv41.ops.projections import dense_linear, mx_linear
 from dsv41.ops.quant import mxfp4_qdq, round_bf16
@@ -85,10 +85,9 @@ def _exact_rows(q_bounds, low, size) -> torch.Tensor:
     with the unit no finer than FP32's least subnormal and 2^24 units below its overflow, every partial
     sum is an FP32 value. Taken over the row's heads and the block's keys at once: max SA * max BM,
     min Lq + min Lk, max Lq + max Lk. The FP64 product is exact then too: the same value."""
-    q_low, q_high, q_size = q_bounds
-    k_high = torch.where(low < ZERO_LOW, low, -ZERO_LOW).amax(1)
-    return ((q_size * size.amax(1) < 2.0 ** 24) & (q_low + low.amin(1) >= -149)
-            & (q_high + k_high + 24 <= 127))
+    out = torch.empty(low.shape[0], dtype=torch.bool)
+    exact_rows(*(b.numpy() for b in q_bounds), low.numpy(), size.numpy(), out.numpy())
+    return out
 
 
 def _epilogue(q, keys, w, rows, wide: bool, out) -> None:
