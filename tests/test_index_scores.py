@@ -187,3 +187,33 @@ def test_key_bounds_bound_the_decoded_keys():
             assert min((i & -i).bit_length() - 1 for i in ints) <= 3      # Lk, found by the OR of codes
             assert max(ints) <= float(size[0, j]) <= 4 * max(ints)
     assert low[0, 5] < -120 and size[0, 6] == math.inf
+
+
+def test_exact_rows_is_the_three_bound_checks_at_their_edges():
+    """``_exact_rows``' compiled pass against the three checks written as Torch ops, on bounds drawn
+    around each edge (2^24 units, the -149 unit, the 127 top), with zero keys, inf sizes and rows of
+    zeros (q_size 0, ZERO_LOW) among them."""
+    g = _g(90)
+    t, n = 64, 48
+    q_low = torch.randint(-160, -100, (t,), generator=g)
+    q_high = q_low + torch.randint(0, 40, (t,), generator=g)
+    q_size = torch.ldexp(torch.rand(t, generator=g, dtype=torch.float64) + 0.5, torch.randint(8, 16, (t,), generator=g))
+    q_low[:4], q_high[:4], q_size[:4] = ZERO_LOW, -ZERO_LOW, 0.0                         # rows of zeros
+    low = torch.randint(-20, 60, (t, n), generator=g)
+    size = torch.ldexp(torch.rand(t, n, generator=g, dtype=torch.float64) + 0.5, torch.randint(4, 12, (t, n), generator=g))
+    zero = torch.rand(t, n, generator=g) < 0.2
+    low[zero], size[zero] = ZERO_LOW, 0.0
+    size[torch.rand(t, n, generator=g) < 0.01] = math.inf
+    low[8:12], size[8:12] = ZERO_LOW, 0.0                                                # blocks of zero keys
+    for row, (lk, lq, top) in enumerate([(0, -149, -125), (0, -150, -125), (103, 0, 0), (104, 0, 0)], 12):
+        low[row], size[row] = lk, 1.0                                   # unit 2^-149 and 2^-150; top 127, 128
+        q_low[row], q_high[row], q_size[row] = lq, top, 1.0
+    q_size[16:18] = 2.0 ** 10
+    size[16, 0], size[17, 0] = 2.0 ** 14, 2.0 ** 14 - 2.0 ** -38                        # 2^24 units; just under
+    q_low[16:18], q_high[16:18], low[16:18], size[16:18, 1:] = 0, 0, 0, 1.0
+    k_high = torch.where(low < ZERO_LOW, low, -ZERO_LOW).amax(1)
+    want = ((q_size * size.amax(1) < 2.0 ** 24) & (q_low + low.amin(1) >= -149) & (q_high + k_high + 24 <= 127))
+    got = indexer._exact_rows((q_low, q_high, q_size), low, size)
+    assert torch.equal(got, want)
+    assert want[12:18].tolist() == [True, False, True, False, False, True]
+    assert want[18:].any() and not want[18:].all()
