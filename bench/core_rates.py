@@ -8,8 +8,8 @@ Two loops compiled by llvmlite for this CPU, each with twelve independent accumu
 one operand from a 16 KB buffer that stays in L1, as a product's pass reads x), the buffer at a
 64-byte boundary and 16 bytes off one (every other load then splits a cache line); then eight
 accumulators, each loading from its own row of x over a 4 KB tile and multiplying by a vector loaded
-from a ninth row (the weights' stream), with the rows 5,120 floats apart (they share L1 sets) and 5,136. Prints the best of ``--repeats`` runs of 200M lanes each, in G vector
-operations a second.
+from a ninth row (the weights' stream), with the rows 5,120 floats apart (they share L1 sets) and
+5,136. Prints the best of ``--repeats`` runs of 200M lanes each, in G vector operations a second.
 """
 from __future__ import annotations
 

@@ -200,7 +200,8 @@ def test_exact_rows_is_the_three_bound_checks_at_their_edges():
     q_size = torch.ldexp(torch.rand(t, generator=g, dtype=torch.float64) + 0.5, torch.randint(8, 16, (t,), generator=g))
     q_low[:4], q_high[:4], q_size[:4] = ZERO_LOW, -ZERO_LOW, 0.0                         # rows of zeros
     low = torch.randint(-20, 60, (t, n), generator=g)
-    size = torch.ldexp(torch.rand(t, n, generator=g, dtype=torch.float64) + 0.5, torch.randint(4, 12, (t, n), generator=g))
+    size = torch.ldexp(torch.rand(t, n, generator=g, dtype=torch.float64) + 0.5,
+                       torch.randint(4, 12, (t, n), generator=g))
     zero = torch.rand(t, n, generator=g) < 0.2
     low[zero], size[zero] = ZERO_LOW, 0.0
     size[torch.rand(t, n, generator=g) < 0.01] = math.inf
