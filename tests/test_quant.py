@@ -350,3 +350,66 @@ def test_fp64_weight_decodes_equal_the_fp32_formulas_for_every_code_pair():
     assert torch.equal(quant.expert_mxfp4_decode64(packed.view(torch.int8), s4).view(torch.int64),
                        want4.view(torch.int64))
     assert set(s4.flatten().tolist()) == set(range(256)) and set(packed.flatten().tolist()) == set(range(256))
+
+
+def _encoder_inputs() -> list[torch.Tensor]:
+    """Rows of 64 FP32 values where the rules have edges: E4M3's and E2M1's ties at many scales, a
+    group's amax exactly a power of two times the format's top and just above it, amax at and under
+    the floors, signed zeros and values that round to zero, subnormal and huge magnitudes."""
+    g = torch.Generator().manual_seed(11)
+    grid = quant.E4M3_VALUES[torch.isfinite(quant.E4M3_VALUES)].unique()
+    e4m3_ties = ((grid[:-1] + grid[1:]) / 2)[torch.randint(len(grid) - 1, (64, 64), generator=g)]
+    e4m3_ties[:, ::32] = 448.0
+    levels = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    fp4_ties = ((levels[:-1] + levels[1:]) / 2)[torch.randint(7, (64, 64), generator=g)]
+    fp4_ties *= torch.where(torch.rand(64, 64, generator=g) < 0.5, -1.0, 1.0)
+    fp4_ties[:, ::16] = 6.0
+    tops = torch.randn(64, 64, generator=g)
+    tops[:, 0] = torch.ldexp(torch.full((64,), 448.0), torch.arange(-32, 32, dtype=torch.int32))
+    tops[:, 32] = torch.nextafter(tops[:, 0], torch.tensor(float("inf")))
+    zeros = torch.zeros(64, 64)
+    zeros[:16, 1::2] = -0.0
+    zeros[16:32] = -1e-30
+    zeros[16, 0] = 448.0
+    zeros[32:48] = 1e-5                                  # under the FP8 amax floor (1e-4)
+    zeros[48:] = torch.tensor(6.0 * 2.0 ** -126)         # the FP4 E8M0 floor
+    scaled = [e4m3_ties * 2.0 ** p for p in (-40, -12, 0, 9, 30)] + [fp4_ties * 2.0 ** p for p in (-130, -9, 0, 20)]
+    return scaled + [tops, zeros, _rand(64, 64, seed=12) * 1e-38, _rand(64, 64, seed=13) * 1e36,
+                     _rand(64, 64, seed=14) * 0.02]
+
+
+def _same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+               for x, y in zip(a, b))
+
+
+def test_compiled_encoders_give_the_bytes_of_the_torch_ops():
+    """``ops.quant_kernels``' encoders against the Torch ops they replace (themselves held to the
+    independent rules above): MXFP8 per row and in 32 x 32 blocks, MXFP4 with E8M0 and E4M3 scales
+    in groups of 16 and 32, byte for byte, on every edge input."""
+    for x in _encoder_inputs():
+        assert _same(quant.mxfp8_encode(x), quant._mxfp8_encode_ops(x, 32))
+        assert _same(quant.block_mxfp8_encode(x), quant._block_mxfp8_encode_ops(x, 32))
+        for fmt in ("e8m0", "e4m3"):
+            for group in (16, 32):
+                assert _same(quant.mxfp4_encode(x, group, fmt), quant._mxfp4_encode_ops(x, group, fmt)), (fmt, group)
+    batch = _rand(3, 5, 64, seed=15)                     # leading dims kept
+    assert _same(quant.mxfp8_encode(batch), quant._mxfp8_encode_ops(batch, 32))
+    assert _same(quant.mxfp4_encode(batch, 16, "e4m3"), quant._mxfp4_encode_ops(batch, 16, "e4m3"))
+    assert quant.mxfp4_encode(torch.zeros(0, 64), 32, "e8m0")[0].shape == (0, 32)
+    with pytest.raises(ValueError, match="block"):
+        quant.block_mxfp8_encode(torch.zeros(48, 64))
+
+
+def test_non_finite_values_take_the_torch_ops_result():
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        x = _rand(4, 64, seed=16)
+        x[2, 40] = bad
+        assert _same(quant.mxfp8_encode(x), quant._mxfp8_encode_ops(x, 32))
+        for fmt in ("e8m0", "e4m3"):
+            assert _same(quant.mxfp4_encode(x, 32, fmt), quant._mxfp4_encode_ops(x, 32, fmt))
+        w = _rand(64, 64, seed=17)
+        w[33, 5] = bad
+        payload, scale = quant.block_mxfp8_encode(w)
+        want = quant._block_mxfp8_encode_ops(w, 32)
+        assert torch.equal(payload.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv41.ops.quant_kernels import mxfp8_qdq_rows
+from dsv41.ops.quant_kernels import fp4_groups, fp8_blocks, mxfp8_qdq_rows
 
 E4M3_MAX = 448.0
 FP4_MAX = 6.0
@@ -17,6 +17,7 @@ FP4_LEVELS = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _FP4_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 FP4_E8M0_FLOOR = 6.0 * 2.0 ** -126   # official floor for E8M0-scaled FP4 (index keys, index query)
 FP4_E4M3_FLOOR = 6.0 * 2.0 ** -9     # E4M3-scaled FP4 (compressed KV): scale >= 2^-9
+_FP4_E8M0_FLOOR32, _FP4_E4M3_FLOOR32 = np.float32(FP4_E8M0_FLOOR), np.float32(FP4_E4M3_FLOOR / FP4_MAX)
 MXFP8_AMAX_FLOOR = 1e-4
 _INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
 _INV_E4M3_MAX32, _AMAX_FLOOR32 = np.float32(1.0 / E4M3_MAX), np.float32(MXFP8_AMAX_FLOOR)   # mxfp8_qdq's
@@ -56,6 +57,7 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+_E4M3_VALUES32 = E4M3_VALUES.numpy()       # fp4_groups' E4M3 scales' values
 
 
 def e4m3_decode(payload: torch.Tensor) -> torch.Tensor:
@@ -78,6 +80,27 @@ def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def mxfp8_encode(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Official act_quant ceil rule: scale = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448)))."""
+    rows = _groups(x, group).reshape(-1, x.shape[-1]).contiguous()
+    encoded = _fp8_compiled(rows, 1, group)
+    if encoded is None:
+        return _mxfp8_encode_ops(x, group)
+    payload, scale = encoded
+    return payload.reshape(x.shape), scale.reshape(*x.shape[:-1], x.shape[-1] // group)
+
+
+def _fp8_compiled(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """FP32 w [N, K] encoded in blocks of rows x cols by one compiled pass (``quant_kernels.fp8_blocks``:
+    the bytes of the Torch ops below), or None where w holds a non-finite value."""
+    payload = torch.empty(w.shape, dtype=torch.uint8)
+    scale = torch.empty(w.shape[0] // rows, w.shape[1] // cols, dtype=torch.uint8)
+    if not fp8_blocks(w.numpy(), payload.numpy(), scale.numpy(), rows, cols, _AMAX_FLOOR32, _INV_E4M3_MAX32):
+        return None
+    return payload.view(torch.float8_e4m3fn), scale
+
+
+def _mxfp8_encode_ops(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mxfp8_encode`` as Torch ops: the result for non-finite values (the reference the compiled
+    pass's bytes are tested against)."""
     g = _groups(x, group)
     amax = g.abs().amax(-1).clamp_min(MXFP8_AMAX_FLOOR)
     exp = ceil_log2(amax * _INV_E4M3_MAX)
@@ -148,17 +171,33 @@ def mxfp4_encode(x: torch.Tensor, group: int, scale_fmt: str) -> tuple[torch.Ten
     scale_fmt 'e8m0': s = 2^ceil(log2(max(amax, 6*2^-126)/6)), stored as an E8M0 code (uint8).
     scale_fmt 'e4m3': s = e4m3(max(amax/6, 2^-9)), stored as float8_e4m3fn (RNE may give s < amax/6;
     the clamp to +-6 absorbs it).
+    One compiled pass (``quant_kernels.fp4_groups``) with the bytes of the Torch ops below, which
+    give the result where x holds a non-finite value.
     """
+    if scale_fmt not in ("e8m0", "e4m3"):
+        raise ValueError(f"scale_fmt must be 'e8m0' or 'e4m3', got {scale_fmt!r}")
+    rows = _groups(x, group).reshape(-1, x.shape[-1]).contiguous()
+    payload = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=torch.uint8)
+    scale = torch.empty(rows.shape[0], rows.shape[1] // group, dtype=torch.uint8)
+    e4m3_scale = scale_fmt == "e4m3"
+    floor = _FP4_E4M3_FLOOR32 if e4m3_scale else _FP4_E8M0_FLOOR32
+    if not fp4_groups(rows.numpy(), payload.numpy(), scale.numpy(), group, e4m3_scale, floor, _E4M3_VALUES32):
+        return _mxfp4_encode_ops(x, group, scale_fmt)
+    scale = scale.view(torch.float8_e4m3fn) if e4m3_scale else scale
+    return payload.reshape(*x.shape[:-1], x.shape[-1] // 2), scale.reshape(*x.shape[:-1], x.shape[-1] // group)
+
+
+def _mxfp4_encode_ops(x: torch.Tensor, group: int, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mxfp4_encode`` as Torch ops: the result for non-finite values (the reference the compiled
+    pass's bytes are tested against)."""
     g = _groups(x, group)
     amax = g.abs().amax(-1)
     if scale_fmt == "e8m0":
         exp = ceil_log2(amax.clamp_min(FP4_E8M0_FLOOR) / FP4_MAX)
         s, scale = torch.ldexp(torch.ones_like(amax), exp), e8m0_from_exp(exp)
-    elif scale_fmt == "e4m3":
+    else:
         scale = e4m3((amax / FP4_MAX).clamp_min(FP4_E4M3_FLOOR / FP4_MAX))
         s = scale.float()
-    else:
-        raise ValueError(f"scale_fmt must be 'e8m0' or 'e4m3', got {scale_fmt!r}")
     n = (g / s.unsqueeze(-1)).clamp_(-FP4_MAX, FP4_MAX)
     return pack_nibbles(fp4_codes(n).reshape(x.shape)), scale
 
@@ -186,6 +225,15 @@ def mxfp4_qdq(x: torch.Tensor, group: int = 32) -> torch.Tensor:
 
 def block_mxfp8_encode(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 E4M3 payload [N, K] with one E8M0 scale per 32x32 block ([N/32, K/32])."""
+    if w.shape[0] % block or w.shape[1] % block:
+        raise ValueError(f"w: both dims must be multiples of the block {block}, got {tuple(w.shape)}")
+    encoded = _fp8_compiled(w.float().contiguous(), block, block)
+    return encoded if encoded is not None else _block_mxfp8_encode_ops(w, block)
+
+
+def _block_mxfp8_encode_ops(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_mxfp8_encode`` as Torch ops: the result for non-finite values (the reference the
+    compiled pass's bytes are tested against)."""
     n, k = w.shape
     b = w.float().reshape(n // block, block, k // block, block)
     amax = b.abs().amax(dim=(1, 3)).clamp_min(MXFP8_AMAX_FLOOR)

@@ -54,3 +54,105 @@ def mxfp8_qdq_rows(x, out, group, floor, inv_max):
                 ob[c] = (rounded if mag <= _INF else b) | (b & _SIGN)
             for c in range(group):
                 os[c] *= s
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _e4m3_byte(bits, value):
+    """The float8_e4m3fn byte of a finite FP32 of magnitude at most 448 (``bits`` its bits): round to
+    nearest, ties to even, as Torch's cast; a zero keeps its sign."""
+    sign = (bits >> np.uint32(24)) & np.uint32(0x80)
+    mag = bits & _MAGNITUDE
+    if mag >= _MIN_NORMAL_BITS:
+        r = (mag + np.uint32(0x7FFFF) + ((mag >> np.uint32(20)) & np.uint32(1))) & np.uint32(0xFFF00000)
+        exponent = (r >> np.uint32(23)) - np.uint32(120)          # FP32's bias 127, E4M3's 7
+        return np.uint8(sign | (exponent << np.uint32(3)) | ((r >> np.uint32(20)) & np.uint32(7)))
+    steps = ((abs(value) + _SUBNORMAL_ROUND) - _SUBNORMAL_ROUND) * np.float32(512.0)     # of 2^-9
+    return np.uint8(sign | np.uint32(steps))
+
+
+@njit(cache=True, nogil=True)
+def fp8_blocks(w, payload, scale, rows, cols, floor, inv_max):
+    """payload [N, K] (E4M3 bytes) and scale [N / rows, K / cols] (E8M0 codes) of FP32 w [N, K] in
+    blocks of rows x cols, by ``ops.quant``'s rule: the scale 2^ceil(log2(max(amax, floor) x
+    inv_max)) (its bits rounded up to a power of two: exact for these normal values), each value
+    divided by it, clamped to +-448 and rounded to E4M3. False, as soon as a block holds a
+    non-finite value (whose Torch result the caller takes instead)."""
+    bits = w.view(np.uint32)
+    q = np.empty(cols, np.float32)
+    q_bits = q.view(np.uint32)
+    v = np.empty(1, np.float32)
+    v_bits = v.view(np.uint32)
+    for bi in range(w.shape[0] // rows):
+        for bj in range(w.shape[1] // cols):
+            c0 = bj * cols
+            top = np.uint32(0)
+            for r in range(bi * rows, bi * rows + rows):
+                for c in range(c0, c0 + cols):
+                    top = max(top, bits[r, c] & _MAGNITUDE)
+            if top >= _INF:
+                return False
+            v_bits[0] = top
+            v[0] = max(v[0], floor) * inv_max
+            v_bits[0] = (v_bits[0] + np.uint32(0x7FFFFF)) & _INF
+            s = v[0]
+            scale[bi, bj] = np.uint8(v_bits[0] >> np.uint32(23))
+            for r in range(bi * rows, bi * rows + rows):
+                for c in range(cols):
+                    q[c] = min(max(w[r, c0 + c] / s, -_E4M3_MAX), _E4M3_MAX)
+                for c in range(cols):
+                    payload[r, c0 + c] = _e4m3_byte(q_bits[c], q[c])
+    return True
+
+
+_FP4_MAX = np.float32(6.0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fp4_code(bits, value):
+    """The E2M1 code of an FP32 in [-6, 6]: the midpoints below |value| counted, a tie counting only
+    on an odd midpoint (so it lands on the even code); the sign bit as bit 3 (-0 included)."""
+    a = abs(value)
+    code = (np.uint8(a > np.float32(0.25)) + np.uint8(a >= np.float32(0.75)) + np.uint8(a > np.float32(1.25))
+            + np.uint8(a >= np.float32(1.75)) + np.uint8(a > np.float32(2.5)) + np.uint8(a >= np.float32(3.5))
+            + np.uint8(a > np.float32(5.0)))
+    return np.uint8(code | ((bits >> np.uint32(31)) << np.uint32(3)))
+
+
+@njit(cache=True, nogil=True)
+def fp4_groups(x, payload, scale, group, e4m3_scale, floor, e4m3_values):
+    """Packed E2M1 payload [R, C / 2] (element 2j in the low nibble) and scale [R, C / group] of FP32
+    x [R, C] in groups of ``group`` along a row, by ``ops.quant.mxfp4_encode``'s rule: with E8M0
+    scales (``e4m3_scale`` False) 2^ceil(log2(max(amax, floor) / 6)); with E4M3 scales the E4M3
+    rounding of max(amax / 6, floor) (``e4m3_values`` the FP32 value of each byte). Each value is
+    divided by the scale, clamped to +-6 and rounded to E2M1. False, as soon as a group holds a
+    non-finite value (whose Torch result the caller takes instead)."""
+    bits = x.view(np.uint32)
+    q = np.empty(group, np.float32)
+    q_bits = q.view(np.uint32)
+    v = np.empty(1, np.float32)
+    v_bits = v.view(np.uint32)
+    for r in range(x.shape[0]):
+        for g in range(x.shape[1] // group):
+            c0 = g * group
+            top = np.uint32(0)
+            for c in range(c0, c0 + group):
+                top = max(top, bits[r, c] & _MAGNITUDE)
+            if top >= _INF:
+                return False
+            v_bits[0] = top
+            if e4m3_scale:
+                v[0] = min(max(v[0] / _FP4_MAX, floor), _E4M3_MAX)
+                code = _e4m3_byte(v_bits[0], v[0])
+                s = e4m3_values[code]
+            else:
+                v[0] = max(v[0], floor) / _FP4_MAX
+                v_bits[0] = (v_bits[0] + np.uint32(0x7FFFFF)) & _INF
+                code = np.uint8(v_bits[0] >> np.uint32(23))
+                s = v[0]
+            scale[r, g] = code
+            for c in range(group):
+                q[c] = min(max(x[r, c0 + c] / s, -_FP4_MAX), _FP4_MAX)
+            for c in range(0, group, 2):
+                high = _fp4_code(q_bits[c + 1], q[c + 1])
+                payload[r, (c0 + c) // 2] = _fp4_code(q_bits[c], q[c]) | (high << np.uint8(4))
+    return True
