@@ -70,6 +70,13 @@ def _e4m3_byte(bits, value):
     return np.uint8(sign | np.uint32(steps))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _scratch(n):
+    """n quotients and one scale in FP32, with views of their bits (the kernels round on the bits)."""
+    q, v = np.empty(n, np.float32), np.empty(1, np.float32)
+    return q, q.view(np.uint32), v, v.view(np.uint32)
+
+
 @njit(cache=True, nogil=True)
 def fp8_blocks(w, payload, scale, rows, cols, floor, inv_max):
     """payload [N, K] (E4M3 bytes) and scale [N / rows, K / cols] (E8M0 codes) of FP32 w [N, K] in
@@ -78,10 +85,7 @@ def fp8_blocks(w, payload, scale, rows, cols, floor, inv_max):
     divided by it, clamped to +-448 and rounded to E4M3. False, as soon as a block holds a
     non-finite value (whose Torch result the caller takes instead)."""
     bits = w.view(np.uint32)
-    q = np.empty(cols, np.float32)
-    q_bits = q.view(np.uint32)
-    v = np.empty(1, np.float32)
-    v_bits = v.view(np.uint32)
+    q, q_bits, v, v_bits = _scratch(cols)
     for bi in range(w.shape[0] // rows):
         for bj in range(w.shape[1] // cols):
             c0 = bj * cols
@@ -127,10 +131,7 @@ def fp4_groups(x, payload, scale, group, e4m3_scale, floor, e4m3_values):
     divided by the scale, clamped to +-6 and rounded to E2M1. False, as soon as a group holds a
     non-finite value (whose Torch result the caller takes instead)."""
     bits = x.view(np.uint32)
-    q = np.empty(group, np.float32)
-    q_bits = q.view(np.uint32)
-    v = np.empty(1, np.float32)
-    v_bits = v.view(np.uint32)
+    q, q_bits, v, v_bits = _scratch(group)
     for r in range(x.shape[0]):
         for g in range(x.shape[1] // group):
             c0 = g * group
