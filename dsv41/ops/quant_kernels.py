@@ -19,6 +19,13 @@ _MIN_NORMAL_BITS = np.uint32(0x3C800000)      # 2^-6, E4M3's smallest normal, as
 _SIGN, _MAGNITUDE, _INF = np.uint32(0x80000000), np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pow2_ceil_bits(bits):
+    """The bits of 2^ceil(log2(v)) for a positive normal FP32 v whose result is normal (``quant.pow2_ceil``):
+    adding 2^23 - 1 carries into the exponent exactly when the significand is not zero."""
+    return (bits + np.uint32(0x7FFFFF)) & _INF
+
+
 @njit(cache=True, nogil=True, error_model="numpy")      # x / 0 is IEEE, as in Torch
 def mxfp8_qdq_rows(x, out, group, floor, inv_max):
     """out [R, C] = x [R, C] FP32 fake-quantized per row in groups of ``group`` columns; ``floor``
@@ -40,7 +47,7 @@ def mxfp8_qdq_rows(x, out, group, floor, inv_max):
             scale_bits[0] = top
             amax = max(scale[0], floor) if scale[0] == scale[0] else scale[0]
             scale[0] = amax * inv_max
-            scale_bits[0] = (scale_bits[0] + np.uint32(0x7FFFFF)) & _INF
+            scale_bits[0] = _pow2_ceil_bits(scale_bits[0])
             s = scale[0]
             for c in range(group):
                 v = min(max(xs[c] / s, -_E4M3_MAX), _E4M3_MAX) if xs[c] == xs[c] else xs[c]
@@ -97,7 +104,7 @@ def fp8_blocks(w, payload, scale, rows, cols, floor, inv_max):
                 return False
             v_bits[0] = top
             v[0] = max(v[0], floor) * inv_max
-            v_bits[0] = (v_bits[0] + np.uint32(0x7FFFFF)) & _INF
+            v_bits[0] = _pow2_ceil_bits(v_bits[0])
             s = v[0]
             scale[bi, bj] = np.uint8(v_bits[0] >> np.uint32(23))
             for r in range(bi * rows, bi * rows + rows):
@@ -147,7 +154,7 @@ def fp4_groups(x, payload, scale, group, e4m3_scale, floor, e4m3_values):
                 s = e4m3_values[code]
             else:
                 v[0] = max(v[0], floor) / _FP4_MAX
-                v_bits[0] = (v_bits[0] + np.uint32(0x7FFFFF)) & _INF
+                v_bits[0] = _pow2_ceil_bits(v_bits[0])
                 code = np.uint8(v_bits[0] >> np.uint32(23))
                 s = v[0]
             scale[r, g] = code
