@@ -21,10 +21,6 @@ class MoE:
     def key(layer: int, name: str) -> str:
         return f"layers.{layer}.ffn.{name}"
 
-    @staticmethod
-    def expert_key(layer: int, e: int, name: str) -> str:
-        return MoE.key(layer, f"experts.{e}.{name}")
-
     def w(self, name: str) -> torch.Tensor:
         return self.weights[self.prefix + name]
 

@@ -19,10 +19,6 @@ class ChatAnswer:
         self.tools = ToolCallSplit() if tools else None
         self.called = False
 
-    @property
-    def parsing(self) -> bool:
-        return self.reasoning is not None or self.tools is not None
-
     def feed(self, text: str) -> dict:
         """The delta fields (reasoning_content, content, tool_calls) that ``text`` adds; empty
         fields left out."""
