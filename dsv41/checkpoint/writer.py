@@ -11,8 +11,12 @@ vocabulary is set to what the tokenizer's token map gives, as the released check
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
+import shutil
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +28,7 @@ from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
+from dsv41.outputs import write_output
 from dsv41.weights import draw_checkpoint
 
 PAD = "<｜▁pad▁｜>"
@@ -67,13 +72,13 @@ def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Tokenizer:
 def save_tensors(tensors, path: Path, shard_bytes: int):
     """Sharded safetensors from (name, tensor) pairs, written as each shard fills (a new shard when
     the next tensor would pass shard_bytes, so only one shard is held), then the index."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     shards, cur, size, total = [], {}, 0, 0
 
     def flush():
         fname = f"model-{len(shards) + 1:05d}.safetensors"
-        save_file(cur, str(path / fname))
+        write_output(path / fname, save(cur))
         shards.append((fname, list(cur)))
 
     for name, t in tensors:
@@ -88,23 +93,59 @@ def save_tensors(tensors, path: Path, shard_bytes: int):
     weight_map = {}
     for i, (fname, names) in enumerate(shards):     # the released names: model-0000i-of-0000n
         final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(path / fname, path / final)
+        os.replace(path / fname, path / final)      # inside the writer's own new folder
         weight_map.update(dict.fromkeys(names, final))
-    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    write_output(path / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def check_target(path: Path) -> None:
+    """OSError unless ``path`` is free for a new checkpoint: absent, or an empty writable real folder
+    (an existing checkpoint is never written over: its files could be links planted to anywhere)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(errno.ELOOP, "is a symbolic link; give a real folder (the writer never writes through a link)",
+                      str(path))
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ENOTDIR, "exists and is not a folder", str(path))
+    if any(os.scandir(path)):
+        raise OSError(errno.ENOTEMPTY, "is not empty; give a new or empty folder (nothing is written over)", str(path))
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, "is not writable", str(path))
 
 
 def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0, shard_bytes: int = 1 << 28) -> ModelConfig:
     """Write a test checkpoint folder; returns the config it holds (the preset with the token map's
-    compressed vocabulary)."""
+    compressed vocabulary). The files go into a new hidden folder beside ``path``, renamed to ``path``
+    when complete: a failure (a full disk, Ctrl-C) removes it and leaves nothing that looks like a
+    checkpoint. ``path`` must be absent or an empty folder (``check_target``); missing parents are made."""
+    if not os.fspath(path):     # Path("") is the current folder
+        raise OSError(errno.ENOENT, "is empty; give the folder to write", "path")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    check_target(path)
     tok = train_tokenizer(cfg.vocab_size)
     _, compressed = build_token_map(tok, cfg.vocab_size, cfg.engram_pad_token_id)
     cfg = replace(cfg, engram_compressed_vocab_size=compressed).validate()
-    save_tensors(draw_checkpoint(cfg, seed), path, shard_bytes)
-    (path / config_json.FILE).write_text(json.dumps(config_json.to_json(cfg), indent=1))
-    tok.save(str(path / TOKENIZER))
-    (path / TOKENIZER_CONFIG).write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": True, "add_eos_token": False},
-        indent=1))
+    work = path.parent / f".{path.name}.partial-{secrets.token_hex(6)}"
+    try:
+        work.mkdir()        # exclusive: an existing name (or a link planted there) fails
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    try:
+        save_tensors(draw_checkpoint(cfg, seed), work, shard_bytes)
+        write_output(work / config_json.FILE, json.dumps(config_json.to_json(cfg), indent=1))
+        write_output(work / TOKENIZER, tok.to_str(pretty=True))
+        write_output(work / TOKENIZER_CONFIG, json.dumps(
+            {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": True, "add_eos_token": False},
+            indent=1))
+        check_target(path)  # still free (the rename would replace an empty folder, or fail on a full one)
+        os.rename(work, path)
+    except BaseException as e:
+        shutil.rmtree(work, ignore_errors=True)
+        if isinstance(e, OSError) and e.filename != str(path):     # the hidden folder's names mean nothing
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     return cfg

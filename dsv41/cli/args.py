@@ -344,6 +344,8 @@ def traces_writable() -> str | None:
     """None when ./traces exists (or can be made) and is writable."""
     folder = os.path.join(os.getcwd(), "traces")
     probe = folder if os.path.isdir(folder) else os.getcwd()
+    if os.path.islink(folder):
+        return f"{folder} is a symbolic link; outputs are written only into a real folder, never through a link"
     if os.path.exists(folder) and not os.path.isdir(folder):
         return f"{folder} exists and is not a folder"
     if not os.access(probe, os.W_OK | os.X_OK):

@@ -6,6 +6,7 @@ import sys
 
 from dsv41.cli.args import FILE_NAME, PROG, outputs_writable
 from dsv41.cli.modes import DIST, GRAPH_OR_PLAN
+from dsv41.outputs import write_output
 from dsv41.telemetry.export import TRACES, write_traces
 from dsv41.telemetry.session import TraceSession
 from dsv41.telemetry.spans import collector, otlp_configured
@@ -49,6 +50,7 @@ def report_file(a) -> str:
 
 
 CHECKS = [("--trace", _trace), ("--report", _report)]
+REPORT_BUFFER = "memory://dsv41/dask-report.html"
 
 
 # ---- traced runs ---------------------------------------------------------------------------------
@@ -65,7 +67,9 @@ class Tracing:
         if self.report_path:
             from distributed import performance_report
             TRACES.mkdir(exist_ok=True)
-            self.report = performance_report(filename=self.report_path)
+            # Dask writes the report with a plain open(), which follows a link: it goes to fsspec's
+            # in-memory store and from there to traces/ through open_output
+            self.report = performance_report(filename=REPORT_BUFFER)
             self.report.__enter__()
 
     def finish(self, result: dict, say):
@@ -96,8 +100,13 @@ class Tracing:
 
     def _end_report(self):
         if self.report is not None:
+            import fsspec
             self.report.__exit__(None, None, None)
             self.report = None
+            memory = fsspec.filesystem("memory")
+            html = memory.cat_file(REPORT_BUFFER)
+            memory.rm_file(REPORT_BUFFER)
+            write_output(self.report_path, html)
 
 
 def start(args, engine):

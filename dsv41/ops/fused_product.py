@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from dsv41.ops.ir_text import Function, interleave, lanes, splat, vec
+from dsv41.outputs import write_output
 
 # decodes of each format, all exact: "shifts" builds FP16 bits (any x86-64 with F16C); "prescaled"
 # (fp8) multiplies x by the block's scale (and 2^8) once per 32 weight rows instead of each value by it;
@@ -612,9 +613,7 @@ def _object_code(ir: str, model: str | None) -> bytes:
     code = tm.emit_object(mod)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(hashlib.sha256(code).digest() + code)
-        os.replace(tmp, path)
+        write_output(path, hashlib.sha256(code).digest() + code)
     except OSError:
         pass        # a read-only tree compiles in every process instead
     return code

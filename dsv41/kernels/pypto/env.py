@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dsv41.outputs import write_output
+
 REPO = Path(__file__).resolve().parents[3]
 NPU_HINT = "pypto-npu needs an Ascend NPU and torch_npu"
 # The chip pypto 0.2.0's SIM models: Ascend 910B (DAV_2201), read from the platform file beside its
@@ -63,10 +65,7 @@ def python3_shim(root: Path) -> Path:
     exe = shim / "python3"
     if not exe.exists():
         shim.mkdir(parents=True, exist_ok=True)
-        tmp = shim / f".python3.{os.getpid()}"
-        tmp.write_text("#!/bin/sh\nexit 0\n")
-        tmp.chmod(0o755)
-        tmp.replace(exe)  # atomic: two workers may race here
+        write_output(exe, "#!/bin/sh\nexit 0\n", mode=0o755)  # renamed into place: two workers may race here
     return shim
 
 

@@ -24,6 +24,7 @@ from typing import Callable
 
 from dsv41.kernels.pypto import env as pypto_env
 from dsv41.kernels.pypto.specs import PYPTO_KERNELS, cache_key
+from dsv41.outputs import open_append, write_output
 
 log = logging.getLogger("dsv41.pypto")
 log.addHandler(logging.NullHandler())  # no stderr fallback over the CLI's output; the CLI may add one
@@ -69,13 +70,11 @@ class SimCache:
 
     def _merge_to_disk(self, new: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "w") as lock:
+        with open_append(self.path.with_suffix(".lock")) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             data = self._read_file()
             data.update(new)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            tmp.replace(self.path)
+            write_output(self.path, json.dumps(data, indent=1, sort_keys=True))
 
     def errors(self) -> dict[str, str]:
         with self._lock:
@@ -104,7 +103,7 @@ class PyptoWorker:
         log_file = self.root / f"worker-{self.mode}.log"
         if log_file.exists() and log_file.stat().st_size > LOG_MAX_BYTES:
             log_file.replace(log_file.with_suffix(".log.old"))
-        with open(log_file, "ab") as console:
+        with open_append(log_file) as console:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "dsv41.kernels.pypto.worker", str(theirs.fileno()), self.mode, str(self.root)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from dsv41.kernels.pypto import env as pypto_env
+from dsv41.outputs import open_append
 
 CYCLES_PER_US = 1800.0  # what pypto's own swimlane script divides by (--time_convert_denominator)
 # pypto 0.2.0 keeps every call's compiled kernel loaded (~45 MB a pass-verify call on this CPU, most
@@ -153,7 +154,7 @@ def main(conn, mode: str, root: str) -> None:
     root_p = Path(root)
     os.environ.update(pypto_env.worker_env(root_p))
     os.environ["PATH"] = f"{pypto_env.python3_shim(root_p)}{os.pathsep}{os.environ.get('PATH', '')}"
-    log = open(root_p / f"worker-{mode}.log", "ab", buffering=0)  # the parent rotates it
+    log = open_append(root_p / f"worker-{mode}.log")  # the parent rotates it
     sys.stdout.flush(), sys.stderr.flush()
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)

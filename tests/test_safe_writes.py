@@ -1,0 +1,235 @@
+"""Every file a command writes never goes through a link planted at its path, and the checkpoint writer
+leaves a whole checkpoint or nothing (issue 49, items 1 and 5).
+
+The writer refuses a folder that already holds anything (a link planted there among it) with one line;
+trace, graph and report files are refused up front when a symlink is at their path, and one planted
+after that check is replaced by a plain file (``dsv41.outputs``): either way the link's target keeps
+its bytes."""
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dsv41.checkpoint import writer
+from dsv41.checkpoint.headers import INDEX
+from dsv41.checkpoint.reader import open_checkpoint
+from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
+from dsv41.cli import write_checkpoint as cli
+from dsv41.config import TINY
+from dsv41.graph.export import write_graph
+from dsv41.outputs import open_output, write_output
+from dsv41.plan.sizing import checkpoint_bytes
+from dsv41.telemetry.export import write_traces
+
+REPO = Path(__file__).resolve().parents[1]
+ERROR = "python -m dsv41.checkpoint.write: error: "
+SMALL = ["--layers", "2", "--shard-mb", "0.5"]       # several shards, written in a few seconds
+SHARD = "model-00001-of-00004.safetensors"
+
+
+def _refused(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR), err        # no usage block before it
+    return lines[0][len(ERROR):]
+
+
+def _victim(tmp_path) -> tuple[Path, bytes]:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep these bytes\n")
+    return victim, victim.read_bytes()
+
+
+def _left(tmp_path) -> set[str]:
+    return {p.name for p in tmp_path.iterdir()}
+
+
+def test_the_writer_writes_shards_that_the_reader_opens(tmp_path, capsys):
+    assert cli.main([str(tmp_path / "ck"), *SMALL]) == 0
+    files = {p.name for p in (tmp_path / "ck").iterdir()}
+    assert {INDEX, "config.json", TOKENIZER, TOKENIZER_CONFIG, SHARD} <= files, files
+    assert set(json.loads((tmp_path / "ck" / INDEX).read_text())["weight_map"].values()) == \
+        {f for f in files if f.endswith(".safetensors")}
+    open_checkpoint(tmp_path / "ck")
+    assert _left(tmp_path) == {"ck"}            # the work folder went into place, nothing beside it
+
+
+# ---- item 1: a link at any path the writer, --trace, --show-graph or --report write ---------------------
+
+@pytest.mark.parametrize("name", ["config.json", INDEX, SHARD, TOKENIZER, TOKENIZER_CONFIG])
+def test_a_symlink_at_any_checkpoint_file_leaves_its_target_byte_identical(tmp_path, capsys, monkeypatch, name):
+    victim, kept = _victim(tmp_path)
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / name).symlink_to(victim)
+    line = _refused(capsys, [str(folder), *SMALL])
+    assert line == f"path: cannot write {folder}: is not empty; give a new or empty folder (nothing is written over)"
+    assert victim.read_bytes() == kept and os.readlink(folder / name) == str(victim)
+
+    # planted while the writer works (after its check): the files go to a folder of the writer's own,
+    # and the rename onto a folder that is no longer empty fails
+    folder.joinpath(name).unlink()
+    folder.rmdir()
+    draw = writer.draw_checkpoint
+
+    def planting(cfg, seed):
+        folder.mkdir()
+        (folder / name).symlink_to(victim)
+        yield from draw(cfg, seed)
+
+    monkeypatch.setattr(writer, "draw_checkpoint", planting)
+    line = _refused(capsys, [str(folder), *SMALL])
+    assert line.startswith(f"path: cannot write {folder}: "), line
+    assert victim.read_bytes() == kept and os.listdir(folder) == [name]
+    assert _left(tmp_path) == {"victim", "ck"}      # the work folder removed
+
+
+def test_a_symlinked_output_folder_is_refused(tmp_path, capsys):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "ck").symlink_to(real)
+    line = _refused(capsys, [str(tmp_path / "ck"), *SMALL])
+    assert line == (f"path: cannot write {tmp_path / 'ck'}: is a symbolic link; give a real folder "
+                    "(the writer never writes through a link)")
+    assert os.listdir(real) == []
+
+
+class _Graph:
+    def to_dot(self) -> str:
+        return "digraph g { a -> b }\n"
+
+
+def _write_run_outputs(traces: Path) -> list[Path]:
+    """Every file --trace, --show-graph and --report write, written by the functions the run calls."""
+    out = write_traces("x", [], {}, traces)
+    write_graph(_Graph(), str(traces / "g.dot"))
+    write_output(traces / "run.dask-report.html", b"<html></html>")
+    return [Path(out["otlp"]), Path(out["perfetto"]), traces / "g.dot", traces / "run.dask-report.html"]
+
+
+@pytest.mark.parametrize("name", ["x.otlp.jsonl", "x.perfetto.json", "g.dot", "run.dask-report.html"])
+def test_trace_graph_and_report_files_never_write_through_a_link(tmp_path, name):
+    victim, kept = _victim(tmp_path)
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / name).symlink_to(victim)          # found at the write: refused, nothing written
+    with pytest.raises(OSError) as e:
+        _write_run_outputs(traces)
+    assert e.value.errno == errno.ELOOP
+    assert victim.read_bytes() == kept and os.readlink(traces / name) == str(victim)
+    assert not [p for p in os.listdir(traces) if p.endswith(".tmp")]
+
+    (traces / name).unlink()                    # a hard link: replaced by the new file, never written into
+    os.link(victim, traces / name)
+    written = _write_run_outputs(traces)
+    assert victim.read_bytes() == kept
+    assert all(p.is_file() and not p.is_symlink() and p.stat().st_nlink == 1 for p in written)
+
+
+def test_a_symlinked_traces_folder_is_refused_before_and_at_the_write(tmp_path, capsys, monkeypatch):
+    from dsv41.cli import run
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "traces").symlink_to(elsewhere)
+    with pytest.raises(OSError) as e:
+        _write_run_outputs(tmp_path / "traces")
+    assert e.value.errno == errno.ELOOP
+    assert os.listdir(elsewhere) == []
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        run.main(["--trace", "x"])
+    assert capsys.readouterr().err.strip() == (
+        f"python -m dsv41.run: error: --trace: {tmp_path / 'traces'} is a symbolic link; outputs are written "
+        "only into a real folder, never through a link")
+
+
+def test_a_failed_output_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with open_output(path) as f:
+            f.write("half")
+            raise RuntimeError("the disk filled")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
+
+
+# ---- item 5: the writer's gaps --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,words", [
+    (["--shard-mb", "nan"], "--shard-mb: must be in (0, 100000] MB, got nan"),
+    (["--shard-mb", "-1"], "--shard-mb: must be in (0, 100000] MB, got -1"),
+    (["--seed", "-5"], "--seed: must be in [0, 4294967295], got -5"),
+    (["--seed", str(10 ** 30)], f"--seed: must be in [0, 4294967295], got {10 ** 30}"),
+    (["--layers", "0"], "--layers: must be in [1, "),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_writer_values_are_one_line_without_usage(tmp_path, capsys, argv, words):
+    line = _refused(capsys, [str(tmp_path / "ck"), *argv])
+    assert line.startswith(words), line
+    assert _left(tmp_path) == set()
+
+
+def test_an_empty_path_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _refused(capsys, [""]) == "path: is empty; give the folder to write"
+    assert _left(tmp_path) == set()
+
+
+def test_a_disk_filling_mid_write_leaves_nothing_that_looks_like_a_checkpoint(tmp_path, capsys, monkeypatch):
+    draw = writer.draw_checkpoint
+
+    def filling(cfg, seed):     # the disk fills after a few shards were written
+        for i, pair in enumerate(draw(cfg, seed)):
+            if i == 40:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            yield pair
+
+    monkeypatch.setattr(writer, "draw_checkpoint", filling)
+    line = _refused(capsys, [str(tmp_path / "ck"), "--shard-mb", "0.05"])
+    assert line == f"path: cannot write {tmp_path / 'ck'}: No space left on device"
+    assert _left(tmp_path) == set()
+
+
+def test_the_free_space_line_gives_sizes_that_can_be_read(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 40, used=0, free=12_345))
+    need = checkpoint_bytes(TINY)
+    line = _refused(capsys, [str(tmp_path / "ck")])
+    assert line.startswith(f"--config: tiny is {need / 1e6:.3g} MB of tensors and the disk has 12.3 kB free; "), line
+    assert _left(tmp_path) == set()
+
+
+def _without_dac_override():
+    """Root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH, so that a folder's mode bits hold for it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0):        # PR_CAPBSET_DROP: gone from the exec'd process
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.timeout(300)
+def test_a_read_only_output_folder_is_one_line(tmp_path):
+    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsv41-ro-{os.getpid()}"   # traversable without root's override
+    folder = base / "ro"
+    folder.mkdir(parents=True)
+    try:
+        folder.chmod(0o555)
+        r = subprocess.run([sys.executable, "-m", "dsv41.checkpoint.write", str(folder), *SMALL], capture_output=True,
+                           text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                           preexec_fn=_without_dac_override if os.geteuid() == 0 else None)
+        assert r.returncode == 2 and r.stderr == f"{ERROR}path: cannot write {folder}: is not writable\n", r.stderr
+        assert os.listdir(folder) == [] and os.listdir(base) == ["ro"]
+    finally:
+        folder.chmod(0o755)
+        folder.rmdir()
+        base.rmdir()
