@@ -1,95 +1,148 @@
 """The plan's predicted decode step against published measured deployments (docs/plan-validation.md).
 
-    python bench/plan_validation.py
+    python bench/plan_validation.py --features [--replan]  # plan the new rows (every row: minutes)
+    python bench/plan_validation.py --fit [--write] # models compared leaving one deployment out, the best one's
+                                                    # constants fitted on every row (--write: calibration.json)
+    python bench/plan_validation.py                 # the leave-one-out table of docs/plan-validation.md
 
-Every prediction uses the profiles frozen in dsv41/plan/profiles.py unchanged (commit 7d22d5e). The
-graph builder sizes DeepSeek-V4.1-Flash (FLASH) only: rows measured on DeepSeek-V4-Flash or V3/R1
-are predicted for FLASH at the same device, batch per DP group, context and layout class, and the
-doc says what differs. Deployments without speculative decoding run one row per request; those
-with it (``draft`` tokens verified per step) run 1 + draft rows, and the prediction per output
-token is the step over the expected accepted tokens per step, sum(p^i, i = 0..draft) with p = 0.85,
-the low end of the 85-90% acceptance of the second token the DeepSeek-V3 technical report gives
-(arXiv 2412.19437, section 5.4.3); taking the same p for the later drafts is an assumption.
+The rows are dsv41/plan/deployments.toml (each cited). The graph builder sizes DeepSeek-V4.1-Flash
+(FLASH) only: rows measured on DeepSeek-V4-Flash or V3/R1 are planned as FLASH at the same device,
+batch per DP group, context and layout class, and the doc says what differs. Deployments with
+speculative decoding (``draft`` tokens verified per step) run 1 + draft rows per request, and the
+time per output token is the step over the expected accepted tokens (``calibration.ACCEPT``).
 """
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import subprocess
+import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from dsv41.config import FLASH, Topology
+from dsv41.config import FLASH
+from dsv41.plan import calibration as cb
 from dsv41.plan.step import run_plan
 
-ACCEPT = 0.85
+PARTS = ("compute", "memory", "launch", "sync", "collectives", "host")
 
 
-@dataclass(frozen=True)
-class Measured:
-    label: str
-    model: str
-    profile: str
-    topo: Topology
-    layout: str            # as deployed
-    batch: int             # requests per DP group
-    context: int
-    measured_ms: float     # time per output token
-    source: str
-    draft: int = 0         # speculative tokens verified per step
+def plan_row(m: cb.Deployment) -> dict:
+    """The first-principles plan of one row: the features the terms scale, and what the table shows."""
+    cfg = replace(FLASH, decode_rows_per_request=1 + m.draft, max_batch_per_dp=128)
+    t0 = time.perf_counter()
+    r, planned = run_plan(cfg, m.topo, m.batch, m.context, device=m.profile)
+    hbm = max(c["total_bytes"] for c in r["cards"])
+    return {**cb.features(r, cfg.num_hidden_layers),
+            "critical_path_us": {k: round(r["breakdown_us"][k], 3) for k in PARTS},
+            "roofline_us": round(r["roofline_step_us"], 3), "moe_imbalance": round(r["moe_imbalance"], 4),
+            "hbm_bytes": hbm, "fits_hbm": hbm <= planned.device.hbm_bytes,
+            "device": planned.device.description, "planned_in_s": round(time.perf_counter() - t0)}
 
 
-def accepted(draft: int) -> float:
-    return sum(ACCEPT ** i for i in range(draft + 1))
+def write_features(rows, replan: bool) -> None:
+    """Plan the rows not planned yet (a new measurement), or every row (``replan``: the planner changed)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    old = {} if replan or not cb.PLANNED.exists() else json.loads(cb.PLANNED.read_text())["rows"]
+    out = {"note": "first-principles parts of each row's planned step (bench/plan_validation.py --features); "
+                   "after any change to the planner: --features --replan, then --fit --write",
+           "planner_commit": commit, "rows": {}}
+    for m in rows:
+        out["rows"][m.label] = old[m.label] if m.label in old else plan_row(m)
+        print(f"{m.label}: step {out['rows'][m.label]['step_us'] / 1e3:.2f} ms", flush=True)
+    cb.PLANNED.write_text(json.dumps(out, indent=1) + "\n")
 
 
-_SGL_ASCEND = ("sgl-project/sglang docs/platforms/ascend_npu_best_practice.md (version with the TPOT column): "
-               "DeepSeek-R1 W8A8 on Atlas 800I A3, PD separation, decode on 2 nodes = 32 dies, --tp-size 32 "
-               "--dp-size 16 (attention TP2), --max-running-requests 32 (2 per DP group), DeepEP low-latency, "
-               "NEXTN --speculative-num-draft-tokens 4")
-ROWS = (
-    Measured("Lambda, 8x H100 SXM, vLLM", "V4-Flash (FP8 build)", "h100", Topology(8, 1, 8),
-             "TP8 + EP (assumed: not stated)", 32, 8192 + 512, 60.0,
-             "lambda.ai/inference-models/deepseek-ai/deepseek-v4-flash: 32 concurrent, 8192 in / 1024 out, "
-             "mean ITL 60 ms"),
-    Measured("Lambda, 8x B200, vLLM", "V4-Flash (FP4+FP8)", "b200", Topology(8, 1, 8),
-             "TP8 + EP (assumed: not stated)", 32, 8192 + 512, 66.0,
-             "same page: HGX B200 native FP4+FP8 build, mean ITL 66 ms"),
-    Measured("DeepSeek online service, H800", "V3/R1", "h100", Topology(1, 16, 16),
-             "DP144 attention / EP144 experts, 18 nodes", 88, 4989, 47.6,
-             "DeepSeek Open Source Week day 6 (2025-03-01): 14.8k output tok/s per 8-GPU node, 20-22 tok/s per "
-             "user -> ~88 requests per GPU, TPOT ~47.6 ms; mean KV length 4,989 per output token"),
-    Measured("CloudMatrix384, Ascend 910C", "R1 (V3 shape), INT8", "a3", Topology(1, 16, 16),
-             "DP/EP320 over 320 dies", 48, 4096, 49.4,
-             "Zuo et al. arXiv 2506.12708: decode 1,943 tok/s per NPU at batch 96 per NPU (48 per die), 4K KV, "
-             "TPOT < 50 ms -> 96 / 1943 = 49.4 ms"),
-    Measured("SGLang-Ascend, A3, R1 low latency (6K-1.6K)", "R1, W8A8", "a3", Topology(2, 8, 16),
-             "TP32 / DP16 / EP32 over 32 dies, MTP 3", 2, 6000 + 800, 19.81,
-             _SGL_ASCEND + "; dataset 6K in / 1.6K out, TPOT 19.81 ms", draft=3),
-    Measured("SGLang-Ascend, A3, R1 low latency (3.5K-1K)", "R1, W8A8", "a3", Topology(2, 8, 16),
-             "TP32 / DP16 / EP32 over 32 dies, MTP 3", 2, 3500 + 500, 19.52,
-             _SGL_ASCEND + "; dataset 3.5K in / 1K out, TPOT 19.52 ms", draft=3),
-)
+def model_lines(rows, planned) -> list[str]:
+    """Every model's held-out error (the table that picks the committed model)."""
+    out = ["| model | constants | fitted on all (per-token RMS log error) | held out: RMS log error | "
+           "held out within ±30% |", "|---|---|---|---|---|"]
+    for name, terms in cb.MODELS.items():
+        cal = cb.fit(rows, planned, name)
+        preds = [cb.predict(r, planned[r.label], cal) for r in rows]
+        in_rms = (sum(math.log(p.ratio) ** 2 for p in preds) / len(preds)) ** 0.5
+        rms, hits = cb.loo_error(rows, planned, name)
+        out.append(f"| {name} | {len(terms)} | {in_rms:.3f} | {rms:.3f} | {hits} of {len(rows)} |")
+    return out
 
 
-def main():
-    print("| deployment | model | device (profile) | deployed layout | planned layout | batch / DP group | context "
-          "| measured per token | predicted step | predicted per token | ratio | fits HBM "
-          "| predicted critical path (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for m in ROWS:
-        cfg = replace(FLASH, decode_rows_per_request=1 + m.draft, max_batch_per_dp=128)
-        t0 = time.perf_counter()
-        r, planned = run_plan(cfg, m.topo, m.batch, m.context, device=m.profile)
-        step = r["predicted_step_us"] / 1e3
-        per_token = step / accepted(m.draft)
-        hbm = max(c["total_bytes"] for c in r["cards"])
-        parts = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in r["breakdown_us"].items() if v)
-        planned_layout = f"TP{m.topo.tp}/DP{m.topo.dp}/EP{m.topo.ep}"
-        print(f"| {m.label} | {m.model} | {planned.device.description} ({m.profile}) | {m.layout} | {planned_layout} "
-              f"| {m.batch} x {1 + m.draft} rows | {m.context} | {m.measured_ms:.1f} ms | {step:.1f} ms "
-              f"| {per_token:.1f} ms | {per_token / m.measured_ms:.2f} "
-              f"| {'yes' if hbm <= planned.device.hbm_bytes else 'no'} ({hbm / 1e9:.0f} GB) | {parts} |", flush=True)
-        print(f"<!-- {m.source}; roofline {r['roofline_step_us'] / 1e3:.1f} ms, floor {r['floor_us'] / 1e3:.1f} ms, "
-              f"MoE imbalance {r['moe_imbalance']:.2f}, planned in {time.perf_counter() - t0:.0f} s -->", flush=True)
+def robustness_lines(rows, planned, model: str) -> list[str]:
+    """The held-out count under other readings of the data: the sources' own per-token figures where
+    a row's is derived otherwise (the best model refitted), and each deployment dropped from the data."""
+    out = ["| data | best model (held-out RMS log error) | its held out within ±30% | committed model's held out "
+           "within ±30% |", "|---|---|---|---|"]
+    stated = [replace(r, measured_ms=r.stated_ms) if r.stated_ms else r for r in rows]
+    cases = [("as committed", rows), ("stated per-token figures (" + ", ".join(
+        f"{r.label} {r.stated_ms:g} ms" for r in rows if r.stated_ms) + ")", stated)]
+    cases += [(f"without {d}", [r for r in rows if r.deployment != d])
+              for d in dict.fromkeys(r.deployment for r in rows)]
+    for name, data in cases:
+        best = cb.best_model(data, planned)
+        rms, hits = cb.loo_error(data, planned, best)
+        mine = cb.loo_error(data, planned, model)[1]
+        out.append(f"| {name} | {best} ({rms:.3f}) | {hits} of {len(data)} | {mine} of {len(data)} |")
+    return out
+
+
+def sources_lines(rows) -> list[str]:
+    """Where every measured figure was read, and the arithmetic where it is derived."""
+    return [f"- **{r.label}** ({r.model}, {r.layout}{f', {r.draft} drafts' if r.draft else ''}): {r.source}"
+            + (f". Derived: {r.derived}" if r.derived else "") for r in rows]
+
+
+def constants_text(cal: cb.Calibration) -> str:
+    return ", ".join(f"{t} {v:.4g} {cb.TERMS[t][1]}" for t, v in cal.constants.items()) or "none"
+
+
+def table_lines(rows, planned, model: str) -> list[str]:
+    """The leave-one-out table: every row predicted by constants fitted on the other deployments."""
+    out = ["| deployment | stack | device (profile) | planned layout | batch / DP group | context | measured per token "
+           "| first principles per token | fitted per token (held out) | predicted per token | ratio | within ±30% "
+           "| constants fitted without it | critical path, first principles (ms) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p, cal in cb.leave_one_out(rows, planned, model):
+        m, f = p.row, planned[p.row.label]
+        parts = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in f["critical_path_us"].items() if v >= 50)
+        out.append(f"| {m.label} | {m.stack} | {m.profile} | TP{m.tp}/DP{m.dp}/EP{m.ep} | {m.batch} x {1 + m.draft} "
+                   f"rows | {m.context} | {m.measured_ms:.1f} ms | {p.first_principles_ms:.1f} ms "
+                   f"| {p.fitted_ms:.1f} ms | {p.predicted_ms:.1f} ms | {p.ratio:.2f} "
+                   f"| {'yes' if cb.within(p.ratio) else 'no'} | {constants_text(cal)} | {parts} |")
+    hits = sum(cb.within(p.ratio) for p, _ in cb.leave_one_out(rows, planned, model))
+    out.append("")
+    out.append(f"Held out within ±30%: **{hits} of {len(rows)}** rows (model `{model}`).")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--features", action="store_true", help="plan every row and write deployments_planned.json")
+    ap.add_argument("--replan", action="store_true", help="with --features: replan every row, not only new ones")
+    ap.add_argument("--fit", action="store_true", help="compare the models and fit the best on every row")
+    ap.add_argument("--write", action="store_true", help="with --fit: write dsv41/plan/calibration.json")
+    a = ap.parse_args(argv)
+    rows = cb.load_deployments()
+    if a.features:
+        write_features(rows, a.replan)
+        return 0
+    planned = cb.load_planned()
+    if a.fit:
+        print("\n".join(model_lines(rows, planned)))
+        model = cb.best_model(rows, planned)
+        cal = cb.fit(rows, planned, model)
+        cal = cb.Calibration(cal.model, cal.constants, cal.fitted_on, {
+            t: f"{cb.TERMS[t][2]}; fitted (bench/plan_validation.py --fit) on dsv41/plan/deployments.toml, "
+               f"{len(rows)} rows of {len(cal.fitted_on)} deployments" for t in cal.constants})
+        print(json.dumps(cal.to_json(), indent=1))
+        if a.write:
+            cb.CALIBRATION.write_text(json.dumps(cal.to_json(), indent=1) + "\n")
+        return 0
+    model = cb.load_calibration().model
+    for lines in (table_lines(rows, planned, model), model_lines(rows, planned), robustness_lines(rows, planned, model),
+                  sources_lines(rows)):
+        print("\n".join(lines) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,7 +13,8 @@ import json
 from dsv41.cli.args import on
 from dsv41.cli.modes import ALL, GRAPH_OR_PLAN, PLAN
 from dsv41.cli.trace import tracing_on
-from dsv41.plan.explain import explain_lines, sensitivity
+from dsv41.plan.calibration import calibrated
+from dsv41.plan.explain import calibration_lines, explain_lines, sensitivity
 from dsv41.plan.latency import DISPATCH, PARTS
 from dsv41.plan.profiles import PROFILES
 from dsv41.plan.roofline import profile
@@ -137,6 +138,11 @@ def plan_report(args, cfg, topo, say) -> dict:
         f"{report['predicted_step_us'] / 1e3:.2f} ms; {report['tokens_per_s_per_request']:.1f} tokens/s per request, "
         f"{report['tokens_per_s']:.0f} tokens/s in total ({_per_step(report)})")
     say(f"  roofline {report['roofline_step_us'] / 1e3:.2f} ms, memory-bound floor {report['floor_us'] / 1e3:.2f} ms")
+    # fitted on accelerator decode steps; a CPU profile is measured on this machine
+    if args.graph == "decode" and not planned.device.shared_cores:
+        report["calibrated"] = calibrated(report, cfg.num_hidden_layers)
+        for line in calibration_lines(report["calibrated"], detail=args.explain):
+            say(line)
     say(f"  critical path (ms): {_parts(report['breakdown_us'])}")
     if args.explain:
         rows = sensitivity(planned)

@@ -1,9 +1,11 @@
 """Which assumption a predicted step rests on (``--plan --explain``): the step with each fixed cost
-halved and doubled, on the same planned graph and costs (only the latency model is rerun)."""
+halved and doubled, on the same planned graph and costs (only the latency model is rerun), and the
+calibrated step split into its first-principles and fitted parts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsv41.plan.calibration import TERMS
 from dsv41.plan.latency import FIXED_TERMS, step_latency
 
 
@@ -33,4 +35,17 @@ def explain_lines(rows: list[Sensitivity], step_us: float) -> list[str]:
     for r in rows:
         out.append(f"  {r.term:<11} {r.half_us / 1e3:>10.2f} {(r.half_us / step_us - 1) * 100:>+7.1f}% "
                    f"{r.double_us / 1e3:>9.2f} {(r.double_us / step_us - 1) * 100:>+7.1f}%  {r.what}")
+    return out
+
+
+def calibration_lines(cal: dict, detail: bool = False) -> list[str]:
+    """The calibrated step (``calibration.calibrated``) as printed lines; ``detail``: one line per
+    fitted term with what it stands for."""
+    fitted = sum(cal["fitted_us"].values())
+    out = [f"  calibrated step {cal['step_us'] / 1e3:.2f} ms = first principles {cal['first_principles_us'] / 1e3:.2f}"
+           f" + fitted {fitted / 1e3:.2f} (model {cal['model']}, fitted on {len(cal['fitted_on'])} published "
+           f"deployments, docs/plan-validation.md)"]
+    if detail:
+        for term, us in cal["fitted_us"].items():
+            out.append(f"    fitted {term:<6} {us / 1e3:>8.2f} ms  {TERMS[term][2]}")
     return out

@@ -1,0 +1,254 @@
+"""The plan's calibrated term: what a serving stack spends that first principles do not see (host
+scheduling, launch gaps, synchronisation, kernels under their roofline), fitted on published
+measured deployments only (docs/plan-validation.md).
+
+A deployment's calibrated step is the first-principles step (``dsv41.plan.latency``) plus a fitted
+part, linear in a few of the first-principles step's own quantities (``TERMS``): each term is one
+constant times one feature of the planned step. Which terms a calibration uses is its ``model``;
+the constants are fitted by least squares on the relative error of the time per output token,
+each deployment weighing one (rows of one deployment share its weight), every constant >= 0 (a
+stack never runs faster than first principles allow). The measurements are data rows
+(``deployments.toml``), their first-principles parts too (``deployments_planned.json``, written by
+``bench/plan_validation.py --features``), the fitted constants ``calibration.json``; a new
+measurement is a new row and a refit (``bench/plan_validation.py --fit --write``), not a code change.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dsv41.config import Topology
+
+HERE = Path(__file__).parent
+DEPLOYMENTS = HERE / "deployments.toml"
+PLANNED = HERE / "deployments_planned.json"
+CALIBRATION = HERE / "calibration.json"
+
+# a speculative row's drafts: each accepted with this chance given the ones before it were, the low
+# end of the 85-90% second-token acceptance of the DeepSeek-V3 technical report (arXiv 2412.19437,
+# section 5.4.3); the same chance for the later drafts is an assumption
+ACCEPT = 0.85
+
+# term -> (feature of the planned step, unit of its constant, what the constant stands for)
+TERMS = {
+    "scale": ("step_us", "x", "the whole first-principles step again, times the constant"),
+    "body": ("body_us", "x", "kernels under their roofline: 1 / efficiency - 1, times the body (compute + memory) "
+                             "on the critical path"),
+    "gaps": ("fixed_us", "x", "the stack's gaps beyond the modelled ones: times the launch, sync and host time on "
+                              "the critical path"),
+    "layer": ("layers", "us", "fixed overhead per layer per step (scheduling, launch gaps, syncs not modelled)"),
+}
+# the models compared by leaving one deployment out (docs/plan-validation.md); the committed
+# calibration's model is the one with the smallest held-out error among them
+MODELS = {
+    "none": (), "scale": ("scale",), "layer": ("layer",), "body": ("body",), "gaps": ("gaps",),
+    "body+layer": ("body", "layer"), "gaps+layer": ("gaps", "layer"), "body+gaps": ("body", "gaps"),
+    "body+gaps+layer": ("body", "gaps", "layer"),
+}
+_ROW_KEYS = {"label": str, "deployment": str, "model": str, "stack": str, "profile": str, "layout": str,
+             "tp": int, "dp": int, "ep": int, "batch": int, "context": int, "measured_ms": (int, float),
+             "source": str}
+_OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float)}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One published measurement: what was deployed, the FLASH layout class the plan uses for it,
+    and the measured time per output token."""
+    label: str
+    deployment: str        # rows sharing it are one deployment, left out together
+    model: str
+    stack: str
+    profile: str
+    layout: str
+    tp: int
+    dp: int
+    ep: int
+    batch: int             # requests per DP group
+    context: int
+    measured_ms: float     # time per output token
+    source: str
+    draft: int = 0         # speculative tokens verified per step
+    derived: str = ""
+    stated_ms: float = 0.0  # the source's own per-token figure where measured_ms is derived otherwise
+
+    @property
+    def topo(self) -> Topology:
+        return Topology(self.tp, self.dp, self.ep)
+
+    @property
+    def accepted(self) -> float:
+        """Expected tokens a request makes per step: 1 + p + ... + p^draft."""
+        return sum(ACCEPT ** i for i in range(self.draft + 1))
+
+
+def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
+    """The measured rows, each field checked (a bad row names its index and field)."""
+    rows = tomllib.loads(Path(path).read_text()).get("row", [])
+    if not rows:
+        raise ValueError(f"{path}: no [[row]] tables")
+    out = []
+    for i, row in enumerate(rows):
+        extra = set(row) - set(_ROW_KEYS) - set(_OPTIONAL)
+        if extra:
+            raise ValueError(f"{path}: row[{i}]: unknown keys {sorted(extra)}; allowed {sorted({**_ROW_KEYS, **_OPTIONAL})}")
+        for k, kind in {**_ROW_KEYS, **_OPTIONAL}.items():
+            if k not in row and k in _ROW_KEYS:
+                raise ValueError(f"{path}: row[{i}]: missing {k}")
+            if k in row and (not isinstance(row[k], kind) or isinstance(row[k], bool)):
+                raise ValueError(f"{path}: row[{i}].{k}: must be {getattr(kind, '__name__', 'a number')}, got {row[k]!r}")
+        if not row["measured_ms"] > 0 or row.get("draft", 0) < 0:
+            raise ValueError(f"{path}: row[{i}]: measured_ms must be > 0 and draft >= 0")
+        out.append(Deployment(**row))
+    return tuple(out)
+
+
+def features(report: dict, layers: int) -> dict[str, float]:
+    """The first-principles quantities of one planned step the terms scale (µs, or a count)."""
+    b = report["breakdown_us"]
+    return {"step_us": report["predicted_step_us"], "body_us": b["compute"] + b["memory"],
+            "fixed_us": b["launch"] + b["sync"] + b["host"], "layers": float(layers)}
+
+
+def load_planned(path: Path = PLANNED) -> dict[str, dict[str, float]]:
+    """Row label -> its planned step's features, as ``bench/plan_validation.py --features`` wrote them."""
+    return json.loads(Path(path).read_text())["rows"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The fitted term: ``model`` names the terms, ``constants`` their values (unit in ``TERMS``)."""
+    model: str
+    constants: dict
+    fitted_on: tuple = ()
+    sources: dict = field(default_factory=dict)
+
+    def parts_us(self, feats: dict[str, float]) -> dict[str, float]:
+        """Term -> its fitted µs for a step with these features."""
+        return {t: self.constants[t] * feats[TERMS[t][0]] for t in MODELS[self.model]}
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "constants": {k: round(v, 6) for k, v in self.constants.items()},
+                "fitted_on": list(self.fitted_on), "sources": self.sources}
+
+
+def load_calibration(path: Path = CALIBRATION) -> Calibration:
+    raw = json.loads(Path(path).read_text())
+    if raw.get("model") not in MODELS:
+        raise ValueError(f"{path}: model: must be one of {list(MODELS)}, got {raw.get('model')!r}")
+    missing = set(MODELS[raw["model"]]) - set(raw.get("constants", {}))
+    if missing:
+        raise ValueError(f"{path}: constants: missing {sorted(missing)} for model {raw['model']!r}")
+    return Calibration(raw["model"], {k: float(v) for k, v in raw["constants"].items()},
+                       tuple(raw.get("fitted_on", ())), raw.get("sources", {}))
+
+
+def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min |a x - b|^2 with x >= 0, by trying every set of free constants (a handful at most)."""
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float(b @ b)
+    for k in range(1, n + 1):
+        for free in itertools.combinations(range(n), k):
+            x = np.zeros(n)
+            x[list(free)] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (x < 0).any():
+                continue
+            err = float(np.sum((a @ x - b) ** 2))
+            if err < best_err - 1e-15:
+                best, best_err = x, err
+    return best
+
+
+def fit(rows, planned: dict, model: str) -> Calibration:
+    """Constants of ``model`` minimising the deployment-weighted squared relative error of the
+    predicted time per output token against the measured one."""
+    terms = MODELS[model]
+    if not rows:
+        raise ValueError("fit: no rows")
+    per = {}
+    for r in rows:
+        per[r.deployment] = per.get(r.deployment, 0) + 1
+    if not terms:
+        return Calibration(model, {}, tuple(sorted(per)))
+    a, b = [], []
+    for r in rows:
+        f = planned[r.label]
+        w = math.sqrt(1.0 / per[r.deployment])
+        scale = r.accepted * r.measured_ms * 1e3     # the residual is relative to the measured per-token time
+        a.append([w * f[TERMS[t][0]] / scale for t in terms])
+        b.append(w * (1.0 - f["step_us"] / scale))
+    x = _nonneg_lstsq(np.array(a), np.array(b))
+    return Calibration(model, dict(zip(terms, map(float, x))), tuple(sorted(per)))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    row: Deployment
+    first_principles_ms: float   # per output token
+    fitted_ms: float             # per output token
+
+    @property
+    def predicted_ms(self) -> float:
+        return self.first_principles_ms + self.fitted_ms
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_ms / self.row.measured_ms
+
+
+def predict(row: Deployment, feats: dict, cal: Calibration) -> Prediction:
+    fitted = sum(cal.parts_us(feats).values())
+    return Prediction(row, feats["step_us"] / row.accepted / 1e3, fitted / row.accepted / 1e3)
+
+
+def leave_one_out(rows, planned: dict, model: str) -> list[tuple[Prediction, Calibration]]:
+    """Each row predicted by the constants fitted on every other deployment (its own deployment's
+    rows left out with it)."""
+    out = []
+    for r in rows:
+        cal = fit([o for o in rows if o.deployment != r.deployment], planned, model)
+        out.append((predict(r, planned[r.label], cal), cal))
+    return out
+
+
+def loo_error(rows, planned: dict, model: str) -> tuple[float, int]:
+    """RMS of log(predicted / measured) over the held-out rows, and how many are within ±30%."""
+    preds = [p for p, _ in leave_one_out(rows, planned, model)]
+    rms = math.sqrt(sum(math.log(p.ratio) ** 2 for p in preds) / len(preds))
+    return rms, sum(within(p.ratio) for p in preds)
+
+
+def within(ratio: float, band: float = 0.3) -> bool:
+    return 1 - band <= ratio <= 1 + band
+
+
+def best_model(rows, planned: dict) -> str:
+    """The model with the smallest held-out RMS log error (ties: fewer terms)."""
+    return min(MODELS, key=lambda m: (round(loo_error(rows, planned, m)[0], 9), len(MODELS[m])))
+
+
+def synthetic(rows, planned: dict, model: str, constants: dict, noise: float, seed: int):
+    """Rows whose measurement is what ``constants`` would predict, times a log-normal error of
+    ``noise`` (the synthetic check that the fit recovers known constants)."""
+    rng = np.random.default_rng(seed)
+    cal = Calibration(model, constants)
+    out = []
+    for r in rows:
+        p = predict(r, planned[r.label], cal)
+        out.append(Deployment(**{**r.__dict__, "measured_ms": p.predicted_ms * float(np.exp(rng.normal(0, noise)))}))
+    return out
+
+
+def calibrated(report: dict, layers: int, cal: Calibration | None = None) -> dict:
+    """The first-principles step of a plan report, the fitted part by term, and their sum (µs)."""
+    cal = cal or load_calibration()
+    parts = cal.parts_us(features(report, layers))
+    return {"first_principles_us": report["predicted_step_us"], "fitted_us": parts,
+            "step_us": report["predicted_step_us"] + sum(parts.values()), "model": cal.model,
+            "fitted_on": list(cal.fitted_on)}
