@@ -97,20 +97,25 @@ def constants_text(cal: cb.Calibration) -> str:
 
 def table_lines(rows, planned, model: str) -> list[str]:
     """The leave-one-out table: every row predicted by constants fitted on the other deployments."""
-    out = ["| deployment | stack | device (profile) | planned layout | batch / DP group | context | measured per token "
+    out = ["| deployment | stack | device (profile) | planned layout | batch / DP group | tokens / step | context | measured per token "
            "| first principles per token | fitted per token (held out) | predicted per token | ratio | within ±30% "
            "| constants fitted without it | critical path, first principles (ms) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, cal in cb.leave_one_out(rows, planned, model):
         m, f = p.row, planned[p.row.label]
         parts = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in f["critical_path_us"].items() if v >= 50)
         out.append(f"| {m.label} | {m.stack} | {m.profile} | TP{m.tp}/DP{m.dp}/EP{m.ep} | {m.batch} x {1 + m.draft} "
-                   f"rows | {m.context} | {m.measured_ms:.1f} ms | {p.first_principles_ms:.1f} ms "
+                   f"rows | {m.accepted:.2f}{'' if m.accept_length or not m.draft else ' (assumed)'} | {m.context} | {m.measured_ms:.1f} ms | {p.first_principles_ms:.1f} ms "
                    f"| {p.fitted_ms:.1f} ms | {p.predicted_ms:.1f} ms | {p.ratio:.2f} "
                    f"| {'yes' if cb.within(p.ratio) else 'no'} | {constants_text(cal)} | {parts} |")
-    hits = sum(cb.within(p.ratio) for p, _ in cb.leave_one_out(rows, planned, model))
+    preds = [p for p, _ in cb.leave_one_out(rows, planned, model)]
+    deployments = {}
+    for p in preds:
+        deployments[p.row.deployment] = deployments.get(p.row.deployment, True) and cb.within(p.ratio)
     out.append("")
-    out.append(f"Held out within ±30%: **{hits} of {len(rows)}** rows (model `{model}`).")
+    out.append(f"Held out within ±30%: **{sum(cb.within(p.ratio) for p in preds)} of {len(rows)} rows**, "
+               f"**{sum(deployments.values())} of {len(deployments)} deployments** with every row within "
+               f"(model `{model}`).")
     return out
 
 
@@ -131,7 +136,7 @@ def main(argv=None):
         model = cb.best_model(rows, planned)
         cal = cb.fit(rows, planned, model)
         cal = cb.Calibration(cal.model, cal.constants, cal.fitted_on, {
-            t: f"{cb.TERMS[t][2]}; fitted (bench/plan_validation.py --fit) on dsv41/plan/deployments.toml, "
+            t: f"{cb.TERMS[t][3]}; fitted (bench/plan_validation.py --fit) on dsv41/plan/deployments.toml, "
                f"{len(rows)} rows of {len(cal.fitted_on)} deployments" for t in cal.constants})
         print(json.dumps(cal.to_json(), indent=1))
         if a.write:

@@ -5,9 +5,9 @@ measured deployments only (docs/plan-validation.md).
 A deployment's calibrated step is the first-principles step (``dsv41.plan.latency``) plus a fitted
 part, linear in a few of the first-principles step's own quantities (``TERMS``): each term is one
 constant times one feature of the planned step. Which terms a calibration uses is its ``model``;
-the constants are fitted by least squares on the relative error of the time per output token,
-each deployment weighing one (rows of one deployment share its weight), every constant >= 0 (a
-stack never runs faster than first principles allow). The measurements are data rows
+the constants are fitted by least squares on the log error of the time per output token,
+each deployment weighing one (rows of one deployment share its weight), each constant at or above
+its term's floor (``TERMS``). The measurements are data rows
 (``deployments.toml``), their first-principles parts too (``deployments_planned.json``, written by
 ``bench/plan_validation.py --features``), the fitted constants ``calibration.json``; a new
 measurement is a new row and a refit (``bench/plan_validation.py --fit --write``), not a code change.
@@ -35,14 +35,16 @@ CALIBRATION = HERE / "calibration.json"
 # section 5.4.3); the same chance for the later drafts is an assumption
 ACCEPT = 0.85
 
-# term -> (feature of the planned step, unit of its constant, what the constant stands for)
+# term -> (feature of the planned step, unit of its constant, its floor, what the constant stands for).
+# A multiplicative term may shrink its feature (the first-principles fixed costs are assumptions a
+# stack can beat) down to a tenth of it; the per-layer overhead only adds.
 TERMS = {
-    "scale": ("step_us", "x", "the whole first-principles step again, times the constant"),
-    "body": ("body_us", "x", "kernels under their roofline: 1 / efficiency - 1, times the body (compute + memory) "
-                             "on the critical path"),
-    "gaps": ("fixed_us", "x", "the stack's gaps beyond the modelled ones: times the launch, sync and host time on "
-                              "the critical path"),
-    "layer": ("layers", "us", "fixed overhead per layer per step (scheduling, launch gaps, syncs not modelled)"),
+    "scale": ("step_us", "x", -0.9, "the whole first-principles step again, times the constant"),
+    "body": ("body_us", "x", -0.9, "kernels off their modelled rate: the body (compute + memory) on the critical "
+                                   "path, times the constant (1 / efficiency - 1)"),
+    "gaps": ("fixed_us", "x", -0.9, "the stack's gaps against the modelled ones: the launch, sync and host time on "
+                                    "the critical path, times the constant"),
+    "layer": ("layers", "us", 0.0, "fixed overhead per layer per step (scheduling, launch gaps, syncs not modelled)"),
 }
 # the models compared by leaving one deployment out (docs/plan-validation.md); the committed
 # calibration's model is the one with the smallest held-out error among them
@@ -54,7 +56,7 @@ MODELS = {
 _ROW_KEYS = {"label": str, "deployment": str, "model": str, "stack": str, "profile": str, "layout": str,
              "tp": int, "dp": int, "ep": int, "batch": int, "context": int, "measured_ms": (int, float),
              "source": str}
-_OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float)}
+_OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float), "accept_length": (int, float)}
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Deployment:
     draft: int = 0         # speculative tokens verified per step
     derived: str = ""
     stated_ms: float = 0.0  # the source's own per-token figure where measured_ms is derived otherwise
+    accept_length: float = 0.0  # measured tokens a request makes per verify step (0: not published)
 
     @property
     def topo(self) -> Topology:
@@ -84,8 +87,9 @@ class Deployment:
 
     @property
     def accepted(self) -> float:
-        """Expected tokens a request makes per step: 1 + p + ... + p^draft."""
-        return sum(ACCEPT ** i for i in range(self.draft + 1))
+        """Tokens a request makes per step: the measured acceptance length where the source gives
+        one, else the expected 1 + p + ... + p^draft."""
+        return self.accept_length or sum(ACCEPT ** i for i in range(self.draft + 1))
 
 
 def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
@@ -105,6 +109,8 @@ def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
                 raise ValueError(f"{path}: row[{i}].{k}: must be {getattr(kind, '__name__', 'a number')}, got {row[k]!r}")
         if not row["measured_ms"] > 0 or row.get("draft", 0) < 0:
             raise ValueError(f"{path}: row[{i}]: measured_ms must be > 0 and draft >= 0")
+        if not 0 <= row.get("accept_length", 0) <= row.get("draft", 0) + 1:
+            raise ValueError(f"{path}: row[{i}].accept_length: must be in [1, draft + 1], got {row['accept_length']!r}")
         out.append(Deployment(**row))
     return tuple(out)
 
@@ -149,15 +155,17 @@ def load_calibration(path: Path = CALIBRATION) -> Calibration:
                        tuple(raw.get("fitted_on", ())), raw.get("sources", {}))
 
 
-def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min |a x - b|^2 with x >= 0, by trying every set of free constants (a handful at most)."""
+def _bounded_lstsq(a: np.ndarray, b: np.ndarray, floor: np.ndarray) -> np.ndarray:
+    """min |a x - b|^2 with x >= floor, by trying every set of constants left free (the others at
+    their floor; a handful of constants at most)."""
     n = a.shape[1]
-    best, best_err = np.zeros(n), float(b @ b)
+    rest = b - a @ floor
+    best, best_err = floor.copy(), float(rest @ rest)
     for k in range(1, n + 1):
         for free in itertools.combinations(range(n), k):
-            x = np.zeros(n)
-            x[list(free)] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
-            if (x < 0).any():
+            x = floor.copy()
+            x[list(free)] += np.linalg.lstsq(a[:, free], rest, rcond=None)[0]
+            if (x < floor).any():
                 continue
             err = float(np.sum((a @ x - b) ** 2))
             if err < best_err - 1e-15:
@@ -166,8 +174,10 @@ def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit(rows, planned: dict, model: str) -> Calibration:
-    """Constants of ``model`` minimising the deployment-weighted squared relative error of the
-    predicted time per output token against the measured one."""
+    """Constants of ``model`` minimising the deployment-weighted squared log error of the predicted
+    time per output token against the measured one (a prediction twice too slow weighs what one
+    twice too fast does): Gauss-Newton from the least-squares fit on the relative error, each step
+    kept within the floors and halved until the error falls."""
     terms = MODELS[model]
     if not rows:
         raise ValueError("fit: no rows")
@@ -176,14 +186,31 @@ def fit(rows, planned: dict, model: str) -> Calibration:
         per[r.deployment] = per.get(r.deployment, 0) + 1
     if not terms:
         return Calibration(model, {}, tuple(sorted(per)))
-    a, b = [], []
-    for r in rows:
-        f = planned[r.label]
-        w = math.sqrt(1.0 / per[r.deployment])
-        scale = r.accepted * r.measured_ms * 1e3     # the residual is relative to the measured per-token time
-        a.append([w * f[TERMS[t][0]] / scale for t in terms])
-        b.append(w * (1.0 - f["step_us"] / scale))
-    x = _nonneg_lstsq(np.array(a), np.array(b))
+    w = np.sqrt([1.0 / per[r.deployment] for r in rows])
+    base = np.array([planned[r.label]["step_us"] for r in rows])
+    feats = np.array([[planned[r.label][TERMS[t][0]] for t in terms] for r in rows])
+    measured = np.array([r.accepted * r.measured_ms * 1e3 for r in rows])    # per step, µs
+    floor = np.array([TERMS[t][2] for t in terms])
+    x = _bounded_lstsq(w[:, None] * feats / measured[:, None], w * (1.0 - base / measured), floor)
+
+    def residual(x):
+        pred = base + feats @ x
+        return w * np.log(pred / measured), pred
+
+    r, pred = residual(x)
+    for _ in range(100):
+        jac = w[:, None] * feats / pred[:, None]
+        step = _bounded_lstsq(jac, -r, floor - x)
+        for _ in range(30):
+            trial = x + step
+            if (base + feats @ trial > 0).all():
+                r_new, pred_new = residual(trial)
+                if r_new @ r_new < r @ r - 1e-15:
+                    x, r, pred = trial, r_new, pred_new
+                    break
+            step = step / 2
+        else:
+            break
     return Calibration(model, dict(zip(terms, map(float, x))), tuple(sorted(per)))
 
 

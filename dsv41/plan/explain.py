@@ -47,5 +47,5 @@ def calibration_lines(cal: dict, detail: bool = False) -> list[str]:
            f"deployments, docs/plan-validation.md)"]
     if detail:
         for term, us in cal["fitted_us"].items():
-            out.append(f"    fitted {term:<6} {us / 1e3:>8.2f} ms  {TERMS[term][2]}")
+            out.append(f"    fitted {term:<6} {us / 1e3:>8.2f} ms  {TERMS[term][3]}")
     return out
