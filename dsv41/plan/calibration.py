@@ -237,11 +237,11 @@ def predict(row: Deployment, feats: dict, cal: Calibration) -> Prediction:
 def leave_one_out(rows, planned: dict, model: str) -> list[tuple[Prediction, Calibration]]:
     """Each row predicted by the constants fitted on every other deployment (its own deployment's
     rows left out with it)."""
-    out = []
+    fits = {}
     for r in rows:
-        cal = fit([o for o in rows if o.deployment != r.deployment], planned, model)
-        out.append((predict(r, planned[r.label], cal), cal))
-    return out
+        if r.deployment not in fits:
+            fits[r.deployment] = fit([o for o in rows if o.deployment != r.deployment], planned, model)
+    return [(predict(r, planned[r.label], fits[r.deployment]), fits[r.deployment]) for r in rows]
 
 
 def loo_error(rows, planned: dict, model: str) -> tuple[float, int]:
