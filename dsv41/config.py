@@ -22,6 +22,18 @@ RANGES = {
     "rope_factor": (1.0, 1e4), "routed_scaling_factor": (1e-3, 1e3), "swiglu_limit": (1e-3, 1e6),
     "beta_fast": (1, 1e4), "beta_slow": (1, 1e4),
 }
+# Counts that size a step's work or memory (tensors allocated per step, names enumerated at load) and are
+# not pinned by a tensor's shape in the checkpoint: past these a load or a step asks for gigabytes or
+# hangs enumerating names (sliding_window 10^9: an 8 GB cache; n_routed_experts 10^9: billions of
+# expert tensor names). Each holds FLASH's value with at least an order of magnitude of room; a DSpark
+# block is the drafts of one step (acceptance falls geometrically: past tens none are kept).
+COUNTS = {
+    "n_routed_experts": 65536, "sliding_window": 65536, "index_topk": 65536, "block_size": 65536,
+    "candidate_topk_blocks": 1 << 20, "candidate_block_size": 65536, "max_batch_per_dp": 65536,
+    "decode_rows_per_request": 64, "prefill_max_tokens": 1 << 24, "index_score_leaf": 1 << 24,
+}
+DSPARK_COUNTS = {"dspark_block_size": 64, "dspark_markov_rank": MAX_DIM, "dspark_n_routed_experts": 65536}
+MAX_MTP_LAYERS = 64
 
 
 class ConfigError(ValueError):
@@ -196,7 +208,8 @@ class ModelConfig:
         for name in positive + ["engram_vocab_size", "engram_n_heads", "engram_head_dim",
                                 "original_max_position_embeddings", "decode_rows_per_request",
                                 "prefill_max_tokens", "index_score_budget_bytes", "index_score_leaf"]:
-            need(0 < getattr(self, name) <= MAX_DIM, name, f"must be in [1, {MAX_DIM}], got {getattr(self, name)}")
+            top = COUNTS.get(name, MAX_DIM)
+            need(0 < getattr(self, name) <= top, name, f"must be in [1, {top}], got {getattr(self, name)}")
         # a zero, negative or non-finite eps, theta or factor gives NaN/Inf on every step
         for name in ["rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "rope_factor",
                      "routed_scaling_factor", "swiglu_limit"]:
@@ -238,14 +251,15 @@ class ModelConfig:
         need(c >= self.num_hidden_layers or (c in self.kv_source_layer_ids and c in self.index_source_layer_ids),
              "candidate_source_layer_id", "must be both a KV and an index source (or past the last layer: none)")
         need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
-        need(0 <= self.n_mtp_layers <= MAX_DIM, "n_mtp_layers", f"must be in [0, {MAX_DIM}], got {self.n_mtp_layers}")
+        need(0 <= self.n_mtp_layers <= MAX_MTP_LAYERS, "n_mtp_layers",
+             f"must be in [0, {MAX_MTP_LAYERS}], got {self.n_mtp_layers}")
         if self.dspark:
             self._validate_dspark(need)
         return self
 
     def _validate_dspark(self, need):
-        for name in ["dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts"]:
-            need(0 < getattr(self, name) <= MAX_DIM, name, f"must be in [1, {MAX_DIM}], got {getattr(self, name)}")
+        for name, top in DSPARK_COUNTS.items():
+            need(0 < getattr(self, name) <= top, name, f"must be in [1, {top}], got {getattr(self, name)}")
         need(1 <= self.dspark_n_activated_experts <= self.dspark_n_routed_experts, "dspark_n_activated_experts",
              f"must be in [1, dspark_n_routed_experts={self.dspark_n_routed_experts}], "
              f"got {self.dspark_n_activated_experts}")

@@ -18,6 +18,7 @@ import re
 import torch
 
 from dsv41.config import ModelConfig
+from dsv41.model.dspark import block_prefix
 from dsv41.model.head import Head
 from dsv41.model.transformer import Transformer
 from dsv41.ops.quant import (block_mxfp8_decode64, block_mxfp8_encode, expert_mxfp4_decode64, expert_mxfp4_encode,
@@ -158,9 +159,10 @@ def decode_checkpoint(cfg: ModelConfig, ck: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
-# checkpoint-name prefixes of what feeds each site of layer L (the head: its norm and matrix)
-_FEEDS = {"attn": ("layers.{L}.hc_attn_", "layers.{L}.attn_norm.", "layers.{L}.attn.", "layers.{L}.engram."),
-          "ffn": ("layers.{L}.hc_ffn_", "layers.{L}.ffn_norm.", "layers.{L}.ffn.")}
+# checkpoint-name prefixes of what feeds each site of a block ({P}: its prefix, a backbone layer's or a
+# DSpark stage's; the head: its norm and matrix)
+_FEEDS = {"attn": ("{P}hc_attn_", "{P}attn_norm.", "{P}attn.", "{P}engram."),
+          "ffn": ("{P}hc_ffn_", "{P}ffn_norm.", "{P}ffn.")}
 
 
 def site_tensors(cfg: ModelConfig, layer: int | None, site: str) -> list[str]:
@@ -168,6 +170,6 @@ def site_tensors(cfg: ModelConfig, layer: int | None, site: str) -> list[str]:
     routed experts' names folded to ``experts.*``."""
     if site not in _FEEDS:
         return [Head.NORM, Head.HEAD]
-    prefixes = tuple(p.format(L=layer) for p in _FEEDS[site])
+    prefixes = tuple(p.format(P=block_prefix(cfg, layer)) for p in _FEEDS[site])
     names = (re.sub(r"\.experts\.\d+\.", ".experts.*.", n) for n in checkpoint_specs(cfg) if n.startswith(prefixes))
     return list(dict.fromkeys(names))

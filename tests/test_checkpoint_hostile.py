@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv41.checkpoint import config_json
+from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.reader import open_checkpoint
 from dsv41.checkpoint.text import TOKENIZER_CONFIG, TextCodec
@@ -128,6 +129,40 @@ def test_config_numbers_out_of_range_are_refused(tiny_checkpoint, tmp_path, edit
 
 
 @pytest.mark.timeout(200)
+def test_a_dspark_block_of_a_billion_is_refused_at_load_naming_config_json(tiny_checkpoint, tmp_path):
+    """It was accepted, and --speculative dspark then died allocating 32 GB (exit 1)."""
+    folder = _copy(tiny_checkpoint, tmp_path / "ck")
+    _edit_json(folder / config_json.FILE, lambda d: d["text_config"].update(dspark_block_size=10 ** 9))
+    _refused(_cli("--checkpoint", str(folder), "--executor", "reference", "--prompt", "hi", "--new-tokens", "2",
+                  "--speculative", "dspark"),
+             "config.json: text_config.dspark_block_size: must be in [1, 64], got 1000000000")
+
+
+# every count that sizes a step's work or memory, or the names enumerated at load (1e9 of each was
+# accepted: 8-128 GB allocations at the first step, or a load that never ended)
+COUNTS = [("text_config", "n_routed_experts", 65536), ("text_config", "sliding_window", 65536),
+          ("text_config", "index_topk", 65536), ("text_config", "candidate_topk_blocks", 1 << 20),
+          ("text_config", "candidate_block_size", 65536), ("text_config", "num_nextn_predict_layers", 64),
+          ("text_config", "dspark_block_size", 64), ("text_config", "dspark_n_routed_experts", 65536),
+          ("dsv41", "block_size", 65536), ("dsv41", "max_batch_per_dp", 65536),
+          ("dsv41", "decode_rows_per_request", 64), ("dsv41", "prefill_max_tokens", 1 << 24),
+          ("dsv41", "index_score_leaf", 1 << 24)]
+
+
+@pytest.mark.parametrize("section, key, top", COUNTS, ids=[k for _, k, _ in COUNTS])
+def test_counts_that_size_work_have_a_range(tiny_checkpoint, section, key, top):
+    doc = json.loads((tiny_checkpoint / config_json.FILE).read_text())
+    doc[section][key] = 10 ** 9
+    low = 0 if key == "num_nextn_predict_layers" else 1
+    with pytest.raises(CheckpointError) as e:
+        config_json.from_json(doc, "ck")
+    assert str(e.value) == f"config.json: {section}.{key}: must be in [{low}, {top}], got 1000000000"
+    doc[section][key] = top             # the top of the range loads (the tensors are checked later)
+    field = {v: k for k, v in config_json.RENAMED.items()}.get(key, key)
+    assert getattr(config_json.from_json(doc, "ck"), field) == top
+
+
+@pytest.mark.timeout(200)
 def test_non_string_eos_token_is_refused(tiny_checkpoint, tmp_path):
     folder = _copy(tiny_checkpoint, tmp_path / "ck")
     _edit_json(folder / TOKENIZER_CONFIG, lambda d: d.update(eos_token=1))
@@ -153,6 +188,21 @@ def test_non_finite_stream_names_the_first_layer(nan_layer, executor):
                     "step 1 (prefill): non-finite values first in the residual stream after layer 3's attention site",
                     "layers.3.attn_norm.weight", "layers.3.attn.wq_a.weight")
     assert "layers.2." not in line and "layers.4." not in line
+
+
+@pytest.mark.timeout(300)
+def test_a_dspark_overflow_names_the_stage_not_a_layer_past_the_last(tiny_checkpoint, tmp_path):
+    """mtp.0.attn_norm.weight 3e38: DSpark's stage 0 (official layer id 40 of the 40-layer TINY) hands
+    on NaN; it was reported as "layer 40" of a 40-layer model, with no tensors to look at."""
+    folder = _copy(tiny_checkpoint, tmp_path / "ck")
+    _fill(folder, "mtp.0.attn_norm.weight", 3e38)
+    line = _refused(_cli("--checkpoint", str(folder), "--executor", "reference", *RUN, "--speculative", "dspark"),
+                    "non-finite values first in the residual stream after DSpark stage 0 (layer id 40)'s attention site")
+    assert "layer 40'" not in line
+    from dsv41.config import TINY
+    from dsv41.weights import site_tensors
+    feeds = site_tensors(TINY, 40, "attn")
+    assert "mtp.0.attn_norm.weight" in feeds and all(n.startswith("mtp.0.") for n in feeds), feeds
 
 
 @pytest.mark.slow

@@ -28,6 +28,9 @@ from dsv41.cluster.connect import ConnectError
 PROG = "python -m dsv41.serve"
 DEFAULT_CONTEXT = 512
 MIN_BODY_BYTES = 1024
+# what waiting requests may hold: each queued request keeps its body (up to --max-body-bytes) and prompt
+MAX_QUEUE = 65536
+MAX_BODY_BYTES = 1 << 30
 DRAIN_S = 10          # how long a stopping server waits for the requests in flight before cancelling them
 BACKLOG = 2048        # uvicorn's default listen backlog
 
@@ -90,13 +93,13 @@ def _max_context(a, cfg):
 
 
 def _max_queue(a, cfg):
-    if a.max_queue < 0:
-        return f"must be >= 0, got {a.max_queue}"
+    if not 0 <= a.max_queue <= MAX_QUEUE:
+        return f"must be in [0, {MAX_QUEUE}], got {a.max_queue}"
 
 
 def _max_body_bytes(a, cfg):
-    if a.max_body_bytes < MIN_BODY_BYTES:
-        return f"must be >= {MIN_BODY_BYTES}, got {a.max_body_bytes}"
+    if not MIN_BODY_BYTES <= a.max_body_bytes <= MAX_BODY_BYTES:
+        return f"must be in [{MIN_BODY_BYTES}, {MAX_BODY_BYTES}], got {a.max_body_bytes}"
 
 
 def _read_timeout(a, cfg):

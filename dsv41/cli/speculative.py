@@ -3,7 +3,7 @@ their flags, their rows of the command line's rules (``dsv41.cli.args``) and the
 from __future__ import annotations
 
 from dsv41.cli.modes import PLAN, RUN
-from dsv41.engine.drafters import DRAFTERS, DSPARK, NGRAM, NgramDrafter
+from dsv41.engine.drafters import DRAFTERS, DSPARK, MAX_NGRAM, NGRAM, NgramDrafter
 
 DEFAULT_DRAFTS = 5           # the seed's decode ABI: 1 target row + 5 draft rows per sequence
 DEFAULT_NGRAM = (1, 3)
@@ -52,13 +52,13 @@ def _draft_tokens(a, cfg):
 
 
 def _ngram_min(a, cfg):
-    if a.ngram_min < 1:
-        return f"must be >= 1, got {a.ngram_min}"
+    if not 1 <= a.ngram_min <= MAX_NGRAM:
+        return f"must be in [1, {MAX_NGRAM}], got {a.ngram_min}"
 
 
 def _ngram_max(a, cfg):
-    if a.ngram_max < a.ngram_min:
-        return f"must be >= --ngram-min {a.ngram_min}, got {a.ngram_max}"
+    if not a.ngram_min <= a.ngram_max <= MAX_NGRAM:
+        return f"must be in [--ngram-min {a.ngram_min}, {MAX_NGRAM}], got {a.ngram_max}"
 
 
 def _speculative(a, cfg):

@@ -235,10 +235,10 @@ class DSparkStage:
         a, f = self.sites["attn"], self.sites["ffn"]
         a_pre, a_post, a_comb = a.mixes(x)
         h = a.post(self.attend(self.norm("attn_norm", a.pre(x, pre)), rings, cos, sin), x, a_post, a_comb)
-        ensure_finite(h, self.layer, ATTN)
+        ensure_finite(h, self.layer, ATTN, self.cfg.num_hidden_layers)
         f_pre, f_post, f_comb = f.mixes(h)
         x = f.post(self.moe.forward(self.norm("ffn_norm", f.pre(h, a_pre))), h, f_post, f_comb)
-        return ensure_finite(x, self.layer, FFN), f_pre
+        return ensure_finite(x, self.layer, FFN, self.cfg.num_hidden_layers), f_pre
 
 
 class DSpark:

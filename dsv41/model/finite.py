@@ -18,22 +18,28 @@ _WHERE = {ATTN: "attention site", FFN: "FFN site"}
 
 
 class NonFiniteError(RuntimeError):
-    """NaN/Inf in a step. Raised where it is found with (layer, site, counts); the engine adds the
-    step, its phase and the checkpoint tensors that feed the site (``at``). Pickles by its args, so
+    """NaN/Inf in a step. Raised where it is found with (layer, site, counts) and, for a DSpark stage,
+    the backbone's layer count (the stages' official layer ids follow the backbone's: 40-42 on
+    FLASH); the engine adds the step, its phase and the checkpoint tensors that feed the site (``at``). Pickles by its args, so
     it crosses from a dask worker unchanged."""
 
     def __init__(self, layer: int | None, site: str, counts: str, step: int | None = None,
-                 phase: str | None = None, tensors: tuple[str, ...] = ()):
-        super().__init__(layer, site, counts, step, phase, tuple(tensors))
+                 phase: str | None = None, tensors: tuple[str, ...] = (), backbone: int | None = None):
+        super().__init__(layer, site, counts, step, phase, tuple(tensors), backbone)
         self.layer, self.site, self.counts = layer, site, counts
-        self.step, self.phase, self.tensors = step, phase, tuple(tensors)
+        self.step, self.phase, self.tensors, self.backbone = step, phase, tuple(tensors), backbone
 
     def at(self, step: int, phase: str, tensors) -> "NonFiniteError":
-        return type(self)(self.layer, self.site, self.counts, step, phase, tuple(tensors))
+        return type(self)(self.layer, self.site, self.counts, step, phase, tuple(tensors), self.backbone)
+
+    def _block(self) -> str:
+        if self.backbone is not None and self.layer >= self.backbone:
+            return f"DSpark stage {self.layer - self.backbone} (layer id {self.layer})"
+        return f"layer {self.layer}"
 
     def __str__(self) -> str:
         where = "the logits" if self.site == LOGITS else \
-            f"the residual stream after layer {self.layer}'s {_WHERE.get(self.site, self.site)}"
+            f"the residual stream after {self._block()}'s {_WHERE.get(self.site, self.site)}"
         step = f"step {self.step} ({self.phase})" if self.step is not None else "a step"
         fed = f"; the tensors that feed it: {', '.join(self.tensors)}" if self.tensors else ""
         return f"{step}: non-finite values first in {where} ({self.counts}); nothing of this step is kept{fed}"
@@ -48,9 +54,9 @@ class ConstantLogitsError(NonFiniteError):
         return f"{step}: the logits cannot tell tokens apart ({self.counts}); nothing of this step is kept{fed}"
 
 
-def ensure_finite(x: torch.Tensor, layer: int | None, site: str) -> torch.Tensor:
+def ensure_finite(x: torch.Tensor, layer: int | None, site: str, backbone: int | None = None) -> torch.Tensor:
     """x, or NonFiniteError naming where it was found (at the logits: ConstantLogitsError for a row
-    of equal values)."""
+    of equal values); ``backbone``: the backbone's layer count, so that a DSpark stage is named as one."""
     if not x.numel():
         return x
     # one pass for both checks: a NaN is every reduction's min and max, an Inf its max or min
@@ -58,7 +64,7 @@ def ensure_finite(x: torch.Tensor, layer: int | None, site: str) -> torch.Tensor
     lo, hi = torch.aminmax(rows, dim=-1)
     if not bool((torch.isfinite(lo) & torch.isfinite(hi)).all()):
         raise NonFiniteError(layer, site, f"{int(torch.isnan(x).sum())} NaN, {int(torch.isinf(x).sum())} Inf "
-                                          f"of {x.numel()} values")
+                                          f"of {x.numel()} values", backbone=backbone)
     if site == LOGITS and x.shape[-1] > 1:
         flat = lo == hi
         if bool(flat.any()):

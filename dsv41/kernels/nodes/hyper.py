@@ -46,7 +46,7 @@ def hc_pre_pypto(st, node, x, *mixes):
 def hc_post(st, node, sub, x, mixes):
     """The stream handed to the next site, checked finite here (one reduction: model.finite)."""
     _, post, comb = mixes
-    return ensure_finite(HyperSite.post(sub, x, post, comb), node.layer, node.attrs["site"])
+    return ensure_finite(HyperSite.post(sub, x, post, comb), node.layer, node.attrs["site"], st.cfg.num_hidden_layers)
 
 
 def hc_post_cost(ctx, node, sub, x, mixes):
