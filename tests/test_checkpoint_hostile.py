@@ -32,9 +32,9 @@ ERROR = "python -m dsv41.run: error: --checkpoint: "
 EOS_TEXT = "<｜end▁of▁sentence｜>"
 
 
-def _cli(*argv, timeout=150):
+def _cli(*argv, timeout=150, module="dsv41.run"):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "dsv41.run", *argv], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, env=env,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -104,8 +104,11 @@ def nan_layer(tiny_checkpoint, tmp_path_factory):
 
 @pytest.mark.timeout(200)
 def test_index_path_outside_the_folder_is_refused(outside):
-    _refused(_cli("--checkpoint", str(outside), *RUN, *SYNC), f"{INDEX}: tensor 'head.weight'",
-             "'../outside.safetensors', which is outside it")
+    line = _refused(_cli("--checkpoint", str(outside), *RUN, *SYNC), f"{INDEX}: tensor 'head.weight'",
+                    "'../outside.safetensors', which is outside it")
+    # the server refuses it with run's line, --checkpoint: prefix and all, before it listens
+    r = _cli("--checkpoint", str(outside), "--executor", "reference", "--port", "0", module="dsv41.serve")
+    assert r.returncode == 2 and r.stderr == line.replace("dsv41.run", "dsv41.serve") + "\n", r.stderr
 
 
 @pytest.mark.slow

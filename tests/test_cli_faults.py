@@ -340,3 +340,58 @@ def test_a_signal_ends_a_distributed_run_quickly_and_cleanly(tmp_path, signum, s
     assert rest == f"python -m dsv41.run: {word}\n", rest   # no worker tracebacks, no leaked-semaphore warning
     assert left == []
     assert list(temp.rglob("*")) == []
+
+
+# ---- issue 49: stdout closed, Ctrl-C while loading, a second Ctrl-C while leaving ---------------------
+
+def _command(*argv, module="dsv41.run", env=None, preexec_fn=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=preexec_fn is None, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=REPO,
+                          stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=preexec_fn,
+                          **({} if preexec_fn is None else {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}))
+
+
+@pytest.mark.timeout(300)
+def test_a_json_run_with_stdout_closed_does_not_exit_0_silently():
+    """``>&-``: the answer had nowhere to go and the run said nothing, exit 0."""
+    r = _command("--executor", "reference", "--json", "--new-tokens", "1", preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2 and r.stderr == (
+        f"{PROG}stdout is closed; the run's answer has nowhere to go (redirect it, e.g. to a file)\n"), r.stderr
+
+
+# An import hook that sends this process SIGINT as it starts importing one module: Ctrl-C at exactly that
+# point of the start-up, whatever the machine's speed.
+SITECUSTOMIZE = '''
+import os, signal, sys
+class _Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["DSV41_TEST_INTERRUPT_AT"]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, _Interrupt())
+'''
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("module,at", [("dsv41.run", "torch"), ("dsv41.run", "dsv41.cli.run"),
+                                       ("dsv41.serve", "dsv41.cli.serve"),
+                                       ("dsv41.checkpoint.write", "dsv41.cli.write_checkpoint")])
+def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(tmp_path, module, at):
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    r = _command(str(tmp_path / "ck") if module == "dsv41.checkpoint.write" else "--executor", "reference",
+                 module=module, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "DSV41_TEST_INTERRUPT_AT": at})
+    assert r.returncode == 130 and r.stderr == f"python -m {module}: interrupted\n", r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_while_leaving_adds_no_atexit_traceback():
+    """The first Ctrl-C ends the run (``_exit_now``); a second one lands in an atexit handler (a
+    distributed start-up being torn down): the process leaves at once, with the first one's status."""
+    code = ("import atexit, os, signal, time\n"
+            "from dsv41.cli.run import _exit_now\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30)))\n"
+            "_exit_now(130)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 130 and r.stderr == "", r.stderr

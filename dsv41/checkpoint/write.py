@@ -1,5 +1,8 @@
 """``python -m dsv41.checkpoint.write``: the command lives in ``dsv41.cli.write_checkpoint``."""
-from dsv41.cli.write_checkpoint import main
+from dsv41.cli.interrupt import loading
+
+with loading():
+    from dsv41.cli.write_checkpoint import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

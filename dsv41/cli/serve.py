@@ -173,7 +173,8 @@ def main(argv=None) -> int:
     except (ConnectError, CheckpointError) as e:
         if args.debug:
             raise
-        parser.error(str(e))
+        # a checkpoint found bad past the up-front checks reads as run's does (cli.run._refuse)
+        parser.error(f"--checkpoint: {e}" if isinstance(e, CheckpointError) else str(e))
     except KeyboardInterrupt:
         return 130
 
@@ -190,12 +191,20 @@ def serve(args) -> int:
     ckpt = None
     if args.checkpoint is not None:
         from dsv41.checkpoint.reader import open_checkpoint
-        ckpt = open_checkpoint(args.checkpoint)
+        try:
+            ckpt = open_checkpoint(args.checkpoint)
+        except OSError as e:        # a file of the folder that cannot be read (permissions)
+            raise CheckpointError(rules.unreadable(e)) from e
         if args.speculative == "dspark":
             ckpt.require_dspark()            # a CheckpointError: one line, exit 2
     cfg = rules.resolve_model(args, ckpt)
     progress = Progress(json_mode=True)       # every line to stderr
-    engine = run.make_engine(args, cfg, topology(args), progress, ckpt)
+    try:
+        engine = run.make_engine(args, cfg, topology(args), progress, ckpt)
+    except OSError as e:
+        if ckpt is None:
+            raise
+        raise CheckpointError(rules.unreadable(e)) from e
     name = args.served_model_name or (cfg.name if ckpt is None else os.path.basename(os.path.abspath(args.checkpoint)))
     limits = Limits(max_context=args.max_context, max_prompt=min(cfg.prefill_max_tokens, args.max_context - 1),
                     vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes)
