@@ -1,8 +1,5 @@
 """``python -m dsv41.checkpoint.write``: the command lives in ``dsv41.cli.write_checkpoint``."""
-from dsv41.cli.interrupt import loading
-
-with loading():
-    from dsv41.cli.write_checkpoint import main
+from dsv41.cli.interrupt import run_main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("dsv41.cli.write_checkpoint"))

@@ -6,6 +6,7 @@ Imports nothing of dsv41: ``dsv41/__init__`` uses it around ``import torch``, th
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from contextlib import contextmanager
 
@@ -32,3 +33,10 @@ def loading():
             raise
         print(f"{prog}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def run_main(module: str) -> int:
+    """A ``python -m`` shim's whole work: import the command's module (interruptible, as above), run its main."""
+    with loading():
+        main = importlib.import_module(module).main
+    return main()
