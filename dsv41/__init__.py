@@ -1,10 +1,10 @@
 """DeepSeek-V4.1-Flash inference as a task-graph dataflow pipeline on Dask."""
 import os
 
-from dsv41.cli.interrupt import loading
+from dsv41.cli import interrupt
 
-with loading():     # Ctrl-C during the seconds torch takes to import: one line, status 130
-    import torch
+interrupt.install()     # Ctrl-C during the seconds torch and the rest take to import: one line, status 130
+import torch  # noqa: E402
 
 # One intra-op thread per process: parallelism comes from the executors (one dask thread or worker
 # per card). On this 2-core CPU, torch's own thread pool on many tiny ops oversubscribes the cores

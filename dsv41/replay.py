@@ -1,5 +1,5 @@
 """``python -m dsv41.replay``: the command lives in ``dsv41.cli.replay``."""
-from dsv41.cli.interrupt import run_main
+from dsv41.cli.replay import main
 
 if __name__ == "__main__":
-    raise SystemExit(run_main("dsv41.cli.replay"))
+    raise SystemExit(main())

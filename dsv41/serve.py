@@ -1,5 +1,5 @@
 """``python -m dsv41.serve``: the command lives in ``dsv41.cli.serve``."""
-from dsv41.cli.interrupt import run_main
+from dsv41.cli.serve import main
 
 if __name__ == "__main__":
-    raise SystemExit(run_main("dsv41.cli.serve"))
+    raise SystemExit(main())

@@ -386,12 +386,12 @@ def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(tmp_path, modul
 
 @pytest.mark.timeout(120)
 def test_a_second_ctrl_c_while_leaving_adds_no_atexit_traceback():
-    """The first Ctrl-C ends the run (``_exit_now``); a second one lands in an atexit handler (a
+    """The first Ctrl-C ends the run (``exit_now``); a second one lands in an atexit handler (a
     distributed start-up being torn down): the process leaves at once, with the first one's status."""
     code = ("import atexit, os, signal, time\n"
-            "from dsv41.cli.run import _exit_now\n"
+            "from dsv41.cli.interrupt import exit_now\n"
             "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30)))\n"
-            "_exit_now(130)\n")
+            "exit_now(130)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 130 and r.stderr == "", r.stderr

@@ -1,5 +1,5 @@
 """``python -m dsv41.checkpoint.write``: the command lives in ``dsv41.cli.write_checkpoint``."""
-from dsv41.cli.interrupt import run_main
+from dsv41.cli.write_checkpoint import main
 
 if __name__ == "__main__":
-    raise SystemExit(run_main("dsv41.cli.write_checkpoint"))
+    raise SystemExit(main())

@@ -8,10 +8,8 @@ holds the rules.
 from __future__ import annotations
 
 import argparse
-import atexit
 import hashlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -23,7 +21,7 @@ import torch
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.cli import args as rules
 from dsv41.cli import plan, sampling, speculative, trace
-from dsv41.cli.interrupt import loading
+from dsv41.cli.interrupt import exit_now
 from dsv41.cli.modes import max_context, topology
 from dsv41.cli.progress import Progress, tolerant_streams
 from dsv41.cli.prompts import prompts_for
@@ -150,30 +148,12 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
-def _exit_now(status: int) -> None:
-    """Exit after the atexit handlers (multiprocessing's among them: children joined, semaphores
-    released), without the interpreter's module teardown, which took 2.5 s of the 5 s a signal may
-    take on a loaded machine and frees nothing the exit does not. A second Ctrl-C or SIGTERM while the
-    handlers run (a distributed start-up being torn down) leaves at once with the same status, instead
-    of a KeyboardInterrupt traceback from the handler it cut."""
-    def leave(signum, frame):
-        os._exit(status)
-
-    signal.signal(signal.SIGINT, leave)
-    signal.signal(signal.SIGTERM, leave)
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 def main(argv=None) -> int:
     tolerant_streams()
     parser = build_parser()
     if sys.stdout is None:      # started with stdout closed (>&-): the answer would vanish, exit 0
         parser.error("stdout is closed; the run's answer has nowhere to go (redirect it, e.g. to a file)")
-    with loading():             # Ctrl-C in the checks (they import what they size): one line, 130
-        args = parse_args(argv, parser)
+    args = parse_args(argv, parser)
     main_thread = threading.current_thread() is threading.main_thread()   # where signals are handled
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
@@ -189,7 +169,7 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
         status = 143 if terminated else 130
         if main_thread and argv is None:    # the process is the command's: leave now (below)
-            _exit_now(status)
+            exit_now(status)
         return status
     except Exception as e:   # a failure past the checks: one line, the traceback only with --debug
         if args.debug:
