@@ -113,6 +113,9 @@ def test_a_bad_row_names_its_field(tmp_path):
     (tmp_path / "d.toml").write_text("[[row]]\n" + good.replace("batch = 32", 'batch = "32"'))
     with pytest.raises(ValueError, match=r"row\[0\]\.batch: must be int"):
         cb.load_deployments(tmp_path / "d.toml")
+    (tmp_path / "d.toml").write_text("[[row]]\n" + good + 'dispatch = "cuda"\n')
+    with pytest.raises(ValueError, match=r"row\[0\]\.dispatch: must be one of \['graph', 'eager'\]"):
+        cb.load_deployments(tmp_path / "d.toml")
 
 
 def test_cli_shows_first_principles_and_fitted_parts(capsys, tmp_path, monkeypatch):

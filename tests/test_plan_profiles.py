@@ -8,7 +8,7 @@ import pytest
 
 from dsv41.config import TINY, Topology
 from dsv41.plan.explain import explain_lines, sensitivity
-from dsv41.plan.latency import FIXED_TERMS
+from dsv41.plan.latency import FIXED_TERMS, link_us
 from dsv41.plan.primitives import AlphaBeta, ByRanks, Point, fit, moe_imbalance
 from dsv41.plan.profile_file import load_profile
 from dsv41.plan.profiles import CONSTANTS, PROFILES
@@ -53,6 +53,30 @@ def test_moe_imbalance_matches_a_monte_carlo_of_uniform_routing(pairs, ranks):
 def test_moe_imbalance_underestimates_below_ten_pairs_per_rank():
     # the normal approximation of a count of ~3 misses the discrete tail: a lower bound there
     assert moe_imbalance(96, 32) < _busiest_over_mean(96, 32)
+
+
+def test_dispatch_and_combine_are_priced_by_where_the_ep_group_sits():
+    """An EP group inside one NVLink domain pays DeepEP's intranode (NVLink) low-latency call, one
+    with a peer on another node the RDMA call. The references are the published points themselves:
+    the line through PR #173's EP8 NVLink dispatch (37 us at 203.2 GB/s) and combine (59 us at
+    244.2 GB/s), and the RDMA table's EP16 alpha fit as the inter link's."""
+    d_bytes, c_bytes = 37e-6 * 203.2 * G, 59e-6 * 244.2 * G
+    us_per_byte = (59 - 37) / (c_bytes - d_bytes)
+    nvlink_alpha = 37 - d_bytes * us_per_byte
+    for name in ("h100", "h200", "b200", "h20"):
+        dev = PROFILES[name]
+        assert dev.cards_per_node == 8
+        for ranks in (2, 4, 8):
+            assert dev.intra.a2a.at(ranks).alpha_us == pytest.approx(nvlink_alpha)
+            assert dev.intra.a2a.at(ranks).bytes_per_s == pytest.approx(1e6 / us_per_byte)
+        combine = type("Node", (), {"card": 0, "kernel": "moe.combine"})()
+        inside = link_us(combine, 1e5, [1, 2, 3], dev)
+        across = link_us(combine, 1e5, [1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15], dev)
+        assert inside[0] == pytest.approx(nvlink_alpha)
+        assert across[0] == dev.inter.a2a.at(12).alpha_us > 2 * nvlink_alpha
+    # the launch gap: the CUDA-graph figure on NVIDIA parts, the older assumption where none is published
+    assert {PROFILES[n].launch_us for n in ("h100", "h200", "b200", "h20")} == {1.3}
+    assert all(PROFILES[n].launch_us == 2.0 for n in ("a2", "a3", "a5"))
 
 
 def test_builtin_profiles_cite_their_new_constants():

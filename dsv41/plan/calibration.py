@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41.config import Topology
+from dsv41.plan.latency import DISPATCH
 
 HERE = Path(__file__).parent
 DEPLOYMENTS = HERE / "deployments.toml"
@@ -56,7 +57,7 @@ MODELS = {
 _ROW_KEYS = {"label": str, "deployment": str, "model": str, "stack": str, "profile": str, "layout": str,
              "tp": int, "dp": int, "ep": int, "batch": int, "context": int, "measured_ms": (int, float),
              "source": str}
-_OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float), "accept_length": (int, float)}
+_OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float), "accept_length": (int, float), "dispatch": str}
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class Deployment:
     derived: str = ""
     stated_ms: float = 0.0  # the source's own per-token figure where measured_ms is derived otherwise
     accept_length: float = 0.0  # measured tokens a request makes per verify step (0: not published)
+    dispatch: str = "graph"     # how the stack issues a step's kernels (dsv41.plan.latency.DISPATCH): "eager"
+                                # where the source says it runs without a captured graph
 
     @property
     def topo(self) -> Topology:
@@ -109,6 +112,8 @@ def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
                 raise ValueError(f"{path}: row[{i}].{k}: must be {getattr(kind, '__name__', 'a number')}, got {row[k]!r}")
         if not row["measured_ms"] > 0 or row.get("draft", 0) < 0:
             raise ValueError(f"{path}: row[{i}]: measured_ms must be > 0 and draft >= 0")
+        if row.get("dispatch", "graph") not in DISPATCH:
+            raise ValueError(f"{path}: row[{i}].dispatch: must be one of {list(DISPATCH)}, got {row['dispatch']!r}")
         if not 0 <= row.get("accept_length", 0) <= row.get("draft", 0) + 1:
             raise ValueError(f"{path}: row[{i}].accept_length: must be in [1, draft + 1], got {row['accept_length']!r}")
         out.append(Deployment(**row))
