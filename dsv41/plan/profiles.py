@@ -84,13 +84,14 @@ _EFFICIENCY_ASCEND = _EFFICIENCY_SRC + ("; assumption for Ascend: the Hopper ker
 _GAP_ASCEND = ("assumption: 2 us device gap per kernel (no public figure for a kernel's gap in a captured graph on "
                "Ascend; the order of NVIDIA's per-kernel overhead, 'Getting Started with CUDA Graphs', "
                "developer.nvidia.com/blog/cuda-graphs)")
-_GAP_CUDA_GRAPH = ("1.3 us device gap per kernel: Hazy Research, 'Look Ma, No Bubbles! Designing a Low-Latency Megakernel "
-                   "for Llama-1B' (hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles, 2025-05-27): on an H100, even with "
-                   "CUDA graphs, each kernel's launch and teardown costs about 1.3 us in which the GPU does no useful work "
-                   "(figure as summarised at mlops.substack.com/p/one-megakernel-to-rule-llama-1b). The serving stacks the "
-                   "plan is checked against replay a captured graph per decode step: SGLang enables CUDA graphs for decode "
-                   "by default (SGLang docs, 'CUDA Graph for Decode'), vLLM captures them unless --enforce-eager. With "
-                   "--dispatch eager the host's issue per kernel (host_launch_us) bounds the step as well. "
+_GAP_CUDA_GRAPH = ("1.3 us device gap per kernel: Hazy Research, 'Look Ma, No Bubbles! Designing a Low-Latency "
+                   "Megakernel for Llama-1B' (hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles, 2025-05-27): "
+                   "on an H100, even with CUDA graphs, each kernel's launch and teardown costs about 1.3 us in "
+                   "which the GPU does no useful work (figure as summarised at "
+                   "mlops.substack.com/p/one-megakernel-to-rule-llama-1b). The serving stacks the plan is checked "
+                   "against replay a captured graph per decode step: SGLang enables CUDA graphs for decode by "
+                   "default (SGLang docs, 'CUDA Graph for Decode'), vLLM captures them unless --enforce-eager. "
+                   "With --dispatch eager the host's issue per kernel (host_launch_us) bounds the step as well. "
                    "assumption: the same on Blackwell and H20 (no per-part figure found)")
 _HOST_LAUNCH = ("assumption: 5 us of host time per eager launch from a Python serving loop (framework dispatch + "
                 "driver call); only used with --dispatch eager")
@@ -119,15 +120,16 @@ _DEEPEP_LL = ("DeepEP V1 low-latency kernels on H800 + CX7 400 Gb/s (github.com/
 # EP -> (dispatch us, GB/s), (combine us, GB/s)
 _DEEPEP_LL_TABLE = {8: ((77, 98), (114, 127)), 16: ((118, 63), (195, 74)), 32: ((155, 48), (273, 53)),
                     64: ((173, 43), (314, 46)), 128: ((192, 39), (369, 39)), 256: ((194, 39), (360, 40))}
-_DEEPEP_LL_NVL = ("DeepEP low-latency kernels with NVLink for the peers inside a node (github.com/deepseek-ai/DeepEP/pull/173, "
-                  "'Feature: LL nvlink p2p', merged 2025-05-22; 8x H20 in one node, NVLink 4 through NVSwitch, DeepEP's "
-                  "low-latency test: 128 tokens, 7168 hidden, top-8, FP8 dispatch, BF16 combine): EP8 dispatch 37 us at "
-                  "203.2 GB/s, combine 59 us at 244.2 GB/s (172 and 319 us over RDMA on the same node); bytes = time x "
-                  "bandwidth, the two points fit alpha 13.0 us, beta 313 GB/s. NVLink is DeepEP's default for intranode "
-                  "peers of its low-latency kernels since (allow_nvlink_for_low_latency_mode, deepseek-ai/DeepEP#189; "
-                  "vllm-project/vllm#27677). An EP group inside one NVLink domain (8 GPUs on an HGX H100/H200/H20/B200 "
-                  "board's NVSwitch) uses this; one with a peer on another node the RDMA table (same PR at EP16 across "
-                  "two H20 nodes: 119/199 us, as the RDMA table's 118/195)")
+_DEEPEP_LL_NVL = ("DeepEP low-latency kernels with NVLink for the peers inside a node "
+                  "(github.com/deepseek-ai/DeepEP/pull/173, 'Feature: LL nvlink p2p', merged 2025-05-22; 8x H20 in "
+                  "one node, NVLink 4 through NVSwitch, DeepEP's low-latency test: 128 tokens, 7168 hidden, top-8, "
+                  "FP8 dispatch, BF16 combine): EP8 dispatch 37 us at 203.2 GB/s, combine 59 us at 244.2 GB/s (172 "
+                  "and 319 us over RDMA on the same node); bytes = time x bandwidth, the two points fit alpha 13.0 "
+                  "us, beta 313 GB/s. NVLink is DeepEP's default for intranode peers of its low-latency kernels "
+                  "since (allow_nvlink_for_low_latency_mode, deepseek-ai/DeepEP#189; vllm-project/vllm#27677). An "
+                  "EP group inside one NVLink domain (8 GPUs on an HGX H100/H200/H20/B200 board's NVSwitch) uses "
+                  "this; one with a peer on another node the RDMA table (same PR at EP16 across two H20 nodes: "
+                  "119/199 us, as the RDMA table's 118/195)")
 # EP -> (dispatch us, GB/s), (combine us, GB/s)
 _DEEPEP_LL_NVL_TABLE = {8: ((37, 203.2), (59, 244.2))}
 _NCCL_IB = ("NCCL's own latency model for a small all-reduce across H100 nodes (its tuner's predicted time, printed "
@@ -211,7 +213,8 @@ _UB_A3 = _link(196 * G, 0.6, _NVSWITCH_POINTS, _SGL_NPU_LL_TABLE)
 _UB_A5 = _borrowed(_UB_A3, 2.0 * T, 0.6)
 
 
-def _profile(name, description, hbm, bw, rates, intra, inter, per_node, sources, gap=(2.0, _GAP_ASCEND)) -> DeviceProfile:
+def _profile(name, description, hbm, bw, rates, intra, inter, per_node, sources,
+             gap=(2.0, _GAP_ASCEND)) -> DeviceProfile:
     """Host and token-sync costs are the same assumptions on every device, cited here once; ``gap``
     is the device gap per kernel and its source (a CUDA-graph figure on NVIDIA parts)."""
     return DeviceProfile(name, description, hbm, bw, rates, _EFFICIENCY, intra, inter, per_node,
@@ -267,14 +270,16 @@ PROFILES = {p.name: p for p in (
               "intra": "NVLink 5: 1.8 TB/s per GPU both directions (DGX B200 datasheet) -> 900 GB/s one way; "
                        "DeepEP V2 README: EP8 NVLink dispatch/combine 726/740 GB/s on SM100 -> 0.8, 0.77 kept as "
                        f"Hopper; collective: {_NCCL_NVSWITCH}; dispatch/combine: {_DEEPEP_LL_NVL}; "
-                       "assumption: NVLink 5 has NVLink 4's small-message floor and DeepEP's NVLink 4 call costs"}, gap=_NVIDIA_GAP),
+                       "assumption: NVLink 5 has NVLink 4's small-message floor and DeepEP's NVLink 4 call costs"},
+             gap=_NVIDIA_GAP),
     _profile("h20", "NVIDIA H20 (HGX, 8 per node)", 96 * G, 4.0 * T,
              {"mx": 296 * T, "dense": 148 * T, "vector": 44 * T}, _NVLINK, _IB, 8,
              {"hbm_bytes": "NVIDIA H20 product brief as reported by willitrunai.com/gpus/h20-96gb and "
                            "unanswered.io/guide/nvidia-h20-hbm-memory: 96 GB HBM3 at 4.0 TB/s",
               "hbm_bytes_per_s": "NVIDIA H20 product brief as reported above: 4.0 TB/s",
               "flops_per_s": "NVIDIA H20 product brief (as reported above): FP8 296, BF16 148 TFLOPS dense; FP32 44",
-              **_HOPPER, "inter": f"assumption: the HGX H20 board carries the same NIC per GPU as HGX H100; {_CX7}"}, gap=_NVIDIA_GAP),
+              **_HOPPER, "inter": f"assumption: the HGX H20 board carries the same NIC per GPU as HGX H100; {_CX7}"},
+             gap=_NVIDIA_GAP),
 )}
 
 # ---- this CPU --------------------------------------------------------------------------------------
