@@ -79,6 +79,8 @@ VARIANTS = {
 CONTROLS = {"v4": (BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML),
             "v4.1": (BOS, EOS, USER, ASSISTANT, SYSTEM, THINK, END_THINK, DSML)}
 
+ALL_CONTROLS = tuple(dict.fromkeys(t for tokens in CONTROLS.values() for t in tokens))
+
 # The tools section of the system prompt, as the model was trained on it (byte for byte).
 # {D} {T} {E}: the DSML, <think> and </think> control tokens; {C} {I} {P}: the variant's DSML
 # calls / invoke / parameter tag names; {SCHEMAS}: one JSON function schema a line.
@@ -214,6 +216,10 @@ def _turns(messages, variant: _Variant) -> list[_Turn]:
         role = msg.get("role")
         if role not in ROLES:
             raise ValueError(f"{f}.role: expected one of {', '.join(ROLES)}, found {role!r}")
+        _check_name(msg.get("name"), f + ".name")
+        if msg.get("prefix") not in (None, False):
+            raise ValueError(f"{f}.prefix: continuing an assistant message (DeepSeek's chat prefix completion) "
+                             f"is not served; expected false or no prefix, found {msg['prefix']!r}")
         if role == "assistant":
             calls = msg.get("tool_calls")
             calls = _tool_calls(calls, f + ".tool_calls", variant) if calls else []
@@ -242,6 +248,18 @@ def _turns(messages, variant: _Variant) -> list[_Turn]:
         else:
             turns.append(_Turn("user", parts=[part]))
     return turns
+
+
+def _check_name(name, field: str):
+    """A message's ``name`` (OpenAI's participant name): the DeepSeek encodings do not render it,
+    and a template writes it as text, so it may not spell a control token."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise ValueError(f"{field}: expected a string, found {type(name).__name__}")
+    found = next((c for c in ALL_CONTROLS if c in name), None)
+    if found is not None:
+        raise ValueError(f"{field}: holds the control token {found!r}; only message content may carry that text")
 
 
 def check_messages(messages, tools=None) -> None:

@@ -6,7 +6,8 @@ and only then queued for the engine loop (``batcher.Batcher``); its handler turn
 into the answer. A client that goes away mid-answer is cancelled: the loop frees its slot and
 blocks before its next step. Parsing, tokenizing and rendering a chat run on a small pool of worker
 threads, not on the event loop, so one large request does not stall the others (``/health``
-included). Every answer that is not a success is OpenAI's error object (unknown paths and methods
+included); so do the answer's parsers (reasoning, tool calls) and a whole answer's body, on a pool
+of their own, so one long tool call does not either. Every answer that is not a success is OpenAI's error object (unknown paths and methods
 too) and counted in the error metrics; a 500 only for the server's own fault. ``/health`` is 503
 until a one-token probe through the engine has passed, and while the engine's last step failed.
 """
@@ -36,6 +37,7 @@ from dsv41.serving.schema import ApiError, Limits
 POLL_S = 0.25      # how often a non-streaming handler looks whether its client is still there
 CHECK_WORKERS = 2  # threads that parse and tokenize request bodies (the GIL is let go while tokenizing)
 CHECK_BACKLOG = 64  # bodies waiting for those threads; one more is answered 429 (each may hold a MiB)
+ANSWER_WORKERS = 2  # threads that parse answers (reasoning, tool calls) and build whole answers' bodies
 PROBE_TOKEN = 0    # the start-up probe's one-token prompt (every vocabulary has id 0)
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class Server:
         self.read_timeout_s = read_timeout_s
         self.checks = ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="dsv41-check")
         self.checking = 0                 # bodies handed to those threads and not yet back
+        self.answers = ThreadPoolExecutor(ANSWER_WORKERS, thread_name_prefix="dsv41-answer")
         self.fault: str | None = None
         self.probed = False
 
@@ -74,6 +77,7 @@ class Server:
         finally:
             probe.cancel()
             self.checks.shutdown(wait=False, cancel_futures=True)
+            self.answers.shutdown(wait=False, cancel_futures=True)
 
     async def probe(self):
         """One greedy token of a one-token prompt through the engine: until it passes, /health is
@@ -231,6 +235,11 @@ class Answer:
         self.logprobs: list = []         # (token, (logprob, top)) per generated token
         self.parsed = ChatAnswer(gen.thinking, gen.tool_calls) if chat else None
 
+    async def _off_loop(self, fn, *args):
+        """fn(*args) on the answer threads: parsing or building an answer is linear in its text,
+        which can be megabytes, and the event loop serves every other client meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.server.answers, fn, *args)
+
     def _take(self, event):
         if self.gen.top_logprobs is not None and event.logprob is not None:
             self.logprobs.append((event.token, event.logprob))
@@ -272,8 +281,8 @@ class Answer:
             else:
                 body = schema.envelope("chat.completion" if self.chat else "text_completion", self.id,
                                        self.server.model)
-                body["choices"] = [self._choice(self.job.stops.text, self.job.stops.tokens, self.logprobs,
-                                                event.finish)]
+                body["choices"] = [await self._off_loop(self._choice, self.job.stops.text, self.job.stops.tokens,
+                                                        self.logprobs, event.finish)]
                 body["usage"] = self._usage()
                 return 200, body
 
@@ -293,12 +302,12 @@ class Answer:
                     self._take(event)
                     tokens = [event.token] if event.kept else []
                     entries = self.logprobs[-1:] if event.logprob is not None else []
-                    fields = self._fields(event.text)
+                    fields = await self._fields(event.text)
                     if not fields and self.server.codec is not None and not entries:
                         continue
                     yield self._sse(kind, self._delta(fields, tokens, entries, None))
                     continue
-                rest = self.parsed.flush() if self.chat else {}
+                rest = await self._off_loop(self.parsed.flush) if self.chat and self.parsed.parsing else {}
                 if rest:
                     yield self._sse(kind, self._delta(rest, [], [], None))
                 finish = self.parsed.finish_reason(event.finish) if self.chat else event.finish
@@ -313,12 +322,14 @@ class Answer:
             if not self.job.finished:        # the client went away (or the server is stopping)
                 self.server.batcher.cancel(self.job)
 
-    def _fields(self, text: str) -> dict:
+    async def _fields(self, text: str) -> dict:
         """A streamed chunk's fields for new answer text: chat deltas (reasoning_content, content,
-        tool_calls) through the parsers, or the completion's text."""
+        tool_calls) through the parsers (off the loop), or the completion's text."""
+        if not text:
+            return {}
         if not self.chat:
-            return {"text": text} if text else {}
-        return self.parsed.feed(text) if text else {}
+            return {"text": text}
+        return await self._off_loop(self.parsed.feed, text) if self.parsed.parsing else self.parsed.feed(text)
 
     def _delta(self, fields: dict, tokens: list[int], entries, finish) -> dict:
         c = {"index": 0, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish}

@@ -9,11 +9,17 @@ dropped), the rest is the content, and an answer that never closes its reasoning
 (``TextCodec.decode_answer``).
 
 ``ReasoningSplit`` takes the text as it streams; the whole answer is the same split fed at once,
-so the streamed deltas always add up to the whole answer's fields.
+so the streamed deltas always add up to the whole answer's fields. It holds back at most a
+marker's length and searches only that and the new text, so an answer costs time linear in its
+length however it is streamed; it never raises (the text passes through as it is).
 """
 from __future__ import annotations
 
+import re
+
 from dsv41.checkpoint.chat import END_THINK, THINK
+
+END = re.compile(re.escape(END_THINK))
 
 
 def held_prefix(text: str, marker: str) -> int:
@@ -41,9 +47,9 @@ class ReasoningSplit:
         if not self.reasoning:
             content, self.buffer = self.buffer, ""
             return "", content
-        end = self.buffer.find(END_THINK)
-        if end >= 0:
-            reasoning, content = self.buffer[:end], self.buffer[end + len(END_THINK):]
+        end = END.search(self.buffer)
+        if end is not None:
+            reasoning, content = self.buffer[:end.start()], self.buffer[end.end():]
             self.buffer, self.reasoning = "", False
             return reasoning, content
         keep = held_prefix(self.buffer, END_THINK)

@@ -17,6 +17,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from dsv41.checkpoint.chat import DEFAULT_EFFORT
 from dsv41.ops.sampling import SamplingParams
 
 # body fields that go straight to SamplingParams (same names)
@@ -41,6 +42,7 @@ REFUSED = {      # OpenAI chat fields whose every value asks for what this serve
 }
 CHAT_KWARGS = ("thinking", "enable_thinking", "reasoning_effort")   # what the DeepSeek encoding takes
 EFFORTS = {"high": None, "max": 100}    # named efforts on V4.1's scale (None: its default, "high")
+STREAM_OPTIONS = ("include_usage",)
 DEFAULT_TEMPERATURE = 1.0          # OpenAI's default; send 0 for greedy
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
 MAX_DEPTH = 32                     # nesting of a body's arrays and objects (the deepest OpenAI field is ~6)
@@ -255,26 +257,33 @@ def _chat_options(body: dict, codec) -> tuple[bool, int | None]:
     thinking = _flag(kwargs, given[0]) if given else None
     if len(given) == 2 and _flag(kwargs, given[1]) != thinking:
         raise bad("thinking and enable_thinking disagree", "chat_template_kwargs")
-    names = [n for n, v in (("reasoning_effort", body.get("reasoning_effort")),
-                            ("chat_template_kwargs.reasoning_effort", kwargs.get("reasoning_effort")))
-             if v is not None]
-    if not names:
+    given = {n: v for n, v in (("reasoning_effort", body.get("reasoning_effort")),
+                               ("chat_template_kwargs.reasoning_effort", kwargs.get("reasoning_effort")))
+             if v is not None}
+    if not given:
         return bool(thinking), None
-    name = names[0]
-    value = body.get("reasoning_effort") if name == "reasoning_effort" else kwargs["reasoning_effort"]
     if thinking is False:
-        raise bad("needs thinking mode, and chat_template_kwargs.thinking is false", name)
+        raise bad("needs thinking mode, and chat_template_kwargs.thinking is false", next(iter(given)))
+    efforts = {name: _effort(value, name, codec) for name, value in given.items()}
+    if len({DEFAULT_EFFORT if e is None else e for e in efforts.values()}) > 1:
+        raise bad(f"{shown(given['reasoning_effort'])} disagrees with chat_template_kwargs.reasoning_effort "
+                  f"{shown(given['chat_template_kwargs.reasoning_effort'])}; send one, or the same", "reasoning_effort")
+    return True, next(iter(efforts.values()))
+
+
+def _effort(value, name: str, codec) -> int | None:
+    """A reasoning effort on the format's scale (None: its default)."""
     if codec.chat_format != "v4.1":
         if value != "high":
             raise bad(f"the {codec.chat_format} chat format has one effort, \"high\" (V4.1 has a scale), "
-                      f"found {value!r}", name)
-        return True, None
+                      f"found {shown(value)}", name)
+        return None
     if isinstance(value, str):
         if value not in EFFORTS:
             raise bad(f"expected one of {', '.join(map(repr, EFFORTS))} or an integer in [1, 100], "
-                      f"found {value!r}", name)
-        return True, EFFORTS[value]
-    return True, value           # the encoder checks the range
+                      f"found {shown(value)}", name)
+        return EFFORTS[value]
+    return value                 # the encoder checks the range
 
 
 def chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool]:
@@ -346,10 +355,22 @@ def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
         field, _, message = str(e).partition(": ")
         raise bad(message, field.split("[")[0]) from None
     stream = _flag(body, "stream")
-    options = body.get("stream_options") or {}
+    return Generation(prompt, params, stream, _include_usage(body, stream), chat, top, thinking, tool_calls)
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    """stream_options (as OpenAI: only with "stream": true) asks for a last chunk with the usage."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
     if not isinstance(options, dict):
-        raise bad("expected an object", "stream_options")
-    return Generation(prompt, params, stream, _flag(options, "include_usage"), chat, top, thinking, tool_calls)
+        raise bad(f"expected an object, found {shown(options)}", "stream_options")
+    if not stream:
+        raise bad("only allowed with \"stream\": true", "stream_options")
+    for key in options:
+        if key not in STREAM_OPTIONS:
+            raise bad(f"expected only {', '.join(STREAM_OPTIONS)}, found {shown(key)}", "stream_options")
+    return _flag(options, "include_usage")
 
 
 def _logit_bias(body: dict, vocab: int) -> tuple:
@@ -362,9 +383,12 @@ def _logit_bias(body: dict, vocab: int) -> tuple:
         raise bad(f"expected an object of token id to bias, found {bias!r}", "logit_bias")
     pairs = []
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else None
+        # ASCII digits only: str.isdigit and int() also take other scripts' digits ("٣" is 3)
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= len(str(vocab))
+        token = int(key) if digits else None
         if token is None or token >= vocab:
-            raise bad(f"keys must be token ids in [0, {vocab - 1}], found {key!r}", "logit_bias")
+            raise bad(f"keys must be token ids in [0, {vocab - 1}] written in ASCII digits, found {shown(key)}",
+                      "logit_bias")
         pairs.append((token, value))
     return tuple(pairs)
 
