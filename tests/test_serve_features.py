@@ -164,6 +164,35 @@ def test_reasoning_and_tool_calls_whole_and_streamed(scripted):
 
 
 @pytest.mark.timeout(120)
+def test_hostile_tool_calls_are_parsed_off_the_event_loop(scripted, monkeypatch):
+    """Values JSON cannot carry come back as their text in standard-JSON arguments, whole and
+    streamed, and the parsers run on the answer threads, never on the event loop's."""
+    from dsv41.serving.chat_answer import ChatAnswer
+    threads = set()
+    for name in ("feed", "flush", "message"):
+        method = getattr(ChatAnswer, name)
+        monkeypatch.setattr(ChatAnswer, name, lambda self, *a, _m=method: threads.add(
+            threading.current_thread().name) or _m(self, *a))
+    values = {"n": "NaN", "s": '"\\ud800"', "deep": "[" * 70 + "]" * 70, "big": "1e999"}
+    scripted.engine.answer(f"Checking.\n\n<{D} calls>\n<{D} invoke name=\"f\">\n" + "\n".join(
+        f'<{D} parameter name="{k}" string="false">{v}</{D} parameter>' for k, v in values.items())
+        + f"\n</{D} invoke>\n</{D} calls>")
+    kw = dict(model="scripted", messages=[{"role": "user", "content": "go"}], tools=WEATHER, temperature=0)
+    with httpx.Client(base_url=scripted.url, timeout=60) as c:
+        whole = c.post("/v1/chat/completions", json=kw)
+        assert whole.status_code == 200, whole.text
+        args = whole.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+        lines = [ln for ln in c.post("/v1/chat/completions", json={**kw, "stream": True}).text.splitlines()
+                 if ln.startswith("data: {")]
+    streamed = [tc["function"]["arguments"] for ln in lines
+                for tc in json.loads(ln[6:])["choices"][0]["delta"].get("tool_calls", [])]
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in arguments"))
+    assert strict(args) == values and [strict(a) for a in streamed] == [values]
+    assert threads and all(t.startswith("dsv41-answer") for t in threads), threads
+
+
+@pytest.mark.timeout(120)
 def test_thinking_prompt_and_reasoning_effort_reach_the_encoder(scripted):
     """The prompt the server builds is the V4.1 encoding with the effort asked (usage counts it)."""
     codec = scripted.engine.codec
