@@ -19,6 +19,11 @@ class ChatAnswer:
         self.tools = ToolCallSplit() if tools else None
         self.called = False
 
+    @property
+    def parsing(self) -> bool:
+        """Whether a parser reads the answer (the server then feeds it off the event loop)."""
+        return self.reasoning is not None or self.tools is not None
+
     def feed(self, text: str) -> dict:
         """The delta fields (reasoning_content, content, tool_calls) that ``text`` adds; empty
         fields left out."""
