@@ -28,7 +28,8 @@ HOSTILE = [
     ("1e999", "1e999"), ("-1e400", "-1e400"),       # parse to inf
     ("{not json", "{not json"), ("", ""), ('"unterminated', '"unterminated'),
     # standard JSON a client can read parses
-    ('"\\ud83d\\ude00"', "\U0001F600"), ("9" * 4000, int("9" * 4000)), ("[" * 60 + "]" * 60, json.loads("[" * 60 + "]" * 60)),
+    ('"\\ud83d\\ude00"', "\U0001F600"), ("9" * 4000, int("9" * 4000)),
+    ("[" * 60 + "]" * 60, json.loads("[" * 60 + "]" * 60)),
     ('{"x": [1, 2.5, null, true]}', {"x": [1, 2.5, None, True]}), ("-0.0", -0.0),
 ]
 
@@ -82,9 +83,11 @@ def test_a_value_json_cannot_carry_stays_its_text(written, kept):
     assert _strict(calls[0]["function"]["arguments"]) == {"v": kept, "s": "ok"}
 
 
-@pytest.mark.parametrize("written,kept", [h for h in HOSTILE if len(h[0]) < 200] +
-                         [("9" * 5000, None), ("[" * 1000, None)], ids=lambda v: repr(v)[:20] if isinstance(v, str) else None)
-def test_hostile_values_streamed_at_every_split_point(written, kept):
+STREAMED = [w for w, _ in HOSTILE if len(w) < 200] + ["9" * 5000, "[" * 1000]   # every split: n^2 work
+
+
+@pytest.mark.parametrize("written", STREAMED, ids=lambda v: repr(v)[:20])
+def test_hostile_values_streamed_at_every_split_point(written):
     text = "think</think>Ok." + _block(("v", "false", written), ("n", "false", "2"))
     whole = _every_split(text)
     assert whole["reasoning_content"] == "think" and whole["content"] == "Ok."
@@ -154,7 +157,8 @@ SHAPES = {   # an answer of about n characters, each a way to make the parsers w
     "many parameters": lambda n: "ok" + _block(*[(f"p{i}", "false", str(i)) for i in range(n // 60)]),
     "deep nesting": lambda n: "ok" + _block(("a", "false", "[" * (n // 2) + "]" * (n // 2))),
     "a tag never closed": lambda n: f"ok\n\n<{D} calls>\n<{D} invoke name=\"" + "n" * n,
-    "a parameter never closed": lambda n: "ok" + _block(("a", "true", "v"))[:-40] + f'<{D} parameter name="b" string="true">' + "v" * n,
+    "a parameter never closed": lambda n: ("ok" + _block(("a", "true", "v"))[:-40]
+                                           + f'<{D} parameter name="b" string="true">' + "v" * n),
     "blank lines": lambda n: "ok" + "\n" * n + "end",
     "tag starts": lambda n: f"<{D} calls><{D} invoke name=\"f\">" + f"<{D}" * (n // 8),
     "long reasoning": lambda n: "r" * n + "</think>c",

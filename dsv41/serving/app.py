@@ -7,9 +7,10 @@ into the answer. A client that goes away mid-answer is cancelled: the loop frees
 blocks before its next step. Parsing, tokenizing and rendering a chat run on a small pool of worker
 threads, not on the event loop, so one large request does not stall the others (``/health``
 included); so do the answer's parsers (reasoning, tool calls) and a whole answer's body, on a pool
-of their own, so one long tool call does not either. Every answer that is not a success is OpenAI's error object (unknown paths and methods
-too) and counted in the error metrics; a 500 only for the server's own fault. ``/health`` is 503
-until a one-token probe through the engine has passed, and while the engine's last step failed.
+of their own, so one long tool call does not either. Every answer that is not a success is
+OpenAI's error object (unknown paths and methods too) and counted in the error metrics; a 500
+only for the server's own fault. ``/health`` is 503 until a one-token probe through the engine
+has passed, and while the engine's last step failed.
 """
 from __future__ import annotations
 
@@ -281,8 +282,8 @@ class Answer:
             else:
                 body = schema.envelope("chat.completion" if self.chat else "text_completion", self.id,
                                        self.server.model)
-                body["choices"] = [await self._off_loop(self._choice, self.job.stops.text, self.job.stops.tokens,
-                                                        self.logprobs, event.finish)]
+                body["choices"] = [await self._off_loop(lambda: self._choice(
+                    self.job.stops.text, self.job.stops.tokens, self.logprobs, event.finish))]
                 body["usage"] = self._usage()
                 return 200, body
 
