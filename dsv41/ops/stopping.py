@@ -12,7 +12,8 @@ The text is decoded incrementally: only the tokens whose text is not settled yet
 when it does not end in U+FFFD, which a partial UTF-8 sequence decodes to), after ``CONTEXT``
 tokens before them (a decoder may write a text's first token apart, e.g. without its leading
 space), so a token costs the same however long the answer is (decoding every token again at each
-step made a 7,000-token answer cost 3.6 s of CPU on the engine thread, 4x per 2x; now 0.08 s).
+step made a 7,000-token answer cost 3.26 s of CPU on the engine thread, 4x per 2x; now 0.042 s:
+``bench/answer_text_cost.py``).
 Where the window's text does not begin as the settled text did (a decoder that is not local), the
 whole text is decoded as before.
 """
