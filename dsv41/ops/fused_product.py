@@ -84,6 +84,7 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # decode's) is the value times 2^-120
 _STAND_IN = {"fp8": 8, "fp4": 14}
 _BF16_STAND_IN = 120
+_F32_FP4_STAND_IN = 126           # E2M1's FP32 one (the portable decode's) is the value times 2^-126
 _FP8_HALF_MASK = -0x4080          # 0xBF80 as an i16: FP16's sign bit and the E4M3 magnitude's 7 bits
 _FP8_BF16_MASK = -0x7801          # 0x87FF as an i16: BF16's sign bit and the E4M3 magnitude's 7 bits
 _ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -224,7 +225,7 @@ def x_order(fmt: str, variant: str, width: int) -> list[int] | None:
     order). The kernel reads x stored in that order: lanes hold the same columns in every block, so
     each lane's sum is the same sum, and the sums are put back in column order before the tree, which
     is then the defined one."""
-    return _ORDERS.get((fmt, variant, 16 if width == 16 else 8))
+    return _ORDERS.get((fmt, variant, 16 if width == 16 else 8)) if width else None
 
 
 def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
@@ -248,9 +249,46 @@ def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
     return _upper_halves(f, _words(f, low, high))
 
 
+def _stand_in_f32(f: Function, codes: str, n: int, shift: int, magnitude: int, sign: int) -> str:
+    """<n x i32> codes (sign-extended E4M3 bytes, or E2M1 nibbles) as FP32s by integer operations alone:
+    the magnitude's bits shifted into FP32's exponent and significand (E4M3's exponent field becomes
+    FP32's, subnormals FP32 subnormals: the value times 2^-120; E2M1's the value times 2^-126), the
+    sign into bit 31. The portable decode's: no FP16 conversion, no table, every value exact."""
+    bits = f.let(f"shl <{n} x i32> {codes}, {splat('i32', n, shift)}")
+    bits = f.let(f"and <{n} x i32> {bits}, {splat('i32', n, magnitude)}")
+    if sign:
+        top = f.let(f"shl <{n} x i32> {codes}, {splat('i32', n, sign)}")
+        top = f.let(f"and <{n} x i32> {top}, {splat('i32', n, -0x80000000)}")
+        bits = f.let(f"or <{n} x i32> {bits}, {top}")
+    return f.let(f"bitcast <{n} x i32> {bits} to <{n} x float>")
+
+
+def _portable_decode(f: Function, fmt: str, variant: str, at: str, srow: str, b: str, n: int) -> str:
+    """The n E4M3 or E2M1 values at ``at`` of block ``b`` as <n x float>, with generic vector operations
+    only (``lanes`` 0): the FP32 stand-in (``_stand_in_f32``), then (but for ``prescaled``, whose x
+    carries 2^120 and the block scale) times 2^120 or 2^126, which makes it the code's value, and the
+    block scale: both multiplies exact, so the same FP32 as the x86 decodes give."""
+    if fmt == "fp8":
+        codes = f.let(f"sext <{n} x i8> {f.let(f'load <{n} x i8>, ptr {at}, align 1')} to <{n} x i32>")
+        # sign-extended and shifted by 20, the sign lands in bits 27-31 (bit 31 kept) and the magnitude
+        # in bits 20-26: FP32's low exponent bits and top significand bits
+        d = _stand_in_f32(f, codes, n, 20, 0x87F00000 - (1 << 32), 0)
+        if variant == "prescaled":
+            return d
+        k = _BF16_STAND_IN
+    else:
+        codes = f.let(f"zext <{n} x i8> {_nibbles(f, at, '0')} to <{n} x i32>")
+        d = _stand_in_f32(f, codes, n, 22, 0x01C00000, 28)
+        k = _F32_FP4_STAND_IN
+    return _times(f, _times(f, d, _float(2.0 ** k), n), _power_of_two(f, srow, b, 0), n)
+
+
 def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, width: int) -> list[str]:
     """Block ``b`` of a weight row as two <16 x float>: its columns 0-15 and 16-31 (``prescaled``: the
-    FP16 stand-ins, whose 2^8 and block scale x carries; ``table``: by ``width``, AVX-512's or AVX2's)."""
+    FP16 stand-ins, whose 2^8 and block scale x carries; ``table``: by ``width``, AVX-512's or AVX2's;
+    ``width`` 0: the portable decode)."""
+    if not width and fmt in ("fp8", "fp4"):
+        return f.halves("float", _portable_decode(f, fmt, variant, _block_at(f, fmt, prow, b), srow, b, 32))
     if fmt == "fp8" and variant == "prescaled" and width != 16:
         return _fp8_bf16_decode(f, prow, b)
     if variant == "table":
@@ -437,9 +475,12 @@ def kernel_ir(fmt: str, rows: int, weight_rows: int, variant: str, width: int = 
                   ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
                    "declare float @llvm.fma.f32(float, float, float)",
                    "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
-                   "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)",
-                   "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)",
-                   *([_tables_ir(width)] if fmt == "fp4" and variant == "table" else [])])
+                   *([_TABLE_INTRINSICS[width], _tables_ir(width)] if fmt == "fp4" and variant == "table" else [])])
+
+
+# the x86 instructions the table decodes call, by lanes (every other decode is generic LLVM operations)
+_TABLE_INTRINSICS = {16: "declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)",
+                     8: "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)"}
 
 
 def tiled(f: Function, fmt: str, tile: int, rows: int, weight_rows: int, acc: dict, group, restage, sweep, finish,
@@ -553,28 +594,63 @@ def _machine(model: str | None = None) -> llvm.TargetMachine:
     return llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features, opt=3, jit=True)
 
 
+# x86 CPU models the tests compile for (it must run here): ``haswell`` AVX2 without AVX-512 (8 lanes),
+# ``x86-64`` the baseline without AVX, F16C or FMA (the portable kernels, 0)
+MODEL_LANES = {"haswell": 8, "x86-64": 0}
+KERNELS = ("auto", "compiled", "portable")     # DSV41_KERNELS's values
+
+
 def permute_width(model: str | None = None) -> int:
-    """Lanes of the table decode's permute on this CPU (or on x86 CPU ``model``, taken as one with
-    AVX2 and without AVX-512, as ``haswell``): 16 with AVX-512, 8 with AVX2, 0 without either."""
-    return 8 if model is not None else _host_permute_width()
+    """The kernels' lanes on this CPU as ``DSV41_KERNELS`` chooses them (or for x86 CPU ``model``,
+    ``MODEL_LANES``): 16 (AVX-512) or 8 (AVX2) for the x86 ones, 0 for the portable ones."""
+    if model is not None:
+        return MODEL_LANES[model]
+    choice = os.environ.get("DSV41_KERNELS") or "auto"
+    if choice not in KERNELS:
+        raise ValueError(f"DSV41_KERNELS must be one of {', '.join(KERNELS)}, got {choice!r}")
+    if choice == "portable":
+        return 0
+    lanes = host_lanes()
+    if choice == "compiled" and not lanes:
+        raise RuntimeError(f"DSV41_KERNELS=compiled: this CPU ({llvm.get_host_cpu_name()}) lacks "
+                           f"{missing_features()}, which the x86 kernels need; DSV41_KERNELS=portable runs here")
+    return lanes
+
+
+def host_features() -> dict[str, bool]:
+    """The CPU's features as LLVM names them (the query the tests patch to play another CPU)."""
+    return dict(llvm.get_host_cpu_features()) if llvm.get_process_triple().startswith("x86_64") else {}
+
+
+_NEEDS = ("avx2", "fma", "f16c")        # the x86 kernels' (the FP8 and FP4 decodes convert FP16)
+
+
+def missing_features() -> str:
+    """What the x86 kernels need and this CPU lacks (the whole x86 set on any other architecture)."""
+    features = host_features()
+    return ", ".join(n.upper() for n in _NEEDS if not features.get(n, False)) or "nothing"
 
 
 @cache
-def _host_permute_width() -> int:
-    features = llvm.get_host_cpu_features()      # ~0.2 ms a call: asked once
-    return 16 if features.get("avx512f", False) else 8 if features.get("avx2", False) else 0
+def host_lanes() -> int:
+    """16 with AVX-512, 8 with AVX2 (each with FMA and F16C), 0 (the portable kernels) otherwise,
+    asked once (~0.2 ms a query)."""
+    features = host_features()
+    if not all(features.get(n, False) for n in _NEEDS):
+        return 0
+    return 16 if features.get("avx512f", False) else 8
 
 
 _compile_lock = threading.Lock()
 _compiled: dict[tuple, tuple] = {}     # process-wide like numba's dispatchers: compiled code, no run state
 
 
-def kernel(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None = None, tiled: bool = False,
-           halves: bool = False):
+def kernel(fmt: str, rows: int, weight_rows: int, variant: str, width: int, model: str | None = None,
+           tiled: bool = False, halves: bool = False):
     """The compiled kernel (a ctypes function; the call releases the GIL), compiled once per process
-    (``model``: for that CPU model instead of this one; ``tiled``: K in tiles of ``TILE`` blocks;
-    ``halves``: see ``kernel_ir``)."""
-    key = (fmt, rows, weight_rows, variant, model, tiled, halves)
+    (``width``: its lanes, ``permute_width``; ``model``: for that CPU model instead of this one;
+    ``tiled``: K in tiles of ``TILE`` blocks; ``halves``: see ``kernel_ir``)."""
+    key = (fmt, rows, weight_rows, variant, width, model, tiled, halves)
     found = _compiled.get(key)
     if found is None:
         with _compile_lock:
@@ -619,14 +695,12 @@ def _object_code(ir: str, model: str | None) -> bytes:
     return code
 
 
-def _compile(fmt: str, rows: int, weight_rows: int, variant: str, model: str | None, tiled: bool, halves: bool):
+def _compile(fmt: str, rows: int, weight_rows: int, variant: str, width: int, model: str | None, tiled: bool,
+             halves: bool):
     """(the kernel's ctypes function, the engine that owns its code)."""
-    if not llvm.get_host_cpu_features().get("f16c", False):
-        raise RuntimeError("fused_product: this CPU has no F16C conversions, which the weight decode uses")
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _machine())
     engine.add_object_file(llvm.ObjectFileRef.from_data(
-        _object_code(kernel_ir(fmt, rows, weight_rows, variant, permute_width(model), TILE if tiled else 0, halves),
-                     model)))
+        _object_code(kernel_ir(fmt, rows, weight_rows, variant, width, TILE if tiled else 0, halves), model)))
     engine.finalize_object()
     return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
@@ -708,7 +782,7 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
         variant = pick_variant(fmt, x, codes, (r1 - r0) * k * -(-m // pass_rows(width)), width)
     if variant not in VARIANTS[fmt] or (variant == "table" and not width):
         raise ValueError(f"fused_product: variant must be one of {VARIANTS[fmt]} for {fmt} "
-                         f"(table needs AVX2 or AVX-512 on this CPU), got {variant!r}")
+                         f"(table needs the x86 kernels: AVX2 or AVX-512), got {variant!r}")
     # x and its scratch at 64-byte boundaries, as Torch allocates them: 16 bytes off one, every other
     # load of x splits a cache line (a 4-row pass ~20% slower in L1, Zen 3; bench/core_rates.py)
     if x.data_ptr() % 64:
@@ -732,7 +806,7 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
             b = a + (c1 - a) // per * per
             for lo, hi, group in ((c0, a, 1), (a, b, per), (b, c1, 1)):
                 if hi > lo:
-                    kernel(fmt, rows, group, variant, model, many and rows > 1, halves)(
+                    kernel(fmt, rows, group, variant, width, model, many and rows > 1, halves)(
                         *weights, x_at + g * x_row, k, out_at + g * out_row * 4, out_row, k, lo, hi, xs_at)
 
 
