@@ -45,8 +45,8 @@ from core_rates import compiled, rate    # bench/core_rates.py, beside this scri
 from cpu_plan import node_us_by_step     # bench/cpu_plan.py, beside this script
 
 from dsv41.config import PRESETS, Topology
-from dsv41.ops import cores
-from dsv41.ops.fused_product import permute_width
+from dsv41.cpu import cores
+from dsv41.cpu.fused_product import permute_width
 from dsv41.plan.step import run_plan
 
 

@@ -3,7 +3,7 @@ block and weight row, and the busiest execution ports, for this CPU or another L
 
     python bench/kernel_mca.py [--mcpu znver3] [--kernels fp4:1:1:table,fp8:1:2:prescaled]
 
-Each kernel (format:activation rows:weight rows:decode) is compiled as ``ops.fused_product``
+Each kernel (format:activation rows:weight rows:decode) is compiled as ``cpu.fused_product``
 compiles it for the host (the 8-lane table decode where the host has no AVX-512), its block loop
 cut out of the assembly and run through ``llvm-mca`` (it must be on PATH: Debian's ``llvm``
 package). A prediction, not a measurement: it takes every load from L1 and knows nothing of
@@ -19,7 +19,7 @@ import tempfile
 
 import llvmlite.binding as llvm
 
-from dsv41.ops import fused_product as fp
+from dsv41.cpu import fused_product as fp
 
 DEFAULT = "fp8:1:1:prescaled,fp8:4:1:prescaled,fp4:1:1:table,fp4:4:1:table,bf16:1:2:widen,bf16:4:1:widen"
 

@@ -29,8 +29,8 @@ import llvmlite.binding as llvm
 import numpy as np
 import torch
 
-from dsv41.ops.fused_product import optimised
-from dsv41.ops.ir_text import Function
+from dsv41.cpu.fused_product import optimised
+from dsv41.cpu.ir_text import Function
 from dsv41.ops.packed import PackedMatrix
 
 V = "<8 x float>"

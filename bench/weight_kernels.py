@@ -23,7 +23,7 @@ import torch
 from cpu_rates import best                  # bench/cpu_rates.py and cpu_roofline.py, beside this script
 from cpu_roofline import copy_bytes_per_s
 
-from dsv41.ops import cores
+from dsv41.cpu import cores
 from dsv41.ops.packed import PackedMatrix
 from dsv41.ops.quant import block_mxfp8_encode, expert_mxfp4_encode
 

@@ -336,7 +336,7 @@ def test_index_scores_read_each_key_from_the_cache_a_block_at_a_time(monkeypatch
             monkeypatch.setattr(indexer, "KEY_BLOCK", block)
             assert torch.equal(index_scores(q, w, payload, scale, rows).double(), want)
         # the key blocks split over three cores' shares: the same scores
-        from dsv41.ops import cores
+        from dsv41.cpu import cores
         monkeypatch.setattr(indexer, "KEY_BLOCK", 5)
         monkeypatch.setattr(cores, "SPLIT_MULTIPLIES", 1)
         monkeypatch.setattr(cores, "cores", lambda: 3)
@@ -564,7 +564,8 @@ def test_sparse_attention_masked_keys_equal_dense_over_valid(attn_inputs):
 def test_sparse_attention_rows_split_over_cores_give_the_same_bits(attn_inputs, monkeypatch):
     """The rows in shares on three cores (one share a row block of its own): each row's bits as
     computed in one share, an empty row included."""
-    from dsv41.ops import attention, cores
+    from dsv41.cpu import cores
+    from dsv41.ops import attention
     q, keys, valid, sink, scale = attn_inputs
     valid = valid.clone()
     valid[3] = False

@@ -209,7 +209,7 @@ def _close_fp32(what, mine, ref):
 
 def _within_sum_error(what, mine, feats, w):
     """An FP32 dot product per row against the exact one of the same inputs, within the error bound of
-    the model's sum order (``ops.fused_product``: 32 lane chains of K/32 fused multiply-adds, then a
+    the model's sum order (``cpu.fused_product``: 32 lane chains of K/32 fused multiply-adds, then a
     tree of 6 additions, one rounding each): gamma_n sum|a w| with n = K/32 + 6, gamma_n = n u / (1 - n u)
     and u = 2^-24. A score is one value, and a sum with cancellation can be far smaller than its
     terms, so ulps of the value itself say nothing about the arithmetic."""

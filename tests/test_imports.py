@@ -1,4 +1,4 @@
-"""The import graph of ``dsv41/``: no circles, and nothing imported upward from ``ops/`` or ``graph/``.
+"""The import graph of ``dsv41/``: no circles, and nothing imported upward from ``cpu/``, ``ops/`` or ``graph/``.
 
 The graph is read from the source with ``ast`` (every ``import``/``from ... import`` anywhere in a
 module, function-level and relative ones included), so it sees imports that only run on some paths.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "dsv41"
 OWNED = ("dsv41.cli", "dsv41.telemetry", "dsv41.plan")     # packages whose circles must be gone now
-LOWER = ("dsv41.ops", "dsv41.graph")
+LOWER = ("dsv41.cpu", "dsv41.ops", "dsv41.graph")
 # ``python -m`` entry points kept at their old paths: each only imports its command's main from cli/,
 # and nothing imports them (checked below), so they close no circle; the package graph leaves them out
 # (``dsv41.checkpoint.write`` would otherwise read as checkpoint -> cli).
@@ -171,6 +171,11 @@ def test_graph_imports_nothing_above_it():
 def test_ops_imports_nothing_above_it():
     """The goldens are the floor: not even the model's blocks, the graph or the weights' drawing."""
     assert _upward(("dsv41.ops",), UPPER + ("dsv41.model", "dsv41.graph", "dsv41.weights")) == {}
+
+
+def test_cpu_kernels_import_nothing_from_dsv41_above_them():
+    """How the CPU runs a stage is below the stage math: ``cpu/`` imports only ``cpu/``."""
+    assert _upward(("dsv41.cpu",), tuple(p for p in modules() if p != "dsv41" and not _in(p, ("dsv41.cpu",)))) == {}
 
 
 if __name__ == "__main__":

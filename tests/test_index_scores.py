@@ -7,7 +7,7 @@ import torch
 
 from dsv41.ops import indexer, kv_cache
 from dsv41.ops.indexer import index_scores
-from dsv41.ops.key_kernels import ZERO_LOW
+from dsv41.cpu.key_kernels import ZERO_LOW
 from dsv41.ops.quant import mxfp4_qdq, round_bf16
 
 FMT = kv_cache.FORMATS[kv_cache.INDEX]
@@ -161,7 +161,7 @@ def test_key_bounds_bound_the_decoded_keys():
     at most size * 2^low in magnitude, and neither bound is loose by more than the OR of a group's codes
     allows (codes 3 and 4 OR to 7: 2^-1 below its lowest bit, 6.0 over 2.0); inf for a key with an inf;
     zero keys (and -1 rows) ZERO_LOW, 0."""
-    from dsv41.ops.key_kernels import decode_index_rows
+    from dsv41.cpu.key_kernels import decode_index_rows
     d, r = 64, 40
     payload, scale = _cache(r, d, 16, spread=40)
     payload[3], scale[3] = 0, 0                                              # a zero key

@@ -107,7 +107,7 @@ def test_sinkhorn_doubly_stochastic():
 
 @pytest.mark.parametrize("t", [1, 3, 500])
 def test_sinkhorn_is_the_torch_iteration_bit_for_bit(t):
-    """The compiled normalisations (``ops.mix_kernels``) equal the Torch loop of FP32 ops, bit for bit,
+    """The compiled normalisations (``cpu.mix_kernels``) equal the Torch loop of FP32 ops, bit for bit,
     from small to large logits (a sum over 4 lanes in Torch runs lane 0 to lane 3 on this CPU)."""
     g = _g(30 + t)
     for scale in (0.01, 0.5, 3.0, 30.0):

@@ -1,4 +1,4 @@
-"""Weights multiplied in their checkpoint formats (``ops.packed``, ``ops.fused_product``): the fused
+"""Weights multiplied in their checkpoint formats (``ops.packed``, ``cpu.fused_product``): the fused
 decode multiplies by the values of the format's definition bit for bit, and the product is the FP32
 sum in the defined order (``_fp32_sum.defined_sum``, written here with an exact FP32 FMA) over the whole decoded
 matrix, within FP32 summation's error bound of the exact product, each row's bits independent of the
@@ -15,7 +15,8 @@ import torch
 
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import TINY, Topology
-from dsv41.ops import cores, fused_product, packed
+from dsv41.cpu import cores, fused_product
+from dsv41.ops import packed
 from dsv41.ops.packed import PackedMatrix, dense_f32
 from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 from _fp32_sum import defined_sum, fma32, round32, within_fp32_bound

@@ -108,7 +108,7 @@ def test_plan_counts_the_values_each_node_decodes_on_its_card():
 
 
 def test_a_part_that_decodes_per_use_holds_no_decoded_weight():
-    """The CPU decodes each weight in a register next to its multiply (``ops.fused_product``): its
+    """The CPU decodes each weight in a register next to its multiply (``cpu.fused_product``): its
     step's transient peak is the device's, whose kernels read weights as stored."""
     topo = Topology(1, 1, 1)
     device, _ = run_plan(TINY, topo, requests=1, context=16, phase="decode", device="a5")

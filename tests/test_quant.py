@@ -113,7 +113,7 @@ def test_mxfp8_qdq_values_idempotent_and_error_bound():
 
 
 def test_mxfp8_qdq_edges_match_the_spec_rule_and_torchs_cast():
-    """The compiled pass (``ops.quant_kernels``) on E4M3's ties in every binade and among the
+    """The compiled pass (``cpu.quant_kernels``) on E4M3's ties in every binade and among the
     subnormals, values rounding up into the next binade, signed zeros, tiny and huge scales: the
     FP64 spec rule value for value, zero signs included; with infinities and NaN in a group, what
     Torch's own ops (clamp, the float8 cast) give, NaN for NaN."""
@@ -384,7 +384,7 @@ def _same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Ten
 
 
 def test_compiled_encoders_give_the_bytes_of_the_torch_ops():
-    """``ops.quant_kernels``' encoders against the Torch ops they replace (themselves held to the
+    """``cpu.quant_kernels``' encoders against the Torch ops they replace (themselves held to the
     independent rules above): MXFP8 per row and in 32 x 32 blocks, MXFP4 with E8M0 and E4M3 scales
     in groups of 16 and 32, byte for byte, on every edge input."""
     for x in _encoder_inputs():

@@ -13,7 +13,7 @@ import torch
 from dsv41.cluster.state import CardState
 from dsv41.kernels import check
 from dsv41.kernels.kinds import KINDS
-from dsv41.ops.staged import StagedTensors
+from dsv41.model.staged import StagedTensors
 
 
 def load(path: str) -> tuple[CardState, dict]:

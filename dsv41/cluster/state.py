@@ -18,7 +18,7 @@ from dsv41.model.caches import empty_caches
 from dsv41.model.options import Options
 from dsv41.model.transformer import Transformer
 from dsv41.ops.rope import COMPRESSED, PLAIN, precompute_rope_tables
-from dsv41.ops.staged import StagedTensors
+from dsv41.model.staged import StagedTensors
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dsv41.config import ModelConfig
 from dsv41.engine.sequence import Sequence
 from dsv41.model import caches as cache
 from dsv41.ops import kv_cache
-from dsv41.ops.staged import StagedTensors
+from dsv41.model.staged import StagedTensors
 
 DRAW_ROWS = 16384     # rows drawn at a time: bounds the FP32 transient at 1M context (fixed: values depend on it)
 

@@ -15,7 +15,7 @@ from dsv41.model.head import Head
 from dsv41.model.options import Options
 from dsv41.model.transformer import Transformer
 from dsv41.ops.rope import COMPRESSED, PLAIN, precompute_rope_tables
-from dsv41.ops.staged import StagedTensors
+from dsv41.model.staged import StagedTensors
 from dsv41.weights import site_tensors
 
 

@@ -11,7 +11,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.ops import kv_cache
-from dsv41.ops.staged import StagedTensors
+from dsv41.model.staged import StagedTensors
 
 
 def window(layer: int) -> str:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.ops import cores, kv_cache
-from dsv41.ops.key_kernels import decode_slot_rows
+from dsv41.cpu import cores
+from dsv41.cpu.key_kernels import decode_slot_rows
+from dsv41.ops import kv_cache
 from dsv41.ops.quant import round_bf16
 
 TILE = 64

@@ -12,9 +12,10 @@ import math
 
 import torch
 
-from dsv41.ops import cores, kv_cache
-from dsv41.ops.key_kernels import (decode_index_rows, exact_rows, index_key_tables, index_score_epilogue,
+from dsv41.cpu import cores
+from dsv41.cpu.key_kernels import (decode_index_rows, exact_rows, index_key_tables, index_score_epilogue,
                                    query_bounds)
+from dsv41.ops import kv_cache
 from dsv41.ops.projections import dense_linear, mx_linear
 from dsv41.ops.quant import mxfp4_qdq, round_bf16
 from dsv41.ops.rope import apply_rope
@@ -47,7 +48,7 @@ def index_scores(q, w, payload, scale, rows) -> torch.Tensor:
 
     q [T, nh, d], w [T, nh], (payload, scale) the index cache's parts, rows i64 [T, P]. A block of
     ``KEY_BLOCK`` keys at a time, each key read once: decoded from its cache bytes straight to FP32
-    (``ops.key_kernels``), dotted with every head in one product, and the rest of its score (roundings,
+    (``cpu.key_kernels``), dotted with every head in one product, and the rest of its score (roundings,
     ReLU, head weights, the head sum) in one compiled pass while the block is in cache. The dot is
     exact (rounded to FP32 once, then to BF16) and the head sum accumulates in FP64, so that a row's
     score does not depend on how many rows or heads are batched together: a query row's dots with a

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv41.ops.mix_kernels import normalise
+from dsv41.cpu.mix_kernels import normalise
 from dsv41.ops.pointwise import sigmoid
 from dsv41.ops.projections import matmul_t
 from dsv41.ops.quant import round_bf16

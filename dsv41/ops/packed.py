@@ -2,7 +2,7 @@
 
 ``PackedMatrix`` keeps the stored bytes (MXFP8 E4M3 with 32x32 E8M0 block scales, packed MXFP4 with
 per-row group-32 E8M0 scales, BF16, FP32) and computes ``a @ w^T`` the way ``ops.projections.matmul_t``
-defines it (FP32 fused multiply-adds in ``ops.fused_product``'s fixed order) without ever writing a
+defines it (FP32 fused multiply-adds in ``cpu.fused_product``'s fixed order) without ever writing a
 decoded value to memory: the product decodes each weight in a register next to the multiply, so a
 use reads each stored byte once. Decoding the whole matrix (or a tile of it) first wrote and read
 back several bytes a value on every use; at FLASH widths that, not the arithmetic, was the step.
@@ -19,7 +19,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from dsv41.ops import cores, fused_product as fused
+from dsv41.cpu import cores, fused_product as fused
 from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 
 # largest E8M0 code for which the format's largest value times 2^(s-127) is a finite FP32 (448 for

@@ -10,7 +10,7 @@ from dsv41.ops.rope import apply_rope
 
 
 def matmul_t(a: torch.Tensor, w) -> torch.Tensor:
-    """a @ w^T -> FP32: FP32 fused multiply-adds in one fixed order per output (``ops.fused_product``),
+    """a @ w^T -> FP32: FP32 fused multiply-adds in one fixed order per output (``cpu.fused_product``),
     a and w taken at FP32.
 
     The order is written in the kernel, so a row's result does not depend on how many rows are

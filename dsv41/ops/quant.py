@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv41.ops.quant_kernels import fp4_groups, fp8_blocks, mxfp8_qdq_rows
+from dsv41.cpu.quant_kernels import fp4_groups, fp8_blocks, mxfp8_qdq_rows
 
 E4M3_MAX = 448.0
 FP4_MAX = 6.0
@@ -124,7 +124,7 @@ def mxfp8_qdq(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     ``mxfp8_decode(*mxfp8_encode(x))`` for finite x without materialising the codes. The scale
     2^ceil(log2(amax/448)) is what its E8M0 code decodes to; with amax floored at 1e-4 and finite it
     lies in [2^-22, 2^120], where ``pow2_ceil`` is exact, so the bits are the same in fewer ops: one
-    compiled pass (``ops.quant_kernels``)."""
+    compiled pass (``cpu.quant_kernels``)."""
     rows = _groups(x, group).reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
     mxfp8_qdq_rows(rows.numpy(), out.numpy(), group, _AMAX_FLOOR32, _INV_E4M3_MAX32)

@@ -388,13 +388,13 @@ PROFILES[CPU_EMR.name] = CPU_EMR
 
 
 def _this_cpu() -> DeviceProfile:
-    """``cpu``: the profile of the kernels this machine runs (AVX-512 or not, as ``ops.fused_product``
+    """``cpu``: the profile of the kernels this machine runs (AVX-512 or not, as ``cpu.dispatch``
     decides, and the measured VM nearest this one), so that a plan for ``--device-profile cpu`` prices
     the step this CPU will run."""
     import llvmlite.binding as llvm
 
-    from dsv41.ops.fused_product import permute_width
-    if permute_width() != 16:
+    from dsv41.cpu.dispatch import host_lanes
+    if host_lanes() != 16:
         return CPU_AVX2
     return CPU_EMR if llvm.get_host_cpu_name() in _EMR_NAMES else CPU
 

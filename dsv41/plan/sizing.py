@@ -114,7 +114,7 @@ def weights_by_kind(cfg, topo, card: int) -> dict[str, int]:
 
 def card_values(cfg, topo, card: int) -> dict[str, tuple[str, int]]:
     """Runtime weight key -> (checkpoint format, values this card holds): what a use of it decodes on
-    a part that decodes per use (in registers, next to the multiply: ``ops.fused_product``)."""
+    a part that decodes per use (in registers, next to the multiply: ``cpu.fused_product``)."""
     return _card_table(cfg, topo, card)[2]
 
 

@@ -6,7 +6,7 @@ round-to-nearest-even, the multiply back), so the same bits, NaN and infinities 
 half to a third of the time of the same rule as Torch ops (``python bench/activation_quant.py``).
 
 Compiled once per machine (``cache=True``), without the GIL, no ``parallel=True`` (see
-``ops.key_kernels``).
+``cpu.key_kernels``).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 register and multiplied into every activation row of the pass while its bytes are in cache, so a
 decode step reads each weight byte once from memory and never writes a decoded value.
 
-The kernels are LLVM IR written here (``ops.ir_text``) and compiled by llvmlite (numba's compiler, a
+The kernels are LLVM IR written here (``cpu.ir_text``) and compiled by llvmlite (numba's compiler, a
 dependency) for the CPU at hand, once per (format, rows per pass, weight rows per pass, decode) and
 process:
 
@@ -51,7 +51,8 @@ import llvmlite.binding as llvm
 import numpy as np
 import torch
 
-from dsv41.ops.ir_text import Function, interleave, lanes, splat, vec
+from dsv41.cpu import dispatch
+from dsv41.cpu.ir_text import Function, interleave, lanes, splat, vec
 from dsv41.outputs import write_output
 
 # decodes of each format, all exact: "shifts" builds FP16 bits (any x86-64 with F16C); "prescaled"
@@ -597,48 +598,12 @@ def _machine(model: str | None = None) -> llvm.TargetMachine:
 # x86 CPU models the tests compile for (it must run here): ``haswell`` AVX2 without AVX-512 (8 lanes),
 # ``x86-64`` the baseline without AVX, F16C or FMA (the portable kernels, 0)
 MODEL_LANES = {"haswell": 8, "x86-64": 0}
-KERNELS = ("auto", "compiled", "portable")     # DSV41_KERNELS's values
 
 
 def permute_width(model: str | None = None) -> int:
-    """The kernels' lanes on this CPU as ``DSV41_KERNELS`` chooses them (or for x86 CPU ``model``,
-    ``MODEL_LANES``): 16 (AVX-512) or 8 (AVX2) for the x86 ones, 0 for the portable ones."""
-    if model is not None:
-        return MODEL_LANES[model]
-    choice = os.environ.get("DSV41_KERNELS") or "auto"
-    if choice not in KERNELS:
-        raise ValueError(f"DSV41_KERNELS must be one of {', '.join(KERNELS)}, got {choice!r}")
-    if choice == "portable":
-        return 0
-    lanes = host_lanes()
-    if choice == "compiled" and not lanes:
-        raise RuntimeError(f"DSV41_KERNELS=compiled: this CPU ({llvm.get_host_cpu_name()}) lacks "
-                           f"{missing_features()}, which the x86 kernels need; DSV41_KERNELS=portable runs here")
-    return lanes
-
-
-def host_features() -> dict[str, bool]:
-    """The CPU's features as LLVM names them (the query the tests patch to play another CPU)."""
-    return dict(llvm.get_host_cpu_features()) if llvm.get_process_triple().startswith("x86_64") else {}
-
-
-_NEEDS = ("avx2", "fma", "f16c")        # the x86 kernels' (the FP8 and FP4 decodes convert FP16)
-
-
-def missing_features() -> str:
-    """What the x86 kernels need and this CPU lacks (the whole x86 set on any other architecture)."""
-    features = host_features()
-    return ", ".join(n.upper() for n in _NEEDS if not features.get(n, False)) or "nothing"
-
-
-@cache
-def host_lanes() -> int:
-    """16 with AVX-512, 8 with AVX2 (each with FMA and F16C), 0 (the portable kernels) otherwise,
-    asked once (~0.2 ms a query)."""
-    features = host_features()
-    if not all(features.get(n, False) for n in _NEEDS):
-        return 0
-    return 16 if features.get("avx512f", False) else 8
+    """The kernels' lanes on this CPU as ``cpu.dispatch`` chooses them (or for x86 CPU ``model``,
+    ``MODEL_LANES``): 16 (AVX-512) or 8 (AVX2) for the x86 kernels, 0 for the portable ones."""
+    return dispatch.lanes() if model is None else MODEL_LANES[model]
 
 
 _compile_lock = threading.Lock()

@@ -1,5 +1,5 @@
 """Writing LLVM IR as text: a function body with named values, counted loops and stack slots, and
-the vector operands the weight kernels use (``ops.fused_product``)."""
+the vector operands the weight kernels use (``cpu.fused_product``)."""
 from __future__ import annotations
 
 
