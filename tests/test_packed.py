@@ -118,6 +118,7 @@ def _matrices(n: int, k: int, seed: int) -> dict[str, PackedMatrix]:
             "bf16": PackedMatrix("bf16", w.to(torch.bfloat16)), "f32": PackedMatrix("f32", w)}
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_product_is_the_defined_fp32_sum_over_the_whole_matrix(rows):
     """Every format, a short batch and a long one (passes of up to four rows): the bits of the defined
@@ -187,6 +188,7 @@ def _available(fmt: str) -> list[str]:
     return [v for v in fused_product.VARIANTS[fmt] if v != "table" or fused_product.permute_width()]
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_every_decode_variant_gives_the_same_bits(rows):
     """The FP16-bit decode, FP8's scale carried by x and FP4's permute table: one result, bit for bit,
@@ -217,6 +219,7 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
             assert np.array_equal(avx2.view(np.int32), here.view(np.int32)), (fmt, variant)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("rows", [2, 3, 4, 7, 8])
 @pytest.mark.parametrize("chunk", ["default", "32 rows"])
 def test_products_over_several_k_tiles_are_the_defined_sum(rows, chunk, monkeypatch):
