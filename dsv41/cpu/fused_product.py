@@ -15,7 +15,11 @@ process:
   place in each 32-bit lane), with AVX2 two tables per scale code of the bytes of their FP32s' upper
   halves (``vpshufb``; the lower halves are zero). BF16 and FP32 widen. The AVX2 unpacks and the
   AVX-512 shifts give a block's columns in their own order; x is staged in it (``x_order``) and the
-  lane sums are put back in column order before the tree.
+  lane sums are put back in column order before the tree. The portable kernels (0 lanes, as
+  ``cpu.dispatch`` chooses where the CPU lacks AVX2, FMA or F16C) decode by generic vector
+  operations alone: E4M3 and E2M1 codes become FP32 bits by integer shifts and masks (the value
+  times 2^-120 or 2^-126), then times 2^120 or 2^126 and the block scale, all exact; LLVM lowers
+  that for any CPU (NEON or SVE on ARM).
 - **Sums** (``docs/numerics.md``). Each output is an FP32 sum of FP32 fused multiply-adds in one
   fixed order: two vectors of 16 lanes, lane ``j`` of the first taking column ``j`` of every 32-column
   block in block order and lane ``j`` of the second column ``j + 16``; then the two vectors added, the
