@@ -20,6 +20,10 @@ steps and its time is summed (``Timed``). ``--parts`` picks the parts to run. Pr
 
     python bench/speculative.py --config flash --layers 3 --experts 8 --engram-rows 4099 --batch 1 \
         --executor sync --prompt-len 16 --steps 2 --parts 1
+    python bench/speculative.py --checkpoint /tmp/flash-L4-E8 --batch 1 --executor sync --parts 1
+
+``--checkpoint``: serve a written checkpoint's weights (``python -m dsv41.checkpoint.write``) instead of
+drawing them (minutes a FLASH-width layer); its config.json replaces ``--config`` and the reductions.
 """
 from __future__ import annotations
 
@@ -124,6 +128,7 @@ def main():
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--engram-rows", type=int, default=None, help="rows per Engram table (FLASH's are 12 GB)")
+    p.add_argument("--checkpoint", help="serve the weights from this checkpoint folder")
     p.add_argument("--executor", default="reference", choices=("reference", "sync", "threads"))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
@@ -138,13 +143,17 @@ def main():
     if not parts <= {1, 2, 3}:
         raise SystemExit(f"--parts: must name parts among 1, 2, 3, got {args.parts!r}")
     torch.set_num_threads(1)
-    cfg = PRESETS[args.config].reduced(args.layers, args.experts, args.engram_rows)
+    ckpt = None
+    if args.checkpoint:
+        from dsv41.checkpoint.reader import open_checkpoint
+        ckpt = open_checkpoint(args.checkpoint)
+    cfg = ckpt.cfg if ckpt else PRESETS[args.config].reduced(args.layers, args.experts, args.engram_rows)
     ctx = args.prompt_len + max(args.tokens, args.steps * 6) + 8
     if args.executor == "reference":
-        engine = ReferenceEngine(cfg, seed=0, max_batch=args.batch, max_context=ctx)
+        engine = ReferenceEngine(cfg, seed=0, max_batch=args.batch, max_context=ctx, checkpoint=ckpt)
     else:
         engine = GraphEngine(cfg, Topology(args.tp, args.dp, args.tp * args.dp), seed=0, executor=args.executor,
-                             max_batch=args.batch, max_context=ctx)
+                             max_batch=args.batch, max_context=ctx, checkpoint=ckpt)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     out = {"config": cfg.name, "layers": len(cfg.layers), "experts": cfg.n_routed_experts, "hidden": cfg.hidden_size,
