@@ -254,38 +254,47 @@ def _byte_decode(f: Function, prow: str, srow: str, b: str) -> list[str]:
     return _upper_halves(f, _words(f, low, high))
 
 
-def _stand_in_f32(f: Function, codes: str, n: int, shift: int, magnitude: int, sign: int) -> str:
-    """<n x i32> codes (sign-extended E4M3 bytes, or E2M1 nibbles) as FP32s by integer operations alone:
-    the magnitude's bits shifted into FP32's exponent and significand (E4M3's exponent field becomes
-    FP32's, subnormals FP32 subnormals: the value times 2^-120; E2M1's the value times 2^-126), the
-    sign into bit 31. The portable decode's: no FP16 conversion, no table, every value exact."""
-    bits = f.let(f"shl <{n} x i32> {codes}, {splat('i32', n, shift)}")
-    bits = f.let(f"and <{n} x i32> {bits}, {splat('i32', n, magnitude)}")
-    if sign:
-        top = f.let(f"shl <{n} x i32> {codes}, {splat('i32', n, sign)}")
-        top = f.let(f"and <{n} x i32> {top}, {splat('i32', n, -0x80000000)}")
-        bits = f.let(f"or <{n} x i32> {bits}, {top}")
-    return f.let(f"bitcast <{n} x i32> {bits} to <{n} x float>")
+def _stand_in(f: Function, fmt: str, at: str, n: int) -> str:
+    """The n E4M3 or E2M1 codes at ``at`` as FP32s by integer operations alone, each code's sign and
+    magnitude moved into BF16's sign, exponent and significand bits, then BF16 widened to FP32:
+    E4M3's exponent field becomes FP32's and its subnormals FP32 subnormals (the value times
+    2^-120), E2M1's the value times 2^-126. The portable decode's: no FP16 conversion, no table,
+    every value exact."""
+    if fmt == "fp8":
+        # sign-extended and shifted by 4, the sign lands in bits 11-15 (15 kept) and the magnitude in
+        # bits 4-10: BF16's low exponent bits and top significand bits
+        codes = f.let(f"sext <{n} x i8> {f.let(f'load <{n} x i8>, ptr {at}, align 1')} to <{n} x i16>")
+        bits = f.let(f"shl <{n} x i16> {codes}, {splat('i16', n, 4)}")
+        keep = 0x87F0
+    else:
+        # one multiply puts a copy of the nibble at bit 6 (magnitude in bits 6-8) and one at bit 12
+        # (sign in bit 15)
+        codes = f.let(f"zext <{n} x i8> {_nibbles(f, at, '0')} to <{n} x i16>")
+        bits = f.let(f"mul <{n} x i16> {codes}, {splat('i16', n, 1 << 6 | 1 << 12)}")
+        keep = 0x81C0
+    bits = f.let(f"and <{n} x i16> {bits}, {splat('i16', n, keep - (1 << 16))}")
+    wide = f.let(f"shl <{n} x i32> {f.let(f'zext <{n} x i16> {bits} to <{n} x i32>')}, {splat('i32', n, 16)}")
+    return f.let(f"bitcast <{n} x i32> {wide} to <{n} x float>")
 
 
 def _portable_decode(f: Function, fmt: str, variant: str, at: str, srow: str, b: str, n: int) -> str:
     """The n E4M3 or E2M1 values at ``at`` of block ``b`` as <n x float>, with generic vector operations
-    only (``lanes`` 0): the FP32 stand-in (``_stand_in_f32``), then (but for ``prescaled``, whose x
-    carries 2^120 and the block scale) times 2^120 or 2^126, which makes it the code's value, and the
-    block scale: both multiplies exact, so the same FP32 as the x86 decodes give."""
-    if fmt == "fp8":
-        codes = f.let(f"sext <{n} x i8> {f.let(f'load <{n} x i8>, ptr {at}, align 1')} to <{n} x i32>")
-        # sign-extended and shifted by 20, the sign lands in bits 27-31 (bit 31 kept) and the magnitude
-        # in bits 20-26: FP32's low exponent bits and top significand bits
-        d = _stand_in_f32(f, codes, n, 20, 0x87F00000 - (1 << 32), 0)
-        if variant == "prescaled":
-            return d
-        k = _BF16_STAND_IN
-    else:
-        codes = f.let(f"zext <{n} x i8> {_nibbles(f, at, '0')} to <{n} x i32>")
-        d = _stand_in_f32(f, codes, n, 22, 0x01C00000, 28)
-        k = _F32_FP4_STAND_IN
-    return _times(f, _times(f, d, _float(2.0 ** k), n), _power_of_two(f, srow, b, 0), n)
+    only (``lanes`` 0): the FP32 stand-in v 2^-k (``_stand_in``), then (but for ``prescaled``, whose x
+    carries 2^k and the block scale) times 2^k and the block scale 2^(s - 127): one exact multiply
+    by 2^(s - 127 + k) where that is an FP32 (s + k <= 254, all but the largest scales), else two,
+    each exact. Every value is the FP32 the x86 decodes give."""
+    d = _stand_in(f, fmt, at, n)
+    if variant == "prescaled":
+        return d
+    k = _BF16_STAND_IN if fmt == "fp8" else _F32_FP4_STAND_IN
+    out = f.slot(f"<{n} x float>", 64)
+    f.do(f"store <{n} x float> {_times(f, d, _power_of_two(f, srow, b, k), n)}, ptr {out}")
+    code = f.let(f"load i8, ptr {f.let(f'getelementptr i8, ptr {srow}, i64 {b}')}")
+    large = f.let(f"icmp ugt i8 {code}, {254 - k}")
+    f.when(large, lambda: f.do(f"store <{n} x float> "
+                               f"{_times(f, _times(f, d, _float(2.0 ** k), n), _power_of_two(f, srow, b, 0), n)}, "
+                               f"ptr {out}"))
+    return f.let(f"load <{n} x float>, ptr {out}")
 
 
 def _decode(f: Function, fmt: str, variant: str, prow: str, srow: str, b: str, width: int) -> list[str]:
