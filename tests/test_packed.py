@@ -219,6 +219,17 @@ def test_code_compiled_for_a_cpu_without_avx512_gives_the_same_bits(rows):
             assert np.array_equal(avx2.view(np.int32), here.view(np.int32)), (fmt, variant)
 
 
+def _over_k_tiles(rows: int, seed: int) -> tuple[torch.Tensor, dict[str, PackedMatrix]]:
+    """x [rows, K + 5] and 96-row matrices of every format over K = two whole K tiles and part of a
+    third, and bf16 and f32 ones with 5 columns past the last block (their x is x[:, :K])."""
+    k = 32 * (2 * fused_product.TILE + 6)
+    x = torch.randn(rows, k + 5, generator=_g(seed + rows)).to(torch.bfloat16).float()
+    ms = _matrices(96, k, seed + 1)
+    w = torch.randn(96, k + 5, generator=_g(seed + 2)) * k ** -0.5
+    ms.update({"bf16 tail": PackedMatrix("bf16", w.to(torch.bfloat16)), "f32 tail": PackedMatrix("f32", w)})
+    return x, ms
+
+
 @pytest.mark.portable
 @pytest.mark.parametrize("rows", [2, 3, 4, 7, 8])
 @pytest.mark.parametrize("chunk", ["default", "32 rows"])
@@ -230,11 +241,7 @@ def test_products_over_several_k_tiles_are_the_defined_sum(rows, chunk, monkeypa
     the bits of its row alone; also with the passes taking the weight rows in chunks of 32."""
     if chunk != "default":
         monkeypatch.setattr(fused_product, "CHUNK_BYTES", 1)
-    k = 32 * (2 * fused_product.TILE + 6)
-    x = torch.randn(rows, k + 5, generator=_g(80 + rows)).to(torch.bfloat16).float()
-    ms = _matrices(96, k, 81)
-    w = torch.randn(96, k + 5, generator=_g(82)) * k ** -0.5
-    ms.update({"bf16 tail": PackedMatrix("bf16", w.to(torch.bfloat16)), "f32 tail": PackedMatrix("f32", w)})
+    x, ms = _over_k_tiles(rows, 80)
     for name, m in ms.items():
         xk, d = x[:, :m.shape[1]], m.dense().float()
         for r0, r1 in ((0, 96), (3, 70), (29, 35), (61, 62)):

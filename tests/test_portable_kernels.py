@@ -26,7 +26,7 @@ from dsv41.cpu import dispatch, fused_product, key_kernels, mix_kernels, quant_k
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.ops.packed import PackedMatrix
 from dsv41.run import main
-from test_packed import _fp8_every_byte, _g, _matrices, _through_product
+from test_packed import _fp8_every_byte, _g, _matrices, _over_k_tiles, _through_product
 
 DEFAULT_SHA = "cd29ef4fe38a3c3a857cb15353df2c4c1f1b977ccec76ec480f30cde63e762c0"
 X86 = llvm.get_process_triple().startswith("x86_64")
@@ -105,11 +105,7 @@ def test_portable_products_over_k_tiles_and_tails_are_the_x86_bits(rows, monkeyp
     """K over two whole K tiles and part of a third, bf16 and f32 with 5 columns past the last
     block, weight rows in chunks of 32 (several passes of rows), whole products split over threads."""
     monkeypatch.setattr(fused_product, "CHUNK_BYTES", 1)
-    k = 32 * (2 * fused_product.TILE + 6)
-    x = torch.randn(rows, k + 5, generator=_g(110 + rows)).to(torch.bfloat16).float()
-    ms = _matrices(96, k, 111)
-    w = torch.randn(96, k + 5, generator=_g(112)) * k ** -0.5
-    ms.update({"bf16 tail": PackedMatrix("bf16", w.to(torch.bfloat16)), "f32 tail": PackedMatrix("f32", w)})
+    x, ms = _over_k_tiles(rows, 110)
     for name, m in ms.items():
         xk = x[:, :m.shape[1]]
         here, portable = _in_both(monkeypatch, lambda: (m.sums(xk, 3, 70, None), m.matmul_t(xk)))
