@@ -170,12 +170,18 @@ def test_a_cpu_without_the_x86_features_runs_the_portable_kernels(no_x86_feature
     monkeypatch.setenv("DSV41_KERNELS", "compiled")
     with pytest.raises(RuntimeError, match=r"^DSV41_KERNELS=compiled: this CPU \(.*\) lacks AVX2, FMA, F16C, "):
         dispatch.lanes()
-    assert main(["--executor", "reference"]) == 1
+    with pytest.raises(SystemExit) as refused:     # before any work, as a usage error
+        main(["--executor", "reference"])
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "error: RuntimeError: DSV41_KERNELS=compiled:" in err and "lacks AVX2, FMA, F16C" in err
+    assert refused.value.code == 2 and "\n" not in err
+    assert err.startswith("python -m dsv41.run: error: DSV41_KERNELS=compiled: this CPU") and "AVX2, FMA, F16C" in err
     monkeypatch.setenv("DSV41_KERNELS", "fast")
     with pytest.raises(ValueError, match=r"^DSV41_KERNELS must be one of auto, compiled, portable, got 'fast'$"):
         dispatch.lanes()
+    with pytest.raises(SystemExit) as refused:
+        main([])
+    assert refused.value.code == 2 and capsys.readouterr().err == (
+        "python -m dsv41.run: error: DSV41_KERNELS must be one of auto, compiled, portable, got 'fast'\n")
 
 
 @pytest.mark.skipif(not X86, reason="the x86 kernels run on x86 only")

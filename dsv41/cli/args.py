@@ -394,6 +394,16 @@ def check_environment() -> None:
         raise UsageError(problem)
 
 
+def check_kernels() -> None:
+    """DSV41_KERNELS: a value ``cpu.dispatch`` knows, and ``compiled`` only where this CPU runs the x86
+    kernels (else the first weight product would fail, mid-run)."""
+    from dsv41.cpu import dispatch
+    try:
+        dispatch.lanes()
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+
+
 def run_checks(a, cfg, checks: list[Check], applies: dict) -> None:
     m = mode(a)
     for flag, fn in checks:
@@ -439,6 +449,7 @@ def parse_checked(p: argparse.ArgumentParser, argv, applies: dict, checks) -> ar
         a.ep = a.tp * a.dp
     try:
         check_modes(a, given_flags(p, argv), applies)
+        check_kernels()
         checks(a)
     except UsageError as e:
         if a.debug:
