@@ -36,7 +36,7 @@ def tiny_checkpoint(tmp_path_factory):
 # machine), started first: each file runs on one worker (pyproject's --dist loadfile), and the
 # longest left for last kept one worker busy for minutes after the other had finished
 LONGEST_FIRST = ("test_speculative.py", "test_recovery.py", "test_flash_shapes.py", "test_cluster.py",
-                 "test_sampling_engines.py", "test_serve_hostile.py", "test_serve.py")
+                 "test_sampling_engines.py", "test_serve_hostile.py", "test_serve.py", "test_portable_kernels.py")
 
 
 def pytest_collection_modifyitems(items):
