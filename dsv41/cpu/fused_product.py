@@ -17,9 +17,9 @@ process:
   AVX-512 shifts give a block's columns in their own order; x is staged in it (``x_order``) and the
   lane sums are put back in column order before the tree. The portable kernels (0 lanes, as
   ``cpu.dispatch`` chooses where the CPU lacks AVX2, FMA or F16C) decode by generic vector
-  operations alone: E4M3 and E2M1 codes become FP32 bits by integer shifts and masks (the value
-  times 2^-120 or 2^-126), then times 2^120 or 2^126 and the block scale, all exact; LLVM lowers
-  that for any CPU (NEON or SVE on ARM).
+  operations alone: E4M3 codes become FP32 bits by integer shifts and masks (the value times
+  2^-120), E2M1 codes their values' bits, then times 2^120 and the block scale, all exact; LLVM
+  lowers that for any CPU (NEON or SVE on ARM).
 - **Sums** (``docs/numerics.md``). Each output is an FP32 sum of FP32 fused multiply-adds in one
   fixed order: two vectors of 16 lanes, lane ``j`` of the first taking column ``j`` of every 32-column
   block in block order and lane ``j`` of the second column ``j + 16``; then the two vectors added, the
@@ -89,7 +89,7 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # decode's) is the value times 2^-120
 _STAND_IN = {"fp8": 8, "fp4": 14}
 _BF16_STAND_IN = 120
-_F32_FP4_STAND_IN = 126           # E2M1's FP32 one (the portable decode's) is the value times 2^-126
+_F32_FP4_STAND_IN = 0             # E2M1's FP32 one (the portable decode's) is the value itself
 _FP8_HALF_MASK = -0x4080          # 0xBF80 as an i16: FP16's sign bit and the E4M3 magnitude's 7 bits
 _FP8_BF16_MASK = -0x7801          # 0x87FF as an i16: BF16's sign bit and the E4M3 magnitude's 7 bits
 _ARGS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -258,23 +258,33 @@ def _stand_in(f: Function, fmt: str, at: str, n: int) -> str:
     """The n E4M3 or E2M1 codes at ``at`` as FP32s by integer operations alone, each code's sign and
     magnitude moved into BF16's sign, exponent and significand bits, then BF16 widened to FP32:
     E4M3's exponent field becomes FP32's and its subnormals FP32 subnormals (the value times
-    2^-120), E2M1's the value times 2^-126. The portable decode's: no FP16 conversion, no table,
-    every value exact."""
+    2^-120), E2M1's the value itself. The portable decode's: no FP16 conversion, no table, every
+    value exact."""
     if fmt == "fp8":
         # sign-extended and shifted by 4, the sign lands in bits 11-15 (15 kept) and the magnitude in
         # bits 4-10: BF16's low exponent bits and top significand bits
         codes = f.let(f"sext <{n} x i8> {f.let(f'load <{n} x i8>, ptr {at}, align 1')} to <{n} x i16>")
-        bits = f.let(f"shl <{n} x i16> {codes}, {splat('i16', n, 4)}")
-        keep = 0x87F0
+        bits = f.let(f"and <{n} x i16> {_shl16(f, codes, 4, n)}, {splat('i16', n, 0x87F0 - (1 << 16))}")
     else:
-        # one multiply puts a copy of the nibble at bit 6 (magnitude in bits 6-8) and one at bit 12
-        # (sign in bit 15)
+        # the value itself, a normal number or zero (a subnormal stand-in's multiply took a microcode
+        # assist a block, 5x the time, Zen 4): codes 2-7 are BF16 0x3F00 + (m << 6); 0 and 1 are m
+        # times 0x3F00 (0, 0.5), the smaller of the two for every m (min(m, 2) 0x3F00 above the first)
         codes = f.let(f"zext <{n} x i8> {_nibbles(f, at, '0')} to <{n} x i16>")
-        bits = f.let(f"mul <{n} x i16> {codes}, {splat('i16', n, 1 << 6 | 1 << 12)}")
-        keep = 0x81C0
-    bits = f.let(f"and <{n} x i16> {bits}, {splat('i16', n, keep - (1 << 16))}")
+        m = f.let(f"and <{n} x i16> {codes}, {splat('i16', n, 7)}")
+        normal = f.let(f"add <{n} x i16> {_shl16(f, m, 6, n)}, {splat('i16', n, 0x3F00)}")
+        low = f.let(f"mul <{n} x i16> {_umin(f, m, splat('i16', n, 2), n)}, {splat('i16', n, 0x3F00)}")
+        sign = f.let(f"and <{n} x i16> {_shl16(f, codes, 12, n)}, {splat('i16', n, -0x8000)}")
+        bits = f.let(f"or <{n} x i16> {_umin(f, normal, low, n)}, {sign}")
     wide = f.let(f"shl <{n} x i32> {f.let(f'zext <{n} x i16> {bits} to <{n} x i32>')}, {splat('i32', n, 16)}")
     return f.let(f"bitcast <{n} x i32> {wide} to <{n} x float>")
+
+
+def _shl16(f: Function, a: str, k: int, n: int) -> str:
+    return f.let(f"shl <{n} x i16> {a}, {splat('i16', n, k)}")
+
+
+def _umin(f: Function, a: str, b: str, n: int) -> str:
+    return f.let(f"select <{n} x i1> {f.let(f'icmp ult <{n} x i16> {a}, {b}')}, <{n} x i16> {a}, <{n} x i16> {b}")
 
 
 def _portable_decode(f: Function, fmt: str, variant: str, at: str, srow: str, b: str, n: int) -> str:
