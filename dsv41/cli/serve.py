@@ -6,8 +6,9 @@ tokenizer: without one the server takes and returns token ids). Every argument i
 the listening socket bound, before the engine is built, the chat format among them: a tokenizer
 missing a control token the format needs is refused at start-up, naming the file and the token; a
 port in use or a host that is not this machine's is one line and exit status 2. SIGINT ends it
-with status 130 (as a run), SIGTERM with 143; either waits at most ``DRAIN_S`` for the requests in
-flight.
+with status 130 (as a run), SIGTERM with 143; either lets the requests in flight run for
+``--shutdown-timeout`` seconds, then ends each still running with finish reason "abort" (a
+stream gets its final event and ``[DONE]``); a second signal ends the wait at once.
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import socket
+import sys
+import threading
 
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.text import CHAT_FORMATS
 from dsv41.cli import args as rules
-from dsv41.cli import run, speculative
+from dsv41.cli import interrupt, run, speculative
 from dsv41.cli.modes import DIST, RUN, groups, topology
 from dsv41.cli.progress import Progress
 from dsv41.cluster.connect import ConnectError
@@ -31,12 +35,14 @@ MIN_BODY_BYTES = 1024
 # what waiting requests may hold: each queued request keeps its body (up to --max-body-bytes) and prompt
 MAX_QUEUE = 65536
 MAX_BODY_BYTES = 1 << 30
-DRAIN_S = 10          # how long a stopping server waits for the requests in flight before cancelling them
+DRAIN_S = 10.0        # how long a stopping server lets the requests in flight run, by default
 BACKLOG = 2048        # uvicorn's default listen backlog
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}   # as a shell reports a process the signal ended
 
 SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative.APPLIES,
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
-                                  "--max-body-bytes", "--served-model-name", "--read-timeout"), (RUN, None)),
+                                  "--max-body-bytes", "--served-model-name", "--read-timeout",
+                                  "--shutdown-timeout"), (RUN, None)),
                  "--chat-format": (RUN, ("needs --checkpoint (chats need its tokenizer)", lambda a: a.checkpoint)),
                  "--dashboard": (DIST, None)}     # the server runs until stopped: no --hold
 
@@ -64,6 +70,10 @@ def build_parser() -> rules.Parser:
     g.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a client has to send a request's headers, and again its body; a stalled "
                         "connection is closed, a stalled body answered 408 (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=DRAIN_S,
+                   help="seconds a stopping server (SIGTERM, SIGINT) lets the requests in flight run; then "
+                        "each still running ends with finish_reason \"abort\" and a stream with its final "
+                        "event and [DONE]; a second signal ends the wait at once (default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name requests must name (default: the config's name, or the checkpoint "
                         "folder's)")
@@ -107,6 +117,11 @@ def _read_timeout(a, cfg):
         return f"must be in (0, 3600] seconds, got {a.read_timeout}"
 
 
+def _shutdown_timeout(a, cfg):
+    if not 0 <= a.shutdown_timeout <= 3600:
+        return f"must be in [0, 3600] seconds, got {a.shutdown_timeout}"
+
+
 def _sizes(a, cfg):
     """The capacity defaults, and the run fields the budget check sizes (a batch of max-context requests)."""
     if a.max_batch is None:
@@ -118,7 +133,8 @@ def _sizes(a, cfg):
 
 CHECKS = [(f, c) for f, c in rules.CHECKS if f in SERVE_APPLIES and f != "--dashboard"] + [
     ("--port", _port), ("--max-batch", _max_batch), ("--max-context", _max_context), ("--max-queue", _max_queue),
-    ("--max-body-bytes", _max_body_bytes), ("--read-timeout", _read_timeout)] + speculative.CHECKS + rules.LAST
+    ("--max-body-bytes", _max_body_bytes), ("--read-timeout", _read_timeout),
+    ("--shutdown-timeout", _shutdown_timeout)] + speculative.CHECKS + rules.LAST
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
@@ -159,31 +175,80 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Signals:
+    """How the command meets SIGINT and SIGTERM, from its first line to its last. While it starts
+    (arguments, tokenizer, engine) a signal interrupts it (``KeyboardInterrupt``, run's
+    ``Terminated`` for SIGTERM) and is remembered, so that whatever the interruption broke on its
+    way out (an import cut in half fails later with another error) still ends in one line and the
+    signal's status. Once the server is built, a signal only asks it to stop (``serving``: uvicorn's
+    drain); after the server has stopped, one more ends the clean-up at once."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.main = threading.current_thread() is threading.main_thread()   # where signals are handled
+        self._set(self._interrupt)
+
+    def _set(self, handler):
+        if self.main:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, handler)
+
+    def _interrupt(self, signum, frame):
+        self.received = self.received or signum
+        raise run.Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def serving(self, server) -> None:
+        self._set(server.handle_exit)
+
+    def cleaning_up(self, status: int) -> None:
+        self._set(lambda signum, frame: self.leave(status))
+
+    @staticmethod
+    def leave(status: int) -> None:
+        print(f"{PROG}: {'terminated' if status == 143 else 'interrupted'}", file=sys.stderr)
+        interrupt.exit_now(status)
+
+    def restore(self) -> None:
+        self._set(signal.default_int_handler)
+        if self.main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parse_args(argv, parser)
+    signals = Signals()
     try:
-        args.socket = listen(args.host, args.port)
-    except rules.UsageError as e:
-        if args.debug:
+        parser = build_parser()
+        args = parse_args(argv, parser)
+        try:
+            args.socket = listen(args.host, args.port)
+        except rules.UsageError as e:
+            if args.debug:
+                raise
+            parser.error(str(e))
+        try:
+            status = serve(args, signals)
+        except (ConnectError, CheckpointError) as e:
+            if args.debug:
+                raise
+            # a checkpoint found bad past the up-front checks reads as run's does (cli.run._refuse)
+            parser.error(f"--checkpoint: {e}" if isinstance(e, CheckpointError) else str(e))
+    except (KeyboardInterrupt, Exception):
+        if signals.received is None or "--debug" in (sys.argv[1:] if argv is None else argv):
             raise
-        parser.error(str(e))
-    try:
-        return serve(args)
-    except (ConnectError, CheckpointError) as e:
-        if args.debug:
-            raise
-        # a checkpoint found bad past the up-front checks reads as run's does (cli.run._refuse)
-        parser.error(f"--checkpoint: {e}" if isinstance(e, CheckpointError) else str(e))
-    except KeyboardInterrupt:
-        return 130
+        status = SIGNAL_EXIT[signals.received]
+        print(f"{PROG}: {'terminated' if status == 143 else 'interrupted'}", file=sys.stderr)
+    finally:
+        signals.restore()
+    if status == 143 and signals.main and argv is None:
+        signal.raise_signal(signal.SIGTERM)       # ended as the signal ends a process (its handler is back)
+    return status
 
 
-def serve(args) -> int:
+def serve(args, signals: Signals) -> int:
     import uvicorn
 
     from dsv41.serving.app import Server
-    from dsv41.serving.protocol import SIGNAL_STATUS, QuietDrainEnd, StoppableServer, timed_h11
+    from dsv41.serving.protocol import QuietDrainEnd, StoppableServer, timed_h11
     from dsv41.serving.batcher import Batcher
     from dsv41.serving.metrics import Metrics
     from dsv41.serving.schema import Limits
@@ -222,11 +287,14 @@ def serve(args) -> int:
                      f"listening on http://{host}:{port}")
         logging.getLogger("uvicorn.error").addFilter(QuietDrainEnd())
         config = uvicorn.Config(server.app(), log_level="warning", http=timed_h11(args.read_timeout),
-                                timeout_graceful_shutdown=DRAIN_S)
-        stoppable = StoppableServer(config)
+                                timeout_graceful_shutdown=args.shutdown_timeout)
+        stoppable = StoppableServer(config, on_drain_start=server.drain, on_drain_end=server.abort_all)
+        signals.serving(stoppable)
         stoppable.run(sockets=[args.socket])
+        status = SIGNAL_EXIT.get(stoppable.stopped_by, 0)
+        signals.cleaning_up(status)
     finally:
         args.socket.close()
         batcher.stop()
         engine.close()
-    return SIGNAL_STATUS.get(stoppable.stopped_by, 0)
+    return status

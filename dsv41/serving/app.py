@@ -59,6 +59,9 @@ class Server:
         self.answers = ThreadPoolExecutor(ANSWER_WORKERS, thread_name_prefix="dsv41-answer")
         self.fault: str | None = None
         self.probed = False
+        self.live: set[Job] = set()       # jobs whose handler still waits for their end
+        self.stopping = False             # the server drains: new requests are refused (503)
+        self.drain_over = asyncio.Event()  # the drain ran out: bodies still arriving are refused too
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -96,6 +99,19 @@ class Server:
                 self.fault = event.error if event.kind == "error" else None
                 self.probed = True
                 return
+
+    def drain(self):
+        """The server stops: what is in flight may finish; what comes after is refused."""
+        self.stopping = True
+
+    def abort_all(self) -> int:
+        """The drain ran out: every request still held ends now (finish reason "abort"), so each
+        client gets its final event and ``[DONE]``. How many there were."""
+        self.drain_over.set()
+        jobs = [j for j in self.live if not j.ended]
+        for job in jobs:
+            self.batcher.abort(job)
+        return len(jobs)
 
     def outcome(self, event):
         """An engine event's word on health: an error makes the server unready, an answer ready."""
@@ -154,6 +170,8 @@ class Server:
         try:
             raw = await self._read(request)
             gen = await self._checked(raw, chat)
+            if self.stopping:
+                raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
             job = Job(gen.prompt, gen.params, Stops(gen.params, decode_text=self._decoder(gen)),
                       asyncio.get_running_loop())
             self.batcher.submit(job)
@@ -175,10 +193,14 @@ class Server:
             return JSONResponse(ApiError(500, "internal error while checking the request", kind="server_error").body(),
                                 status_code=500)
         answer = Answer(self, job, gen, chat)
+        self.live.add(job)
         if gen.stream:
             self.metrics.requests.labels(endpoint, "200").inc()
             return StreamingResponse(answer.events(), media_type="text/event-stream")
-        status, body = await answer.whole(request)
+        try:
+            status, body = await answer.whole(request)
+        finally:
+            self.live.discard(job)
         self.metrics.requests.labels(endpoint, str(status)).inc()
         return JSONResponse(body, status_code=status)
 
@@ -205,12 +227,24 @@ class Server:
         return schema.generation(body, chat, self.codec, self.limits)
 
     async def _read(self, request: Request) -> bytes:
-        """The body within the read timeout (408 for a client that stalls or sends half)."""
+        """The body within the read timeout (408 for a client that stalls or sends half), or until
+        a stopping server's drain runs out (503)."""
+        body = asyncio.ensure_future(self._read_body(request))
+        over = asyncio.ensure_future(self.drain_over.wait())
         try:
-            return await asyncio.wait_for(self._read_body(request), self.read_timeout_s)
-        except asyncio.TimeoutError:
-            raise ApiError(408, f"body: not received in full within {self.read_timeout_s:g} s", "body",
-                           code="request_timeout") from None
+            done, _ = await asyncio.wait((body, over), timeout=self.read_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            over.cancel()
+            if not body.done():
+                body.cancel()
+        if body in done:
+            return body.result()
+        if over in done:
+            raise ApiError(503, "body: the server is shutting down", "body", kind="server_error",
+                           code="shutting_down")
+        raise ApiError(408, f"body: not received in full within {self.read_timeout_s:g} s", "body",
+                       code="request_timeout")
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused as soon as it passes the limit (a lying Content-Length too)."""
@@ -320,6 +354,7 @@ class Answer:
                 break
             yield "data: [DONE]\n\n"
         finally:
+            self.server.live.discard(self.job)
             if not self.job.finished:        # the client went away (or the server is stopping)
                 self.server.batcher.cancel(self.job)
 

@@ -48,6 +48,8 @@ class Job(ScheduledJob):
     metrics: object = None        # the server's Metrics (set at submit): hears each token and the end
     accepted: float = field(default_factory=time.monotonic)     # the latency metrics' times
     last_token_at: float | None = None
+    ended: bool = False           # its end (done or error) was sent: nothing follows it
+    _emitting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def generated(self) -> int:
@@ -55,11 +57,22 @@ class Job(ScheduledJob):
         return len(self.made)
 
     def emit(self, kind: str, **fields):
-        if self.metrics is not None and kind == "token":
-            self.metrics.on_token(self, time.monotonic())
-        elif self.metrics is not None and kind == "done":
-            self.metrics.on_finish(self, fields["finish"], time.monotonic())
-        self.loop.call_soon_threadsafe(self.events.put_nowait, Event(kind, **fields))
+        """Send an event to the handler. Both threads send (the engine's tokens and ends, the event
+        loop's abort when a drain runs out): one end per job, and nothing after it, so each end is
+        counted once; once the event loop is closed no one reads, and the event is dropped."""
+        with self._emitting:
+            if self.ended:
+                return
+            self.ended = kind != "token"
+            if self.metrics is not None and kind == "token":
+                self.metrics.on_token(self, time.monotonic())
+            elif self.metrics is not None and kind == "done":
+                self.metrics.on_finish(self, fields["finish"], time.monotonic())
+            if not self.loop.is_closed():
+                try:
+                    self.loop.call_soon_threadsafe(self.events.put_nowait, Event(kind, **fields))
+                except RuntimeError:      # closed between the look and the call
+                    pass
 
 
 class Batcher:
@@ -111,6 +124,16 @@ class Batcher:
                 job.cancelled = True
                 self.metrics.cancelled.inc()
                 self.cond.notify()
+
+    def abort(self, job: Job):
+        """End a job now, from the event loop (a stopping server's drain ran out): its handler gets
+        the end at once, with finish reason "abort", even while the engine is inside a step; the
+        engine frees its slot and blocks before its next step."""
+        with self.cond:
+            if not job.finished and not job.cancelled:
+                job.cancelled = True
+                self.cond.notify()
+        job.emit("done", finish="abort")
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _loop(self):

@@ -55,8 +55,8 @@ class ChatAnswer:
         return out
 
     def finish_reason(self, finish: str) -> str:
-        """As vLLM: an answer that called a tool ends with "tool_calls"."""
-        return TOOL_CALLS if self.called else finish
+        """As vLLM: an answer that called a tool ends with "tool_calls" (one cut short: "abort")."""
+        return TOOL_CALLS if self.called and finish != "abort" else finish
 
     def message(self, text: str) -> dict:
         """The whole answer as an assistant message."""

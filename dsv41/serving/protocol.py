@@ -1,5 +1,5 @@
 """uvicorn's pieces as the server runs them: its HTTP/1.1 protocol with a deadline on each
-request's headers, a server that remembers which signal stopped it, and a quiet drain.
+request's headers, and a server that remembers which signal stopped it and drains its requests.
 
 uvicorn closes an idle kept-alive connection, but a client that has sent part of a request line or
 of its headers holds its connection (and a file descriptor) for as long as it likes; enough of them
@@ -11,26 +11,76 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-# exit statuses of a server stopped by a signal, as a shell reports a process the signal ended
-SIGNAL_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+log = logging.getLogger("uvicorn.error")
 
 
 class StoppableServer(uvicorn.Server):
-    """uvicorn's server, remembering the signal that stopped it (``stopped_by``). uvicorn raises the
-    signal again once it has shut down, but a process that started with SIGINT ignored (a shell's
-    background job) would then carry on and exit 0; the command line returns the signal's status
-    from this instead."""
+    """uvicorn's server, remembering the signal that stopped it (``stopped_by``), with a drain of
+    its own. uvicorn raises the signal again once it has shut down, but a process that started
+    with SIGINT ignored (a shell's background job) would then carry on and exit 0; the command line
+    returns the signal's status from this instead.
+
+    On a signal it stops listening, closes idle connections and lets the requests in flight run
+    for the drain (uvicorn's ``timeout_graceful_shutdown``; a second signal ends it at once). Then,
+    where uvicorn would cancel every request task (logging an ERROR and cutting each stream with no
+    end), it calls ``on_drain_end`` (the app ends its requests with finish reason "abort", so every
+    stream gets its final event and ``[DONE]``), lets those last events go out for up to
+    ``END_S``, and only then cancels what is left (bodies still being read, clients not reading).
+    """
 
     stopped_by: int | None = None
+    hurry = False                 # a second signal: the drain ends now
+    END_S = 5.0
+    POLL_S = 0.05
+
+    def __init__(self, config, on_drain_start=None, on_drain_end=None):
+        """on_drain_start(): the drain begins; on_drain_end() -> int: end what is still running
+        (how many requests that was)."""
+        super().__init__(config)
+        self.on_drain_start, self.on_drain_end = on_drain_start, on_drain_end
 
     def handle_exit(self, sig, frame):
+        if self.should_exit:
+            self.hurry = True
         self.stopped_by = self.stopped_by or sig
-        super().handle_exit(sig, frame)
+        if sig not in self._captured_signals:   # raised again once at the end (the second would be lost)
+            self._captured_signals.append(sig)
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None):
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        if self.on_drain_start is not None:
+            self.on_drain_start()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()           # idle ones close; busy ones close after their answer
+        if not await self._settled(self.config.timeout_graceful_shutdown):
+            ended = self.on_drain_end() if self.on_drain_end is not None else 0
+            if ended:
+                log.warning("dsv41 serve: %d request(s) still running when the drain ended: finished "
+                            "with finish_reason \"abort\"", ended)
+            self.hurry = False              # the final events get their own bound
+            if not await self._settled(self.END_S):
+                for task in self.server_state.tasks:
+                    task.cancel()
+        for server in self.servers:
+            await server.wait_closed()
+        await self.lifespan.shutdown()
+
+    async def _settled(self, seconds: float) -> bool:
+        """Wait until no request task is left (True), at most ``seconds`` or until a second signal."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while self.server_state.tasks:
+            if self.hurry or asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(self.POLL_S)
+        return True
 
 
 def timed_h11(seconds: float) -> type[H11Protocol]:
@@ -74,9 +124,9 @@ def timed_h11(seconds: float) -> type[H11Protocol]:
 
 
 class QuietDrainEnd(logging.Filter):
-    """A stopping server cancels the requests still in flight when the drain bound passes, and
-    uvicorn logs each cancelled one as "Exception in ASGI application" with a traceback; that is
-    the bound working, not a fault (uvicorn's one line saying how many it cancelled stays)."""
+    """A stopping server cancels the request tasks still left once their final events had their
+    time (``StoppableServer.END_S``: clients that do not read), and uvicorn logs each as "Exception
+    in ASGI application" with a traceback; that is the bound working, not a fault."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
