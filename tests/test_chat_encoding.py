@@ -188,3 +188,131 @@ def test_cli_chat_without_a_template_is_the_v4_encoding(v4, v4_tokenizer_checkpo
     assert a.prompt_ids == [want]
     assert want[0] == v4.control_id(B) and want[-2:] == [v4.control_id(A), v4.control_id(ET)]
     assert want.count(v4.control_id(U)) == 1
+
+
+# ------------------------------------------------------------ DeepSeek's reference encoder's cases
+# Prompts as DeepSeek's V4 / V4.1 reference encoders (``encoding_dsv4`` / ``encoding_dsv41``, as
+# SGLang vendors them) render them, written out from their rules: a developer message is a user
+# turn of its own; in thinking mode without tools, developer messages before the last user turn
+# are dropped with the earlier reasoning; V4.1 states its effort (names low/high/xhigh/max: 25, 50,
+# 75, 100, or 1-100) after <｜System｜>, V4's "max" opens the prompt with its own paragraph.
+
+S = "<｜System｜>"
+V4_MAX = ("Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+          "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
+          "the root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
+          "adversarial scenarios.\n"
+          "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+          "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+          "unchecked.\n\n")
+
+
+def effort(n: int) -> str:
+    return f"Reasoning Effort: {n} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+
+
+DEV = {"role": "developer", "content": "Be brief."}
+HI = {"role": "user", "content": "Hi"}
+SYS = {"role": "system", "content": "Sys"}
+ANSWER = {"role": "assistant", "content": "a1", "reasoning_content": "r1"}
+Q2 = {"role": "user", "content": "q2"}
+
+REFERENCE = [  # (id, variant, messages, encode_messages keywords, the reference's prompt)
+    ("dev-chat", "v4.1", [DEV, HI], {}, f"{B}{U}Be brief.{U}Hi{A}{ET}"),
+    ("dev-chat-v4", "v4", [DEV, HI], {}, f"{B}{U}Be brief.{U}Hi{A}{ET}"),
+    ("dev-thinking-dropped", "v4.1", [DEV, HI], {"thinking": True}, f"{B}{S}{effort(50)}{U}Hi{A}{T}"),
+    ("dev-thinking-dropped-v4", "v4", [DEV, HI], {"thinking": True}, f"{B}{U}Hi{A}{T}"),
+    ("dev-last-kept", "v4.1", [HI, DEV], {"thinking": True}, f"{B}{S}{effort(50)}{U}Hi{U}Be brief.{A}{T}"),
+    ("dev-only", "v4", [DEV], {"thinking": True}, f"{B}{U}Be brief.{A}{T}"),
+    ("dev-history-thinking", "v4.1", [SYS, DEV, HI, ANSWER, DEV, Q2], {"thinking": True},
+     f"{B}{S}{effort(50)}Sys{U}Hi{A}{ET}a1{E}{U}q2{A}{T}"),
+    ("dev-history-chat", "v4.1", [SYS, DEV, HI, ANSWER, DEV, Q2], {},
+     f"{B}{S}Sys{U}Be brief.{U}Hi{A}{ET}a1{E}{U}Be brief.{U}q2{A}{ET}"),
+    ("dev-history-thinking-v4", "v4", [SYS, DEV, HI, ANSWER, DEV, Q2], {"thinking": True},
+     f"{B}Sys{U}Hi{A}{ET}a1{E}{U}q2{A}{T}"),
+    ("dev-then-tool-results", "v4.1", [HI, {**ANSWER, "tool_calls": CALLS[1]["tool_calls"][:1]}, DEV,
+                                       {"role": "tool", "tool_call_id": "a", "content": "rain"}], {},
+     f'{B}{U}Hi{A}{ET}a1\n\n<{D} calls>\n<{D} invoke name="get_weather">\n'
+     f'<{D} parameter name="city" string="true">Paris</{D} parameter>\n</{D} invoke>\n</{D} calls>{E}'
+     f"{U}Be brief.{U}<tool_result>rain</tool_result>{A}{ET}"),
+    ("dev-after-answer-thinking", "v4.1", [HI, ANSWER, DEV], {"thinking": True},
+     f"{B}{S}{effort(50)}{U}Hi{A}{ET}a1{E}{U}Be brief.{A}{T}"),
+    ("mid-system-is-a-turn", "v4.1", [HI, ANSWER, {"role": "system", "content": "Now brief."}], {"thinking": True},
+     f"{B}{S}{effort(50)}{U}Hi{A}{ET}a1{E}{S}Now brief.{A}{T}"),
+    *[(f"effort-{name}", "v4.1", [HI], {"thinking": True, "effort": name}, f"{B}{S}{effort(n)}{U}Hi{A}{T}")
+      for name, n in (("low", 25), ("high", 50), ("xhigh", 75), ("max", 100), (1, 1), (100, 100), (None, 50))],
+    ("effort-with-system", "v4.1", [SYS, HI], {"thinking": True, "effort": "xhigh"},
+     f"{B}{S}{effort(75)}Sys{U}Hi{A}{T}"),
+    ("effort-chat-mode-silent", "v4.1", [HI], {"effort": "xhigh"}, f"{B}{U}Hi{A}{ET}"),
+    ("v4-max", "v4", [HI], {"thinking": True, "effort": "max"}, f"{B}{V4_MAX}{U}Hi{A}{T}"),
+    ("v4-max-with-system", "v4", [SYS, HI], {"thinking": True, "effort": "max"}, f"{B}{V4_MAX}Sys{U}Hi{A}{T}"),
+    ("v4-max-chat-mode", "v4", [HI], {"effort": "max"}, f"{B}{U}Hi{A}{ET}"),
+    ("v4-high", "v4", [HI], {"thinking": True, "effort": "high"}, f"{B}{U}Hi{A}{T}"),
+    ("v4-max-history", "v4", [HI, ANSWER, Q2], {"thinking": True, "effort": "max"},
+     f"{B}{V4_MAX}{U}Hi{A}{ET}a1{E}{U}q2{A}{T}"),
+]
+
+
+@pytest.mark.parametrize("variant,messages,kw,want", [c[1:] for c in REFERENCE], ids=[c[0] for c in REFERENCE])
+def test_prompts_equal_the_reference_encoders(variant, messages, kw, want):
+    assert encode_messages(messages, variant=variant, **kw) == want
+
+
+def _tools_block_end(text: str) -> str:
+    """What follows the tools section of a system prompt."""
+    end = "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+    head, rest = text.split(end, 1)
+    return rest
+
+
+@pytest.mark.parametrize("variant", ["v4", "v4.1"])
+def test_developer_messages_with_tools_stay_in_thinking_mode(variant):
+    """With tools on offer the reference keeps reasoning in history, and developer messages with it;
+    the tools go into a system prompt of their own (empty text) at the start."""
+    msgs = [DEV, HI, ANSWER, DEV, Q2]
+    text = encode_messages(msgs, thinking=True, tools=WEATHER, variant=variant, effort="max")
+    start = f"{B}{S}{effort(100)}\n\n## Tools" if variant == "v4.1" else f"{B}{V4_MAX}\n\n## Tools"
+    assert text.startswith(start)
+    assert _tools_block_end(text) == f"{U}Be brief.{U}Hi{A}{T}r1{ET}a1{E}{U}Be brief.{U}q2{A}{T}"
+
+
+@pytest.mark.parametrize("variant,value", [("v4.1", "medium"), ("v4.1", 0), ("v4.1", 101), ("v4.1", True),
+                                           ("v4.1", 50.0), ("v4", "xhigh"), ("v4", "low"), ("v4", 50)])
+def test_efforts_outside_the_format_are_refused(variant, value):
+    """Checked in chat mode too (the reference checks every effort it is given)."""
+    for thinking in (False, True):
+        with pytest.raises(ValueError, match="^reasoning_effort: "):
+            encode_messages([HI], thinking=thinking, variant=variant, effort=value)
+
+
+@pytest.fixture(scope="module")
+def v41(tiny_checkpoint):
+    """The test checkpoints' tokenizer: V4.1's control tokens."""
+    from tokenizers import Tokenizer
+    return ChatTokenizer(Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json")))
+
+
+def test_reference_prompts_give_the_tokenizers_ids(v4, v41):
+    """Each reference case's ids: what the tokenizer makes of the reference prompt (its control
+    tokens matched there), on the real V4 tokenizer and the V4.1 test tokenizer."""
+    for _, variant, messages, kw, want in REFERENCE:
+        tok = v4 if variant == "v4" else v41
+        assert tok.encode(messages, variant=variant, **kw) == \
+            tok.tokenizer.encode(want, add_special_tokens=False).ids, (variant, messages, kw)
+
+
+@pytest.mark.parametrize("model_type,want", [("deepseek_v41", "v4.1"), ("deepseek_v4", "v4"), ("other", "v4.1")])
+def test_the_chat_format_follows_config_json(tiny_checkpoint, tmp_path, model_type, want):
+    """config.json's model_type names the family and its format; a name it does not know leaves the
+    choice to the tokenizer (the test tokenizer has V4.1's <｜System｜>)."""
+    import shutil
+    from dsv41.checkpoint.text import TextCodec
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_checkpoint / name, tmp_path / name)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    codec = TextCodec.load(tmp_path)
+    assert codec.chat_format == want
+    msgs = [SYS, HI]
+    assert codec.encode_chat(msgs) == codec.tokenizer.encode(encode_messages(msgs, variant=want),
+                                                             add_special_tokens=False).ids

@@ -127,14 +127,15 @@ def test_parsers_hold_back_a_marker_split_across_deltas():
 def test_developer_role_is_a_user_turn_and_effort_is_stated():
     dev = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     user = [{"role": "user", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    for v in ("v4", "v4.1"):
-        assert encode_messages(dev, variant=v) == encode_messages(user, variant=v)
+    for v in ("v4", "v4.1"):      # a turn of its own (two user messages are one turn)
+        assert encode_messages(dev, variant=v) == "<｜begin▁of▁sentence｜><｜User｜>Be brief.<｜User｜>Hi<｜Assistant｜></think>"
+        assert encode_messages(user, variant=v) == "<｜begin▁of▁sentence｜><｜User｜>Be brief.\n\nHi<｜Assistant｜></think>"
     text = encode_messages(user[1:], thinking=True, variant="v4.1", effort=80)
     assert text.startswith("<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 80 (range 1-100")
     assert encode_messages(user[1:], thinking=True, variant="v4.1", effort=None) == \
         encode_messages(user[1:], thinking=True, variant="v4.1", effort=50)
     assert "Reasoning Effort" not in encode_messages(user[1:], thinking=False, variant="v4.1", effort=80)
-    with pytest.raises(ValueError, match=r"^reasoning_effort: expected an integer in \[1, 100\]"):
+    with pytest.raises(ValueError, match=r"^reasoning_effort: expected one of 'low', .* or an integer in \[1, 100\]"):
         encode_messages(user, thinking=True, variant="v4.1", effort=101)
     with pytest.raises(ValueError, match="^reasoning_effort: the V4 format"):
         encode_messages(user, thinking=True, variant="v4", effort=50)

@@ -199,17 +199,17 @@ def test_thinking_prompt_and_reasoning_effort_reach_the_encoder(scripted):
     scripted.engine.answer("ok</think>done")
     c = _client(scripted)
     msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    as_user = [{"role": "user", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
     def prompt_tokens(**kw):
         return c.chat.completions.create(model="scripted", messages=msgs, max_tokens=2, **kw).usage.prompt_tokens
 
     def encoded(**kw):
-        return len(codec.tokenizer.encode(encode_messages(as_user, variant="v4.1", **kw),
+        return len(codec.tokenizer.encode(encode_messages(msgs, variant="v4.1", **kw),
                                           add_special_tokens=False).ids)
 
     assert prompt_tokens() == encoded()
     assert prompt_tokens(reasoning_effort="high") == encoded(thinking=True, effort=50)
+    assert prompt_tokens(extra_body={"reasoning_effort": "xhigh"}) == encoded(thinking=True, effort=75)
     assert prompt_tokens(extra_body={"reasoning_effort": 7}) == encoded(thinking=True, effort=7) != encoded()
     assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == encoded(thinking=True)
     r = c.chat.completions.create(model="scripted", messages=msgs, reasoning_effort="high")
@@ -246,7 +246,7 @@ REFUSED_CHAT = {
     "service_tier": "flex", "verbosity": "low", "web_search_options": {},
     "response_format": {"type": "json_object"}, "modalities": ["text", "audio"], "store": True,
     "parallel_tool_calls": False, "tool_choice": "required", "n": 2, "continue_final_message": True,
-    "reasoning_effort": "low", "frobnicate": 1,
+    "reasoning_effort": "medium", "frobnicate": 1,
 }
 SERVED_COMPLETIONS = {"prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                       "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",

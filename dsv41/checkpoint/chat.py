@@ -17,10 +17,15 @@ in the model folder. This module implements that format from its published rules
 V4.1 differs in four places: system text follows ``<｜System｜>`` (and a system message after the
 first counts as a user turn), the DSML tag names carry a leading space (`` calls``, `` invoke``,
 `` parameter``), tool-call arguments must be a JSON object, and thinking mode states a reasoning
-effort at the start (the default, "high", is 50 on its 1-100 scale; ``effort`` sets another).
+effort at the start (an integer on its 1-100 scale, or a name: "low" 25, "high" 50 - the default -,
+"xhigh" 75, "max" 100). V4 knows two efforts: "high" (its default, stated nowhere) and "max",
+which opens a thinking prompt with a paragraph asking for the most thorough reasoning.
 
-A ``developer`` message (what current OpenAI clients send in place of ``system``) is rendered as
-the reference encoding renders it: as a user message.
+A ``developer`` message (what current OpenAI clients send in place of ``system``) is a user turn
+of its own, as DeepSeek's reference encoder renders it: ``<｜User｜>`` and its text, never merged
+with the user or tool messages around it; it is answered like a user turn, and in thinking mode
+(with no tools on offer, where earlier reasoning is dropped) developer messages before the last
+user turn are dropped with it.
 
 Only the encoder inserts control tokens: :class:`ChatTokenizer` turns the encoder's control
 pieces into their single ids and encodes all other text with the tokenizer's added tokens
@@ -47,6 +52,15 @@ DSML = "｜DSML｜"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 EFFORT_RANGE = (1, 100)         # V4.1's reasoning-effort scale
 DEFAULT_EFFORT = 50             # V4.1's default ("high")
+EFFORT_NAMES = {"low": 25, "high": 50, "xhigh": 75, "max": 100}    # V4.1's named efforts on that scale
+# V4's "max" effort: what its thinking prompt opens with (byte for byte as the model was trained)
+V4_MAX_EFFORT = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the "
+    "root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
+    "adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
+    "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
 
 
 @dataclass(frozen=True)
@@ -64,9 +78,10 @@ class _Variant:
     states_effort: bool         # thinking mode opens with the reasoning effort
     arguments_must_be_object: bool
 
-    def effort_prefix(self, effort: int | None) -> str:
+    def effort_prefix(self, effort: int | str | None) -> str:
+        """What a thinking prompt opens with, for a checked effort (``stated_effort``)."""
         if not self.states_effort:
-            return ""
+            return V4_MAX_EFFORT if effort == "max" else ""
         return (f"Reasoning Effort: {DEFAULT_EFFORT if effort is None else effort} "
                 "(range 1-100, the higher the value, the more thorough the reasoning)\n\n")
 
@@ -197,7 +212,7 @@ def _tool_schemas(tools) -> list[dict]:
 
 @dataclass
 class _Turn:
-    role: str                      # system / user / assistant (tool results live in user turns)
+    role: str                      # system / developer / user / assistant (tool results live in user turns)
     text: str = ""                 # system, user (parts already joined)
     parts: list | None = None      # user: [("text", s) | ("tool", s, call_id)]
     content: str = ""              # assistant
@@ -238,8 +253,8 @@ def _turns(messages, variant: _Variant) -> list[_Turn]:
         if "content" not in msg or msg["content"] is None:
             raise ValueError(f"{f}.content: missing")
         text = _text_of(msg["content"], f + ".content")
-        if role == "system":
-            turns.append(_Turn("system", text=text))
+        if role in ("system", "developer"):       # a turn of its own, never merged
+            turns.append(_Turn(role, text=text))
             continue
         part = ("tool", text, msg.get("tool_call_id")) if role == "tool" else ("text", text)
         # a run of user / tool messages is one user turn
@@ -287,7 +302,7 @@ def _order_results(turns: list[_Turn]):
 
 
 def _is_user_turn(turn: _Turn, index: int, variant: _Variant) -> bool:
-    return turn.role == "user" or (variant.system_token and turn.role == "system" and index > 0)
+    return turn.role in ("user", "developer") or (variant.system_token and turn.role == "system" and index > 0)
 
 
 def _render_tools(out: _Out, schemas: list[dict], variant: _Variant):
@@ -331,25 +346,34 @@ def _render_calls(out: _Out, calls, variant: _Variant):
     out.text(variant.calls + ">")
 
 
-def _effort(effort, v: _Variant) -> int | None:
+def stated_effort(effort, variant: str) -> int | str | None:
+    """The effort as the variant states it: V4.1 a number on its scale (a name mapped), V4 its
+    name ("high": None, stated nowhere); ValueError naming reasoning_effort for any other."""
+    v = VARIANTS[variant]
     if effort is None:
         return None
-    low, high = EFFORT_RANGE
     if not v.states_effort:
-        raise ValueError("reasoning_effort: the V4 format states no reasoning effort (V4.1 does)")
+        if effort not in ("high", "max"):
+            raise ValueError(f"reasoning_effort: the V4 format has \"high\" and \"max\", found {effort!r}")
+        return None if effort == "high" else effort
+    low, high = EFFORT_RANGE
+    if isinstance(effort, str) and effort in EFFORT_NAMES:
+        return EFFORT_NAMES[effort]
     if isinstance(effort, bool) or not isinstance(effort, int) or not low <= effort <= high:
-        raise ValueError(f"reasoning_effort: expected an integer in [{low}, {high}], found {effort!r}")
+        raise ValueError(f"reasoning_effort: expected one of {', '.join(map(repr, EFFORT_NAMES))} or an "
+                         f"integer in [{low}, {high}], found {effort!r}")
     return effort
 
 
 def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = True,
-                tools=None, variant: str = "v4", effort: int | None = None) -> list[str | Control]:
+                tools=None, variant: str = "v4", effort: int | str | None = None) -> list[str | Control]:
     """The prompt as pieces: ``Control`` tokens the format places, and text (str) between them.
-    effort: V4.1's reasoning effort in thinking mode (None: its default)."""
+    effort: the reasoning effort in thinking mode (None: the format's default, "high")."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, found {variant!r}")
     v = VARIANTS[variant]
-    prefix = v.effort_prefix(_effort(effort, v)) if thinking else ""
+    effort = stated_effort(effort, variant)    # checked in chat mode too, as the reference does
+    prefix = v.effort_prefix(effort) if thinking else ""
     turns = _turns(messages, v)
     schemas = _tool_schemas(tools) if tools else []
     if schemas:  # request tools are described in the (first) system prompt
@@ -359,6 +383,9 @@ def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = 
     # with tools on offer, reasoning stays in history (the calls of a turn depend on it)
     drop = thinking and not schemas
     last_user = max((i for i, t in enumerate(turns) if _is_user_turn(t, i, v)), default=-1)
+    if drop:       # developer turns go with the reasoning they framed
+        turns = [t for i, t in enumerate(turns) if t.role != "developer" or i >= last_user]
+        last_user = max((i for i, t in enumerate(turns) if _is_user_turn(t, i, v)), default=-1)
 
     out = _Out()
     out.control(BOS)
@@ -374,6 +401,9 @@ def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = 
             if i == 0 and schemas:
                 out.text("\n\n")
                 _render_tools(out, schemas, v)
+        elif turn.role == "developer":
+            out.control(USER)
+            out.text(turn.text)
         elif turn.role == "user":
             out.control(USER)
             out.text("\n\n".join(p[1] if p[0] == "text" else f"<tool_result>{p[1]}</tool_result>"
@@ -395,7 +425,7 @@ def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = 
 
 
 def encode_messages(messages, thinking: bool = False, add_generation_prompt: bool = True,
-                    tools=None, variant: str = "v4", effort: int | None = None) -> str:
+                    tools=None, variant: str = "v4", effort: int | str | None = None) -> str:
     """The prompt text of a chat (thinking or non-thinking mode)."""
     return "".join(p.text if isinstance(p, Control) else p
                    for p in chat_pieces(messages, thinking, add_generation_prompt, tools, variant, effort))
@@ -424,7 +454,7 @@ class ChatTokenizer:
         return self.plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode(self, messages, thinking: bool = False, add_generation_prompt: bool = True,
-               tools=None, variant: str = "v4", effort: int | None = None,
+               tools=None, variant: str = "v4", effort: int | str | None = None,
                allow_special: bool = False) -> list[int]:
         """allow_special: the messages' text is parsed for control tokens too (--allow-special-tokens)."""
         text = (lambda s: self.tokenizer.encode(s, add_special_tokens=False).ids) if allow_special \

@@ -5,9 +5,10 @@ Prompts are encoded without the tokenizer's own post-processing; BOS is prepende
 prompt as one user turn; the server: the request's messages) is rendered in the codec's chat
 format: the config's Jinja ``chat_template`` when it has one (BOS then comes from the template),
 else the DeepSeek encoding (``checkpoint/chat.py``), as the V4 releases, which ship no template,
-are: V4.1 when the tokenizer has V4.1's ``<｜System｜>`` control token, else V4
-(``use_chat_format`` overrides, and refuses a tokenizer missing a control token the format
-needs). User text
+are: the family ``config.json``'s ``model_type`` names (``deepseek_v41``: V4.1, ``deepseek_v4``:
+V4), and for a folder that names neither, V4.1 when the tokenizer has V4.1's ``<｜System｜>``
+control token, else V4 (``use_chat_format`` overrides, and refuses a tokenizer missing a control
+token the format needs). User text
 never becomes a control token: it is encoded by a copy of the tokenizer that knows no added tokens
 (:func:`plain_tokenizer`), so typing the text of EOS gives those characters; only the template's
 own text (or ``allow_special=True``, the ``--allow-special-tokens`` flag) is parsed for them.
@@ -28,6 +29,9 @@ from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.plain import plain_tokenizer
 
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+CONFIG = "config.json"
+# config.json's model_type -> the chat format of that family's releases
+FAMILY_FORMATS = {"deepseek_v41": "v4.1", "deepseek_v4": "v4"}
 # stands for the user text while the chat template renders, so the template's text and the user's
 # can be encoded apart (NUL and a private-use character: no template writes them)
 _USER_TEXT = "\x00\ue000dsv41-user-text\ue000\x00"
@@ -70,8 +74,22 @@ def _token(value, source: str, key: str) -> str | None:
     return token
 
 
+def _family(folder: Path) -> str | None:
+    """The chat format of the model family config.json names (None: no such file, or another name;
+    the file's own checks are ``reader.read_config``'s)."""
+    path = folder_file(folder, CONFIG)
+    try:
+        doc = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    kind = doc.get("model_type") if isinstance(doc, dict) else None
+    return FAMILY_FORMATS.get(kind) if isinstance(kind, str) else None
+
+
 class TextCodec:
-    def __init__(self, tokenizer: Tokenizer, config: dict, source: str = TOKENIZER_CONFIG):
+    def __init__(self, tokenizer: Tokenizer, config: dict, source: str = TOKENIZER_CONFIG,
+                 family: str | None = None):
+        """family: the chat format config.json's model_type names (None: found from the tokenizer)."""
         if not isinstance(config, dict):
             raise CheckpointError(f"{source}: expected a JSON object, found {type(config).__name__}")
         self.tokenizer = tokenizer
@@ -90,6 +108,7 @@ class TextCodec:
         self.eos_id = self._id(self.eos, source, "eos_token")
         self._chat: ChatTokenizer | None = None    # made on first use; shares self.plain
         self.chosen_format: str | None = None      # use_chat_format's choice; None: found from the files
+        self.family = family
         self.source = source
         self.markers = {tid: t for t in ANSWER_MARKERS if (tid := tokenizer.token_to_id(t)) is not None}
         self.added = {tid: t.content for tid, t in tokenizer.get_added_tokens_decoder().items()}
@@ -109,6 +128,8 @@ class TextCodec:
             return self.chosen_format
         if self.chat_template:
             return TEMPLATE
+        if self.family is not None:
+            return self.family
         return "v4.1" if self.tokenizer.token_to_id(SYSTEM) is not None else "v4"
 
     def use_chat_format(self, name: str | None) -> str | None:
@@ -144,7 +165,7 @@ class TextCodec:
                 config = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise CheckpointError(f"{path}: expected JSON, found: {e}") from None
-        return cls(tokenizer, config, str(path))
+        return cls(tokenizer, config, str(path), _family(folder))
 
     @property
     def size(self) -> int:
@@ -161,7 +182,7 @@ class TextCodec:
         return [self.bos_id] + ids if self.add_bos else ids
 
     def encode_chat(self, messages: list[dict], thinking: bool = False, tools=None,
-                    allow_special: bool = False, effort: int | None = None,
+                    allow_special: bool = False, effort: int | str | None = None,
                     add_generation_prompt: bool = True) -> list[int]:
         """A chat's prompt ids (ending in the generation prompt unless add_generation_prompt is
         false) in the chat format: the Jinja chat_template, or the DeepSeek V4 / V4.1 encoding

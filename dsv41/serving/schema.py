@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from dsv41.checkpoint.chat import DEFAULT_EFFORT
+from dsv41.checkpoint.chat import DEFAULT_EFFORT, VARIANTS, stated_effort
 from dsv41.ops.sampling import SamplingParams
 
 # body fields that go straight to SamplingParams (same names)
@@ -41,7 +41,6 @@ REFUSED = {      # OpenAI chat fields whose every value asks for what this serve
     "web_search_options": "web search is not served",
 }
 CHAT_KWARGS = ("thinking", "enable_thinking", "reasoning_effort")   # what the DeepSeek encoding takes
-EFFORTS = {"high": None, "max": 100}    # named efforts on V4.1's scale (None: its default, "high")
 STREAM_OPTIONS = ("include_usage",)
 DEFAULT_TEMPERATURE = 1.0          # OpenAI's default; send 0 for greedy
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
@@ -271,19 +270,17 @@ def _chat_options(body: dict, codec) -> tuple[bool, int | None]:
     return True, next(iter(efforts.values()))
 
 
-def _effort(value, name: str, codec) -> int | None:
-    """A reasoning effort on the format's scale (None: its default)."""
-    if codec.chat_format != "v4.1":
+def _effort(value, name: str, codec):
+    """A reasoning effort as the format states it (None: its default): V4.1 a number on its scale,
+    V4 its name (``chat.stated_effort``, DeepSeek's reference encoders' efforts)."""
+    if codec.chat_format not in VARIANTS:        # a Jinja template states no effort
         if value != "high":
-            raise bad(f"the {codec.chat_format} chat format has one effort, \"high\" (V4.1 has a scale), "
-                      f"found {shown(value)}", name)
+            raise bad(f"the {codec.chat_format} chat format has one effort, \"high\", found {shown(value)}", name)
         return None
-    if isinstance(value, str):
-        if value not in EFFORTS:
-            raise bad(f"expected one of {', '.join(map(repr, EFFORTS))} or an integer in [1, 100], "
-                      f"found {shown(value)}", name)
-        return EFFORTS[value]
-    return value                 # the encoder checks the range
+    try:
+        return stated_effort(value, codec.chat_format)
+    except ValueError as e:
+        raise bad(str(e).split(": ", 1)[1], name) from None
 
 
 def chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool]:
