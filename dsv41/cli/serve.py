@@ -42,7 +42,7 @@ SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}   # as a shell reports a
 SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative.APPLIES,
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
                                   "--max-body-bytes", "--served-model-name", "--read-timeout",
-                                  "--shutdown-timeout"), (RUN, None)),
+                                  "--shutdown-timeout", "--metrics-names"), (RUN, None)),
                  "--chat-format": (RUN, ("needs --checkpoint (chats need its tokenizer)", lambda a: a.checkpoint)),
                  "--dashboard": (DIST, None)}     # the server runs until stopped: no --hold
 
@@ -74,6 +74,10 @@ def build_parser() -> rules.Parser:
                    help="seconds a stopping server (SIGTERM, SIGINT) lets the requests in flight run; then "
                         "each still running ends with finish_reason \"abort\" and a stream with its final "
                         "event and [DONE]; a second signal ends the wait at once (default: %(default)s)")
+    g.add_argument("--metrics-names", default="dsv41", choices=("dsv41", "vllm"),
+                   help="/metrics series names: dsv41's, or vLLM's (vllm:..., with its model_name and engine "
+                        "labels and its buckets) so that a dashboard made for vLLM works unchanged "
+                        "(default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name requests must name (default: the config's name, or the checkpoint "
                         "folder's)")
@@ -244,6 +248,18 @@ def main(argv=None) -> int:
     return status
 
 
+def _drafting(args) -> str:
+    """The start line's word on speculative decoding (nothing when it is off)."""
+    if args.speculative is None:
+        return ""
+    if args.speculative == "ngram":
+        k = speculative.DEFAULT_DRAFTS if args.draft_tokens is None else args.draft_tokens
+        return f", speculative decoding: ngram ({k} draft tokens, suffixes of {args.ngram_min}-{args.ngram_max})"
+    k = "the checkpoint's block" if args.draft_tokens is None else f"{args.draft_tokens} draft tokens"
+    threshold = "" if args.confidence_threshold is None else f", confidence threshold {args.confidence_threshold:g}"
+    return f", speculative decoding: dspark ({k}{threshold})"
+
+
 def serve(args, signals: Signals) -> int:
     import uvicorn
 
@@ -273,7 +289,7 @@ def serve(args, signals: Signals) -> int:
     name = args.served_model_name or (cfg.name if ckpt is None else os.path.basename(os.path.abspath(args.checkpoint)))
     limits = Limits(max_context=args.max_context, max_prompt=min(cfg.prefill_max_tokens, args.max_context - 1),
                     vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes)
-    metrics = Metrics()
+    metrics = Metrics(args.metrics_names, name, args.max_context)
     batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, cfg.prefill_max_tokens,
                       speculative.drafter(args, engine))
     batcher.start()
@@ -283,7 +299,7 @@ def serve(args, signals: Signals) -> int:
         answers = "token ids only (no --checkpoint)" if args.codec is None else \
             f"text, chat format {args.codec.chat_format}"
         progress.say(f"dsv41 serve: model {name!r} ({cfg.name}, executor {args.executor}), {answers}, "
-                     f"max_batch={args.max_batch} max_context={args.max_context}; "
+                     f"max_batch={args.max_batch} max_context={args.max_context}{_drafting(args)}; "
                      f"listening on http://{host}:{port}")
         logging.getLogger("uvicorn.error").addFilter(QuietDrainEnd())
         config = uvicorn.Config(server.app(), log_level="warning", http=timed_h11(args.read_timeout),

@@ -47,7 +47,10 @@ class Job(ScheduledJob):
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     metrics: object = None        # the server's Metrics (set at submit): hears each token and the end
     accepted: float = field(default_factory=time.monotonic)     # the latency metrics' times
+    admitted_at: float | None = None   # its prefill step began
+    first_token_at: float | None = None
     last_token_at: float | None = None
+    ended_at: float | None = None
     ended: bool = False           # its end (done or error) was sent: nothing follows it
     _emitting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -118,12 +121,15 @@ class Batcher:
             self.cond.notify()
 
     def cancel(self, job: Job):
-        """The client went away: its slot and blocks are freed before the next step."""
+        """The client went away: its slot and blocks are freed before the next step, and it ends
+        as vLLM counts it, with finish reason "abort"."""
         with self.cond:
-            if not job.finished and not job.cancelled:
-                job.cancelled = True
-                self.metrics.cancelled.inc()
-                self.cond.notify()
+            if job.finished or job.cancelled:
+                return
+            job.cancelled = True
+            self.metrics.cancelled.inc()
+            self.cond.notify()
+        job.emit("done", finish="abort")
 
     def abort(self, job: Job):
         """End a job now, from the event loop (a stopping server's drain ran out): its handler gets
@@ -168,28 +174,19 @@ class Batcher:
         m.step_seconds.labels(turn.phase).observe(turn.ms / 1e3)
         if turn.out is None:
             return
+        prompt = 0
         if turn.phase == "prefill":
-            m.prompt_tokens.inc(sum(len(j.prompt) for j in turn.jobs))
+            prompt = sum(len(j.prompt) for j in turn.jobs)
             started = time.monotonic() - turn.ms / 1e3
             for job in turn.jobs:
                 m.on_admit(job, started)
-        m.generation_tokens.inc(sum(map(len, turn.out.tokens)))
-        if turn.out.proposed is not None:
-            m.draft_tokens.inc(sum(turn.out.proposed))
-            m.accepted_tokens.inc(sum(turn.out.accepted))
-            for k, a in zip(turn.out.proposed, turn.out.accepted):
-                for j in range(k):           # vLLM's acceptance by draft position
-                    m.draft_by_position.labels(str(j)).inc()
-                    if j < a:
-                        m.accepted_by_position.labels(str(j)).inc()
+        m.on_step(prompt, sum(map(len, turn.out.tokens)), turn.out.proposed, turn.out.accepted)
 
     def _finished(self, job: Job, reason: str):
         if reason == "error":
             self.metrics.errors.labels("engine").inc()
 
     def _update_gauges(self):
-        used, total = self.engine.blocks_in_use()
-        self.metrics.blocks_in_use.set(used)
-        self.metrics.blocks_total.set(total)
+        self.metrics.cache(*self.engine.blocks_in_use())
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self.incoming))

@@ -3,82 +3,195 @@ as in the tests, keep theirs apart).
 
 The per-request latencies are vLLM's (docs/serving.md puts the names side by side): time to first
 token and end-to-end latency from the moment the request was accepted, the time it waited for a
-batch slot, the time between its tokens, and its prompt and generation lengths; requests that
-ended are counted by finish reason. The engine loop reports a request's admission, each of its
-tokens and its end (``on_admit``, ``on_token``, ``on_finish``).
+batch slot, its prefill (admission to first token), decode (first token to end) and inference
+(admission to end) times, the time between its tokens and per output token, and its prompt and
+generation lengths; requests that ended are counted by finish reason ("abort": ended by the
+server, or its client went away). The engine loop reports a request's admission, each of its
+tokens and its end (``on_admit``, ``on_token``, ``on_finish``) and each step (``on_step``).
+
+``names="vllm"`` (``--metrics-names vllm``) exports every series vLLM has a twin of under vLLM's
+name, with its ``model_name`` and ``engine`` labels and its histogram buckets, so a dashboard
+made for vLLM reads them unchanged; the series vLLM has no twin of keep their dsv41 names.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+NAMES = ("dsv41", "vllm")
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # request latencies: from milliseconds (a device) to the minutes a CPU queue can reach
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))    # 1 .. 5M tokens, 1-2-5 steps
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's buckets, where they differ from dsv41's (its v1 Prometheus logger)
+VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+             40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_TPOT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0)
+VLLM_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _one_two_five(top: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, ... up to top (vLLM's token-count buckets, up to the context)."""
+    return tuple(v for v in (m * 10 ** e for e in range(len(str(top)) + 1) for m in (1, 2, 5)) if v <= top)
+
+
+class _Bound:
+    """A metric with its leading labels (vLLM's model_name and engine) already given."""
+
+    def __init__(self, metric, values: tuple):
+        self.metric, self.values = metric, values
+
+    def labels(self, *values):
+        return self.metric.labels(*self.values, *values)
 
 
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self):
+    def __init__(self, names: str = "dsv41", model: str = "", max_context: int = 5_000_000):
+        """names: "dsv41" or "vllm" (the series vLLM exports, under its names and labels); model:
+        the served model's name (vLLM's model_name label); max_context: where vLLM's token-count
+        buckets end."""
+        if names not in NAMES:
+            raise ValueError(f"names: expected one of {', '.join(NAMES)}, found {names!r}")
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("dsv41_requests", "HTTP requests answered, by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("dsv41_prompt_tokens", "Prompt tokens admitted to the engine", registry=r)
-        self.generation_tokens = Counter("dsv41_generation_tokens", "Tokens generated", registry=r)
-        self.step_seconds = Histogram("dsv41_step_seconds", "Engine step wall time, by phase", ["phase"],
-                                      buckets=STEP_BUCKETS, registry=r)
-        self.queue_depth = Gauge("dsv41_queue_depth", "Requests waiting for a batch slot", registry=r)
-        self.running = Gauge("dsv41_running_requests", "Requests holding a batch slot", registry=r)
-        self.blocks_in_use = Gauge("dsv41_cache_blocks_in_use", "Paged-cache blocks held by requests", registry=r)
-        self.blocks_total = Gauge("dsv41_cache_blocks_total", "Paged-cache blocks in all pools", registry=r)
-        self.errors = Counter("dsv41_errors", "Requests that ended in an error, by kind", ["kind"], registry=r)
+        vllm = names == "vllm"
+
+        def make(kind, ours: str, theirs: str | None, doc: str, labels=(), **kw):
+            if vllm and theirs is not None:
+                metric = kind(theirs, doc, ["model_name", "engine", *labels], registry=r, **kw)
+                bound = _Bound(metric, (model, "0"))
+                return bound if labels else bound.labels()
+            metric = kind(ours, doc, list(labels), registry=r, **kw)
+            return metric
+
+        def hist(ours, theirs, doc, buckets, their_buckets=None, labels=()):
+            return make(Histogram, ours, theirs, doc, labels,
+                        buckets=their_buckets if vllm and theirs and their_buckets else buckets)
+
+        self.requests = make(Counter, "dsv41_requests", None, "HTTP requests answered, by endpoint and status",
+                             ["endpoint", "status"])
+        self.prompt_tokens = make(Counter, "dsv41_prompt_tokens", "vllm:prompt_tokens",
+                                  "Prompt tokens admitted to the engine")
+        self.generation_tokens = make(Counter, "dsv41_generation_tokens", "vllm:generation_tokens",
+                                      "Tokens generated")
+        self.step_seconds = hist("dsv41_step_seconds", None, "Engine step wall time, by phase", STEP_BUCKETS,
+                                 labels=["phase"])
+        self.iteration_tokens = hist("dsv41_iteration_tokens", "vllm:iteration_tokens_total",
+                                     "Tokens per engine step (prompt and generated)", ITERATION_BUCKETS)
+        self.queue_depth = make(Gauge, "dsv41_queue_depth", "vllm:num_requests_waiting",
+                                "Requests waiting for a batch slot")
+        self.running = make(Gauge, "dsv41_running_requests", "vllm:num_requests_running",
+                            "Requests holding a batch slot")
+        self.blocks_in_use = make(Gauge, "dsv41_cache_blocks_in_use", None, "Paged-cache blocks held by requests")
+        self.blocks_total = make(Gauge, "dsv41_cache_blocks_total", None, "Paged-cache blocks in all pools")
+        self.cache_usage = make(Gauge, "dsv41_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
+                                "Paged-cache blocks in use over all blocks (1 is full)")
+        self.preemptions = make(Counter, "dsv41_num_preemptions", "vllm:num_preemptions",
+                                "Requests preempted (their blocks freed, recomputed later), counted as they end")
+        self.errors = make(Counter, "dsv41_errors", None, "Requests that ended in an error, by kind", ["kind"])
         ProcessCollector(registry=r)          # process_resident_memory_bytes and friends
-        self.cancelled = Counter("dsv41_cancelled_requests", "Requests whose client went away", registry=r)
-        self.draft_tokens = Counter("dsv41_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
-                                    registry=r)
-        self.accepted_tokens = Counter("dsv41_spec_decode_accepted_tokens",
-                                       "Draft tokens accepted (speculative decoding)", registry=r)
-        self.draft_by_position = Counter("dsv41_spec_decode_draft_tokens_by_position",
-                                         "Draft tokens verified, by position in the draft block", ["position"],
-                                         registry=r)
-        self.accepted_by_position = Counter("dsv41_spec_decode_accepted_tokens_by_position",
-                                            "Draft tokens accepted, by position in the draft block", ["position"],
-                                            registry=r)
-        latency = dict(buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("dsv41_time_to_first_token_seconds", "From acceptance to the first token", **latency)
-        self.itl = Histogram("dsv41_inter_token_latency_seconds", "Between two tokens of one request", **latency)
-        self.e2e = Histogram("dsv41_e2e_request_latency_seconds", "From acceptance to the end of a request",
-                             **latency)
-        self.queue_time = Histogram("dsv41_request_queue_time_seconds", "From acceptance to a batch slot",
-                                    **latency)
-        self.success = Counter("dsv41_request_success", "Requests that ended, by finish reason", ["finished_reason"],
-                               registry=r)
-        self.prompt_lengths = Histogram("dsv41_request_prompt_tokens", "Prompt tokens per request",
-                                        buckets=TOKEN_BUCKETS, registry=r)
-        self.generation_lengths = Histogram("dsv41_request_generation_tokens", "Generated tokens per request",
-                                            buckets=TOKEN_BUCKETS, registry=r)
-        for reason in ("stop", "length"):
-            self.success.labels(reason)           # both series exist (at 0) before the first request ends
+        self.cancelled = make(Counter, "dsv41_cancelled_requests", None, "Requests whose client went away")
+        self.drafts = make(Counter, "dsv41_spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+                           "Draft blocks verified: requests with drafts in a verify step (speculative decoding)")
+        self.draft_tokens = make(Counter, "dsv41_spec_decode_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+                                 "Draft tokens verified (speculative decoding)")
+        self.accepted_tokens = make(Counter, "dsv41_spec_decode_accepted_tokens",
+                                    "vllm:spec_decode_num_accepted_tokens",
+                                    "Draft tokens accepted (speculative decoding)")
+        self.draft_by_position = make(Counter, "dsv41_spec_decode_draft_tokens_by_position", None,
+                                      "Draft tokens verified, by position in the draft block", ["position"])
+        self.accepted_by_position = make(Counter, "dsv41_spec_decode_accepted_tokens_by_position",
+                                         "vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft block", ["position"])
+        self.ttft = hist("dsv41_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+                         "From acceptance to the first token", LATENCY_BUCKETS, VLLM_TTFT)
+        self.itl = hist("dsv41_inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
+                        "Between two tokens of one request", LATENCY_BUCKETS, VLLM_TPOT)
+        self.tpot = hist("dsv41_time_per_output_token_seconds", "vllm:time_per_output_token_seconds",
+                         "A request's decode time over its tokens after the first", LATENCY_BUCKETS, VLLM_TPOT)
+        self.e2e = hist("dsv41_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+                        "From acceptance to the end of a request", LATENCY_BUCKETS, VLLM_REQUEST)
+        self.queue_time = hist("dsv41_request_queue_time_seconds", "vllm:request_queue_time_seconds",
+                               "From acceptance to a batch slot", LATENCY_BUCKETS, VLLM_REQUEST)
+        self.prefill_time = hist("dsv41_request_prefill_time_seconds", "vllm:request_prefill_time_seconds",
+                                 "From a batch slot to the first token", LATENCY_BUCKETS, VLLM_REQUEST)
+        self.decode_time = hist("dsv41_request_decode_time_seconds", "vllm:request_decode_time_seconds",
+                                "From the first token to the end", LATENCY_BUCKETS, VLLM_REQUEST)
+        self.inference_time = hist("dsv41_request_inference_time_seconds", "vllm:request_inference_time_seconds",
+                                   "From a batch slot to the end", LATENCY_BUCKETS, VLLM_REQUEST)
+        self.success = make(Counter, "dsv41_request_success", "vllm:request_success",
+                            "Requests that ended, by finish reason", ["finished_reason"])
+        lengths = _one_two_five(max_context)
+        self.prompt_lengths = hist("dsv41_request_prompt_tokens", "vllm:request_prompt_tokens",
+                                   "Prompt tokens per request", TOKEN_BUCKETS, lengths)
+        self.generation_lengths = hist("dsv41_request_generation_tokens", "vllm:request_generation_tokens",
+                                       "Generated tokens per request", TOKEN_BUCKETS, lengths)
+        for reason in FINISH_REASONS:
+            self.success.labels(reason)           # every series exists (at 0) before the first request ends
 
     # ---- a request's life, as the engine loop sees it ----------------------------------------------------
-    def on_admit(self, job, now: float):
-        self.queue_time.observe(now - job.accepted)
+    def on_admit(self, job, started: float):
+        """job got a batch slot: its prefill step began at ``started`` (reported after that step,
+        whose tokens, and maybe the job's end, were already heard)."""
+        job.admitted_at = started
+        self.queue_time.observe(started - job.accepted)
         self.prompt_lengths.observe(len(job.prompt))
+        if job.first_token_at is not None:
+            self.prefill_time.observe(job.first_token_at - started)
+        if job.ended_at is not None:
+            self._ran(job)
 
     def on_token(self, job, now: float):
         """A token of ``job`` came out (its first: time to first token; later: the gap since the last)."""
         if job.last_token_at is None:
+            job.first_token_at = now
             self.ttft.observe(now - job.accepted)
         else:
             self.itl.observe(now - job.last_token_at)
         job.last_token_at = now
 
     def on_finish(self, job, reason: str, now: float):
+        job.ended_at = now
         self.e2e.observe(now - job.accepted)
         self.success.labels(reason).inc()
         self.generation_lengths.observe(job.generated)
+        self.preemptions.inc(job.preemptions)
+        if job.admitted_at is not None:
+            self._ran(job)
+
+    def _ran(self, job):
+        """The times of a request that held a slot and ended: inference, decode, per output token."""
+        self.inference_time.observe(job.ended_at - job.admitted_at)
+        if job.first_token_at is not None:
+            self.decode_time.observe(job.ended_at - job.first_token_at)
+            if job.generated > 1:
+                self.tpot.observe((job.ended_at - job.first_token_at) / (job.generated - 1))
+
+    def on_step(self, prompt_tokens: int, generated: int, proposed: list[int] | None, accepted: list[int] | None):
+        """One engine step's tokens and, with drafts, each request's proposed and accepted drafts."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        self.iteration_tokens.observe(prompt_tokens + generated)
+        if proposed is None:
+            return
+        self.drafts.inc(sum(1 for k in proposed if k))
+        self.draft_tokens.inc(sum(proposed))
+        self.accepted_tokens.inc(sum(accepted))
+        for k, a in zip(proposed, accepted):
+            for j in range(k):           # vLLM's acceptance by draft position
+                self.draft_by_position.labels(str(j)).inc()
+                if j < a:
+                    self.accepted_by_position.labels(str(j)).inc()
+
+    def cache(self, used: int, total: int):
+        self.blocks_in_use.set(used)
+        self.blocks_total.set(total)
+        self.cache_usage.set(used / total if total else 0.0)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,136 @@
+"""/metrics after requests, through a real ``python -m dsv41.serve`` (killed by its PID at the
+end): every series is consistent with what was served (counts, token sums, finish reasons, the
+start-up probe's one-token request included), under dsv41's names and, with ``--metrics-names
+vllm``, under vLLM's names, labels (``model_name``, ``engine``) and buckets, as a vLLM dashboard
+reads them; with ``--speculative ngram`` the speculative counters give the acceptance length."""
+import threading
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from test_serve_hostile import Served, _until
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 9], [4, 4, 4, 4, 4], [11, 12, 13, 14, 15, 16]]
+NEW = [6, 3, 5, 4]
+PROBE = 1          # the start-up probe: a one-token prompt, one token made, finish "length"
+
+
+def _scrape(server) -> dict:
+    """{(sample name, frozenset of labels): value} of /metrics."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def _value(samples, name, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def _serve_all(server, streamed: bool):
+    """The PROMPTS, each to its NEW token count (EOS ignored), concurrently; their token ids."""
+    answers = [None] * len(PROMPTS)
+
+    def one(i):
+        body = {"prompt": PROMPTS[i], "max_tokens": NEW[i], "temperature": 0, "ignore_eos": True}
+        if streamed:
+            ids = []
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                              timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        import json
+                        ids += json.loads(line[6:])["choices"][0]["token_ids"]
+            answers[i] = ids
+        else:
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+            answers[i] = r.json()["choices"][0]["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [len(a) for a in answers] == NEW, answers
+    return answers
+
+
+def _hang_up(server):
+    """A streamed request whose client leaves after its first token: it ends as an abort."""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=300,
+                      json={"prompt": [3, 1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                            "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+
+
+@pytest.mark.timeout(600)
+def test_dsv41_metrics_add_up_to_what_was_served():
+    server = Served("--max-context", "512")
+    try:
+        _serve_all(server, streamed=False)
+        _serve_all(server, streamed=True)
+        served, made = 2 * len(PROMPTS) + PROBE, 2 * sum(NEW) + PROBE
+        prompt = 2 * sum(map(len, PROMPTS)) + PROBE
+        m = _scrape(server)
+        assert _value(m, "dsv41_request_success_total", finished_reason="length") == served
+        assert _value(m, "dsv41_request_success_total", finished_reason="abort") == 0
+        assert _value(m, "dsv41_prompt_tokens_total") == prompt
+        assert _value(m, "dsv41_generation_tokens_total") == made
+        assert _value(m, "dsv41_request_prompt_tokens_sum") == prompt
+        assert _value(m, "dsv41_request_generation_tokens_sum") == made
+        assert _value(m, "dsv41_iteration_tokens_sum") == prompt + made
+        for name in ("e2e_request_latency", "time_to_first_token", "request_queue_time", "request_prefill_time",
+                     "request_decode_time", "request_inference_time"):
+            assert _value(m, f"dsv41_{name}_seconds_count") == served, name
+        assert _value(m, "dsv41_time_per_output_token_seconds_count") == 2 * sum(n > 1 for n in NEW)
+        assert _value(m, "dsv41_inter_token_latency_seconds_count") == made - served
+        assert _value(m, "dsv41_num_preemptions_total") == 0
+        assert _value(m, "dsv41_running_requests") == 0 and _value(m, "dsv41_kv_cache_usage_perc") == 0
+        _hang_up(server)
+        _until(lambda: _value(_scrape(server), "dsv41_request_success_total", finished_reason="abort") == 1)
+        m = _scrape(server)
+        assert _value(m, "dsv41_cancelled_requests_total") == 1
+        assert _value(m, "dsv41_e2e_request_latency_seconds_count") == served + 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(600)
+def test_vllm_names_labels_and_buckets_with_speculative_counters():
+    server = Served("--max-context", "512", "--metrics-names", "vllm", "--served-model-name", "dsv",
+                    "--speculative", "ngram", "--draft-tokens", "3", "--ngram-min", "1")
+    try:
+        _serve_all(server, streamed=True)
+        served, made = len(PROMPTS) + PROBE, sum(NEW) + PROBE
+        prompt = sum(map(len, PROMPTS)) + PROBE
+        m = _scrape(server)
+        on = dict(model_name="dsv", engine="0")
+        assert _value(m, "vllm:request_success_total", finished_reason="length", **on) == served
+        assert ("vllm:request_success_total", frozenset({**on, "finished_reason": "abort"}.items())) in m
+        assert _value(m, "vllm:prompt_tokens_total", **on) == prompt
+        assert _value(m, "vllm:generation_tokens_total", **on) == made
+        assert _value(m, "vllm:request_generation_tokens_sum", **on) == made
+        assert _value(m, "vllm:iteration_tokens_total_sum", **on) == prompt + made
+        assert _value(m, "vllm:e2e_request_latency_seconds_count", **on) == served
+        assert _value(m, "vllm:num_requests_running", **on) == 0 and _value(m, "vllm:num_requests_waiting", **on) == 0
+        assert _value(m, "vllm:kv_cache_usage_perc", **on) == 0
+        # vLLM's buckets: a dashboard's histogram_quantile reads the same edges
+        assert ("vllm:time_to_first_token_seconds_bucket", frozenset({**on, "le": "2560.0"}.items())) in m
+        assert ("vllm:e2e_request_latency_seconds_bucket", frozenset({**on, "le": "7680.0"}.items())) in m
+        assert ("vllm:request_prompt_tokens_bucket", frozenset({**on, "le": "500.0"}.items())) in m
+        assert not any(name.startswith("dsv41_time_to_first") for name, _ in m)
+        # speculative decoding: drafts, draft tokens and accepted ones agree, per position too
+        drafts = _value(m, "vllm:spec_decode_num_drafts_total", **on)
+        drafted = _value(m, "vllm:spec_decode_num_draft_tokens_total", **on)
+        accepted = _value(m, "vllm:spec_decode_num_accepted_tokens_total", **on)
+        per_pos = [_value(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(j), **on)
+                   for j in range(3)]
+        assert drafts > 0 and drafts <= drafted <= 3 * drafts and accepted <= drafted, (drafts, drafted, accepted)
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True), per_pos
+        assert 1 <= 1 + accepted / drafts <= 4         # the mean acceptance length a dashboard computes
+    finally:
+        server.stop()
