@@ -2,7 +2,9 @@
 end): every series is consistent with what was served (counts, token sums, finish reasons, the
 start-up probe's one-token request included), under dsv41's names and, with ``--metrics-names
 vllm``, under vLLM's names, labels (``model_name``, ``engine``) and buckets, as a vLLM dashboard
-reads them; with ``--speculative ngram`` the speculative counters give the acceptance length."""
+reads them; with ``--speculative ngram`` the speculative counters give the acceptance length, and
+the start line names the drafter."""
+import json
 import threading
 
 import httpx
@@ -41,7 +43,6 @@ def _serve_all(server, streamed: bool):
                               timeout=300) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        import json
                         ids += json.loads(line[6:])["choices"][0]["token_ids"]
             answers[i] = ids
         else:
@@ -67,6 +68,17 @@ def _hang_up(server):
                 break
 
 
+def _dashboard_reads_only_what_is_served(server):
+    """Every series docs/grafana-dsv41.json queries is one the server exports."""
+    import re
+    from pathlib import Path
+    families = {f.name for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dsv41.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {re.sub(r"_(bucket|total)$", "", n) for e in exprs for n in re.findall(r"\b(?:dsv41|process)_\w+", e)}
+    assert used and used <= families, used - families
+
+
 @pytest.mark.timeout(600)
 def test_dsv41_metrics_add_up_to_what_was_served():
     server = Served("--max-context", "512")
@@ -90,6 +102,7 @@ def test_dsv41_metrics_add_up_to_what_was_served():
         assert _value(m, "dsv41_inter_token_latency_seconds_count") == made - served
         assert _value(m, "dsv41_num_preemptions_total") == 0
         assert _value(m, "dsv41_running_requests") == 0 and _value(m, "dsv41_kv_cache_usage_perc") == 0
+        _dashboard_reads_only_what_is_served(server)
         _hang_up(server)
         _until(lambda: _value(_scrape(server), "dsv41_request_success_total", finished_reason="abort") == 1)
         m = _scrape(server)
@@ -132,5 +145,8 @@ def test_vllm_names_labels_and_buckets_with_speculative_counters():
         assert drafts > 0 and drafts <= drafted <= 3 * drafts and accepted <= drafted, (drafts, drafted, accepted)
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True), per_pos
         assert 1 <= 1 + accepted / drafts <= 4         # the mean acceptance length a dashboard computes
+        server.stop()
+        start_line = server.proc.stdout.readline()
+        assert "speculative decoding: ngram (3 draft tokens, suffixes of 1-" in start_line, start_line
     finally:
         server.stop()
