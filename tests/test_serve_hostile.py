@@ -507,3 +507,40 @@ def test_bodies_waiting_for_the_check_threads_are_bounded():
     finally:
         gate.set()
         server.checks.shutdown()
+
+
+# the server's main with the engine's build held (a FLASH-width build takes minutes): a signal
+# sent once the build has begun lands in it
+_HELD_BUILD = """
+import sys, time
+import dsv41.cli.run as run
+def held(*args, **kwargs):
+    print("building", flush=True)
+    time.sleep(600)
+run.make_engine = held
+from dsv41.cli.serve import main
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig,status,word", [(signal.SIGINT, 130, "interrupted"),
+                                              (signal.SIGTERM, -signal.SIGTERM, "terminated")],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_server_starts_is_one_line(sig, status, word):
+    """SIGINT or SIGTERM while the engine is being built: one line naming it and the signal's status,
+    no traceback (the order of events: the build began, then the signal)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HELD_BUILD, "--executor", "reference", "--port", "0"],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "building\n"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == status, err
+        assert err.strip().splitlines()[-1] == f"python -m dsv41.serve: {word}", err
+        assert "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
