@@ -165,8 +165,9 @@ class Batcher:
                 self._count(turn)
             self._update_gauges()
         for job in list(sched.running.values()) + list(sched.waiting) + self.incoming:
-            job.emit("error", error="the server is shutting down")
-            self.metrics.errors.labels("engine").inc()
+            if not job.ended:                 # not already ended by the drain (finish reason "abort")
+                job.emit("error", error="the server is shutting down")
+                self.metrics.errors.labels("engine").inc()
         sched.release_all()
 
     def _count(self, turn):
