@@ -150,3 +150,80 @@ def test_vllm_names_labels_and_buckets_with_speculative_counters():
         assert "speculative decoding: ngram (3 draft tokens, suffixes of 1-" in start_line, start_line
     finally:
         server.stop()
+
+
+class _TightEngine:
+    """One token per request and step; the first decode step of two requests finds the cache pools
+    full (PoolExhausted), so the scheduler preempts the newer one and recomputes it later."""
+
+    def __init__(self):
+        from dsv41.config import TINY
+        self.cfg, self.max_batch, self.max_context, self.last_stats = TINY, 4, 64, {}
+        self.next, self.full_once = 0, True
+
+    def _rids(self, n):
+        self.next += n
+        return list(range(self.next - n, self.next))
+
+    def prefill(self, prompts, params, context=0):
+        return self._out(self._rids(len(prompts)))
+
+    def decode(self, tokens, rids, drafts=None, draft_probs=None):
+        from dsv41.engine.blocks import PoolExhausted
+        if self.full_once and len(rids) == 2:
+            self.full_once = False
+            raise PoolExhausted("full")
+        return self._out(rids)
+
+    def restart(self, history, saved, seen=None):
+        return self._rids(1)[0]
+
+    def sequence(self, rid):
+        from dsv41.engine.sequence import Sequence
+        return Sequence(rid, [])
+
+    def _out(self, rids):
+        from dsv41.engine.protocol import StepOutput
+        return StepOutput(rids, [[5] for _ in rids], fetch=lambda: None)
+
+    def release(self, rid):
+        pass
+
+    def blocks_in_use(self):
+        return 1, 4
+
+
+def test_a_preemption_is_counted_once():
+    import asyncio
+
+    from dsv41.ops.sampling import SamplingParams
+    from dsv41.ops.stopping import Stops
+    from dsv41.serving.batcher import Batcher, Job
+    from dsv41.serving.metrics import Metrics
+
+    metrics = Metrics()
+    batcher = Batcher(_TightEngine(), metrics, max_batch=2, max_queue=4, prefill_rows=64)
+    batcher.start()
+
+    async def serve_two():
+        loop = asyncio.get_running_loop()
+        params = SamplingParams(max_tokens=4)
+        jobs = [Job([1, 2], params, Stops(params), loop) for _ in range(2)]
+        for job in jobs:
+            batcher.submit(job)
+        ends = []
+        for job in jobs:
+            while (event := await job.events.get()).kind == "token":
+                pass
+            ends.append(event.finish)
+        return jobs, ends
+
+    try:
+        jobs, ends = asyncio.run(serve_two())
+    finally:
+        batcher.stop()
+    text = metrics.text().decode()
+    assert ends == ["length", "length"] and sum(job.preemptions for job in jobs) == 1
+    assert "dsv41_num_preemptions_total 1.0" in text
+    assert 'dsv41_request_success_total{finished_reason="length"} 2.0' in text
+    assert "dsv41_kv_cache_usage_perc 0.25" in text

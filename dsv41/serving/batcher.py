@@ -153,6 +153,7 @@ class Batcher:
                 for job in self.incoming:
                     sched.add(job)
                 self.incoming = []
+            held = {job: job.preemptions for job in (*sched.running.values(), *sched.waiting)}
             try:
                 turn = sched.step()
             except Exception:            # the loop itself must not die: every job it holds gets the error
@@ -163,6 +164,8 @@ class Batcher:
                 turn = None
             if turn is not None:
                 self._count(turn)
+            # preempted in this turn (a step either admits or decodes: no job both joins and is preempted)
+            self.metrics.preemptions.inc(sum(job.preemptions - n for job, n in held.items()))
             self._update_gauges()
         for job in list(sched.running.values()) + list(sched.waiting) + self.incoming:
             if not job.ended:                 # not already ended by the drain (finish reason "abort")

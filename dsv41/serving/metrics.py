@@ -92,7 +92,7 @@ class Metrics:
         self.cache_usage = make(Gauge, "dsv41_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
                                 "Paged-cache blocks in use over all blocks (1 is full)")
         self.preemptions = make(Counter, "dsv41_num_preemptions", "vllm:num_preemptions",
-                                "Requests preempted (their blocks freed, recomputed later), counted as they end")
+                                "Preemptions: a running request's blocks freed, to be recomputed when it fits again")
         self.errors = make(Counter, "dsv41_errors", None, "Requests that ended in an error, by kind", ["kind"])
         ProcessCollector(registry=r)          # process_resident_memory_bytes and friends
         self.cancelled = make(Counter, "dsv41_cancelled_requests", None, "Requests whose client went away")
@@ -160,7 +160,6 @@ class Metrics:
         self.e2e.observe(now - job.accepted)
         self.success.labels(reason).inc()
         self.generation_lengths.observe(job.generated)
-        self.preemptions.inc(job.preemptions)
         if job.admitted_at is not None:
             self._ran(job)
 
