@@ -16,8 +16,10 @@ def as_a_terminal_starts_it() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
-def still_running(session: int, wait_s: float = 5.0) -> list[str]:
-    """Processes of the session still running (zombies aside: their parent is gone and init reaps them)."""
+def still_running(session: int, wait_s: float = 60.0) -> list[str]:
+    """Processes of the session still running once wait_s has passed, or none as soon as they have all
+    ended (zombies aside: their parent is gone and init reaps them). The wait bounds a process that
+    never ends; on a loaded machine one that is ending can take seconds to be scheduled."""
     deadline = time.monotonic() + wait_s
     while True:
         ps = subprocess.run(["ps", "-s", str(session), "-o", "pid=,stat=,args="], capture_output=True, text=True)
@@ -27,14 +29,13 @@ def still_running(session: int, wait_s: float = 5.0) -> list[str]:
         time.sleep(0.2)
 
 
-def signal_and_wait(p: subprocess.Popen, signum: int, group: bool = True) -> tuple[float, str, list[str]]:
+def signal_and_wait(p: subprocess.Popen, signum: int, group: bool = True) -> tuple[str, list[str]]:
     """Send signum to p's whole process group (as a terminal's Ctrl-C) or to p alone (as `kill PID`)
-    and wait for p: (seconds from the signal to its exit, the rest of its stderr, processes left)."""
+    and wait for p: (the rest of its stderr, processes left). How long the exit takes is no test's
+    measure (a loaded machine stretches it); an exit that hangs raises at the 60 s wait."""
     if group:
         os.killpg(p.pid, signum)
     else:
         p.send_signal(signum)
-    t0 = time.monotonic()
     p.wait(60)
-    elapsed = time.monotonic() - t0
-    return elapsed, p.stderr.read(), still_running(p.pid)
+    return p.stderr.read(), still_running(p.pid)

@@ -1,7 +1,6 @@
 """Mistaken command lines: every one ends before any work with exit status 2 and one line naming the
 flag (argparse's convention), never a traceback; a distributed connection fails within its timeout."""
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from dsv41.cli import run
 from dsv41.cli import args as rules
 from dsv41.cli.budget import check_budget
 from dsv41.config import TINY
+from ports import start_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 PROG = "python -m dsv41.run: error: "
@@ -107,11 +107,9 @@ MATRIX = [
 
 def _error_line(capsys, argv: list[str], started: bool = False) -> str:
     """started: the error comes from reaching the cluster, after the run's header line."""
-    t0 = time.perf_counter()
     with pytest.raises(SystemExit) as exit_:
         run.main(argv)
     assert exit_.value.code == 2
-    assert time.perf_counter() - t0 < 60   # a hang guard, not a speed target
     captured = capsys.readouterr()
     assert captured.out == "" or (started and captured.out.startswith("dsv41 decode:") and
                                   len(captured.out.splitlines()) == 1), captured.out
@@ -228,20 +226,12 @@ def test_real_processes_print_one_line_and_no_traceback(tmp_path):
 
 # ---- distributed: a scheduler the test starts ------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def scheduler(tmp_path_factory):
     """A dask scheduler with workers named '0' (1 thread), '2' (2 threads) and 'a' (1 thread)."""
     folder = tmp_path_factory.mktemp("scheduler")
-    address = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", address.rsplit(":", 1)[1], "--no-dashboard"],
-                              cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    scheduler, address = start_scheduler(folder, cwd=folder)
+    procs = [scheduler]
     try:
         for name, threads in [("0", 1), ("2", 2), ("a", 1)]:
             procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
@@ -263,22 +253,19 @@ def test_distributed_connection_failures(capsys, monkeypatch, tmp_path, schedule
     monkeypatch.chdir(tmp_path)
     dist = ["--executor", "distributed", "--address", scheduler, "--connect-timeout", "2"]
 
-    t0 = time.perf_counter()
     msg = _error_line(capsys, dist + ["--tp", "4", "--dp", "1"], started=True)   # '2' has two threads: at once
     assert msg.startswith(PROG + f"--address {scheduler}: expected 4 worker(s) named 0..3 with one thread each; ")
     assert msg.endswith("the scheduler has 3: '0' (1 thread), '2' (2 threads), 'a' (1 thread)")
-    assert time.perf_counter() - t0 < 60     # hang guards; the connect timeout itself is 2 s
 
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     msg = _error_line(capsys, dist + ["--tp", "2", "--dp", "1"], started=True)   # '1' missing: at the timeout
     assert msg == (PROG + f"--address {scheduler}: expected 2 worker(s) named 0..1 with one thread each within 2 s; "
                    "the scheduler has 3: '0' (1 thread), '2' (2 threads), 'a' (1 thread)")
-    assert 2 <= time.perf_counter() - t0 < 60
+    assert time.monotonic() - t0 >= 2        # it waited for the connect timeout (a hang: the test's timeout)
 
-    t0 = time.perf_counter()
     msg = _error_line(capsys, ["--executor", "distributed", "--address", "tcp://10.255.255.1:8786",
                                "--connect-timeout", "1"], started=True)    # nothing answers there
-    assert msg.startswith(PROG + "--address tcp://10.255.255.1:8786: ") and time.perf_counter() - t0 < 60
+    assert msg.startswith(PROG + "--address tcp://10.255.255.1:8786: ")
 
     msg = _error_line(capsys, ["--executor", "distributed", "--address", "tcp://127.0.0.1:1"], started=True)
     assert msg == PROG + "--address tcp://127.0.0.1:1: connection refused: no dask scheduler listens there"

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import TINY, Topology
 from dsv41.engine.reference import ReferenceEngine
+from ports import free_ports, start_scheduler
 
 PROMPTS = [[5, 9, 100, 7], [11, 2, 3]]
 CTX = 12
@@ -234,31 +234,6 @@ def test_worker_killed_on_local_cluster_is_recovered(local_cluster):
     _recovers_between_and_mid_step(local_cluster.scheduler_address, same_address=False)
 
 
-def _worker_ports(n: int) -> list[int]:
-    """n distinct ports, free now, below the kernel's range of ephemeral ports: no outgoing
-    connection (a worker's to the scheduler, say) can take one before its worker binds it, as it
-    could a port that bind(0) handed out and that was closed again. Held together while chosen,
-    so they differ; drawn at random, so two test runs on the machine rarely meet."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        first_ephemeral = int(f.read().split()[0])
-    held = []
-    try:
-        for port in random.Random().sample(range(max(1024, first_ephemeral - 8000), first_ephemeral), 500):
-            s = socket.socket()
-            try:
-                s.bind(("", port))
-            except OSError:
-                s.close()
-                continue
-            held.append(s)
-            if len(held) == n:
-                return [h.getsockname()[1] for h in held]
-        raise RuntimeError(f"no {n} free ports below {first_ephemeral}")
-    finally:
-        for h in held:
-            h.close()
-
-
 class ExternalCluster:
     """``dask scheduler`` and named workers, each started with subprocess and stopped by PID. Each
     worker keeps its port (a killed worker comes back at the same address, with empty memory); the
@@ -267,29 +242,9 @@ class ExternalCluster:
 
     def __init__(self, folder):
         self.env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.ports = dict(zip(("0", "1"), _worker_ports(2)))
+        self.ports = dict(zip(("0", "1"), free_ports(2)))
         self.procs = {}
-        info = folder / "scheduler.json"
-        self.procs["scheduler"] = subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-             "--dashboard-address", ":0", "--scheduler-file", str(info)],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            self.address = self._written_address(info)
-        except BaseException:
-            self.stop("scheduler")
-            raise
-
-    def _written_address(self, info, timeout_s=120):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return json.loads(info.read_text())["address"]
-            except (FileNotFoundError, json.JSONDecodeError, KeyError):      # not (all) written yet
-                pass
-            if self.procs["scheduler"].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the dask scheduler did not start (status {self.procs['scheduler'].poll()})")
-            time.sleep(0.1)
+        self.procs["scheduler"], self.address = start_scheduler(folder, env=self.env)
 
     def start_worker(self, name: str):
         self.procs[name] = subprocess.Popen(
@@ -306,7 +261,7 @@ class ExternalCluster:
         while len(client.scheduler_info()["workers"]) < 2:
             for name in ("0", "1"):
                 if self.procs[name].poll() is not None:
-                    self.ports[name] = _worker_ports(1)[0]
+                    self.ports[name] = free_ports(1)[0]
                     self.start_worker(name)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {len(client.scheduler_info()['workers'])}/2 workers arrived "

@@ -7,7 +7,6 @@ Oracle for the answers: ``ReferenceEngine`` in this process with the same weight
 sampling settings (the server's head draws from (seed, draw index) alone)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from dsv41.config import TINY
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.ops.sampling import SamplingParams
+from ports import listening_port
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -25,46 +25,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CTX, BATCH = 64, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Served:
     """A server subprocess; stop() kills it by PID."""
 
     def __init__(self, *extra):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": ROOT}
         self.proc = subprocess.Popen([sys.executable, "-m", "dsv41.serve", "--executor", "reference",
-                                      "--max-context", str(CTX), "--max-batch", str(BATCH),
-                                      "--port", str(self.port), *extra],
+                                      "--max-context", str(CTX), "--max-batch", str(BATCH), "--port", "0", *extra],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 180
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
+        try:
+            self.port, self.started = listening_port(self.proc)     # the port the OS gave it
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 180           # a hang guard: the start-up probe runs first
+        while httpx.get(self.url + "/health", timeout=60).status_code != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("server did not come up in 180 s")
-            time.sleep(0.5)
+                raise RuntimeError(f"server not ready: {self.started}{self.proc.stdout.read()}")
+            time.sleep(0.2)
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health").json()
 
     def settled(self, timeout=30.0) -> dict:
         """Health once no request runs or waits (or the timeout passes)."""
-        end = time.time() + timeout
+        end = time.monotonic() + timeout
         while True:
             h = self.health()
-            if (h["running"] == 0 and h["waiting"] == 0) or time.time() > end:
+            if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() > end:
                 return h
             time.sleep(0.2)
 

@@ -12,7 +12,6 @@ Two kinds of server:
 import asyncio
 import json
 import os
-import socket
 import threading
 import time
 import typing
@@ -30,6 +29,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+from ports import bound_socket  # noqa: E402
 from test_serve import Served  # noqa: E402  (the subprocess server of tests/test_serve.py)
 
 D = "｜DSML｜"
@@ -79,12 +79,6 @@ class ScriptedEngine:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class InProcess:
     """The app over a scripted engine, served by uvicorn on a thread of this process."""
 
@@ -97,15 +91,14 @@ class InProcess:
         self.batcher = Batcher(self.engine, metrics, max_batch=4, max_queue=4, prefill_rows=4096)
         self.batcher.start()
         limits = schema.Limits(max_context=4096, max_prompt=4000, vocab_size=TINY.vocab_size, max_body_bytes=1 << 20)
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        sock = bound_socket()              # bound until uvicorn serves it: no other program can take the port
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(Server(self.batcher, codec, "scripted", limits, metrics).app(),
-                                                    host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[sock])), daemon=True)
         self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "the in-process server did not start"
+        while not self.server.started:     # a server that never starts: the test's timeout
+            assert self.thread.is_alive(), "the in-process server did not start"
             time.sleep(0.05)
 
     def stop(self):
@@ -427,5 +420,5 @@ def test_serve_distributed_prints_the_dashboard_link():
             .completion_tokens == 2
     finally:
         server.stop()
-    out = server.proc.stdout.read()
+    out = server.started + server.proc.stdout.read()
     assert "  dashboard: http://" in out, out

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
 from dsv41.checkpoint.chat import ASSISTANT, BOS, EOS, USER
+from ports import listening_port
 
 httpx = pytest.importorskip("httpx")
 
@@ -36,12 +37,6 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
             "{% endfor %}{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_cmd(*extra):
     return [sys.executable, "-m", "dsv41.serve", "--executor", "reference", "--max-context", "64",
             "--max-batch", "2", *extra]
@@ -52,13 +47,17 @@ class Served:
 
     def __init__(self, *extra, ready=True, sigint_ignored=False):
         """sigint_ignored: started as a shell starts a background job (SIGINT ignored)."""
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
-        self.proc = subprocess.Popen(_serve_cmd("--port", str(self.port), *extra), cwd=ROOT,
+        self.proc = subprocess.Popen(_serve_cmd("--port", "0", *extra), cwd=ROOT,
                                      env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
-        deadline = time.time() + 180
+        try:
+            self.port, _ = listening_port(self.proc)     # the port the OS gave it
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 180           # a hang guard
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
@@ -68,7 +67,7 @@ class Served:
                     return
             except httpx.HTTPError:
                 pass
-            if time.time() > deadline:
+            if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("server did not come up in 180 s")
             time.sleep(0.3)
@@ -261,13 +260,11 @@ def test_stalled_requests_are_closed(text_server):
     body = socket.create_connection(("127.0.0.1", text_server.port))
     body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100\r\n\r\n{\"model")
-    t0 = time.perf_counter()
     for s in heads:
-        s.settimeout(READ_TIMEOUT + 10)
+        s.settimeout(120)                   # a hang guard: a server that never closes them fails here
         assert s.recv(100) == b""           # closed by the server
         s.close()
-    assert time.perf_counter() - t0 < READ_TIMEOUT + 8
-    body.settimeout(READ_TIMEOUT + 10)
+    body.settimeout(120)
     reply = b""
     while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
         chunk = body.recv(4096)
@@ -293,7 +290,6 @@ def test_unknown_paths_and_methods_are_json_errors(text_server):
 
 
 def _refused_fast(*extra, words):
-    t0 = time.perf_counter()
     r = subprocess.run(_serve_cmd(*extra), cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
                        text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
@@ -301,7 +297,6 @@ def _refused_fast(*extra, words):
     assert len(lines) == 1 and lines[0].startswith("python -m dsv41.serve: error: "), r.stderr
     assert all(w in lines[0] for w in words), lines[0]
     assert "listening" not in r.stdout + r.stderr
-    return time.perf_counter() - t0
 
 
 @pytest.mark.timeout(300)
