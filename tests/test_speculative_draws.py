@@ -134,9 +134,11 @@ def test_drafts_around_min_tokens_make_the_plain_tokens_on_a_graph(graph):
 
 
 class Recorded(Drafter):
-    """Drafts with their own distribution (each draft position: 1/20 on a chosen token, the rest
-    spread over the vocabulary), the chosen tokens the plain run's with EOS and the stop id put in around
-    the boundary as ``Around`` does; records every decode step's proposals and logit rows."""
+    """Drafts given with a distribution spread over the vocabulary (below the target on most of the
+    chosen tokens, so most are accepted and steps reach their later rows), the chosen tokens the
+    plain run's with EOS and the stop id put in around the boundary as ``Around`` does (masked
+    there: rejected, the row's residual draw decides); records every decode step's proposals and
+    logit rows."""
 
     def __init__(self, truth):
         self.around = Around(truth, [p.min_tokens for p in RULE], True)
