@@ -52,7 +52,7 @@ class Served:
                                      env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
         try:
-            self.port, _ = listening_port(self.proc)     # the port the OS gave it
+            self.port, self.started = listening_port(self.proc)     # the port the OS gave it, the output so far
         except BaseException:
             self.stop()
             raise

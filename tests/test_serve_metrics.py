@@ -146,7 +146,7 @@ def test_vllm_names_labels_and_buckets_with_speculative_counters():
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True), per_pos
         assert 1 <= 1 + accepted / drafts <= 4         # the mean acceptance length a dashboard computes
         server.stop()
-        start_line = server.proc.stdout.readline()
+        start_line = server.started.splitlines()[-1]        # the server's start line says where it listens
         assert "speculative decoding: ngram (3 draft tokens, suffixes of 1-" in start_line, start_line
     finally:
         server.stop()
