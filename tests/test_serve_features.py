@@ -80,13 +80,14 @@ class ScriptedEngine:
 
 
 class InProcess:
-    """The app over a scripted engine, served by uvicorn on a thread of this process."""
+    """The app over an engine (a scripted one unless given), served by uvicorn on a thread of this process."""
 
-    def __init__(self, codec: TextCodec):
+    def __init__(self, codec: TextCodec, engine=None):
+        """engine: the model (default: a ScriptedEngine)."""
         from dsv41.serving.app import Server
         from dsv41.serving.batcher import Batcher
         from dsv41.serving.metrics import Metrics
-        self.engine = ScriptedEngine(codec)
+        self.engine = engine or ScriptedEngine(codec)
         metrics = Metrics()
         self.batcher = Batcher(self.engine, metrics, max_batch=4, max_queue=4, prefill_rows=4096)
         self.batcher.start()
@@ -225,11 +226,12 @@ def _openai_fields(module) -> set[str]:
 SERVED_CHAT = {  # field: where it is tested
     "messages": "every chat test", "model": "test_thinking_prompt...", "max_tokens": "here",
     "max_completion_tokens": "test_serve", "temperature": "test_serve", "top_p": "test_serve", "seed": "test_serve",
-    "stop": "test_serve", "stream": "here", "stream_options": "test_serve", "n": "test_serve (1 only)",
+    "stop": "test_serve", "stream": "here", "stream_options": "test_serve", "n": "test_structured",
     "logprobs": "test_logit_bias...", "top_logprobs": "test_logit_bias...", "presence_penalty": "test_sampling",
     "frequency_penalty": "test_sampling", "logit_bias": "test_logit_bias...", "tools": "here",
-    "tool_choice": "here (auto, none)", "parallel_tool_calls": "true only", "reasoning_effort": "here",
-    "response_format": "text only", "modalities": "[text] only", "store": "false only",
+    "tool_choice": "here (auto, none), test_structured (required, named)", "parallel_tool_calls": "true only",
+    "reasoning_effort": "here", "response_format": "test_structured", "modalities": "[text] only",
+    "store": "false only",
     "user": "identifier", "safety_identifier": "identifier", "prompt_cache_key": "identifier",
 }
 REFUSED_CHAT = {
@@ -237,14 +239,16 @@ REFUSED_CHAT = {
     "functions": [{"name": "f", "parameters": {}}], "metadata": {"k": "v"}, "moderation": True,
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_options": {}, "prompt_cache_retention": "24h",
     "service_tier": "flex", "verbosity": "low", "web_search_options": {},
-    "response_format": {"type": "json_object"}, "modalities": ["text", "audio"], "store": True,
-    "parallel_tool_calls": False, "tool_choice": "required", "n": 2, "continue_final_message": True,
+    "response_format": {"type": "structural_tag"}, "modalities": ["text", "audio"], "store": True,
+    "parallel_tool_calls": False, "tool_choice": {"type": "function", "function": {"name": "not_offered"}},
+    "n": schema.MAX_N + 1, "continue_final_message": True,
     "reasoning_effort": "medium", "frobnicate": 1,
 }
 SERVED_COMPLETIONS = {"prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                       "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
                       "echo", "best_of", "suffix", "user"}
-REFUSED_COMPLETIONS = {"best_of": 2, "suffix": "tail", "echo": True, "n": 3, "messages": [], "frobnicate": 1}
+REFUSED_COMPLETIONS = {"best_of": 2, "suffix": "tail", "echo": True, "n": 0, "messages": [], "frobnicate": 1,
+                       "priority": 1, "truncate_prompt_tokens": 0, "guided_regex": "[a-"}
 
 
 def test_every_openai_field_is_served_or_refused():

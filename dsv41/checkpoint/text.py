@@ -254,14 +254,24 @@ class TextCodec:
         """A chat answer's text: as ``decode``, but ``<think>``, ``</think>`` and the DSML marker keep
         their text, for the reasoning and tool-call parsers (``serving/reasoning.py``,
         ``serving/tool_calls.py``) to find."""
-        out, run = [], []
+        return self._decode_keeping(ids, self.markers, "")
+
+    def decode_special(self, ids: list[int], spaces: bool) -> str:
+        """vLLM's skip_special_tokens false: every added token keeps its text; with
+        spaces_between_special_tokens the pieces (each added token, each run of text between them)
+        are joined by one space, as vLLM's detokenizer joins them."""
+        return self._decode_keeping(ids, self.added, " " if spaces else "")
+
+    def _decode_keeping(self, ids: list[int], kept: dict, sep: str) -> str:
+        parts, run = [], []
         for t in ids:
-            if t in self.markers:
-                out += [self.decode(run), self.markers[t]]
+            if t in kept:
+                parts += [self.decode(run)] if run else []
+                parts.append(kept[t])
                 run = []
             else:
                 run.append(t)
-        return "".join(out) + self.decode(run)
+        return sep.join(parts + ([self.decode(run)] if run else []))
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a byte-level token can be part of one UTF-8 character, whose

@@ -1,5 +1,5 @@
 """One request's host state: its token history (append-only), how far its caches reach, its pages
-and its sampling state."""
+and its sampling state (with structured output, its grammar's matcher, ``engine.grammar``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,15 +21,25 @@ class Sequence:
     seed: int = 0                           # the request's generator: draw n is seeded by (seed, n)
     drawn: int = 0                          # draws made so far (temperature > 0 tokens draw once each)
     prompt_len: int = 0                     # tokens of the first step (the rest were generated)
+    matcher: object = None                  # its grammar's state (made from sampling.grammar)
+
+    def __post_init__(self):
+        if self.matcher is None and self.sampling.grammar is not None:
+            self.matcher = self.sampling.grammar.matcher()
 
     def row_draws(self, fed: list[int], drawing: int) -> list[RowDraw]:
         """The draws of a step that feeds ``fed`` and makes a token at its last ``drawing`` rows:
         row j's draw has index drawn + j and reads the history up to and including its own row
         (the penalties see the proposals before it, which equal the real tokens whenever the row's
-        token is kept) and counts the tokens generated before it (min_tokens)."""
+        token is kept) and counts the tokens generated before it (min_tokens); with a grammar, it
+        carries the mask of the tokens the grammar allows after that history (the drafts before it
+        included)."""
         p = self.sampling
         penalties = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
         first = len(fed) - drawing
+        masks = [None] * drawing
+        if self.matcher is not None:
+            masks = self.matcher.masks((self.tokens + fed[:first + 1])[self.prompt_len:], fed[first + 1:])
         draws = []
         for j in range(drawing):
             out = prompt = ()
@@ -38,7 +48,7 @@ class Sequence:
                 out = tuple(seen[self.prompt_len:])
                 prompt = tuple(seen[:self.prompt_len]) if p.repetition_penalty != 1.0 else ()
             generated = len(self.tokens) + first + j + 1 - self.prompt_len
-            draws.append(RowDraw(p, self.seed, self.drawn + j, out, prompt, generated))
+            draws.append(RowDraw(p, self.seed, self.drawn + j, out, prompt, generated, masks[j]))
         return draws
 
     def publish(self, fed: list[int], kept: int, emitted: int):

@@ -64,7 +64,9 @@ class SamplingParams:
     logit_bias: tuple = ()             # ((token id, bias), ...), bias in [-100, 100], added to the row
     min_tokens: int = 0                # stop ids and EOS cannot be drawn before this many tokens
     ignore_eos: bool = False           # EOS neither ends the request nor is kept from being drawn
+    include_stop_str_in_output: bool = False   # a stop string ends the text after itself, not before
     eos_token_id: int | None = None    # the tokenizer's EOS: a stop id unless ignore_eos
+    grammar: object = None             # structured output (``engine.grammar.Grammar``): the host's, see __getstate__
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -102,10 +104,16 @@ class SamplingParams:
                                          _number(f"logit_bias[{t!r}]", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS))
                                         for t, b in bias)))
         _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: expected true or false, found {self.ignore_eos!r}")
+        for flag in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}: expected true or false, found {getattr(self, flag)!r}")
         if self.eos_token_id is not None:
             _integer("eos_token_id", self.eos_token_id, 0)
+
+    def __getstate__(self):
+        """A grammar's matcher is host state (``engine.sequence``): what reaches a card is each
+        row's mask (``RowDraw.allowed``), so the settings cross to a card without it."""
+        return {**self.__dict__, "grammar": None}
 
     @property
     def greedy(self) -> bool:
@@ -145,11 +153,20 @@ class RequestGenerator:
         return g
 
 
-def apply_edits(logits: torch.Tensor, params: SamplingParams, generated: int) -> torch.Tensor:
+def allowed_tokens(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [vocab] from a packed token bitmask (int32 words, token t is bit t % 32 of word t // 32,
+    the layout grammar libraries fill)."""
+    bits = (mask.to(torch.int32).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab].bool()
+
+
+def apply_edits(logits: torch.Tensor, params: SamplingParams, generated: int,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The request's own edits of the row (OpenAI's logit_bias added; vLLM's min_tokens: the stop
-    ids and EOS at -inf while fewer than min_tokens tokens are out). Returns the row itself when
-    there is nothing to edit, so a plain greedy row stays bit for bit the argmax of the logits."""
-    if not params.edits_row(generated):
+    ids and EOS at -inf while fewer than min_tokens tokens are out; a grammar's mask ``allowed``:
+    every token it does not allow at -inf). Returns the row itself when there is nothing to edit,
+    so a plain greedy row stays bit for bit the argmax of the logits."""
+    if not params.edits_row(generated) and allowed is None:
         return logits
     x = logits.to(torch.float64).clone()
     vocab = x.numel()
@@ -159,14 +176,16 @@ def apply_edits(logits: torch.Tensor, params: SamplingParams, generated: int) ->
     if generated < params.min_tokens:
         masked = [t for t in params.stop_ids if t < vocab]
         x[masked] = -math.inf
+    if allowed is not None:
+        x.masked_fill_(~allowed_tokens(allowed, vocab), -math.inf)
     return x
 
 
 def processed(logits: torch.Tensor, params: SamplingParams, output_ids=(), prompt_ids=(),
-              generated: int = 0) -> torch.Tensor:
+              generated: int = 0, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """A row as a draw sees it: the request's edits, then the penalties (the plain draw and the
     speculative-sampling rule of ``ops/verify.py`` both take it from here)."""
-    return apply_penalties(apply_edits(logits, params, generated), params, output_ids, prompt_ids)
+    return apply_penalties(apply_edits(logits, params, generated, allowed), params, output_ids, prompt_ids)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids,
@@ -224,18 +243,18 @@ def draw_from(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGenerator | None,
-           history_token_ids=(), prompt_token_ids=(), generated: int = 0):
+           history_token_ids=(), prompt_token_ids=(), generated: int = 0, allowed: torch.Tensor | None = None):
     """One token from one row of logits.
 
     ``history_token_ids``: the tokens generated so far (frequency/presence/repetition);
     ``prompt_token_ids``: the prompt (repetition only); ``generated``: how many tokens the request
-    has already produced (min_tokens). Returns (token id, its logprob,
+    has already produced (min_tokens); ``allowed``: the grammar's packed mask (``allowed_tokens``). Returns (token id, its logprob,
     top alternatives as [(id, logprob)] best first, lower id first among equals); logprobs are those of the raw row, as
     vLLM reports them by default. Greedy needs no generator and draws nothing from it."""
     if logits.dim() != 1 or not logits.is_floating_point():
         raise ValueError(f"logits: expected one floating-point row, found "
                          f"{tuple(logits.shape)} {logits.dtype}")
-    x = processed(logits, params, history_token_ids, prompt_token_ids, generated)
+    x = processed(logits, params, history_token_ids, prompt_token_ids, generated, allowed)
     if params.greedy:
         token = int(torch.argmax(x))
     else:
@@ -253,21 +272,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: RequestGener
 @dataclass(frozen=True)
 class RowDraw:
     """What drawing one row's token needs besides its logits: the request's settings, its seed and
-    the index of this draw, (for the penalties) its generated and prompt token ids, and how many
-    tokens it has produced (min_tokens)."""
+    the index of this draw, (for the penalties) its generated and prompt token ids, how many
+    tokens it has produced (min_tokens), and the tokens its grammar allows at this row (the
+    request's structured output: a packed int32 bitmask, ``allowed_tokens``; None: every token)."""
     params: SamplingParams
     seed: int
     draw: int
     output_ids: tuple = ()
     prompt_ids: tuple = ()
     generated: int = 0
+    allowed: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
         """Greedy with neutral penalties, no edits of the row and no logprobs: exactly the row's argmax."""
         p = self.params
         return p.greedy and not p.logprob and p.repetition_penalty == 1.0 \
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and not p.edits_row(self.generated)
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and not p.edits_row(self.generated) \
+            and self.allowed is None
 
 
 def sample_rows(logits: torch.Tensor, rows: list[RowDraw] | None):
@@ -281,7 +303,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowDraw] | None):
     ids, logprobs = [], []
     for row, r in zip(logits, rows):
         token, lp, top = sample(row, r.params, RequestGenerator(r.seed, r.draw), r.output_ids, r.prompt_ids,
-                                r.generated)
+                                r.generated, r.allowed)
         ids.append(token)
         logprobs.append((lp, top) if r.params.logprob else None)
     return torch.tensor(ids, dtype=torch.int64), (logprobs if any(x is not None for x in logprobs) else None)

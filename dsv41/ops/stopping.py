@@ -1,7 +1,8 @@
 """When one request's generation ends, and how much of its text may be shown so far.
 
 A request ends at a stop token id (EOS among them unless ``ignore_eos``; the token is not part of
-the output), at a stop string in its text (the text is cut before it) or at its token limit; stop
+the output), at a stop string in its text (the text is cut before it, or after it with vLLM's
+``include_stop_str_in_output``) or at its token limit; stop
 ids and strings count only once ``min_tokens`` tokens are out (the sampler keeps the stop ids from
 being drawn before that). Text is shown as it
 grows, holding back a partial UTF-8 sequence and any tail that could still become a stop string,
@@ -121,9 +122,11 @@ class Stops:
         starts = [max(0, settled - len(s) + 1) for s in self.params.stop]
         base = min(starts)
         recent = self._span(base, self.settled_chars + len(self.tail))
-        found = [i for s, start in zip(self.params.stop, starts) if (i := recent.find(s, start - base)) >= 0]
+        found = [(i, len(s)) for s, start in zip(self.params.stop, starts)
+                 if (i := recent.find(s, start - base)) >= 0]
         if found:
-            text = self.text[:base + min(found)]
+            at, length = min(found)
+            text = self.text[:base + at + length * self.params.include_stop_str_in_output]
             self.settled, self.settled_chars, self.settled_kept, self.tail = [text], len(text), len(text), ""
             self.finish = STOP
 

@@ -80,7 +80,7 @@ def speculative_tokens(target: torch.Tensor, draft: torch.Tensor, drafts: list[i
 def _target(row: torch.Tensor, draw) -> torch.Tensor:
     """A logit row's filtered probabilities as its plain draw would see them (edits, penalties)."""
     p = draw.params
-    return filtered_probs(processed(row, p, draw.output_ids, draw.prompt_ids, draw.generated), p)
+    return filtered_probs(processed(row, p, draw.output_ids, draw.prompt_ids, draw.generated, draw.allowed), p)
 
 
 def sampled_rule(logits: torch.Tensor, draws: list | None, fed: list[list[int]], proposed: list[int],

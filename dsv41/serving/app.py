@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from dsv41.ops.sampling import SamplingParams
 from dsv41.ops.stopping import Stops
-from dsv41.serving import schema
+from dsv41.serving import schema, structured
 from dsv41.serving.batcher import Batcher, Job, QueueFull
 from dsv41.serving.chat_answer import ChatAnswer
 from dsv41.serving.metrics import Metrics
@@ -62,6 +62,7 @@ class Server:
         self.live: set[Job] = set()       # jobs whose handler still waits for their end
         self.stopping = False             # the server drains: new requests are refused (503)
         self.drain_over = asyncio.Event()  # the drain ran out: bodies still arriving are refused too
+        self.grammars = None if codec is None else structured.Compiler(codec, limits.vocab_size)
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -172,9 +173,7 @@ class Server:
             gen = await self._checked(raw, chat)
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
-            job = Job(gen.prompt, gen.params, Stops(gen.params, decode_text=self._decoder(gen)),
-                      asyncio.get_running_loop())
-            self.batcher.submit(job)
+            jobs = self._submit(gen)
         except ApiError as e:
             self.metrics.errors.labels("bad_request" if e.status < 429 else "server").inc()
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -192,22 +191,43 @@ class Server:
             self.metrics.requests.labels(endpoint, "500").inc()
             return JSONResponse(ApiError(500, "internal error while checking the request", kind="server_error").body(),
                                 status_code=500)
-        answer = Answer(self, job, gen, chat)
-        self.live.add(job)
+        answer = Answer(self, jobs, gen, chat)
+        self.live.update(jobs)
         if gen.stream:
             self.metrics.requests.labels(endpoint, "200").inc()
             return StreamingResponse(answer.events(), media_type="text/event-stream")
         try:
             status, body = await answer.whole(request)
         finally:
-            self.live.discard(job)
+            self.live.difference_update(jobs)
         self.metrics.requests.labels(endpoint, str(status)).inc()
         return JSONResponse(body, status_code=status)
 
+    def _submit(self, gen: schema.Generation) -> list[Job]:
+        """The request's n samples queued, each its own job (the engine has no shared prefill: n
+        samples are n prefills), all reporting to one queue; none queued when one does not fit."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i)
+                for i, p in enumerate(gen.samples())]
+        submitted = []
+        try:
+            for job in jobs:
+                self.batcher.submit(job)
+                submitted.append(job)
+        except QueueFull:
+            for job in submitted:
+                self.batcher.cancel(job)
+            raise
+        return jobs
+
     def _decoder(self, gen: schema.Generation):
-        """ids -> text: a parsed chat answer keeps the control tokens its parsers read."""
+        """ids -> text: a parsed chat answer keeps the control tokens its parsers read; vLLM's
+        skip_special_tokens false keeps every special token's text (spaced from its neighbours
+        with spaces_between_special_tokens, as vLLM's detokenizer joins them)."""
         if self.codec is None:
             return None
+        if not gen.skip_special_tokens:
+            return lambda ids: self.codec.decode_special(ids, gen.spaces_between_special_tokens)
         return self.codec.decode_answer if gen.thinking or gen.tool_calls else self.codec.decode
 
     async def _checked(self, raw: bytes, chat: bool) -> schema.Generation:
@@ -224,7 +244,7 @@ class Server:
         """Parse, check and tokenize (on a worker thread)."""
         body = schema.parse_body(raw, self.limits)
         schema.check_model(body, self.model)
-        return schema.generation(body, chat, self.codec, self.limits)
+        return schema.generation(body, chat, self.codec, self.limits, self.grammars)
 
     async def _read(self, request: Request) -> bytes:
         """The body within the read timeout (408 for a client that stalls or sends half), or until
@@ -262,13 +282,16 @@ class Server:
 
 
 class Answer:
-    """One request's answer built from the engine loop's events: whole, or as server-sent events."""
+    """One request's answer built from the engine loop's events: whole, or as server-sent events;
+    with n > 1 one choice per sample (``Event.choice``), streamed as their tokens come."""
 
-    def __init__(self, server: Server, job: Job, gen: schema.Generation, chat: bool):
-        self.server, self.job, self.gen, self.chat = server, job, gen, chat
+    def __init__(self, server: Server, jobs: list[Job], gen: schema.Generation, chat: bool):
+        self.server, self.jobs, self.gen, self.chat = server, jobs, gen, chat
+        self.events_in = jobs[0].events               # every sample's events
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.logprobs: list = []         # (token, (logprob, top)) per generated token
-        self.parsed = ChatAnswer(gen.thinking, gen.tool_calls) if chat else None
+        self.logprobs: list[list] = [[] for _ in jobs]   # per choice, (token, (logprob, top)) per token
+        self.parsed = [ChatAnswer(gen.thinking, gen.tool_calls) if chat else None for _ in jobs]
+        self.finish: dict[int, str] = {}              # choice -> its finish reason, once done
 
     async def _off_loop(self, fn, *args):
         """fn(*args) on the answer threads: parsing or building an answer is linear in its text,
@@ -277,7 +300,7 @@ class Answer:
 
     def _take(self, event):
         if self.gen.top_logprobs is not None and event.logprob is not None:
-            self.logprobs.append((event.token, event.logprob))
+            self.logprobs[event.choice].append((event.token, event.logprob))
 
     def _logprobs(self, entries):
         if self.gen.top_logprobs is None:
@@ -286,38 +309,47 @@ class Answer:
         return schema.chat_logprobs(entries, codec) if self.chat else schema.completion_logprobs(entries, codec)
 
     def _usage(self) -> dict:
-        return schema.usage(len(self.job.prompt), self.job.generated)
+        return schema.usage(len(self.gen.prompt), sum(j.generated for j in self.jobs))
 
-    def _choice(self, text: str, tokens: list[int], entries, finish):
-        c = {"index": 0, "logprobs": self._logprobs(entries), "finish_reason": finish}
+    def _choice(self, i: int) -> dict:
+        job = self.jobs[i]
+        c = {"index": i, "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
         if self.chat:
-            c["message"] = self.parsed.message(text)
-            c["finish_reason"] = self.parsed.finish_reason(finish)
+            c["message"] = self.parsed[i].message(job.stops.text)
+            c["finish_reason"] = self.parsed[i].finish_reason(self.finish[i])
         else:
-            c["text"] = text
+            c["text"] = job.stops.text
         if self.server.codec is None:
-            c["token_ids"] = tokens          # no tokenizer: the answer is token ids
+            c["token_ids"] = job.stops.tokens          # no tokenizer: the answer is token ids
         return c
+
+    def _cancel(self):
+        for job in self.jobs:
+            if not job.finished:
+                self.server.batcher.cancel(job)
 
     async def whole(self, request: Request) -> tuple[int, dict]:
         while True:
             try:
-                event = await asyncio.wait_for(self.job.events.get(), POLL_S)
+                event = await asyncio.wait_for(self.events_in.get(), POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    self.server.batcher.cancel(self.job)
+                    self._cancel()
                     return 499, {}
                 continue
             self.server.outcome(event)
             if event.kind == "token":
                 self._take(event)
             elif event.kind == "error":
+                self._cancel()
                 return 500, ApiError(500, f"generation failed: {event.error}", kind="server_error").body()
             else:
+                self.finish[event.choice] = event.finish
+                if len(self.finish) < len(self.jobs):
+                    continue
                 body = schema.envelope("chat.completion" if self.chat else "text_completion", self.id,
                                        self.server.model)
-                body["choices"] = [await self._off_loop(lambda: self._choice(
-                    self.job.stops.text, self.job.stops.tokens, self.logprobs, event.finish))]
+                body["choices"] = [await self._off_loop(self._choice, i) for i in range(len(self.jobs))]
                 body["usage"] = self._usage()
                 return 200, body
 
@@ -325,28 +357,33 @@ class Answer:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         try:
             if self.chat:
-                yield self._sse(kind, {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None})
+                for i in range(len(self.jobs)):
+                    yield self._sse(kind, {"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None})
             while True:
-                event = await self.job.events.get()
+                event = await self.events_in.get()
                 self.server.outcome(event)
+                i = event.choice
                 if event.kind == "error":
                     yield f"data: {json.dumps(ApiError(500, event.error, kind='server_error').body())}\n\n"
                     break
                 if event.kind == "token":
                     self._take(event)
                     tokens = [event.token] if event.kept else []
-                    entries = self.logprobs[-1:] if event.logprob is not None else []
-                    fields = await self._fields(event.text)
+                    entries = self.logprobs[i][-1:] if event.logprob is not None else []
+                    fields = await self._fields(i, event.text)
                     if not fields and self.server.codec is not None and not entries:
                         continue
-                    yield self._sse(kind, self._delta(fields, tokens, entries, None))
+                    yield self._sse(kind, self._delta(i, fields, tokens, entries, None))
                     continue
-                rest = await self._off_loop(self.parsed.flush) if self.chat and self.parsed.parsing else {}
+                rest = await self._off_loop(self.parsed[i].flush) if self.chat and self.parsed[i].parsing else {}
                 if rest:
-                    yield self._sse(kind, self._delta(rest, [], [], None))
-                finish = self.parsed.finish_reason(event.finish) if self.chat else event.finish
-                yield self._sse(kind, self._delta({}, [], [], finish))
+                    yield self._sse(kind, self._delta(i, rest, [], [], None))
+                finish = self.parsed[i].finish_reason(event.finish) if self.chat else event.finish
+                yield self._sse(kind, self._delta(i, {}, [], [], finish))
+                self.finish[i] = finish
+                if len(self.finish) < len(self.jobs):
+                    continue
                 if self.gen.include_usage:
                     body = schema.envelope(kind, self.id, self.server.model)
                     body["choices"], body["usage"] = [], self._usage()
@@ -354,21 +391,21 @@ class Answer:
                 break
             yield "data: [DONE]\n\n"
         finally:
-            self.server.live.discard(self.job)
-            if not self.job.finished:        # the client went away (or the server is stopping)
-                self.server.batcher.cancel(self.job)
+            self.server.live.difference_update(self.jobs)
+            self._cancel()                   # the client went away (or the server is stopping)
 
-    async def _fields(self, text: str) -> dict:
+    async def _fields(self, i: int, text: str) -> dict:
         """A streamed chunk's fields for new answer text: chat deltas (reasoning_content, content,
         tool_calls) through the parsers (off the loop), or the completion's text."""
         if not text:
             return {}
         if not self.chat:
             return {"text": text}
-        return await self._off_loop(self.parsed.feed, text) if self.parsed.parsing else self.parsed.feed(text)
+        parsed = self.parsed[i]
+        return await self._off_loop(parsed.feed, text) if parsed.parsing else parsed.feed(text)
 
-    def _delta(self, fields: dict, tokens: list[int], entries, finish) -> dict:
-        c = {"index": 0, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish}
+    def _delta(self, i: int, fields: dict, tokens: list[int], entries, finish) -> dict:
+        c = {"index": i, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish}
         if self.chat:
             c["delta"] = fields
         else:

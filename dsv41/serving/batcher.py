@@ -37,6 +37,7 @@ class Event:
     kept: bool = True             # the token is part of the output (a stop token is not)
     finish: str | None = None
     error: str | None = None
+    choice: int = 0               # which of the request's n samples (the job's ``choice``)
 
 
 @dataclass(eq=False)
@@ -53,6 +54,7 @@ class Job(ScheduledJob):
     ended_at: float | None = None
     ended: bool = False           # its end (done or error) was sent: nothing follows it
     _emitting: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    choice: int = 0               # its index among the request's samples (n > 1 share one events queue)
 
     @property
     def generated(self) -> int:
@@ -73,7 +75,7 @@ class Job(ScheduledJob):
                 self.metrics.on_finish(self, fields["finish"], time.monotonic())
             if not self.loop.is_closed():
                 try:
-                    self.loop.call_soon_threadsafe(self.events.put_nowait, Event(kind, **fields))
+                    self.loop.call_soon_threadsafe(self.events.put_nowait, Event(kind, choice=self.choice, **fields))
                 except RuntimeError:      # closed between the look and the call
                     pass
 

@@ -15,21 +15,25 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from dsv41.checkpoint.chat import DEFAULT_EFFORT, VARIANTS, stated_effort
+from dsv41.checkpoint.chat import DEFAULT_EFFORT, DSML, VARIANTS, stated_effort
 from dsv41.ops.sampling import SamplingParams
+from dsv41.serving import structured
 
 # body fields that go straight to SamplingParams (same names)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos")
-_BOTH = ("model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", *SAMPLING_FIELDS)
+                   "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "include_stop_str_in_output")
+# vLLM's own fields (its extra sampling, tokenizer and structured-output parameters)
+VLLM_FIELDS = ("skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "priority",
+               "response_format", "structured_outputs", *structured.GUIDED)
+_BOTH = ("model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", *SAMPLING_FIELDS,
+         *VLLM_FIELDS)
 SERVED = {
     False: frozenset(_BOTH + ("prompt", "logprobs", "echo", "best_of", "suffix")),
     True: frozenset(_BOTH + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                              "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs",
-                             "add_generation_prompt", "continue_final_message", "response_format", "modalities",
-                             "store")),
+                             "add_generation_prompt", "continue_final_message", "modalities", "store")),
 }
 IDENTIFIERS = ("user", "safety_identifier", "prompt_cache_key")
 REFUSED = {      # OpenAI chat fields whose every value asks for what this server does not do
@@ -47,6 +51,7 @@ DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
 MAX_DEPTH = 32                     # nesting of a body's arrays and objects (the deepest OpenAI field is ~6)
 SHOWN_CHARS = 80                   # a refused value is quoted up to this many characters
 MAX_MESSAGE_CHARS = 1000           # an error message's length
+MAX_N = 16                         # parallel samples of one request (each runs as its own request)
 
 
 class ApiError(Exception):
@@ -85,6 +90,14 @@ class Generation:
     top_logprobs: int | None       # None: no logprobs asked
     thinking: bool = False         # chat: split reasoning_content off the answer
     tool_calls: bool = False       # chat: parse tool calls out of the answer
+    n: int = 1                     # samples, each its own request (sample i seeded seed + i, as vLLM)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def samples(self) -> list[SamplingParams]:
+        """The settings of each of the n samples."""
+        p = self.params
+        return [p if p.seed is None or i == 0 else replace(p, seed=p.seed + i) for i in range(self.n)]
 
 
 def shown(value) -> str:
@@ -225,10 +238,6 @@ def check_fields(body: dict, chat: bool):
 
 
 def _check_chat_only(body: dict):
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad(f"only {{\"type\": \"text\"}} is served (structured output is not implemented), found {fmt!r}",
-                  "response_format")
     if body.get("modalities") not in (None, ["text"]):
         raise bad(f"only [\"text\"] is served, found {body['modalities']!r}", "modalities")
     if _flag(body, "store"):
@@ -237,10 +246,6 @@ def _check_chat_only(body: dict):
         raise bad("false is not served (an answer may call several tools)", "parallel_tool_calls")
     if _flag(body, "continue_final_message"):
         raise bad("continuing the final message is not served", "continue_final_message")
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise bad(f"expected \"auto\" or \"none\" (forcing a call needs constrained decoding, not served), "
-                  f"found {choice!r}", "tool_choice")
 
 
 def _chat_options(body: dict, codec) -> tuple[bool, int | None]:
@@ -305,20 +310,61 @@ def chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool]:
         raise bad(f"the chat template cannot render them: {e}", "messages") from None
 
 
-def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
-    """A request body checked against the served engine; raises ApiError naming the field."""
+def _truncated(body: dict, prompt: list[int], limits: Limits) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+    k = _int(body, "truncate_prompt_tokens", None, -1, limits.max_context)
+    if k is None:
+        return prompt
+    if k == 0:
+        raise bad(f"expected -1 or an integer in [1, {limits.max_context}], found 0", "truncate_prompt_tokens")
+    return prompt[-(limits.max_context if k == -1 else k):]
+
+
+def _grammar(body: dict, chat: bool, codec, compiler, thinking: bool):
+    """The request's structured output compiled (``serving.structured``), None without one."""
+    try:
+        spec = structured.requested(body)
+        choice = body.get("tool_choice") if chat else None
+        if choice not in (None, "auto", "none"):
+            if spec is not None:
+                raise structured.Refused("tool_choice", f"one constraint a request, and {spec[0]} is given too")
+            if codec is None:
+                raise structured.Refused("tool_choice", "forcing a call needs the checkpoint's tokenizer")
+            spec = ("tool_choice", "lark", structured.tool_grammar(body.get("tools"), choice, codec.chat_format,
+                                                                   codec.tokenizer.token_to_id(DSML))[1])
+        if spec is None:
+            return None
+        field, kind, text = spec
+        if codec is None or compiler is None:
+            raise structured.Refused(field, "structured output needs the checkpoint's tokenizer (this server was "
+                                            "started without --checkpoint)")
+        if thinking:
+            raise structured.Refused(field, "structured output in thinking mode is not served (the grammar would "
+                                            "constrain the reasoning too); set chat_template_kwargs.thinking false")
+        return compiler.grammar(kind, text, field)
+    except structured.Refused as e:
+        raise bad(e.message, e.field) from None
+
+
+def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> Generation:
+    """A request body checked against the served engine; raises ApiError naming the field.
+    compiler: structured outputs' grammars (``structured.Compiler``; None: none served)."""
     check_fields(body, chat)
     thinking = tool_calls = False
     if chat:
         prompt, thinking, tool_calls = chat_prompt(body, codec)
     else:
         prompt = completion_prompt(body, codec, limits)
+    prompt = _truncated(body, prompt, limits)
+    grammar = _grammar(body, chat, codec, compiler, thinking)
     where = "messages" if chat else "prompt"
     if len(prompt) > limits.max_prompt:
         raise bad(f"{len(prompt)} tokens is longer than the {limits.max_prompt} this server takes", where)
     room = limits.max_context - len(prompt)
-    if _int(body, "n", 1, 1) != 1:
-        raise bad("only n = 1 is served", "n")
+    n = _int(body, "n", 1, 1, MAX_N)
+    if _int(body, "priority", 0, -2 ** 63, 2 ** 63 - 1) != 0:
+        raise bad("only 0 is served: requests run first come, first served (vLLM's default policy, which "
+                  "likewise refuses a priority)", "priority")
     if chat:
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _int(body, name, room, 1)
@@ -347,12 +393,13 @@ def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
         params = SamplingParams(**fields, stop=() if stop is None else stop, max_tokens=max_tokens,
                                 logprobs=top or 0, logprob=top is not None,
                                 logit_bias=_logit_bias(body, limits.vocab_size),
-                                eos_token_id=None if codec is None else codec.eos_id)
+                                eos_token_id=None if codec is None else codec.eos_id, grammar=grammar)
     except ValueError as e:
         field, _, message = str(e).partition(": ")
         raise bad(message, field.split("[")[0]) from None
     stream = _flag(body, "stream")
-    return Generation(prompt, params, stream, _include_usage(body, stream), chat, top, thinking, tool_calls)
+    return Generation(prompt, params, stream, _include_usage(body, stream), chat, top, thinking, tool_calls, n,
+                      _flag(body, "skip_special_tokens", True), _flag(body, "spaces_between_special_tokens", True))
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
