@@ -143,7 +143,7 @@ BAD = [
     ({"model": "tiny", "prompt": [1], "temperature": "hot"}, 400, "temperature"),
     ({"model": "tiny", "prompt": [1], "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "prompt": [1], "top_p": 1.5}, 400, "top_p"),
-    ({"model": "tiny", "prompt": [1], "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": [1], "n": 17}, 400, "n"),      # past schema.MAX_N
     ({"model": "tiny", "prompt": [1], "stream": "yes"}, 400, "stream"),
     ({"model": "tiny", "prompt": [1], "stop": "x"}, 400, "stop"),
     ({"model": "tiny", "prompt": [1], "logprobs": 21}, 400, "logprobs"),

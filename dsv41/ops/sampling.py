@@ -173,11 +173,14 @@ def apply_edits(logits: torch.Tensor, params: SamplingParams, generated: int,
     for token, bias in params.logit_bias:
         if token < vocab:        # the server checks ids against the vocabulary; a direct caller may not
             x[token] += bias
+    keep = None if allowed is None else allowed_tokens(allowed, vocab)
     if generated < params.min_tokens:
         masked = [t for t in params.stop_ids if t < vocab]
-        x[masked] = -math.inf
-    if allowed is not None:
-        x.masked_fill_(~allowed_tokens(allowed, vocab), -math.inf)
+        # a complete grammar allows only a stop: it ends the answer (nothing else could be drawn)
+        if keep is None or bool(keep.clone().index_fill_(0, torch.tensor(masked, dtype=torch.long), False).any()):
+            x[masked] = -math.inf
+    if keep is not None:
+        x.masked_fill_(~keep, -math.inf)
     return x
 
 
