@@ -133,6 +133,12 @@ def test_the_mask_is_applied_where_the_token_is_drawn():
     for draw in range(40):
         ids, _ = sample_rows(logits, [replace(r, draw=draw) for r in hot])
         assert set(ids.tolist()) <= set(allow)
+    # before min_tokens a stop is banned, unless the grammar allows nothing else (it is complete)
+    only_eos, eos_or_2 = torch.zeros_like(table_mask), torch.zeros_like(table_mask)
+    only_eos.view(torch.uint8)[0], eos_or_2.view(torch.uint8)[0] = 2, 6
+    early = SamplingParams(min_tokens=4, max_tokens=8, eos_token_id=1)
+    assert sample_rows(logits[:1], [RowDraw(early, 0, 0, allowed=only_eos)])[0].tolist() == [1]
+    assert sample_rows(logits[:1], [RowDraw(early, 0, 0, allowed=eos_or_2)])[0].tolist() == [2]
     # no mask: still exactly the argmax (the plain path)
     assert torch.equal(sample_rows(logits, [RowDraw(SamplingParams(), 0, 0)] * 3)[0], torch.argmax(logits, -1))
 
