@@ -27,6 +27,11 @@ class Sequence:
         if self.matcher is None and self.sampling.grammar is not None:
             self.matcher = self.sampling.grammar.matcher()
 
+    def __getstate__(self):
+        """A step's new sequences travel with it to the cards, which read no grammar: the matcher
+        stays on the host (as ``SamplingParams.grammar`` does)."""
+        return {**self.__dict__, "matcher": None}
+
     def row_draws(self, fed: list[int], drawing: int) -> list[RowDraw]:
         """The draws of a step that feeds ``fed`` and makes a token at its last ``drawing`` rows:
         row j's draw has index drawn + j and reads the history up to and including its own row
