@@ -23,7 +23,7 @@ import sys
 from typing import Callable
 
 from dsv41.cli.modes import (ALL, DIST, EXECUTOR_ORDER, GRAPH, GRAPH_OR_PLAN, LOCAL, PLAN, REFERENCE, RUN, groups,
-                             mode, mode_flag, per_group)
+                             max_context, mode, mode_flag, per_group)
 
 PROG = "python -m dsv41.run"
 MAX_SEED = 2 ** 32 - 1
@@ -83,6 +83,8 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--batch": (ALL, (FROM_PROMPTS + "the batch is the number of prompts", _no_prompts)),
     "--prompt-len": (RUN, (FROM_PROMPTS + "the prompts set their lengths", _no_prompts)),
     "--new-tokens": (RUN, ("needs --graph decode", lambda a: a.graph == "decode")),
+    "--max-num-batched-tokens": (RUN, None),
+    "--max-total-tokens": (ALL, None),
     "--seed": (RUN, (FROM_PROMPTS + "the seed draws random prompts and weights, and --checkpoint gives both",
                      _no_prompts)),
     "--executor": (RUN, None),
@@ -227,11 +229,35 @@ def _batch(a, cfg):
 
 
 def _prompt_len(a, cfg):
-    rows = per_group(a)
-    top = min(cfg.prefill_max_tokens // rows, cfg.max_position_embeddings - 1)
+    top = cfg.max_position_embeddings - 1
     if not 1 <= a.prompt_len <= top:
-        return (f"must be in [1, {top}] tokens with {rows} prompt(s) per DP group {on(a, cfg)} "
-                f"(a prefill step holds {cfg.prefill_max_tokens} rows per DP group), got {a.prompt_len}")
+        return (f"must be in [1, {top}] tokens {on(a, cfg)} (context limit {cfg.max_position_embeddings}, "
+                f"a row left for the first token; longer prompts are fed in chunks), got {a.prompt_len}")
+
+
+def _max_num_batched_tokens(a, cfg):
+    top = cfg.prefill_max_tokens
+    if a.max_num_batched_tokens is not None and not 1 <= a.max_num_batched_tokens <= top:
+        return (f"must be in [1, {top}] rows per DP group per step {on(a, cfg)} (its prefill capacity, "
+                f"the default), got {a.max_num_batched_tokens}")
+
+
+def cache_tokens(a) -> int | None:
+    """--max-total-tokens as the tokens each DP group's cache pools hold (None: every request at its
+    context)."""
+    return None if a.max_total_tokens is None else -(-a.max_total_tokens // groups(a))
+
+
+def _max_total_tokens(a, cfg):
+    if a.max_total_tokens is None:
+        return None
+    if mode(a) == PLAN:
+        return None if a.max_total_tokens >= 1 else f"must be >= 1 tokens, got {a.max_total_tokens}"
+    g = groups(a)
+    top = g * per_group(a) * max_context(a)
+    if not g <= a.max_total_tokens <= top:
+        return (f"must be in [{g}, {top}] tokens in the cache pools ({per_group(a)} request(s) per DP group x "
+                f"{max_context(a)} tokens each x {g} DP group(s), the default), got {a.max_total_tokens}")
 
 
 def _new_tokens(a, cfg):
@@ -379,7 +405,8 @@ Check = tuple[str, Callable]
 FIRST: list[Check] = [("--checkpoint", _checkpoint), ("--prompt-file", _prompt_file)]
 CHECKS: list[Check] = [
     ("--experts", _experts), ("--tp", _tp), ("--dp", _dp), ("--ep", _ep), ("--batch", _batch), ("--prompt-len", _prompt_len),
-    ("--new-tokens", _new_tokens), ("--seed", _seed), ("--hold", _hold), ("--connect-timeout", _connect_timeout),
+    ("--new-tokens", _new_tokens), ("--max-num-batched-tokens", _max_num_batched_tokens),
+    ("--max-total-tokens", _max_total_tokens), ("--seed", _seed), ("--hold", _hold), ("--connect-timeout", _connect_timeout),
     ("--address", _address), ("--show-graph", _show_graph), ("--backend", _backend), ("--dashboard", _dashboard),
     ("--pypto-per-shape", _pypto_per_shape),
 ]

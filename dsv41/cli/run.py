@@ -78,6 +78,18 @@ def add_model_arguments(p) -> None:
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
+def add_budget_arguments(p):
+    """The step's token budget and the cache's (run and serve)."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="rows one step feeds per DP group: prompt chunks fill what the decoding requests leave "
+                        "(default and at most the model's prefill capacity); smaller trades time to first token "
+                        "for inter-token latency")
+    p.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
+                   help="tokens the cache pools hold in all, split over the DP groups (default: every request at "
+                        "its full context); requests that do not fit wait, or are preempted and recomputed; "
+                        "--plan: how many requests of --context tokens it holds")
+
+
 MODEL_FLAGS = ("--config", "--layers", "--experts", "--engram-rows", "--checkpoint", "--seed", "--executor", "--tp",
                "--dp", "--ep", "--granularity", "--backend", "--wiring", "--address", "--connect-timeout", "--debug", "--help")
 
@@ -91,6 +103,7 @@ def build_parser() -> rules.Parser:
                    help="requests in total (spread over the DP groups; --plan: evenly)")
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
+    add_budget_arguments(p)
     p.add_argument("--dashboard", action="store_true",
                    help="distributed: print the dashboard link when the cluster is up and wait after the run")
     p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
@@ -225,12 +238,14 @@ def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
     context = max_context(args)
     if args.executor == REFERENCE:
         from dsv41.engine.reference import ReferenceEngine
-        return ReferenceEngine(cfg, seed=args.seed, max_batch=args.batch, max_context=context, checkpoint=checkpoint)
+        return ReferenceEngine(cfg, seed=args.seed, max_batch=args.batch, max_context=context, checkpoint=checkpoint,
+                               cache_tokens=rules.cache_tokens(args))
     from dsv41.cluster.engine import GraphEngine
     startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
     return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
                        wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
-                       max_context=context, backend=args.backend, checkpoint=checkpoint, startup=startup)
+                       max_context=context, backend=args.backend, checkpoint=checkpoint, startup=startup,
+                       cache_tokens=rules.cache_tokens(args))
 
 
 def _refuse(problem, args) -> int:
@@ -277,6 +292,7 @@ class Steps:
     tokens: list[list[int]]
     texts: list[str] | None = None     # with a checkpoint: each request's text, cut before a stop string
     prefill_ms: float = 0.0
+    prefill_steps: int = 0             # steps until every request had its first token (-1 once they all had)
     step_ms: list[float] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
     final_logits: torch.Tensor | None = None
@@ -310,7 +326,8 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
     for j, job in enumerate(jobs):
         job.say, job.index = (progress.say if codec is not None and n else None), j
         job.eos = codec.eos_id if codec is not None else None
-    sched = Scheduler(engine, speculative.drafter(args, engine), keep_logits=True, context=context)
+    sched = Scheduler(engine, speculative.drafter(args, engine), budget=args.max_num_batched_tokens, keep_logits=True,
+                      context=context)
     for job in jobs:
         sched.add(job)
     done = Steps(tokens=[[] for _ in prompts])
@@ -323,27 +340,25 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
                 if turn is None:
                     continue
                 done.stats.append(turn.stats)
-                if turn.phase == "prefill" and not done.step_ms and not done.prefill_ms:
-                    done.prefill_ms = turn.ms
-                    progress.done(f"  prefill   {turn.ms:9.1f} ms  {_describe(turn.stats)}")
-                    if not n:       # --graph prefill (or no new tokens): the prefill's logits are the result
-                        done.final_logits = turn.out.logits
-                        if args.graph == "prefill":
-                            done.tokens = [list(t) for t in turn.out.tokens]
-                        break
+                if done.prefill_steps >= 0:          # prompts still being fed: their chunks are the prefill
+                    done.prefill_ms += turn.ms
+                    done.prefill_steps += 1
+                    if all(j.made for j in jobs):
+                        chunks = f" in {done.prefill_steps} steps" if done.prefill_steps > 1 else ""
+                        progress.done(f"  prefill   {done.prefill_ms:9.1f} ms{chunks}  {_describe(turn.stats)}")
+                        done.prefill_steps = -1    # every request has its first token
                 else:
                     done.step_ms.append(turn.ms)
                     made = f"  +{sum(map(len, turn.out.tokens))} tokens" if turn.out is not None and \
                         turn.out.proposed else ""
                     progress.done(f"  {turn.phase} {len(done.step_ms):3d} {turn.ms:9.1f} ms  "
                                   f"{_describe(turn.stats)}{made}")
-                if sched.busy:
+                if sched.busy and done.prefill_steps < 0:
                     progress.start(f"{'decode' if not sched.waiting else 'prefill'} {len(done.step_ms) + 1}")
         finally:
             sched.release_all()
-    if n:
-        done.tokens = [j.made for j in jobs]
-        done.final_logits = torch.stack([j.final_logits for j in jobs])
+    done.tokens = [j.made for j in jobs] if n or args.graph == "prefill" else [[] for _ in jobs]
+    done.final_logits = torch.stack([j.final_logits for j in jobs])
     if sched.drafter is not None:
         done.speculative = sched.spec.summary()
     if codec is not None:

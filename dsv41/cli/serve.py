@@ -42,7 +42,8 @@ SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}   # as a shell reports a
 SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative.APPLIES,
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
                                   "--max-body-bytes", "--served-model-name", "--read-timeout",
-                                  "--shutdown-timeout", "--metrics-names"), (RUN, None)),
+                                  "--shutdown-timeout", "--metrics-names", "--max-num-batched-tokens",
+                                  "--max-total-tokens"), (RUN, None)),
                  "--chat-format": (RUN, ("needs --checkpoint (chats need its tokenizer)", lambda a: a.checkpoint)),
                  "--dashboard": (DIST, None)}     # the server runs until stopped: no --hold
 
@@ -59,6 +60,7 @@ def build_parser() -> rules.Parser:
     g.add_argument("--max-context", type=int, default=None,
                    help=f"tokens one request reaches, prompt and answer (default: {DEFAULT_CONTEXT} or the "
                         "model's limit)")
+    run.add_budget_arguments(g)
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot; one more is answered 429 (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -287,10 +289,11 @@ def serve(args, signals: Signals) -> int:
             raise
         raise CheckpointError(rules.unreadable(e)) from e
     name = args.served_model_name or (cfg.name if ckpt is None else os.path.basename(os.path.abspath(args.checkpoint)))
-    limits = Limits(max_context=args.max_context, max_prompt=min(cfg.prefill_max_tokens, args.max_context - 1),
+    # a prompt of any length up to the context is fed in chunks: max_model_len is what is enforced
+    limits = Limits(max_context=args.max_context, max_prompt=args.max_context - 1,
                     vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes)
     metrics = Metrics(args.metrics_names, name, args.max_context)
-    batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, cfg.prefill_max_tokens,
+    batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, args.max_num_batched_tokens,
                       speculative.drafter(args, engine))
     batcher.start()
     try:

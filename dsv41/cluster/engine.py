@@ -141,6 +141,12 @@ class GraphEngine(Engine):
         grp, local = self.router.locate(rid)
         return self.tables[grp].requests[local]
 
+    def group_of(self, rid: int) -> int:
+        return self.router.locate(rid)[0]
+
+    def place(self, count: int) -> list[int]:
+        return self.router.place([len(t.requests) for t in self.tables], count)
+
     # ---- State ownership ----------------------------------------------------------------------------
     def _install(self, cards: list[int]):
         """Fresh States (same seed, empty caches, a new build id) for these cards, at this generation."""

@@ -65,7 +65,8 @@ class BlockManager:
         request at max_context); fewer makes the scheduler preempt when requests grow."""
         self.cfg = cfg
         bs = cfg.block_size
-        self.window_blocks = max_batch * window_pages(cfg, max_context)
+        self.window_per_request = window_pages(cfg, max_context)
+        self.window_blocks = max_batch * self.window_per_request
         if cache_tokens is None:
             sizes = lambda r: max_batch * math.ceil(max_context // r / bs + 1)    # noqa: E731
         else:
@@ -92,6 +93,14 @@ class BlockManager:
             have = 0 if seq is None else len(seq.compressed_pages.get(r, []))
             out[r] = max(0, self._compressed_need(kv + n_new, r) - have)
         out["state"] = 1 if seq is None else 0
+        return out
+
+    def needs_started(self, drawn: int, n_new: int) -> dict:
+        """Blocks a new request started at ``drawn`` tokens of history (``RequestTable.start_at``)
+        takes with them and its first n_new rows: its compressed pages exactly, its window pages at
+        most what one request holds at once."""
+        out = self.needs(None, drawn + n_new)
+        out["window"] = min(out["window"], self.window_per_request)
         return out
 
     def fits(self, needs: list[dict]) -> bool:

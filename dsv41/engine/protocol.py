@@ -136,13 +136,42 @@ class Engine(ABC):
         return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode", drafts=drafts,
                          draft_probs=draft_probs)
 
+    # ---- what the scheduler asks before it plans a step ---------------------------------------------
+    tables: list            # one RequestTable per DP group
+
+    def group_of(self, rid: int) -> int:
+        """The DP group a live request runs in."""
+        return 0
+
+    def place(self, count: int) -> list[int]:
+        """The DP groups the next step would give ``count`` new requests (in batch order)."""
+        return [0] * count
+
+    def needs(self, rid: int | None, n_new: int, drawn: int = 0) -> dict:
+        """Blocks per pool a request (None: a new one, holding ``drawn`` tokens of drawn history
+        first) takes to feed n_new more rows (``BlockManager.needs``)."""
+        if rid is None:
+            blocks = self.tables[0].blocks          # every group's pools have the same sizes
+            return blocks.needs_started(drawn, n_new) if drawn else blocks.needs(None, n_new)
+        return self.tables[self.group_of(rid)].blocks.needs(self.sequence(rid), n_new)
+
+    def fits(self, group: int, needs: list[dict]) -> bool:
+        """Whether a DP group's free blocks hold these needs together."""
+        return self.tables[group].blocks.fits(needs)
+
+    def settle(self, rid: int, state: Sequence):
+        """Give a live request the sampling state ``state`` holds (settings, seed, draws made,
+        prompt length): after a chunk of its prompt or of its recompute, whose token is not kept."""
+        seq = self.sequence(rid)
+        seq.sampling, seq.seed, seq.drawn, seq.prompt_len = state.sampling, state.seed, state.drawn, state.prompt_len
+
     def restart(self, history: list[int], state: Sequence, on_step: Callable[[StepOutput], None] | None = None) -> int:
         """A request again from its token history (a preempted one: its caches recomputed by
         prefill steps of at most ``prefill_max_tokens`` rows, their tokens not kept), with the
-        sampling state it had (settings, seed, draws made, prompt length). Returns its new id.
-        on_step: told each recompute step's output (a drafter seeded by the model's own states).
-        The steps run with the request's own seed, so what they draw for it (DSpark's next drafts)
-        is what the request would have drawn."""
+        sampling state it had (``settle``). Returns its new id. on_step: told each recompute
+        step's output (a drafter seeded by the model's own states). The steps run with the
+        request's own seed, so what they draw for it (DSpark's next drafts) is what the request
+        would have drawn. (The scheduler feeds recomputes chunk by chunk beside other requests.)"""
         limit = self.cfg.prefill_max_tokens
         params = state.sampling if state.sampling.greedy else replace(state.sampling, seed=state.seed)
         out = self.step([(None, history[:limit])], "prefill", [params])
@@ -157,8 +186,7 @@ class Engine(ABC):
         except BaseException:
             self.release(rid)
             raise
-        seq = self.sequence(rid)
-        seq.sampling, seq.seed, seq.drawn, seq.prompt_len = state.sampling, state.seed, state.drawn, state.prompt_len
+        self.settle(rid, state)
         return rid
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, sampling=None,

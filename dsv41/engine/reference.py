@@ -55,6 +55,10 @@ class ReferenceEngine(Engine):
         return self.table.max_batch
 
     @property
+    def tables(self) -> list:
+        return [self.table]
+
+    @property
     def max_context(self) -> int:
         return self.table.max_context
 

@@ -1,20 +1,27 @@
 """The one scheduling loop: ``Engine.generate``, the command line and the server all run it.
 
-Requests wait in arrival order and run while the engine holds them. Each turn runs one engine
-step: waiting requests are admitted first (one prefill step for as many as the batch, the prefill
-rows and the cache pools take), otherwise every running request decodes its newest token, with
-the drafter's proposals to verify after it. When the pools cannot hold a decode step the newest
-running request is preempted: its blocks are freed and it waits at the front of the queue, to be
-recomputed from its token history (``Engine.restart``) when it fits again, with the sampling state
-it had, so its tokens are those of a run that never preempted it. A request ends through its
-``Stops``; the tokens a step made past that are dropped.
+Requests wait in arrival order and run while the engine holds them. A request's prompt is fed in
+chunks of at most the step's token budget per DP group (``max_num_batched_tokens``); the last
+chunk's logits give its first token, and the chunks before it draw nothing (the request's sampling
+state is set back after each, ``Engine.settle``), so a chunked prompt makes the tokens of one long
+prefill step. Each turn runs one engine step: with ``interleave`` (the default, as vLLM v1 does) a
+step that feeds prompt chunks first gives every decoding request its one row, and the chunks of
+ingesting and newly admitted requests fill the rest of each group's budget; a turn with no prompt
+to feed decodes every running request with the drafter's proposals to verify after it.
+
+Admission asks the engine's block manager, per DP group, whether the step fits before it runs
+(``Engine.needs`` / ``Engine.fits``). When a group's running requests cannot decode in its pools,
+the newest request of that group is preempted: its blocks are freed and it waits at the front of
+the queue, to be fed again from its token history (its recompute is chunked as a prompt is) with
+the sampling state it had, so its tokens are those of a run that never preempted it. A request
+ends through its ``Stops``; the tokens a step made past that are dropped.
 """
 from __future__ import annotations
 
 import collections
 import itertools
 import time
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -36,7 +43,8 @@ class Job:
     made: list[int] = field(default_factory=list)      # every token made for it, a stop token included
     rid: int | None = None        # the engine's request id while it runs
     last: int | None = None       # its newest token, fed at its next decode step
-    saved: Sequence | None = None  # its sampling state while preempted
+    feed: list[int] = field(default_factory=list)   # tokens still to feed before it decodes (prompt chunks)
+    saved: Sequence | None = None  # the sampling state it holds while preempted or fed in chunks
     cancelled: bool = False
     finished: bool = False
     preemptions: int = 0
@@ -63,13 +71,15 @@ def jobs_for(prompts, sampling, max_new_tokens, decode_text, eos_id=None, cls=Jo
 
 @dataclass
 class Turn:
-    """One engine step the loop ran: prefill (admissions), restart (a preempted request
-    recomputed) or decode; its wall time, the engine's stats and its output."""
+    """One engine step the loop ran: prefill (prompt chunks, and decode rows beside them), restart
+    (only preempted requests recomputed, and decode rows) or decode; its wall time, the engine's
+    stats, its output and the jobs it started."""
     phase: str
     ms: float
     jobs: list[Job]
     stats: dict = field(default_factory=dict)
     out: object = None
+    started: list[Job] = field(default_factory=list)
 
 
 @dataclass
@@ -106,23 +116,30 @@ class SpecStats:
 
 
 class Scheduler:
-    def __init__(self, engine, drafter=None, max_batch: int | None = None, prefill_rows: int | None = None,
+    def __init__(self, engine, drafter=None, max_batch: int | None = None, budget: int | None = None,
                  keep_logits: bool = False, fail_fast: bool = True, context: int = 0,
-                 on_finish: Callable[[Job, str], None] | None = None):
-        """drafter: proposes tokens to verify (``engine.drafters``; None: plain steps). keep_logits:
-        keep each job's last token's logits (a fetch in the steps where jobs end). fail_fast: a
-        failed step raises (the command line); otherwise its jobs get an error and the rest go on
-        (the server). context: new requests first hold that many drawn tokens (greedy only).
-        on_finish(job, reason): a job ended (its finish reason, or "error")."""
+                 on_finish: Callable[[Job, str], None] | None = None, interleave: bool = True):
+        """drafter: proposes tokens to verify (``engine.drafters``; None: plain steps). budget: the
+        rows a step feeds per DP group (``--max-num-batched-tokens``; default and at most the
+        engine's prefill capacity). keep_logits: keep each job's last token's logits (a fetch in
+        the steps where jobs end). fail_fast: a failed step raises (the command line); otherwise
+        its jobs get an error and the rest go on (the server). context: new requests first hold
+        that many drawn tokens (greedy only). on_finish(job, reason): a job ended (its finish
+        reason, or "error"). interleave: steps that feed prompt chunks also decode the running
+        requests (False: prompts first, decoding waits until no prompt is left to feed)."""
         self.engine, self.drafter = engine, drafter
         self.max_batch = max_batch or engine.max_batch
-        self.prefill_rows = prefill_rows or engine.cfg.prefill_max_tokens
+        capacity = engine.cfg.prefill_max_tokens
+        if budget is not None and not 1 <= budget <= capacity:
+            raise ValueError(f"max_num_batched_tokens: must be in [1, {capacity}] rows per DP group, got {budget}")
+        self.budget = budget or capacity
         self.keep_logits, self.fail_fast, self.context = keep_logits, fail_fast, context
-        self.on_finish = on_finish
+        self.on_finish, self.interleave = on_finish, interleave
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: dict[int, Job] = {}            # engine request id -> job, in admission order
         self.spec = SpecStats()
         self.last_out = None                         # the latest step's StepOutput
+        self.victims: list[tuple[Job, int]] = []     # (job, DP group) of every preemption, oldest first
 
     @property
     def busy(self) -> bool:
@@ -152,61 +169,130 @@ class Scheduler:
     def step(self) -> Turn | None:
         """Run one engine step (None: nothing could run)."""
         self._drop_cancelled()
-        if self.waiting and len(self.running) < self.max_batch:
-            turn = self._admit()
-            if turn is not None:
-                return turn
-        ready = [j for j in self.running.values() if j.last is not None]
-        if ready:
-            return self._decode(ready)
+        for job in [j for j in self.waiting if len(j.history) > self.engine.max_context]:
+            self.waiting.remove(job)
+            self._fail(job, f"prompt: {len(job.prompt)} tokens exceed the context limit "
+                            f"{self.engine.max_context}", ValueError)
+        decoding = [j for j in self.running.values() if not j.feed]
+        ingesting = [j for j in self.running.values() if j.feed]
+        if ingesting or (self.waiting and len(self.running) < self.max_batch):
+            chunks = self._schedule_chunks(decoding if self.interleave else [], ingesting)
+            if chunks is not None:
+                return self._feed(*chunks)
+        if decoding:
+            return self._decode(decoding)
+        if ingesting:                              # nothing decodes, and no chunk fits: make room
+            self._make_room(ingesting[-1], self._group(ingesting[-1]))
+            return None
         if self.waiting and not self.running:      # nothing runs, and the first waiting job does not fit
-            job = self.waiting.popleft()
-            self._fail(job, "the cache pools cannot hold this request", PoolExhausted)
+            self._fail(self.waiting.popleft(), "the cache pools cannot hold this request", PoolExhausted)
         return None
 
-    def _admit(self) -> Turn | None:
-        head = self.waiting[0]
-        if head.saved is not None:                # a preempted job: recompute its caches first
-            t0 = time.perf_counter()
-            try:
-                seen = None if self.drafter is None else lambda out: self.drafter.observe("prefill", [head], out)
-                rid = self.engine.restart(head.history[:-1], head.saved, seen)
-            except PoolExhausted:
+    def _group(self, job: Job) -> int:
+        return self.engine.group_of(job.rid)
+
+    def _schedule_chunks(self, decoding: list[Job], ingesting: list[Job]):
+        """(items, groups) of a step that feeds prompt chunks: (job, tokens) per request, decode rows
+        first, then the chunks of ingesting jobs, then admissions in arrival order, each as far as its
+        group's budget and free blocks take it; None when no chunk fits."""
+        budget, engine = self.budget, self.engine
+        rows: dict[int, int] = collections.defaultdict(int)
+        needs: dict[int, list[dict]] = collections.defaultdict(list)
+        items: list[tuple[Job, list[int]]] = []
+
+        def take(job: Job, group: int, tokens: list[int], drawn: int = 0) -> bool:
+            need = engine.needs(job.rid, len(tokens), drawn)
+            if not engine.fits(group, needs[group] + [need]):
+                return False
+            needs[group].append(need)
+            rows[group] += len(tokens)
+            items.append((job, tokens))
+            return True
+
+        for job in decoding:                       # decode rows first; a group short of blocks decodes alone
+            if not take(job, self._group(job), [job.last]):
                 return None
-            self.waiting.popleft()
-            head.rid, head.saved = rid, None
-            self.running[rid] = head
-            return Turn("restart", (time.perf_counter() - t0) * 1e3, [head], dict(self.engine.last_stats))
-        admit, rows = [], 0
+        chunked = False
+        for job in ingesting:
+            g = self._group(job)
+            room = budget - rows[g]
+            if room > 0 and take(job, g, job.feed[:room]):
+                chunked = True
+        admitted = 0
         for job in self.waiting:
-            if job.saved is not None or len(self.running) + len(admit) >= self.max_batch:
+            if len(self.running) + admitted >= self.max_batch:
                 break
-            if admit and rows + len(job.prompt) > self.prefill_rows:
-                break
-            admit.append(job)
-            rows += len(job.prompt)
-        while admit:
-            t0 = time.perf_counter()
-            try:
-                out = self.engine.prefill([j.prompt for j in admit], [j.params for j in admit], self.context)
-            except PoolExhausted:
-                admit.pop()                        # fewer at once; the rest wait for blocks
-                continue
-            except Exception as e:
-                for job in admit:
-                    self.waiting.remove(job)
-                self._step_failed(admit, e)
-                return Turn("prefill", (time.perf_counter() - t0) * 1e3, admit)
-            ms = (time.perf_counter() - t0) * 1e3
-            for job, rid in zip(admit, out.request_ids):
+            g = engine.place(admitted + 1)[-1]
+            room = budget - rows[g]
+            feed = job.history[:-1] if job.made else job.prompt
+            if room <= 0 or not take(job, g, feed[:room], self.context):
+                break                              # first come, first served: the rest wait behind it
+            job.feed = list(feed)
+            admitted += 1
+            chunked = True
+        if not chunked:
+            return None
+        return items, admitted
+
+    def _feed(self, items: list[tuple[Job, list[int]]], admitted: int) -> Turn:
+        """One step of prompt chunks (and decode rows): new requests start, the chunks before a
+        request's last draw nothing, its last one makes its first token (a recomputed request's
+        newest token is known already: that one is dropped)."""
+        new = [job for job, _ in items if job.rid is None]
+        phase = "prefill" if any(not j.made for j, _ in items if j.feed) else "restart"
+        t0 = time.perf_counter()
+        rids = []
+        try:
+            if self.context and new:
+                rids = self.engine.start_at_context(len(new), self.context)
+            ids = iter(rids)
+            batch, sampling = [], []
+            for job, tokens in items:
+                rid = next(ids) if job.rid is None and self.context else job.rid
+                batch.append((rid, tokens))
+                sampling.append(self._params(job) if rid is None else None)
+            out = self.engine.step(batch, "prefill", sampling)
+        except Exception as e:
+            for rid in rids:
+                self.engine.release(rid)
+            for job in new:
+                job.feed = []
+            jobs = [j for j, _ in items]
+            for job in new:
                 self.waiting.remove(job)
-                job.rid = rid
-                self.running[rid] = job
-            if self.drafter is not None:
-                self.drafter.observe("prefill", admit, out)
-            self._deliver(admit, out)
-            return Turn("prefill", ms, admit, dict(self.engine.last_stats), out)
-        return None
+            self._step_failed(jobs, e)
+            return Turn(phase, (time.perf_counter() - t0) * 1e3, jobs)
+        ms = (time.perf_counter() - t0) * 1e3
+        for job, rid in zip(new, [r for (j, _), r in zip(items, out.request_ids) if j in new]):
+            self.waiting.remove(job)
+            job.rid = rid
+            self.running[rid] = job
+        if self.drafter is not None:
+            self.drafter.observe("prefill", [j for j, _ in items], out)
+        deliver = []
+        for i, (job, tokens) in enumerate(items):
+            if not job.feed:                       # a decode row
+                deliver.append((i, job))
+                continue
+            del job.feed[:len(tokens)]
+            if job.saved is None:                  # the state its later chunks hold: no draws yet
+                seq = self.engine.sequence(job.rid)
+                job.saved = Sequence(-1, [], sampling=seq.sampling, seed=seq.seed, prompt_len=len(job.prompt))
+            if job.feed or job.made:               # more to feed, or a recompute done: nothing drawn
+                self.engine.settle(job.rid, job.saved)
+            else:
+                deliver.append((i, job))
+            if not job.feed:
+                job.saved = None
+        self._deliver(deliver, out)
+        return Turn(phase, ms, [j for j, _ in items], dict(self.engine.last_stats), out, new)
+
+    @staticmethod
+    def _params(job: Job) -> SamplingParams:
+        """A starting request's settings: a recompute (or a restarted prompt) keeps its seed."""
+        if job.saved is None or job.saved.sampling.greedy:
+            return job.params
+        return replace(job.saved.sampling, seed=job.saved.seed)
 
     def _drafts(self, jobs: list[Job]) -> tuple[list[list[int]] | None, list | None]:
         """Each job's drafts (capped by its token limit, the context and the step's rows) and,
@@ -219,22 +305,28 @@ class Scheduler:
                             cfg.decode_rows_per_request - 1)) for job in jobs]
         return self.drafter.propose_batch(jobs, rooms)
 
+    def _short_group(self, jobs: list[Job], drafts) -> int | None:
+        """The first DP group whose free blocks cannot hold its jobs' decode rows (None: all fit)."""
+        needs: dict[int, list[dict]] = collections.defaultdict(list)
+        for i, job in enumerate(jobs):
+            rows = 1 + (len(drafts[i]) if drafts is not None else 0)
+            needs[self._group(job)].append(self.engine.needs(job.rid, rows))
+        return next((g for g, n in sorted(needs.items()) if not self.engine.fits(g, n)), None)
+
     def _decode(self, jobs: list[Job]) -> Turn:
         while True:
             drafts, probs = self._drafts(jobs)
+            short = self._short_group(jobs, drafts)
+            if short is not None:
+                victim = self._make_room(jobs[-1], short)
+                if victim in jobs:
+                    jobs.remove(victim)
+                if not jobs:
+                    return Turn("decode", 0.0, [])
+                continue
             t0 = time.perf_counter()
             try:
                 out = self.engine.decode([j.last for j in jobs], [j.rid for j in jobs], drafts, probs)
-            except PoolExhausted:
-                if len(jobs) == 1 or self.context:     # a drawn history cannot be recomputed from tokens
-                    self._fail(jobs.pop(), "the cache pools cannot hold this request" +
-                               (" (started at a drawn context: not recomputable)" if self.context else ""),
-                               PoolExhausted)
-                    if not jobs:
-                        return Turn("decode", (time.perf_counter() - t0) * 1e3, [])
-                    continue
-                self._preempt(jobs.pop())
-                continue
             except Exception as e:
                 self._step_failed(jobs, e)
                 return Turn("decode", (time.perf_counter() - t0) * 1e3, jobs)
@@ -242,10 +334,23 @@ class Scheduler:
             if drafts is not None:
                 self.spec.add([len(d) for d in drafts], out.tokens)
                 self.drafter.observe("decode", jobs, out)
-            self._deliver(jobs, out)
+            self._deliver(list(enumerate(jobs)), out)
             return Turn("decode", ms, jobs, dict(self.engine.last_stats), out)
 
-    def _preempt(self, job: Job):
+    def _make_room(self, fallback: Job, group: int) -> Job | None:
+        """Preempt the newest running job of a DP group short of blocks; alone there (or started at
+        a drawn context, which has no tokens to recompute from), it fails instead. Returns the job
+        that left."""
+        in_group = [j for j in self.running.values() if self._group(j) == group]
+        victim = in_group[-1] if in_group else fallback
+        if len(in_group) == 1 or self.context:
+            self._fail(victim, "the cache pools cannot hold this request" +
+                       (" (started at a drawn context: not recomputable)" if self.context else ""), PoolExhausted)
+        else:
+            self._preempt(victim, group)
+        return victim
+
+    def _preempt(self, job: Job, group: int):
         if self.drafter is not None:
             self.drafter.forget(job)
         seq = self.engine.sequence(job.rid)
@@ -253,13 +358,15 @@ class Scheduler:
                              prompt_len=seq.prompt_len)
         del self.running[job.rid]
         self.engine.release(job.rid)
-        job.rid = None
+        job.rid, job.feed = None, []
         job.preemptions += 1
+        self.victims.append((job, group))
         self.waiting.appendleft(job)
 
-    def _deliver(self, jobs: list[Job], out):
+    def _deliver(self, rows: list[tuple[int, Job]], out):
+        """rows: (index of the job in the step's output, job)."""
         self.last_out = out
-        for i, job in enumerate(jobs):
+        for i, job in rows:
             lps = out.logprobs[i] if out.logprobs is not None else None
             for j, token in enumerate(out.tokens[i]):
                 job.made.append(token)
@@ -284,7 +391,7 @@ class Scheduler:
         if job.rid is not None and job.rid in self.running:
             del self.running[job.rid]
             self.engine.release(job.rid)
-        job.rid, job.finished, job.last = None, True, None
+        job.rid, job.finished, job.last, job.feed = None, True, None, []
 
     def _finish(self, job: Job, reason: str):
         self._leave(job)

@@ -81,11 +81,12 @@ class Job(ScheduledJob):
 
 
 class Batcher:
-    def __init__(self, engine, metrics, max_batch: int, max_queue: int, prefill_rows: int, drafter=None):
-        """prefill_rows: the most prompt tokens one prefill step takes; drafter: speculative steps."""
+    def __init__(self, engine, metrics, max_batch: int, max_queue: int, budget: int | None = None, drafter=None):
+        """budget: the rows one step feeds per DP group (None: the engine's prefill capacity; a longer
+        prompt is fed in chunks); drafter: speculative steps."""
         self.engine, self.metrics = engine, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.scheduler = Scheduler(engine, drafter, max_batch, prefill_rows, fail_fast=False,
+        self.scheduler = Scheduler(engine, drafter, max_batch, budget, fail_fast=False,
                                    on_finish=self._finished)
         self.incoming: list[Job] = []                 # submitted, not yet seen by the engine thread
         self.cond = threading.Condition()
@@ -180,11 +181,11 @@ class Batcher:
         m.step_seconds.labels(turn.phase).observe(turn.ms / 1e3)
         if turn.out is None:
             return
-        prompt = 0
-        if turn.phase == "prefill":
-            prompt = sum(len(j.prompt) for j in turn.jobs)
+        fresh = [j for j in turn.started if not j.preemptions]     # a recompute was admitted before
+        prompt = sum(len(j.prompt) for j in fresh)
+        if fresh:
             started = time.monotonic() - turn.ms / 1e3
-            for job in turn.jobs:
+            for job in fresh:
                 m.on_admit(job, started)
         m.on_step(prompt, sum(map(len, turn.out.tokens)), turn.out.proposed, turn.out.accepted)
 

@@ -359,7 +359,8 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
     grammar = _grammar(body, chat, codec, compiler, thinking)
     where = "messages" if chat else "prompt"
     if len(prompt) > limits.max_prompt:
-        raise bad(f"{len(prompt)} tokens is longer than the {limits.max_prompt} this server takes", where)
+        raise bad(f"{len(prompt)} tokens is longer than the {limits.max_prompt} this server takes (max_model_len "
+                  f"{limits.max_context}, a row left for the answer)", where)
     room = limits.max_context - len(prompt)
     n = _int(body, "n", 1, 1, MAX_N)
     if _int(body, "priority", 0, -2 ** 63, 2 ** 63 - 1) != 0:

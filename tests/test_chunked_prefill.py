@@ -1,0 +1,175 @@
+"""Chunked prefill: a prompt longer than the step's token budget is fed in chunks (interleaved with
+the decode rows of running requests) and makes exactly the tokens and final logits of the same
+prompt prefilled in one step.
+
+Prompts of 1.5x, 3x and 7.9x the budget run together, so chunks share steps with other requests'
+chunks and decode rows. Budget 17 puts chunk boundaries at odd positions (the ratio-2 compressor's
+pending pair), inside the indexer's candidate blocks of 4 and inside paged blocks, and the 7.9x
+prompt's last chunk straddles position 128; budget 16 puts them on window page edges. Every
+boundary past position 3 splits an Engram 4-gram. (V4.1's compressors are ratio 1 and 2: there is
+no ratio-4 or ratio-128 block; the candidate blocks and the pages are what straddles.) The
+recorded boundaries are checked to cover each case.
+
+Oracle: the same prompts with the default budget (the engine's prefill capacity, 512 rows on TINY),
+where each prompt is one prefill step; on the reference engine, whose logits every layout gives
+bit for bit (tests/test_cluster.py)."""
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from dsv41.cluster.engine import GraphEngine
+from dsv41.config import TINY, Topology
+from dsv41.engine.drafters import NgramDrafter
+from dsv41.engine.dspark import dspark_drafter
+from dsv41.engine.reference import ReferenceEngine
+from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.ops.sampling import SamplingParams
+
+V = TINY.vocab_size
+CTX, NEW = 160, 4
+
+
+def prompts(budget: int) -> list[list[int]]:
+    """1.5x, 3x and 7.9x the budget, with repeats so the n-gram drafter proposes."""
+    lengths = (int(7.9 * budget), 3 * budget, int(1.5 * budget))
+    return [[(7 * j + 3 * i) % 41 + 11 * i for j in range(n)] for i, n in enumerate(lengths)]
+
+
+SAMPLED = [SamplingParams(temperature=0.9, top_k=50, seed=21 + i) for i in range(3)]
+
+
+class Recorder:
+    """Wraps an engine's step: every step's (request id, rows fed, first position) per request."""
+
+    def __init__(self, engine):
+        self.engine, self.steps, self._step = engine, [], engine.step
+        engine.step = self.step
+
+    def step(self, batch, phase, *a, **k):
+        kv = [0 if rid is None else self.engine.sequence(rid).kv_len for rid, _ in batch]
+        out = self._step(batch, phase, *a, **k)
+        self.steps.append([(rid, len(t), at) for rid, (_, t), at in zip(out.request_ids, batch, kv)])
+        return out
+
+    def boundaries(self) -> set[int]:
+        """Positions where a prompt chunk started after an earlier chunk of the same request."""
+        return {at for s in self.steps for _, n, at in s if n > 1 and at > 0}
+
+    def mixed(self) -> bool:
+        """Whether a step fed a prompt chunk beside another request's decode row."""
+        return any(any(n > 1 for _, n, _ in s) and any(n == 1 for _, n, _ in s) for s in self.steps)
+
+    def undo(self):
+        self.engine.step = self._step
+
+
+def generate(engine, prompts, budget=None, sampling=None, drafter=None):
+    jobs = jobs_for(prompts, sampling, NEW, None)
+    Scheduler(engine, drafter, budget=budget, keep_logits=True).run(jobs)
+    assert engine.blocks_in_use()[0] == 0
+    return [j.made for j in jobs], torch.stack([j.final_logits for j in jobs])
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """(budget, sampled) -> one-step prefill runs on the reference engine, made once."""
+    ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
+    made = {}
+
+    def get(budget, sampled=False):
+        key = (budget, sampled)
+        if key not in made:
+            rec = Recorder(ref)
+            made[key] = generate(ref, prompts(budget), sampling=SAMPLED if sampled else None)
+            rec.undo()
+            assert not rec.boundaries()            # every prompt was one step
+        return made[key]
+    return get
+
+
+def check_chunked(engine, oracle, budget, sampled=False, drafter=None):
+    rec = Recorder(engine)
+    try:
+        got = generate(engine, prompts(budget), budget, SAMPLED if sampled else None, drafter)
+    finally:
+        rec.undo()
+    want = oracle(budget, sampled)
+    assert got[0] == want[0]
+    assert torch.equal(got[1], want[1])
+    cuts = rec.boundaries()
+    assert rec.mixed()                                 # chunks interleaved with decode rows
+    assert len(cuts) >= 7
+    if budget % 2:
+        assert any(c % 2 for c in cuts)                                  # the ratio-2 pair split
+        assert any(c % TINY.candidate_block_size for c in cuts)          # inside a candidate block
+        assert any(c % TINY.block_size for c in cuts)                    # inside a page
+        assert any(c < 128 < c + budget for c in cuts)                   # a chunk across position 128
+    else:
+        assert any(c % TINY.block_size == 0 for c in cuts)               # at a window page edge
+    assert any(c >= TINY.engram_max_ngram_size for c in cuts)          # a whole 4-gram across a cut
+    return rec
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
+
+
+@pytest.mark.parametrize("budget", [17, 16])
+def test_reference_chunked_prefill_equals_one_step_greedy(reference, oracle, budget):
+    check_chunked(reference, oracle, budget)
+
+
+def test_reference_chunked_prefill_equals_one_step_sampled(reference, oracle):
+    check_chunked(reference, oracle, 17, sampled=True)
+
+
+def test_reference_chunked_prefill_with_ngram_drafts(reference, oracle):
+    check_chunked(reference, oracle, 16, drafter=NgramDrafter(3))
+
+
+def test_reference_chunked_prefill_with_dspark_drafts(reference, oracle):
+    check_chunked(reference, oracle, 17, drafter=dspark_drafter(reference))
+    reference.taps = ()
+
+
+@contextmanager
+def graph_engine(executor="threads", topo=Topology(2, 2, 4), wiring="sharded"):
+    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=4, max_context=CTX)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(900)
+def test_threads_tp2_dp2_chunked_prefill_equals_one_step(oracle):
+    with graph_engine() as engine:
+        check_chunked(engine, oracle, 17)
+        check_chunked(engine, oracle, 16, sampled=True)
+
+
+LAYOUTS = [("sync", Topology(1, 1, 1), "sharded"), ("distributed", Topology(2, 2, 4), "sharded"),
+           ("threads", Topology(4, 1, 4), "sharded"), ("threads", Topology(4, 1, 4), "replicated")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("executor,topo,wiring", LAYOUTS, ids=lambda v: str(v))
+def test_every_layout_chunked_prefill_equals_one_step(executor, topo, wiring, oracle):
+    with graph_engine(executor, topo, wiring) as engine:
+        check_chunked(engine, oracle, 17)
+        check_chunked(engine, oracle, 16, sampled=True)
+        check_chunked(engine, oracle, 17, sampled=True, drafter=NgramDrafter(3))
+        check_chunked(engine, oracle, 16, drafter=dspark_drafter(engine))
+        engine.dspark = False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_threads_tp2_dp2_chunked_prefill_with_drafters(oracle):
+    with graph_engine() as engine:
+        check_chunked(engine, oracle, 17, drafter=NgramDrafter(3))
+        check_chunked(engine, oracle, 16, sampled=True, drafter=dspark_drafter(engine))
+        engine.dspark = False
