@@ -173,3 +173,28 @@ def test_threads_tp2_dp2_chunked_prefill_with_drafters(oracle):
         check_chunked(engine, oracle, 17, drafter=NgramDrafter(3))
         check_chunked(engine, oracle, 16, sampled=True, drafter=dspark_drafter(engine))
         engine.dspark = False
+
+
+@pytest.mark.timeout(900)
+def test_server_answers_a_prompt_of_three_budgets_and_refuses_one_past_max_model_len(reference):
+    """--max-num-batched-tokens 40: a 120-token prompt is fed in three chunks and answered with the
+    one-step prefill's tokens; /v1/models' max_model_len is the context really enforced."""
+    httpx = pytest.importorskip("httpx")
+    from test_serve import Served
+    server = Served("--max-context", str(CTX), "--max-num-batched-tokens", "40")
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as c:
+            models = c.get("/v1/models").json()["data"]
+            assert models[0]["max_model_len"] == CTX
+            prompt = prompts(40)[1]
+            assert len(prompt) == 120
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": NEW,
+                                                "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == reference.generate([prompt], NEW)[0]
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": [1] * (CTX + 1), "max_tokens": 1})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "prompt"
+            assert f"max_model_len {CTX}" in err["message"]
+    finally:
+        server.stop()

@@ -21,7 +21,10 @@ PROG = "python -m dsv41.run: error: "
 MATRIX = [
     # values out of range
     ("--batch 1000000", "--batch", ["[1, 16]", "per DP group"]),
-    ("--prompt-len 5000", "--prompt-len", ["[1, 256]", "512 rows"]),
+    ("--prompt-len 5000", "--prompt-len", ["[1, 4095]", "context limit 4096", "chunks"]),
+    ("--max-num-batched-tokens 513", "--max-num-batched-tokens", ["[1, 512]", "per DP group"]),
+    ("--max-num-batched-tokens 0", "--max-num-batched-tokens", ["[1, 512]"]),
+    ("--max-total-tokens 1", "--max-total-tokens", ["[2, 228]", "DP group"]),
     ("--new-tokens 100000", "--new-tokens", ["[0, 4047]"]),
     ("--tp 3", "--tp", ["one of 1, 2, 4"]),
     ("--tp 8", "--tp", ["one of 1, 2, 4", "tiny"]),

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import typing
+from dataclasses import replace
 
 import pytest
 
@@ -53,11 +54,29 @@ class ScriptedEngine:
     def answer(self, text: str):
         self.script = self.codec.tokenizer.encode(text, add_special_tokens=False).ids + [self.codec.eos_id]
 
-    def prefill(self, prompts, params, context=0):
-        rids = list(range(self.next, self.next + len(prompts)))
-        self.next += len(prompts)
-        self.at.update(dict.fromkeys(rids, 0))
+    cfg = replace(TINY, prefill_max_tokens=4096)     # one step takes any prompt the app lets in
+    max_batch, max_context = 4, 4096
+
+    def step(self, batch, phase, sampling=None, drafts=None, draft_probs=None):
+        rids = []
+        for rid, _ in batch:
+            if rid is None:
+                rid, self.next = self.next, self.next + 1
+                self.at[rid] = 0
+            rids.append(rid)
         return self._out(rids)
+
+    def group_of(self, rid):
+        return 0
+
+    def place(self, count):
+        return [0] * count
+
+    def needs(self, rid, n_new, drawn=0):
+        return {}
+
+    def fits(self, group, needs):
+        return True
 
     def decode(self, tokens, rids, drafts=None, draft_probs=None):
         return self._out(rids)
@@ -89,7 +108,7 @@ class InProcess:
         from dsv41.serving.metrics import Metrics
         self.engine = engine or ScriptedEngine(codec)
         metrics = Metrics()
-        self.batcher = Batcher(self.engine, metrics, max_batch=4, max_queue=4, prefill_rows=4096)
+        self.batcher = Batcher(self.engine, metrics, max_batch=4, max_queue=4, budget=None)
         self.batcher.start()
         limits = schema.Limits(max_context=4096, max_prompt=4000, vocab_size=TINY.vocab_size, max_body_bytes=1 << 20)
         sock = bound_socket()              # bound until uvicorn serves it: no other program can take the port

@@ -13,6 +13,7 @@ import json
 from dsv41.cli.args import on
 from dsv41.cli.modes import ALL, GRAPH_OR_PLAN, PLAN
 from dsv41.cli.trace import tracing_on
+from dsv41.engine.blocks import BlockManager
 from dsv41.plan.calibration import calibrated
 from dsv41.plan.explain import calibration_lines, explain_lines, sensitivity
 from dsv41.plan.latency import DISPATCH, PARTS
@@ -134,6 +135,12 @@ def plan_report(args, cfg, topo, say) -> dict:
     say("  card 0 by kind (GB): " + ", ".join(f"{k} {v / GB:.3f}" for k, v in kinds.items()))
     say(f"  cache per request: {report['cache_per_request_bytes'] / GB:.3f} GB "
         f"(BF16 rows: {report['cache_per_request_bf16_bytes'] / GB:.3f} GB)")
+    if args.max_total_tokens is not None:
+        per_group = -(-args.max_total_tokens // topo.dp)
+        held = BlockManager(cfg, cfg.max_batch_per_dp, context, per_group).holds(context) * topo.dp
+        report["max_total_tokens"], report["requests_held"] = args.max_total_tokens, held
+        say(f"  cache budget {args.max_total_tokens} tokens ({per_group} per DP group): holds {held} requests of "
+            f"{context} tokens at once ({cfg.max_batch_per_dp} per DP group at most)")
     say(f"  {report['device_profile']} ({report['dispatch']} dispatch): predicted step "
         f"{report['predicted_step_us'] / 1e3:.2f} ms; {report['tokens_per_s_per_request']:.1f} tokens/s per request, "
         f"{report['tokens_per_s']:.0f} tokens/s in total ({_per_step(report)})")

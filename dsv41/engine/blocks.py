@@ -103,6 +103,13 @@ class BlockManager:
         out["window"] = min(out["window"], self.window_per_request)
         return out
 
+    def holds(self, context: int) -> int:
+        """How many requests of ``context`` tokens the pools hold at once (fed in steps the window pool
+        allows), at most the batch they are sized for."""
+        need = self.needs_started(context, 0)
+        sizes = {"window": self.window_blocks, "state": self.state_blocks, **self.compressed_blocks}
+        return min(sizes[k] // n for k, n in need.items() if n)
+
     def fits(self, needs: list[dict]) -> bool:
         """Whether the free pools hold the summed needs of several sequences."""
         total: dict = {}

@@ -16,7 +16,8 @@ class Drafter:
         raise NotImplementedError
 
     def observe(self, phase: str, jobs, out):
-        """What a step made (a drafter fed by the model's own states reads it here)."""
+        """What a step made (a drafter fed by the model's own states reads it here); jobs: one per
+        request of the step, None for one that is not of this phase (a step that mixes both)."""
 
     def forget(self, job):
         """The job left the engine (finished or preempted)."""

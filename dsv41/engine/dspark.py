@@ -84,8 +84,11 @@ class DSparkDrafter(Drafter):
     # ---- seeding ----------------------------------------------------------------------------------
     def observe(self, phase: str, jobs, out):
         """After a step: publish each job's kept rows (a prefill's last window rows; a recompute
-        after preemption tells its steps too, ``Engine.restart``)."""
+        after preemption tells its steps too). jobs: one per request of the step, None for a
+        request of the other phase (a prefill step's decode rows are told as "decode")."""
         for i, job in enumerate(jobs):
+            if job is None:                   # not this phase's row in a step that mixes both
+                continue
             taps = out.taps[i]
             rows = next(iter(taps.values())).shape[0]
             if phase == "prefill":            # a recompute's later chunks continue its window

@@ -99,8 +99,8 @@ class RequestTable:
             bad = [t for t in list(toks) + d if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
             if bad:
                 raise ValueError(f"token_ids: must be ints in [0, {cfg.vocab_size - 1}], got {bad[0]!r}")
-            if d and phase != "decode":
-                raise ValueError("drafts: only decode steps verify drafts")
+            if d and (rid is None or len(toks) != 1):     # a prefill step may carry decode rows and their drafts
+                raise ValueError("drafts: only a running request's decode row (one new token) verifies drafts")
             if len(d) > cfg.decode_rows_per_request - 1:
                 raise ValueError(f"drafts: at most {cfg.decode_rows_per_request - 1} per request "
                                  f"(decode_rows_per_request {cfg.decode_rows_per_request}), got {len(d)}")

@@ -192,9 +192,9 @@ class Scheduler:
         return self.engine.group_of(job.rid)
 
     def _schedule_chunks(self, decoding: list[Job], ingesting: list[Job]):
-        """(items, groups) of a step that feeds prompt chunks: (job, tokens) per request, decode rows
-        first, then the chunks of ingesting jobs, then admissions in arrival order, each as far as its
-        group's budget and free blocks take it; None when no chunk fits."""
+        """(items, drafts, probs) of a step that feeds prompt chunks: (job, tokens) per request, decode
+        rows first (with their drafts), then the chunks of ingesting jobs, then admissions in arrival
+        order, each as far as its group's budget and free blocks take it; None when no chunk fits."""
         budget, engine = self.budget, self.engine
         rows: dict[int, int] = collections.defaultdict(int)
         needs: dict[int, list[dict]] = collections.defaultdict(list)
@@ -209,9 +209,12 @@ class Scheduler:
             items.append((job, tokens))
             return True
 
-        for job in decoding:                       # decode rows first; a group short of blocks decodes alone
-            if not take(job, self._group(job), [job.last]):
+        drafts, probs = self._drafts(decoding) if decoding else (None, None)
+        for i, job in enumerate(decoding):         # decode rows first; a group short of blocks decodes alone
+            if not take(job, self._group(job), [job.last] + (drafts[i] if drafts else [])):
                 return None
+        for item in items:                         # the draft rows are fed with the row, as a decode step's
+            del item[1][1:]
         chunked = False
         for job in ingesting:
             g = self._group(job)
@@ -232,14 +235,19 @@ class Scheduler:
             chunked = True
         if not chunked:
             return None
-        return items, admitted
+        rest = len(items) - len(decoding)
+        if drafts is not None:
+            drafts = drafts + [[]] * rest
+            probs = None if probs is None else probs + [None] * rest
+        return items, drafts, probs
 
-    def _feed(self, items: list[tuple[Job, list[int]]], admitted: int) -> Turn:
+    def _feed(self, items: list[tuple[Job, list[int]]], drafts, probs) -> Turn:
         """One step of prompt chunks (and decode rows): new requests start, the chunks before a
         request's last draw nothing, its last one makes its first token (a recomputed request's
         newest token is known already: that one is dropped)."""
         new = [job for job, _ in items if job.rid is None]
-        phase = "prefill" if any(not j.made for j, _ in items if j.feed) else "restart"
+        fed = [bool(job.feed) for job, _ in items]          # a prompt chunk, not a decode row
+        phase = "prefill" if any(not j.made for (j, _), f in zip(items, fed) if f) else "restart"
         t0 = time.perf_counter()
         rids = []
         try:
@@ -251,15 +259,14 @@ class Scheduler:
                 rid = next(ids) if job.rid is None and self.context else job.rid
                 batch.append((rid, tokens))
                 sampling.append(self._params(job) if rid is None else None)
-            out = self.engine.step(batch, "prefill", sampling)
+            out = self.engine.step(batch, "prefill", sampling, drafts, probs)
         except Exception as e:
             for rid in rids:
                 self.engine.release(rid)
             for job in new:
                 job.feed = []
-            jobs = [j for j, _ in items]
-            for job in new:
                 self.waiting.remove(job)
+            jobs = [j for j, _ in items]
             self._step_failed(jobs, e)
             return Turn(phase, (time.perf_counter() - t0) * 1e3, jobs)
         ms = (time.perf_counter() - t0) * 1e3
@@ -268,17 +275,22 @@ class Scheduler:
             job.rid = rid
             self.running[rid] = job
         if self.drafter is not None:
-            self.drafter.observe("prefill", [j for j, _ in items], out)
+            self.drafter.observe("prefill", [j if f else None for (j, _), f in zip(items, fed)], out)
+            decoded = [j if not f else None for (j, _), f in zip(items, fed)]
+            self.drafter.observe("decode", decoded, out)
+            if drafts is not None:
+                at = [i for i, f in enumerate(fed) if not f]
+                self.spec.add([len(drafts[i]) for i in at], [out.tokens[i] for i in at])
         deliver = []
-        for i, (job, tokens) in enumerate(items):
-            if not job.feed:                       # a decode row
+        for i, ((job, tokens), f) in enumerate(zip(items, fed)):
+            if not f:                              # a decode row
                 deliver.append((i, job))
                 continue
             del job.feed[:len(tokens)]
-            if job.saved is None:                  # the state its later chunks hold: no draws yet
-                seq = self.engine.sequence(job.rid)
-                job.saved = Sequence(-1, [], sampling=seq.sampling, seed=seq.seed, prompt_len=len(job.prompt))
             if job.feed or job.made:               # more to feed, or a recompute done: nothing drawn
+                if job.saved is None:              # the state a prompt's later chunks hold: no draws yet
+                    seq = self.engine.sequence(job.rid)
+                    job.saved = Sequence(-1, [], sampling=seq.sampling, seed=seq.seed, prompt_len=len(job.prompt))
                 self.engine.settle(job.rid, job.saved)
             else:
                 deliver.append((i, job))
