@@ -11,7 +11,8 @@ prompt arrives; the inter-token gaps of the running streams from its arrival to 
 summarised (p50, p99, max; each stream's gaps from the arrival up to its first token after the
 prompt's first token), with interleaving (each step gives every stream its row and the prompt's
 chunk fills the rest of the budget, vLLM v1's policy) and without it (the prompt's chunks run alone;
-the streams wait). One torch thread; wall time (run it on a quiet machine). Prints one JSON object.
+the streams wait); the engine's batch slots per DP group are raised to hold the streams and the
+prompt (TINY has 8). One torch thread; wall time (run it on a quiet machine). Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -72,6 +74,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def arrival(a, cfg) -> list[dict]:
+    # the streams and the long prompt in one DP group: TINY's 8 slots per group raised to hold them
+    slots = -(-(a.streams + 1) // a.dp)
+    cfg = replace(cfg, max_batch_per_dp=max(cfg.max_batch_per_dp, slots))
     engine = make_engine(a, cfg, a.streams + 1, a.long + a.new + 2)
     rows = []
     try:

@@ -13,18 +13,16 @@ recorded boundaries are checked to cover each case.
 Oracle: the same prompts with the default budget (the engine's prefill capacity, 512 rows on TINY),
 where each prompt is one prefill step; on the reference engine, whose logits every layout gives
 bit for bit (tests/test_cluster.py)."""
-from contextlib import contextmanager
-
 import pytest
 import torch
 
-from dsv41.cluster.engine import GraphEngine
 from dsv41.config import TINY, Topology
 from dsv41.engine.drafters import NgramDrafter
 from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.scheduler import Scheduler, jobs_for
 from dsv41.ops.sampling import SamplingParams
+from test_speculative import graph_engine
 
 V = TINY.vocab_size
 CTX, NEW = 160, 4
@@ -134,18 +132,9 @@ def test_reference_chunked_prefill_with_dspark_drafts(reference, oracle):
     reference.taps = ()
 
 
-@contextmanager
-def graph_engine(executor="threads", topo=Topology(2, 2, 4), wiring="sharded"):
-    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=4, max_context=CTX)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 @pytest.mark.timeout(900)
 def test_threads_tp2_dp2_chunked_prefill_equals_one_step(oracle):
-    with graph_engine() as engine:
+    with graph_engine(max_context=CTX) as engine:
         check_chunked(engine, oracle, 17)
         check_chunked(engine, oracle, 16, sampled=True)
 
@@ -158,7 +147,7 @@ LAYOUTS = [("sync", Topology(1, 1, 1), "sharded"), ("distributed", Topology(2, 2
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("executor,topo,wiring", LAYOUTS, ids=lambda v: str(v))
 def test_every_layout_chunked_prefill_equals_one_step(executor, topo, wiring, oracle):
-    with graph_engine(executor, topo, wiring) as engine:
+    with graph_engine(executor, topo, wiring, CTX) as engine:
         check_chunked(engine, oracle, 17)
         check_chunked(engine, oracle, 16, sampled=True)
         check_chunked(engine, oracle, 17, sampled=True, drafter=NgramDrafter(3))
@@ -169,7 +158,7 @@ def test_every_layout_chunked_prefill_equals_one_step(executor, topo, wiring, or
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_threads_tp2_dp2_chunked_prefill_with_drafters(oracle):
-    with graph_engine() as engine:
+    with graph_engine(max_context=CTX) as engine:
         check_chunked(engine, oracle, 17, drafter=NgramDrafter(3))
         check_chunked(engine, oracle, 16, sampled=True, drafter=dspark_drafter(engine))
         engine.dspark = False

@@ -240,8 +240,7 @@ class GraphEngine(Engine):
         logprobs = split.gather({g: [None] * len(h.tokens) if h.logprobs is None else h.logprobs
                                  for g, h in heads.items()})
         # each request's logit rows within its group's: the rows of the requests before it
-        first = {g: list(itertools.accumulate([0] + [k + 1 for k in s.proposed]))[:-1] for g, s in steps.items()}
-        spans = [(grp, first[grp][idx], steps[grp].proposed[idx] + 1) for grp, idx in split.placed]
+        spans = [(grp, steps[grp].first_rows[idx], steps[grp].proposed[idx] + 1) for grp, idx in split.placed]
         step = self.step_id
         verified = split.gather({g: s.proposed for g, s in steps.items()})
         if self.dspark:

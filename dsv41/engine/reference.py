@@ -2,8 +2,6 @@
 continuous batching; the token is the head's draw from the logits it just made."""
 from __future__ import annotations
 
-import itertools
-
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.context import draw_history, fill_caches
@@ -85,11 +83,10 @@ class ReferenceEngine(Engine):
         self.caches.commit(keep_rows=made.keep_rows)
         self.table.commit(step, [len(t) for t in made.tokens])
         self.last_request_ids = step.rids
-        first = [0] + list(itertools.accumulate(k + 1 for k in step.proposed))[:-1]
         qsl = step.md.query_start_loc.tolist()
         per_request = None if taps is None else [{L: taps[L][a:b] for L in self.taps} for a, b in zip(qsl, qsl[1:])]
         return StepOutput(step.rids, made.tokens, self._steps.guard(self._steps.next(), lambda: logits),
-                          made.logprobs, step.proposed if step.verifies else None, first, per_request)
+                          made.logprobs, step.proposed if step.verifies else None, step.first_rows, per_request)
 
     def _abort(self, step):
         self.caches.abort()

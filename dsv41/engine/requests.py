@@ -8,6 +8,7 @@ to, never copied.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,11 @@ class StepInputs:
     @property
     def verifies(self) -> bool:
         return any(self.proposed)
+
+    @property
+    def first_rows(self) -> list[int]:
+        """Per request, its first logit row: each request has its drafts' rows and one more."""
+        return list(itertools.accumulate([0] + [k + 1 for k in self.proposed]))[:-1]
 
 
 @dataclass
