@@ -35,7 +35,7 @@ class Watched(Scheduler):
 
 @pytest.mark.timeout(1800)
 def test_requests_past_the_cache_budget_all_finish_with_their_tokens():
-    roomy = ReferenceEngine(TINY, seed=0, max_batch=16, max_context=CTX)
+    roomy = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX)
     want = jobs_for(PROMPTS, None, NEW, None)
     Scheduler(roomy).run(want)
     budget = 2 * 100                                  # tokens in all: 100 per DP group, 16 requests reach ~30 each

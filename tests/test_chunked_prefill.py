@@ -132,6 +132,14 @@ def test_reference_chunked_prefill_with_dspark_drafts(reference, oracle):
     reference.taps = ()
 
 
+def test_only_a_decode_row_verifies_drafts(reference):
+    """A prompt chunk never carries drafts; a running request's one-token row may, in any phase."""
+    for batch in ([(None, [1, 2])], [(None, [1])]):
+        with pytest.raises(ValueError, match="^drafts: only a running request's decode row"):
+            reference.step(batch, "prefill", drafts=[[3]])
+    assert reference.blocks_in_use()[0] == 0
+
+
 @pytest.mark.timeout(900)
 def test_threads_tp2_dp2_chunked_prefill_equals_one_step(oracle):
     with graph_engine(max_context=CTX) as engine:
