@@ -140,6 +140,20 @@ def test_only_a_decode_row_verifies_drafts(reference):
     assert reference.blocks_in_use()[0] == 0
 
 
+@pytest.mark.timeout(600)
+def test_a_step_of_the_same_rows_and_more_requests_gets_its_own_dspark_graph():
+    """DSpark drafts a block per request: a chunk step (one request, 6 rows) and a step of the same
+    rows over two requests (a decode row beside a 5-row chunk) are different graphs."""
+    with graph_engine("sync", Topology(1, 1, 1), max_context=CTX) as engine:
+        engine.dspark = True
+        a = engine.step([(None, list(range(1, 7)))], "prefill").request_ids[0]
+        out = engine.step([(a, [7]), (None, list(range(9, 14)))], "prefill")
+        assert engine.last_stats["graph_reused"] is False
+        assert [len(engine.drafts[r][0]) for r in out.request_ids] == [TINY.dspark_block_size] * 2
+        for r in out.request_ids:
+            engine.release(r)
+
+
 @pytest.mark.timeout(900)
 def test_threads_tp2_dp2_chunked_prefill_equals_one_step(oracle):
     with graph_engine(max_context=CTX) as engine:

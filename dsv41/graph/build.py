@@ -345,15 +345,16 @@ class _Builder:
 
 
 def shape(cfg: ModelConfig, steps: dict) -> tuple:
-    """All a graph's structure depends on: the DP groups with work, their rows and the index chunks
-    per indexed source. Steps of one shape differ only in their ``step@c*`` literals."""
+    """All a graph's structure depends on: the DP groups with work, their rows, their requests (DSpark
+    drafts a block of rows per request) and the index chunks per indexed source. Steps of one shape
+    differ only in their ``step@c*`` literals."""
     sources = sorted({spec.kv_source for spec in cfg.layers if spec.mode in (FULL, REINDEX)})
     out = []
     for grp, step in sorted(steps.items()):
         t = step.md.num_tokens
         chunks = tuple(tuple(score_chunks(t, int(step.md.compressed_lens[s].max()) if t else 0,
                                           cfg.index_score_budget_bytes, cfg.index_score_leaf)) for s in sources)
-        out.append((grp, t, chunks))
+        out.append((grp, t, len(step.rids), chunks))
     return tuple(out)
 
 
