@@ -153,8 +153,8 @@ def test_vllm_names_labels_and_buckets_with_speculative_counters():
 
 
 class _TightEngine:
-    """One token per request and step; the first decode step of two requests finds the cache pools
-    full (PoolExhausted), so the scheduler preempts the newer one and recomputes it later."""
+    """One token per request and step; the first time two requests decode, the block manager says
+    their step does not fit, so the scheduler preempts the newer one and recomputes it later."""
 
     def __init__(self):
         from dsv41.config import TINY
@@ -165,22 +165,33 @@ class _TightEngine:
         self.next += n
         return list(range(self.next - n, self.next))
 
-    def prefill(self, prompts, params, context=0):
-        return self._out(self._rids(len(prompts)))
+    def step(self, batch, phase, sampling=None, drafts=None, draft_probs=None):
+        return self._out([self._rids(1)[0] if rid is None else rid for rid, _ in batch])
 
     def decode(self, tokens, rids, drafts=None, draft_probs=None):
-        from dsv41.engine.blocks import PoolExhausted
-        if self.full_once and len(rids) == 2:
-            self.full_once = False
-            raise PoolExhausted("full")
         return self._out(rids)
 
-    def restart(self, history, saved, seen=None):
-        return self._rids(1)[0]
+    def group_of(self, rid):
+        return 0
+
+    def place(self, count):
+        return [0] * count
+
+    def needs(self, rid, n_new, drawn=0):
+        return {"rows": n_new}
+
+    def fits(self, group, needs):
+        if self.full_once and [n["rows"] for n in needs] == [1, 1]:     # two decode rows
+            self.full_once = False
+            return False
+        return True
 
     def sequence(self, rid):
         from dsv41.engine.sequence import Sequence
         return Sequence(rid, [])
+
+    def settle(self, rid, state):
+        pass
 
     def _out(self, rids):
         from dsv41.engine.protocol import StepOutput
@@ -202,7 +213,7 @@ def test_a_preemption_is_counted_once():
     from dsv41.serving.metrics import Metrics
 
     metrics = Metrics()
-    batcher = Batcher(_TightEngine(), metrics, max_batch=2, max_queue=4, prefill_rows=64)
+    batcher = Batcher(_TightEngine(), metrics, max_batch=2, max_queue=4, budget=64)
     batcher.start()
 
     async def serve_two():
