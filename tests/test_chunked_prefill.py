@@ -75,11 +75,15 @@ def oracle():
     ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
     made = {}
 
-    def get(budget, sampled=False):
-        key = (budget, sampled)
+    def get(budget, sampled=False, dspark=False):
+        """dspark: with the reference's DSpark drafter (a sampling request's tokens follow its drafts'
+        distribution, so its oracle drafts too; the graph's drafts are the reference's)."""
+        key = (budget, sampled, dspark)
         if key not in made:
             rec = Recorder(ref)
-            made[key] = generate(ref, prompts(budget), sampling=SAMPLED if sampled else None)
+            made[key] = generate(ref, prompts(budget), sampling=SAMPLED if sampled else None,
+                                 drafter=dspark_drafter(ref) if dspark else None)
+            ref.taps = ()
             rec.undo()
             assert not rec.boundaries()            # every prompt was one step
         return made[key]
@@ -92,7 +96,8 @@ def check_chunked(engine, oracle, budget, sampled=False, drafter=None):
         got = generate(engine, prompts(budget), budget, SAMPLED if sampled else None, drafter)
     finally:
         rec.undo()
-    want = oracle(budget, sampled)
+    dspark = sampled and drafter is not None and not isinstance(drafter, NgramDrafter)
+    want = oracle(budget, sampled, dspark)
     assert got[0] == want[0]
     assert torch.equal(got[1], want[1])
     cuts = rec.boundaries()
