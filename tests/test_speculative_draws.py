@@ -160,6 +160,8 @@ class Recorded(Drafter):
         if phase != "decode":
             return
         for job in jobs:
+            if job is None:                  # a prompt chunk of a step that also decodes
+                continue
             i = out.request_ids.index(job.rid)
             prompt, made, d, q = self.pending.pop(job.rid)
             k = out.proposed[i] if out.proposed else 0
