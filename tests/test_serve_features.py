@@ -22,7 +22,6 @@ import pytest
 from dsv41.checkpoint.chat import encode_messages
 from dsv41.checkpoint.text import TextCodec
 from dsv41.config import TINY
-from dsv41.engine.protocol import StepOutput
 from dsv41.serving import schema
 from dsv41.serving.reasoning import split_reasoning
 
@@ -30,6 +29,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+from fake_engine import OneGroupEngine  # noqa: E402
 from ports import bound_socket  # noqa: E402
 from test_serve import Served  # noqa: E402  (the subprocess server of tests/test_serve.py)
 
@@ -43,59 +43,29 @@ CALL_ANSWER = (f"The user wants Paris.</think>Checking.\n\n<{D} calls>\n<{D} inv
 
 # ---- the HTTP layer over a scripted engine -----------------------------------------------------------
 
-class ScriptedEngine:
+class ScriptedEngine(OneGroupEngine):
     """Answers every request with the ids of one text (then EOS): the model stand-in that lets a test
     know the answer the parsers must take apart."""
 
+    cfg = replace(TINY, prefill_max_tokens=4096)     # one step takes any prompt the app lets in
+
     def __init__(self, codec: TextCodec):
-        self.codec, self.script, self.at, self.next = codec, [], {}, 0
-        self.last_stats = {}
+        super().__init__()
+        self.codec, self.script, self.at = codec, [], {}
 
     def answer(self, text: str):
         self.script = self.codec.tokenizer.encode(text, add_special_tokens=False).ids + [self.codec.eos_id]
 
-    cfg = replace(TINY, prefill_max_tokens=4096)     # one step takes any prompt the app lets in
-    max_batch, max_context = 4, 4096
+    def started(self, rid):
+        self.at[rid] = 0
 
-    def step(self, batch, phase, sampling=None, drafts=None, draft_probs=None):
-        rids = []
-        for rid, _ in batch:
-            if rid is None:
-                rid, self.next = self.next, self.next + 1
-                self.at[rid] = 0
-            rids.append(rid)
-        return self._out(rids)
-
-    def group_of(self, rid):
-        return 0
-
-    def place(self, count):
-        return [0] * count
-
-    def needs(self, rid, n_new, drawn=0):
-        return {}
-
-    def fits(self, group, needs):
-        return True
-
-    def decode(self, tokens, rids, drafts=None, draft_probs=None):
-        return self._out(rids)
-
-    def _out(self, rids):
-        tokens = []
-        for r in rids:
-            tokens.append([self.script[min(self.at[r], len(self.script) - 1)]])
-            self.at[r] += 1
-        return StepOutput(rids, tokens, fetch=lambda: None)
+    def token(self, rid):
+        token = self.script[min(self.at[rid], len(self.script) - 1)]
+        self.at[rid] += 1
+        return token
 
     def release(self, rid):
         self.at.pop(rid, None)
-
-    def blocks_in_use(self):
-        return 0, 0
-
-    def close(self):
-        pass
 
 
 class InProcess:

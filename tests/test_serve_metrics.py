@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fake_engine import OneGroupEngine
 from test_serve_hostile import Served, _until
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 9], [4, 4, 4, 4, 4], [11, 12, 13, 14, 15, 16]]
@@ -152,53 +153,25 @@ def test_vllm_names_labels_and_buckets_with_speculative_counters():
         server.stop()
 
 
-class _TightEngine:
+class _TightEngine(OneGroupEngine):
     """One token per request and step; the first time two requests decode, the block manager says
     their step does not fit, so the scheduler preempts the newer one and recomputes it later."""
 
+    max_context = 64
+
     def __init__(self):
         from dsv41.config import TINY
-        self.cfg, self.max_batch, self.max_context, self.last_stats = TINY, 4, 64, {}
-        self.next, self.full_once = 0, True
+        super().__init__()
+        self.cfg, self.full_once = TINY, True
 
-    def _rids(self, n):
-        self.next += n
-        return list(range(self.next - n, self.next))
-
-    def step(self, batch, phase, sampling=None, drafts=None, draft_probs=None):
-        return self._out([self._rids(1)[0] if rid is None else rid for rid, _ in batch])
-
-    def decode(self, tokens, rids, drafts=None, draft_probs=None):
-        return self._out(rids)
-
-    def group_of(self, rid):
-        return 0
-
-    def place(self, count):
-        return [0] * count
-
-    def needs(self, rid, n_new, drawn=0):
-        return {"rows": n_new}
+    def token(self, rid):
+        return 5
 
     def fits(self, group, needs):
         if self.full_once and [n["rows"] for n in needs] == [1, 1]:     # two decode rows
             self.full_once = False
             return False
         return True
-
-    def sequence(self, rid):
-        from dsv41.engine.sequence import Sequence
-        return Sequence(rid, [])
-
-    def settle(self, rid, state):
-        pass
-
-    def _out(self, rids):
-        from dsv41.engine.protocol import StepOutput
-        return StepOutput(rids, [[5] for _ in rids], fetch=lambda: None)
-
-    def release(self, rid):
-        pass
 
     def blocks_in_use(self):
         return 1, 4
