@@ -123,7 +123,9 @@ def test_a_request_recomputed_after_preemption_drafts_again():
         state = engine.sequence(rid)
         engine.release(rid)
         assert rid not in engine.drafts
-        again = engine.restart(history, state)
+        # recomputed as the scheduler does a preempted request (one chunk here), its state settled
+        again = engine.step([(None, history)], "prefill", [state.sampling]).request_ids[0]
+        engine.settle(again, state)
         made, _ = golden.drafts()
         tokens, conf, _, _ = graph_drafts(engine, [again])
         assert torch.equal(tokens, made.tokens) and torch.equal(conf, made.confidence)

@@ -6,12 +6,12 @@ draft and head nodes per DP group, placed as the backbone's, the windows card ca
 the step), so a request's drafts are what its last step made (``GraphEngine.drafts``): ``GraphDrafts``
 only cuts them to the room and the confidence threshold. A request recomputed after preemption
 drafts again: its recompute prefill seeds its windows and drafts its next block (with the request's
-own seed: ``Engine.restart``).
+own seed: the scheduler feeds it as chunks, as it does a prompt).
 
 On the reference engine ``DSparkDrafter`` is the golden: the stages in the engine's process over its
 weights, seeded with the taps the reference forward captures (``Engine.taps``): a prefill's last
 ``window`` rows, a verify step's accepted rows, never a rejected one, a recompute's rows after
-preemption (``Engine.restart`` tells it its steps). A greedy request's drafts are
+preemption (the scheduler tells it each recompute chunk's step). A greedy request's drafts are
 the stages' argmax (with the Markov bias); a sampling request's are drawn from the draft
 distribution with a generator of its own (``model.dspark.seeded_sampler``), and that distribution
 goes with the drafts, so the verify step accepts them by the speculative-sampling rule.

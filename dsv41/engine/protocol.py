@@ -10,7 +10,7 @@ them, for the step just run only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -164,30 +164,6 @@ class Engine(ABC):
         prompt length): after a chunk of its prompt or of its recompute, whose token is not kept."""
         seq = self.sequence(rid)
         seq.sampling, seq.seed, seq.drawn, seq.prompt_len = state.sampling, state.seed, state.drawn, state.prompt_len
-
-    def restart(self, history: list[int], state: Sequence, on_step: Callable[[StepOutput], None] | None = None) -> int:
-        """A request again from its token history (a preempted one: its caches recomputed by
-        prefill steps of at most ``prefill_max_tokens`` rows, their tokens not kept), with the
-        sampling state it had (``settle``). Returns its new id. on_step: told each recompute
-        step's output (a drafter seeded by the model's own states). The steps run with the
-        request's own seed, so what they draw for it (DSpark's next drafts) is what the request
-        would have drawn. (The scheduler feeds recomputes chunk by chunk beside other requests.)"""
-        limit = self.cfg.prefill_max_tokens
-        params = state.sampling if state.sampling.greedy else replace(state.sampling, seed=state.seed)
-        out = self.step([(None, history[:limit])], "prefill", [params])
-        rid = out.request_ids[0]
-        try:
-            if on_step is not None:
-                on_step(out)
-            for i in range(limit, len(history), limit):
-                out = self.step([(rid, history[i:i + limit])], "prefill")
-                if on_step is not None:
-                    on_step(out)
-        except BaseException:
-            self.release(rid)
-            raise
-        self.settle(rid, state)
-        return rid
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, sampling=None,
                  decode_text: Callable[[list[int]], str] | None = None, drafter=None) -> list[list[int]]:
