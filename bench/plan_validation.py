@@ -32,7 +32,8 @@ def plan_row(m: cb.Deployment) -> dict:
     """The first-principles plan of one row: the features the terms scale, and what the table shows."""
     cfg = replace(FLASH, decode_rows_per_request=1 + m.draft, max_batch_per_dp=128)
     t0 = time.perf_counter()
-    r, planned = run_plan(cfg, m.topo, m.batch, m.context, device=m.profile, dispatch=m.dispatch)
+    r, planned = run_plan(cfg, m.topo, m.batch, m.context, device=m.profile, dispatch=m.dispatch,
+                           scheme=m.scheme)
     hbm = max(c["total_bytes"] for c in r["cards"])
     return {**cb.features(r, cfg.num_hidden_layers),
             "critical_path_us": {k: round(r["breakdown_us"][k], 3) for k in PARTS},
@@ -88,7 +89,8 @@ def robustness_lines(rows, planned, model: str) -> list[str]:
 def sources_lines(rows) -> list[str]:
     """Where every measured figure was read, and the arithmetic where it is derived."""
     return [f"- **{r.label}** ({r.model}, {r.layout}{f', {r.draft} drafts' if r.draft else ''}): {r.source}"
-            + (f". Derived: {r.derived}" if r.derived else "") for r in rows]
+            + (f". Derived: {r.derived}" if r.derived else "")
+            + (f". Scheme {r.scheme}: {r.scheme_source}" if r.scheme_source else "") for r in rows]
 
 
 def constants_text(cal: cb.Calibration) -> str:
@@ -97,14 +99,14 @@ def constants_text(cal: cb.Calibration) -> str:
 
 def table_lines(rows, planned, model: str) -> list[str]:
     """The leave-one-out table: every row predicted by constants fitted on the other deployments."""
-    out = ["| deployment | stack | device (profile) | planned layout, dispatch | batch / DP group | tokens / step | context | measured per token "
+    out = ["| deployment | stack | device (profile) | planned layout, dispatch, hand-offs | batch / DP group | tokens / step | context | measured per token "
            "| first principles per token | fitted per token (held out) | predicted per token | ratio | within ±30% "
            "| constants fitted without it | critical path, first principles (ms) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, cal in cb.leave_one_out(rows, planned, model):
         m, f = p.row, planned[p.row.label]
         parts = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in f["critical_path_us"].items() if v >= 50)
-        out.append(f"| {m.label} | {m.stack} | {m.profile} | TP{m.tp}/DP{m.dp}/EP{m.ep}, {m.dispatch} | {m.batch} x {1 + m.draft} "
+        out.append(f"| {m.label} | {m.stack} | {m.profile} | TP{m.tp}/DP{m.dp}/EP{m.ep}, {m.dispatch}, {m.scheme} | {m.batch} x {1 + m.draft} "
                    f"rows | {m.accepted:.2f}{'' if m.accept_length or not m.draft else ' (assumed)'} | {m.context} | {m.measured_ms:.1f} ms | {p.first_principles_ms:.1f} ms "
                    f"| {p.fitted_ms:.1f} ms | {p.predicted_ms:.1f} ms | {p.ratio:.2f} "
                    f"| {'yes' if cb.within(p.ratio) else 'no'} | {constants_text(cal)} | {parts} |")

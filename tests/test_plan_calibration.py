@@ -116,6 +116,13 @@ def test_a_bad_row_names_its_field(tmp_path):
     (tmp_path / "d.toml").write_text("[[row]]\n" + good + 'dispatch = "cuda"\n')
     with pytest.raises(ValueError, match=r"row\[0\]\.dispatch: must be one of \['graph', 'eager'\]"):
         cb.load_deployments(tmp_path / "d.toml")
+    dp16 = next(r for r in cb.DEPLOYMENTS.read_text().split("\n[[row]]\n")[1:] if "dp = 16" in r and "scheme" not in r)
+    (tmp_path / "d.toml").write_text("[[row]]\n" + dp16 + 'scheme = "all_to_all"\n')
+    with pytest.raises(ValueError, match=r"row\[0\]: scheme and scheme_source go together"):
+        cb.load_deployments(tmp_path / "d.toml")
+    (tmp_path / "d.toml").write_text("[[row]]\n" + dp16 + 'scheme = "all_reduce"\nscheme_source = "x"\n')
+    with pytest.raises(ValueError, match=r"row\[0\]\.scheme: must be one of"):
+        cb.load_deployments(tmp_path / "d.toml")
 
 
 def test_cli_shows_first_principles_and_fitted_parts(capsys, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from dsv41.config import TINY, Topology
 from dsv41.graph.graph import Graph
 from dsv41.kernels.kinds import KINDS
 from dsv41.plan.latency import FIXED_TERMS, PARTS, step_latency
-from dsv41.plan.primitives import AlphaBeta, ByRanks
+from dsv41.plan.primitives import AlphaBeta, ByRanks, all_reduce_alpha
 from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
 from dsv41.plan.sizing import NodeCost
 from dsv41.plan.step import run_plan
@@ -157,6 +157,57 @@ def test_all_to_all_alpha_by_rank_count_and_imbalance():
     heavy = step_latency(g, costs, dev, imbalance=1.5).parts["e"]
     assert heavy.collectives == pytest.approx(1.5 * p.collectives) and heavy.body == pytest.approx(1.5 * p.body)
     assert heavy.sync == p.sync
+
+
+def test_all_reduce_alpha_follows_nccls_ring_model():
+    # NCCL's ring LL model: 6.6 µs + 0.6 µs a step, n - 1 steps for a gather, 2 (n - 1) for an all-reduce
+    assert all_reduce_alpha(6.6 + 7 * 0.6, 8) == pytest.approx(6.6 + 14 * 0.6)      # 10.8 -> 15.0 µs
+    assert all_reduce_alpha(6.6 + 3 * 0.6, 4) == pytest.approx(6.6 + 6 * 0.6)       # 8.4 -> 10.2 µs
+    assert all_reduce_alpha(2.0, 2) == pytest.approx(2.0 * 7.8 / 7.2)
+
+
+def test_the_all_reduce_scheme_prices_a_tp_deployments_hand_offs():
+    """Two cards of one TP group (one node): under ``all_reduce`` the rows are on both cards, so the
+    all-gather and the experts' receive cost nothing, and the combine and the reduce-scatter are one
+    all-reduce each (NCCL's all-reduce alpha, a ring's 2 (n - 1) times the rows a card outputs)."""
+    g = Graph("decode")
+    for c in range(2):
+        g.add(f"x@c{c}", "norm.rms", (), c)
+    for c in range(2):
+        g.add(f"ag@c{c}", "tp.all_gather", ["x@c0", "x@c1"], c)
+        g.add(f"d@c{c}", "moe.dispatch", [f"ag@c{c}"], c)
+    for c in range(2):
+        g.add(f"e@c{c}", "moe.experts", ["d@c0", "d@c1"], c)
+    for c in range(2):
+        g.add(f"cb@c{c}", "moe.combine", ["e@c0", "e@c1"], c)
+        g.add(f"rs@c{c}", "tp.reduce_scatter", ["cb@c0", "cb@c1"], c)
+    mb = 1_000_000
+    costs = {k: NodeCost(mb, 0, {"mx": 1e9} if k.startswith("e@") else {}, 3 * mb if k[:2] in ("ag", "e@", "cb", "rs")
+                         else 0, mb) for k in g.nodes}
+    a2a, red = step_latency(g, costs, DEV), step_latency(g, costs, DEV, scheme="all_reduce")
+    assert a2a.parts["ag@c0"].sync == pytest.approx(2.0) and a2a.parts["e@c0"].sync == pytest.approx(30.0)
+    assert red.parts["ag@c0"].total == 0.0
+    assert (red.parts["e@c0"].sync, red.parts["e@c0"].collectives) == (0.0, 0.0)
+    assert red.parts["e@c0"].body == pytest.approx(a2a.parts["e@c0"].body)
+    for k in ("cb@c0", "rs@c1"):
+        assert red.parts[k].sync == pytest.approx(all_reduce_alpha(2.0, 2))
+        assert red.parts[k].collectives == pytest.approx(2 * 1 * mb / (50 * G) * 1e6)     # 40 µs
+    assert red.step_us < a2a.step_us
+    with pytest.raises(ValueError, match="--scheme"):
+        step_latency(g, costs, DEV, scheme="ring")
+
+
+def test_the_all_reduce_scheme_needs_one_dp_group(capsys):
+    with pytest.raises(ValueError, match="--scheme all_reduce: needs one DP group"):
+        run_plan(TINY, Topology(1, 2, 2), 2, 256, device="h200", scheme="all_reduce")
+    tp = Topology(2, 1, 2)
+    a2a, red = (run_plan(TINY, tp, 2, 256, device="h200", scheme=s)[0] for s in ("all_to_all", "all_reduce"))
+    assert red["scheme"] == "all_reduce" and red["breakdown_us"]["sync"] < a2a["breakdown_us"]["sync"]
+    with pytest.raises(SystemExit):
+        run.main(["--config", "tiny", "--plan", "--tp", "1", "--dp", "2", "--batch", "2", "--context", "256",
+                  "--scheme", "all_reduce"])
+    err = capsys.readouterr().err
+    assert "--scheme" in err and "--dp 1" in err and "Traceback" not in err
 
 
 def test_two_card_critical_path_with_a_wait():

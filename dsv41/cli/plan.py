@@ -16,7 +16,7 @@ from dsv41.cli.trace import tracing_on
 from dsv41.engine.blocks import BlockManager
 from dsv41.plan.calibration import calibrated
 from dsv41.plan.explain import calibration_lines, explain_lines, sensitivity
-from dsv41.plan.latency import DISPATCH, PARTS
+from dsv41.plan.latency import DISPATCH, PARTS, SCHEMES
 from dsv41.plan.profiles import PROFILES
 from dsv41.plan.roofline import profile
 from dsv41.plan.step import rows_per_request, run_plan
@@ -45,6 +45,10 @@ def add_arguments(g):
                         "step: 1 + A + ... + A^drafts; default 0: one token per request per step)")
     g.add_argument("--dispatch", choices=DISPATCH, default="graph",
                    help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
+    g.add_argument("--scheme", choices=SCHEMES, default="all_to_all",
+                   help="--plan: how the stack hands a layer's data between cards: all_to_all (attention rows "
+                        "gathered and scattered, MoE rows dispatched and combined: DP attention with DeepEP; default) "
+                        "or all_reduce (TP attention, the experts' partial sums all-reduced: one DP group)")
 
 
 APPLIES = {
@@ -52,6 +56,8 @@ APPLIES = {
     "--context": (ALL, ("does not go with --temperature > 0: drawn-history requests are greedy",
                         lambda a: a.plan or not a.context or not a.temperature)),
     "--dispatch": (frozenset({PLAN}), None),
+    "--scheme": (frozenset({PLAN}), ("needs --dp 1 with all_reduce (the experts' sums are all-reduced over the "
+                                     "one TP group)", lambda a: a.scheme != "all_reduce" or a.dp == 1)),
     "--acceptance": (frozenset({PLAN}), ("needs --graph decode (a prefill verifies no drafts)",
                                          lambda a: a.graph == "decode")),
     "--explain": (frozenset({PLAN}), None),
@@ -121,7 +127,7 @@ def plan_report(args, cfg, topo, say) -> dict:
     if args.draft_tokens is not None and args.graph == "decode":    # rows per request: 1 + drafts
         cfg = dataclasses.replace(cfg, decode_rows_per_request=1 + args.draft_tokens)
     report, planned = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
-                               args.device_profile, args.dispatch, args.acceptance)
+                               args.device_profile, args.dispatch, args.acceptance, args.scheme)
     if args.trace:     # files only when asked, as in every other mode
         report["traces"] = write_traces(args.trace, *record_planned(planned, cfg, topo))
     requests = report["requests_per_dp_group"]
@@ -141,7 +147,7 @@ def plan_report(args, cfg, topo, say) -> dict:
         report["max_total_tokens"], report["requests_held"] = args.max_total_tokens, held
         say(f"  cache budget {args.max_total_tokens} tokens ({per_group} per DP group): holds {held} requests of "
             f"{context} tokens at once ({cfg.max_batch_per_dp} per DP group at most)")
-    say(f"  {report['device_profile']} ({report['dispatch']} dispatch): predicted step "
+    say(f"  {report['device_profile']} ({report['dispatch']} dispatch, {report['scheme']}): predicted step "
         f"{report['predicted_step_us'] / 1e3:.2f} ms; {report['tokens_per_s_per_request']:.1f} tokens/s per request, "
         f"{report['tokens_per_s']:.0f} tokens/s in total ({_per_step(report)})")
     say(f"  roofline {report['roofline_step_us'] / 1e3:.2f} ms, memory-bound floor {report['floor_us'] / 1e3:.2f} ms")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41.config import Topology
-from dsv41.plan.latency import DISPATCH
+from dsv41.plan.latency import DISPATCH, SCHEMES
 
 HERE = Path(__file__).parent
 DEPLOYMENTS = HERE / "deployments.toml"
@@ -57,7 +57,8 @@ MODELS = {
 _ROW_KEYS = {"label": str, "deployment": str, "model": str, "stack": str, "profile": str, "layout": str,
              "tp": int, "dp": int, "ep": int, "batch": int, "context": int, "measured_ms": (int, float),
              "source": str}
-_OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float), "accept_length": (int, float), "dispatch": str}
+_OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float), "accept_length": (int, float), "dispatch": str,
+             "scheme": str, "scheme_source": str}
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class Deployment:
     accept_length: float = 0.0  # measured tokens a request makes per verify step (0: not published)
     dispatch: str = "graph"     # how the stack issues a step's kernels (dsv41.plan.latency.DISPATCH): "eager"
                                 # where the source says it runs without a captured graph
+    scheme: str = "all_to_all"  # how the stack hands data between cards (dsv41.plan.latency.SCHEMES): "all_reduce"
+                                # for TP attention with the experts' sums all-reduced (no all-to-all backend)
+    scheme_source: str = ""     # where the stack's code or command says so (required with a scheme)
 
     @property
     def topo(self) -> Topology:
@@ -114,6 +118,11 @@ def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
             raise ValueError(f"{path}: row[{i}]: measured_ms must be > 0 and draft >= 0")
         if row.get("dispatch", "graph") not in DISPATCH:
             raise ValueError(f"{path}: row[{i}].dispatch: must be one of {list(DISPATCH)}, got {row['dispatch']!r}")
+        if row.get("scheme", "all_to_all") not in SCHEMES or (row.get("scheme") == "all_reduce" and row["dp"] != 1):
+            raise ValueError(f"{path}: row[{i}].scheme: must be one of {list(SCHEMES)} (all_reduce with dp = 1), "
+                             f"got {row['scheme']!r}")
+        if ("scheme" in row) != ("scheme_source" in row):
+            raise ValueError(f"{path}: row[{i}]: scheme and scheme_source go together (the scheme is cited)")
         if not 0 <= row.get("accept_length", 0) <= row.get("draft", 0) + 1:
             raise ValueError(f"{path}: row[{i}].accept_length: must be in [1, draft + 1], got {row['accept_length']!r}")
         out.append(Deployment(**row))

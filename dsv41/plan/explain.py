@@ -22,7 +22,8 @@ def sensitivity(planned) -> list[Sensitivity]:
     g, costs, dev = planned.plan.graph, planned.costs, planned.device
     rows = []
     for term, what in FIXED_TERMS.items():
-        half, double = (step_latency(g, costs, dev, planned.dispatch, planned.imbalance, {term: k}).step_us
+        half, double = (step_latency(g, costs, dev, planned.dispatch, planned.imbalance, {term: k},
+                                     planned.scheme).step_us
                         for k in (0.5, 2.0))
         rows.append(Sensitivity(term, what, half, double))
     return sorted(rows, key=lambda r: r.half_us - r.double_us)

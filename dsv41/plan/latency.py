@@ -16,6 +16,17 @@ primitives are fit to microbenchmarks (``dsv41.plan.primitives``, cited in the p
   call over the EP ranks taking part, its alpha by that rank count; intra- and inter-node peers on
   their own links at once.
 
+How a layer's data crosses cards is the ``scheme`` (``SCHEMES``), a property of the serving stack,
+not of the graph: ``all_to_all`` prices the graph's own hand-offs as above (the sharded wiring: the
+attention input all-gathered, its output reduce-scattered, MoE rows dispatched and combined, which
+is what SGLang and vLLM run with DP attention and an all-to-all MoE backend such as DeepEP);
+``all_reduce`` prices what a TP deployment without an all-to-all backend runs (SGLang's
+``DeepseekV2MoE.forward_normal`` with ``--moe-a2a-backend none``, vLLM's ``FusedMoE`` at DP 1): every
+card of the TP group holds every row, so nothing is gathered or dispatched (``tp.all_gather`` and the
+experts' receive cost nothing), and the attention output and the experts' partial sums are each one
+all-reduce over the group (``tp.reduce_scatter`` and ``moe.combine`` priced as that call:
+``primitives.all_reduce_alpha`` and a ring's 2 (n - 1) / n of the rows' bytes).
+
 The link is inter-node when any peer sits on another node (cards are numbered node by node). MoE
 load imbalance: the busiest EP rank receives ``imbalance`` times the mean (token, expert) pairs, so
 every card's expert compute (a ``NodeKind.routed`` kind) and all-to-all bytes are scaled by it (the
@@ -36,10 +47,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from dsv41.kernels.kinds import KINDS
+from dsv41.plan.primitives import all_reduce_alpha
 from dsv41.plan.roofline import critical_path, simulate
 
 PARTS = ("compute", "memory", "launch", "sync", "collectives", "host", "idle", "cores")
 DISPATCH = ("graph", "eager")
+SCHEMES = ("all_to_all", "all_reduce")
 # Fixed costs the sensitivity table varies: what each scales.
 FIXED_TERMS = {
     "launch": "device gap per kernel (launch_us)",
@@ -103,8 +116,29 @@ def link_us(node, link_bytes: float, others: list[int], dev, scale: dict | None 
     return alpha, max(times)
 
 
-def node_parts(graph, costs, dev, imbalance: float = 1.0, scale: dict | None = None) -> dict[str, Parts]:
+def all_reduce_us(node, output_bytes: int, others: list[int], dev, scale: dict | None = None) -> tuple[float, float]:
+    """(fixed cost, bytes time) in µs of one all-reduce of the rows a node outputs over it and
+    ``others``: a ring receives 2 (n - 1) / n of all ranks' rows, 2 (n - 1) times one rank's."""
+    if not others:
+        return 0.0, 0.0
+    home = node.card // dev.cards_per_node
+    prim = (dev.inter if any(c // dev.cards_per_node != home for c in others) else dev.intra).collective
+    ranks = len(others) + 1
+    alpha = all_reduce_alpha(prim.alpha_us, ranks) * (scale or {}).get("collective", 1.0)
+    return alpha, 2 * (ranks - 1) * output_bytes / prim.bytes_per_s * 1e6
+
+
+# under the all_reduce scheme: rows every card already holds, and the all-reduces that replace a hand-off
+_HELD = ("tp.all_gather",)
+_ALL_REDUCED = ("tp.reduce_scatter", "tp.all_reduce", "moe.combine")
+
+
+def node_parts(graph, costs, dev, imbalance: float = 1.0, scale: dict | None = None,
+               scheme: str = "all_to_all") -> dict[str, Parts]:
+    if scheme not in SCHEMES:
+        raise ValueError(f"--scheme: must be one of {list(SCHEMES)}, got {scheme!r}")
     scale = scale or {}
+    reduce = scheme == "all_reduce"
     gap = dev.launch_us * scale.get("launch", 1.0)
     per_node = scale.get("kernels", 1.0)
     load = 1.0 + (imbalance - 1.0) * scale.get("imbalance", 1.0)
@@ -112,9 +146,17 @@ def node_parts(graph, costs, dev, imbalance: float = 1.0, scale: dict | None = N
     for key, node in graph.nodes.items():
         cost = costs[key]
         kind = KINDS[node.kernel]
+        if reduce and node.kernel in _HELD:
+            parts[key] = Parts(0.0, 0.0, 0.0, "memory")
+            continue
         moe = kind.comm == "all_to_all"
         body, bound = body_us(cost, dev, kind.latency, load if kind.routed else 1.0)
-        sync, wire = link_us(node, cost.link * (load if moe else 1.0), peers(node, graph), dev, scale)
+        if reduce and node.kernel in _ALL_REDUCED:
+            sync, wire = all_reduce_us(node, cost.output_bytes, peers(node, graph), dev, scale)
+        elif reduce and moe:     # the experts' rows are already on the card
+            sync, wire = 0.0, 0.0
+        else:
+            sync, wire = link_us(node, cost.link * (load if moe else 1.0), peers(node, graph), dev, scale)
         parts[key] = Parts(gap * kind.kernels * per_node, wire, body, bound, sync)
     return parts
 
@@ -218,13 +260,13 @@ def _card_breakdown(keys, parts, times, release, step_end: float) -> dict[str, f
 
 
 def step_latency(graph, costs, dev, dispatch: str = "graph", imbalance: float = 1.0,
-                 scale: dict | None = None) -> StepLatency:
+                 scale: dict | None = None, scheme: str = "all_to_all") -> StepLatency:
     """``scale``: fixed-cost term (a key of FIXED_TERMS) -> multiplier, for the sensitivity table."""
     scale = scale or {}
     unknown = set(scale) - set(FIXED_TERMS)
     if unknown:
         raise ValueError(f"scale: unknown terms {sorted(unknown)}; allowed {list(FIXED_TERMS)}")
-    parts = node_parts(graph, costs, dev, imbalance, scale)
+    parts = node_parts(graph, costs, dev, imbalance, scale, scheme)
     release = release_times(graph, dev, dispatch, scale.get("host", 1.0))
     times = simulate(graph, {k: p.total for k, p in parts.items()}, release)
     lat = StepLatency(parts, times, release, critical_path(graph, times),

@@ -80,3 +80,16 @@ def moe_imbalance(pairs: float, ranks: int) -> float:
     m = pairs / ranks
     z = NormalDist().inv_cdf((ranks - 0.375) / (ranks + 0.25))
     return 1.0 + z * math.sqrt(m * (1 - 1 / ranks)) / m
+
+
+# NCCL's own latency model for a ring with the LL protocol over NVLink (src/graph/tuning.cc,
+# ncclTopoTuneModel, constants as quoted in NVIDIA/nccl#1334): a base of 6.6 us plus 0.6 us per ring
+# step; an all-gather or reduce-scatter takes n - 1 steps, an all-reduce 2 (n - 1), in one call.
+NCCL_RING_LL_BASE_US, NCCL_RING_LL_STEP_US = 6.6, 0.6
+
+
+def all_reduce_alpha(call_alpha_us: float, ranks: int) -> float:
+    """The small-message floor of one all-reduce call over ``ranks``, from the profile's floor of one
+    gather-type call (``call_alpha_us``) scaled as NCCL's ring model scales 2 (n - 1) steps against n - 1."""
+    one = NCCL_RING_LL_BASE_US + (ranks - 1) * NCCL_RING_LL_STEP_US
+    return call_alpha_us * (one + (ranks - 1) * NCCL_RING_LL_STEP_US) / one

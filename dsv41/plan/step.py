@@ -23,7 +23,7 @@ from dsv41.graph.build import SHARDED, build, step_outputs
 from dsv41.kernels.cost import nbytes
 from dsv41.kernels.kinds import KINDS
 from dsv41.ops import metadata as md_ops
-from dsv41.plan.latency import StepLatency, step_latency
+from dsv41.plan.latency import SCHEMES, StepLatency, step_latency
 from dsv41.plan.primitives import moe_imbalance
 from dsv41.plan.roofline import node_us, profile, simulate
 from dsv41.plan.sizing import card_values, card_weights, node_cost, request_cache_bytes, weights_by_kind
@@ -128,6 +128,7 @@ class PlannedStep:
     device: object
     dispatch: str = "graph"
     imbalance: float = 1.0
+    scheme: str = "all_to_all"
 
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
@@ -137,11 +138,18 @@ def expected_tokens(acceptance: float, drafts: int) -> float:
 
 
 def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiring: str = SHARDED,
-             device: str = "a5", dispatch: str = "graph", acceptance: float = 0.0) -> tuple[dict, PlannedStep]:
+             device: str = "a5", dispatch: str = "graph", acceptance: float = 0.0,
+             scheme: str = "all_to_all") -> tuple[dict, PlannedStep]:
     """The report of one step and the planned step itself. A decode step's rows per request are
-    1 + drafts (``decode_rows_per_request``); acceptance: each draft's, for the tokens per step."""
+    1 + drafts (``decode_rows_per_request``); acceptance: each draft's, for the tokens per step;
+    scheme: how the stack hands data between cards (``dsv41.plan.latency.SCHEMES``)."""
     check(cfg, requests, context, phase)
     topo.check(cfg)
+    if scheme not in SCHEMES:
+        raise ValueError(f"--scheme: must be one of {list(SCHEMES)}, got {scheme!r}")
+    if scheme == "all_reduce" and topo.dp != 1:
+        raise ValueError(f"--scheme all_reduce: needs one DP group (TP attention, the experts' sums "
+                         f"all-reduced over it), got --dp {topo.dp}")
     dev = profile(device)
     rows = rows_per_request(cfg, requests, phase)
     steps = {g: step_inputs(cfg, requests, rows, context, phase) for g in range(topo.dp)}
@@ -153,7 +161,7 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
     costs = walk(graph, {c: CardContext(cfg, topo, c) for c in topo.cards})
     roofline = simulate(graph, {k: node_us(c, dev) for k, c in costs.items()})
     imbalance = moe_imbalance(topo.dp * requests * rows * cfg.num_experts_per_tok, topo.ep)
-    latency = step_latency(graph, costs, dev, dispatch, imbalance)
+    latency = step_latency(graph, costs, dev, dispatch, imbalance, scheme=scheme)
 
     per_request = request_cache_bytes(cfg, context)
     weights = {c: weights_by_kind(cfg, topo, c) for c in topo.cards}
@@ -182,7 +190,8 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
         "requests_per_dp_group": requests, "rows_per_dp_group": requests * rows, "context": context,
         "wiring": wiring, "cache_per_request_bytes": sum(per_request.values()),
         "cache_per_request_bf16_bytes": sum(request_cache_bytes(cfg, context, bf16=True).values()),
-        "device_profile": dev.name, "dispatch": dispatch, "predicted_step_us": step_us, "moe_imbalance": imbalance,
+        "device_profile": dev.name, "dispatch": dispatch, "scheme": scheme, "predicted_step_us": step_us,
+        "moe_imbalance": imbalance,
         "breakdown_us": latency.on_path(),
         "acceptance": acceptance if phase == "decode" else None,
         "tokens_per_request_step": made,
@@ -192,4 +201,4 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
         "floor_us": max(moved.values()) / dev.hbm_bytes_per_s * 1e6,
         "critical_path_us_by_kernel": dict(on_path.most_common()),
     }
-    return report, PlannedStep(plan, costs, latency, live_at, dev, dispatch, imbalance)
+    return report, PlannedStep(plan, costs, latency, live_at, dev, dispatch, imbalance, scheme)
