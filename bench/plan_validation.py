@@ -97,19 +97,25 @@ def constants_text(cal: cb.Calibration) -> str:
     return ", ".join(f"{t} {v:.4g} {cb.TERMS[t][1]}" for t, v in cal.constants.items()) or "none"
 
 
+def alone(m: cb.Deployment, f: dict) -> float:
+    """The ``body`` constant that would predict this row exactly: its measured step (per token times
+    the tokens a step makes) less the first-principles step, over the body on the critical path."""
+    return (m.measured_ms * 1e3 * m.accepted - f["step_us"]) / f["body_us"]
+
+
 def table_lines(rows, planned, model: str) -> list[str]:
     """The leave-one-out table: every row predicted by constants fitted on the other deployments."""
     out = ["| deployment | stack | device (profile) | planned layout, dispatch, hand-offs | batch / DP group | tokens / step | context | measured per token "
            "| first principles per token | fitted per token (held out) | predicted per token | ratio | within ±30% "
-           "| constants fitted without it | critical path, first principles (ms) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| constants fitted without it | body multiplier the row alone needs | critical path, first principles (ms) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, cal in cb.leave_one_out(rows, planned, model):
         m, f = p.row, planned[p.row.label]
         parts = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in f["critical_path_us"].items() if v >= 50)
         out.append(f"| {m.label} | {m.stack} | {m.profile} | TP{m.tp}/DP{m.dp}/EP{m.ep}, {m.dispatch}, {m.scheme} | {m.batch} x {1 + m.draft} "
                    f"rows | {m.accepted:.2f}{'' if m.accept_length or not m.draft else ' (assumed)'} | {m.context} | {m.measured_ms:.1f} ms | {p.first_principles_ms:.1f} ms "
                    f"| {p.fitted_ms:.1f} ms | {p.predicted_ms:.1f} ms | {p.ratio:.2f} "
-                   f"| {'yes' if cb.within(p.ratio) else 'no'} | {constants_text(cal)} | {parts} |")
+                   f"| {'yes' if cb.within(p.ratio) else 'no'} | {constants_text(cal)} | {alone(m, f):.2f} x | {parts} |")
     preds = [p for p, _ in cb.leave_one_out(rows, planned, model)]
     deployments = {}
     for p in preds:
