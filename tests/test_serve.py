@@ -7,6 +7,7 @@ Oracle for the answers: ``ReferenceEngine`` in this process with the same weight
 sampling settings (the server's head draws from (seed, draw index) alone)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -166,7 +167,8 @@ def test_bad_input_is_refused_naming_the_field(ids_server):
             r = c.post("/v1/completions", content=raw)
             assert (r.status_code, r.json()["error"]["param"]) == (status, "body")
         metrics = c.get("/metrics").text
-    assert 'dsv41_requests_total{endpoint="/v1/completions",status="400"}' in metrics
+    assert re.search(r'^dsv41_requests_total\{(?=.*model_name="tiny")(?=.*endpoint="/v1/completions")'
+                     r'(?=.*status="400")', metrics, re.M)
     after = ids_server.health()
     assert after["cache_blocks_in_use"] == before["cache_blocks_in_use"] == 0   # nothing reached the engine
 
@@ -242,12 +244,13 @@ def test_speculative_server_answers_the_plain_tokens_and_counts_drafts(reference
         assert sum(streamed, []) == greedy.choices[0].token_ids
         text = httpx.get(server.url + "/metrics").text
         drafted = [float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("dsv41_spec_decode_draft_tokens_total ")]
+                   if line.startswith('dsv41_spec_decode_draft_tokens_total{model_name="tiny"} ')]
         # DSpark drafts every step; n-gram only where the history repeats its tail (random weights' tokens
         # seldom do)
         assert drafted and (drafted[0] > 0 if drafter == "dspark" else drafted[0] >= 0)
         if drafter == "dspark":
-            assert 'dsv41_spec_decode_draft_tokens_by_position_total{position="0"}' in text
+            assert re.search(r'^dsv41_spec_decode_draft_tokens_by_position_total\{(?=.*model_name="tiny")'
+                             r'(?=.*position="0")', text, re.M)
         assert server.settled()["cache_blocks_in_use"] == 0
     finally:
         server.stop()

@@ -8,7 +8,6 @@ run's statuses; a model that cannot serve makes ``/health`` unready. The fixed g
 answers the same before and after the abuse."""
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import time
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
@@ -77,19 +77,14 @@ class Served:
         r = httpx.post(self.url + path, content=raw, headers={"content-type": "application/json"}, timeout=120)
         return r.status_code, r.json()
 
-    def counter(self, name: str, **labels) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in text.splitlines():
-            m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-            if m and ",".join(sorted(m.group(1).split(","))) == want:
-                return float(m.group(2))
-        return 0.0
-
-    def gauge(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+    def metric(self, name: str, **labels) -> float:
+        """The sample ``name`` of /metrics with these labels (and the served model's name, which
+        every series carries); 0 when there is none yet."""
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+            for s in family.samples:
+                if s.name == name and "model_name" in s.labels and \
+                        {k: v for k, v in s.labels.items() if k != "model_name"} == labels:
+                    return s.value
         return 0.0
 
     def stop(self):
@@ -156,7 +151,7 @@ def _hostile_bodies(name: str):
 def test_hostile_bodies_are_400s_naming_the_field_and_counted(text_server, templated):
     name = os.path.basename(str(templated))
     before = _greedy(text_server, name)
-    bad_before = text_server.counter("dsv41_errors_total", kind="bad_request")
+    bad_before = text_server.metric("dsv41_errors_total", kind="bad_request")
     cases = _hostile_bodies(name)
     for raw, param in cases:
         path = "/v1/chat/completions" if b'"messages"' in raw else "/v1/completions"
@@ -165,10 +160,10 @@ def test_hostile_bodies_are_400s_naming_the_field_and_counted(text_server, templ
         assert body["error"]["type"] == "invalid_request_error"
         assert body["error"]["param"] == param, (param, body)
         assert len(body["error"]["message"]) <= 1003, body      # a refused value is quoted short
-    counted = text_server.counter("dsv41_errors_total", kind="bad_request") - bad_before
+    counted = text_server.metric("dsv41_errors_total", kind="bad_request") - bad_before
     assert counted >= len(cases), counted
-    assert text_server.counter("dsv41_requests_total", endpoint="/v1/completions", status="500") == 0
-    assert text_server.counter("dsv41_requests_total", endpoint="/v1/chat/completions", status="500") == 0
+    assert text_server.metric("dsv41_requests_total", endpoint="/v1/completions", status="500") == 0
+    assert text_server.metric("dsv41_requests_total", endpoint="/v1/chat/completions", status="500") == 0
     assert _greedy(text_server, name) == before
 
 
@@ -421,7 +416,7 @@ def test_a_stopping_server_ends_every_stream_with_a_final_event_and_done(sig, si
             e.wait()
         threads.append(threading.Thread(target=_whole, args=(server.url, max_tokens, whole)))
         threads[-1].start()
-        _until(lambda: server.gauge("dsv41_queue_depth") == 1)     # the whole answer waits for a slot
+        _until(lambda: server.metric("dsv41_queue_depth") == 1)     # the whole answer waits for a slot
         server.proc.send_signal(sig)
         if signals == 2:                # once the first is seen (the listener closed): two sent at once are one
             _until(lambda: not _listening(server.port))

@@ -21,8 +21,12 @@ PROBE = 1          # the start-up probe: a one-token prompt, one token made, fin
 
 def _scrape(server) -> dict:
     """{(sample name, frozenset of labels): value} of /metrics."""
+    return _samples(httpx.get(server.url + "/metrics").text)
+
+
+def _samples(text: str) -> dict:
     out = {}
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[(s.name, frozenset(s.labels.items()))] = s.value
     return out
@@ -78,37 +82,43 @@ def _dashboard_reads_only_what_is_served(server):
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     used = {re.sub(r"_(bucket|total)$", "", n) for e in exprs for n in re.findall(r"\b(?:dsv41|process)_\w+", e)}
     assert used and used <= families, used - families
+    # each dsv41 series is read for the model the dashboard's variable picks
+    assert all(re.findall(r"\bdsv41_\w+(?!\w|\{model_name=\"\$model_name\"\})", e) == [] for e in exprs), exprs
+    assert "model_name" in {v["name"] for v in dashboard["templating"]["list"]}
 
 
 @pytest.mark.timeout(600)
 def test_dsv41_metrics_add_up_to_what_was_served():
-    server = Served("--max-context", "512")
+    server = Served("--max-context", "512", "--served-model-name", "dsv")
     try:
         _serve_all(server, streamed=False)
         _serve_all(server, streamed=True)
         served, made = 2 * len(PROMPTS) + PROBE, 2 * sum(NEW) + PROBE
         prompt = 2 * sum(map(len, PROMPTS)) + PROBE
+        on = dict(model_name="dsv")
         m = _scrape(server)
-        assert _value(m, "dsv41_request_success_total", finished_reason="length") == served
-        assert _value(m, "dsv41_request_success_total", finished_reason="abort") == 0
-        assert _value(m, "dsv41_prompt_tokens_total") == prompt
-        assert _value(m, "dsv41_generation_tokens_total") == made
-        assert _value(m, "dsv41_request_prompt_tokens_sum") == prompt
-        assert _value(m, "dsv41_request_generation_tokens_sum") == made
-        assert _value(m, "dsv41_iteration_tokens_sum") == prompt + made
+        # every series of dsv41's own carries the served model's name (the process's own have no labels)
+        assert all(dict(labels).get("model_name") == "dsv" for name, labels in m if not name.startswith("process_"))
+        assert _value(m, "dsv41_request_success_total", **on, finished_reason="length") == served
+        assert _value(m, "dsv41_request_success_total", **on, finished_reason="abort") == 0
+        assert _value(m, "dsv41_prompt_tokens_total", **on) == prompt
+        assert _value(m, "dsv41_generation_tokens_total", **on) == made
+        assert _value(m, "dsv41_request_prompt_tokens_sum", **on) == prompt
+        assert _value(m, "dsv41_request_generation_tokens_sum", **on) == made
+        assert _value(m, "dsv41_iteration_tokens_sum", **on) == prompt + made
         for name in ("e2e_request_latency", "time_to_first_token", "request_queue_time", "request_prefill_time",
                      "request_decode_time", "request_inference_time"):
-            assert _value(m, f"dsv41_{name}_seconds_count") == served, name
-        assert _value(m, "dsv41_time_per_output_token_seconds_count") == 2 * sum(n > 1 for n in NEW)
-        assert _value(m, "dsv41_inter_token_latency_seconds_count") == made - served
-        assert _value(m, "dsv41_num_preemptions_total") == 0
-        assert _value(m, "dsv41_running_requests") == 0 and _value(m, "dsv41_kv_cache_usage_perc") == 0
+            assert _value(m, f"dsv41_{name}_seconds_count", **on) == served, name
+        assert _value(m, "dsv41_time_per_output_token_seconds_count", **on) == 2 * sum(n > 1 for n in NEW)
+        assert _value(m, "dsv41_inter_token_latency_seconds_count", **on) == made - served
+        assert _value(m, "dsv41_num_preemptions_total", **on) == 0
+        assert _value(m, "dsv41_running_requests", **on) == 0 and _value(m, "dsv41_kv_cache_usage_perc", **on) == 0
         _dashboard_reads_only_what_is_served(server)
         _hang_up(server)
-        _until(lambda: _value(_scrape(server), "dsv41_request_success_total", finished_reason="abort") == 1)
+        _until(lambda: _value(_scrape(server), "dsv41_request_success_total", **on, finished_reason="abort") == 1)
         m = _scrape(server)
-        assert _value(m, "dsv41_cancelled_requests_total") == 1
-        assert _value(m, "dsv41_e2e_request_latency_seconds_count") == served + 1
+        assert _value(m, "dsv41_cancelled_requests_total", **on) == 1
+        assert _value(m, "dsv41_e2e_request_latency_seconds_count", **on) == served + 1
     finally:
         server.stop()
 
@@ -137,6 +147,10 @@ def test_vllm_names_labels_and_buckets_with_speculative_counters():
         assert ("vllm:e2e_request_latency_seconds_bucket", frozenset({**on, "le": "7680.0"}.items())) in m
         assert ("vllm:request_prompt_tokens_bucket", frozenset({**on, "le": "500.0"}.items())) in m
         assert not any(name.startswith("dsv41_time_to_first") for name, _ in m)
+        # the series vLLM has no twin of keep dsv41's names, with the model's name too
+        assert all(dict(labels).get("model_name") == "dsv" for name, labels in m if not name.startswith("process_"))
+        assert _value(m, "dsv41_requests_total", model_name="dsv", endpoint="/v1/completions", status="200") == \
+            len(PROMPTS)
         # speculative decoding: drafts, draft tokens and accepted ones agree, per position too
         drafts = _value(m, "vllm:spec_decode_num_drafts_total", **on)
         drafted = _value(m, "vllm:spec_decode_num_draft_tokens_total", **on)
@@ -185,7 +199,7 @@ def test_a_preemption_is_counted_once():
     from dsv41.serving.batcher import Batcher, Job
     from dsv41.serving.metrics import Metrics
 
-    metrics = Metrics()
+    metrics = Metrics(model="m")
     batcher = Batcher(_TightEngine(), metrics, max_batch=2, max_queue=4, budget=64)
     batcher.start()
 
@@ -206,8 +220,8 @@ def test_a_preemption_is_counted_once():
         jobs, ends = asyncio.run(serve_two())
     finally:
         batcher.stop()
-    text = metrics.text().decode()
+    m = _samples(metrics.text().decode())
     assert ends == ["length", "length"] and sum(job.preemptions for job in jobs) == 1
-    assert "dsv41_num_preemptions_total 1.0" in text
-    assert 'dsv41_request_success_total{finished_reason="length"} 2.0' in text
-    assert "dsv41_kv_cache_usage_perc 0.25" in text
+    assert _value(m, "dsv41_num_preemptions_total", model_name="m") == 1
+    assert _value(m, "dsv41_request_success_total", model_name="m", finished_reason="length") == 2
+    assert _value(m, "dsv41_kv_cache_usage_perc", model_name="m") == 0.25

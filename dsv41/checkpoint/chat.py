@@ -27,6 +27,16 @@ with the user or tool messages around it; it is answered like a user turn, and i
 (with no tools on offer, where earlier reasoning is dropped) developer messages before the last
 user turn are dropped with it.
 
+DeepSeek's own message fields, as its reference encoders render them: a ``latest_reminder``
+message (``<｜latest_reminder｜>`` and its text: context such as the date and place, never
+answered itself, though a user turn right before it is); ``tools`` on a system or developer
+message (described after that message's text, where the request's ``tools`` go into the first
+system prompt); and a user or developer message's ``task``, one of its classification tasks
+(``TASKS``): the answer that follows is that task's, with no reasoning, opened by the task's token
+(``action`` after an assistant turn's opening, the others in its place). Their control tokens are
+in the released tokenizers but not required of a checkpoint (``CONTROLS``): a chat that uses one
+on a tokenizer without it is refused naming the token.
+
 Only the encoder inserts control tokens: :class:`ChatTokenizer` turns the encoder's control
 pieces into their single ids and encodes all other text with the tokenizer's added tokens
 switched off, so a user who types ``<｜User｜>`` or ``<think>`` gets those characters, not a turn
@@ -49,7 +59,11 @@ THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+LATEST_REMINDER = "<｜latest_reminder｜>"
+ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+# DeepSeek's classification tasks and their tokens
+TASKS = {"action": "<｜action｜>", "query": "<｜query｜>", "authority": "<｜authority｜>", "domain": "<｜domain｜>",
+         "title": "<｜title｜>", "read_url": "<｜read_url｜>"}
 EFFORT_RANGE = (1, 100)         # V4.1's reasoning-effort scale
 DEFAULT_EFFORT = 50             # V4.1's default ("high")
 EFFORT_NAMES = {"low": 25, "high": 50, "xhigh": 75, "max": 100}    # V4.1's named efforts on that scale
@@ -94,7 +108,9 @@ VARIANTS = {
 CONTROLS = {"v4": (BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML),
             "v4.1": (BOS, EOS, USER, ASSISTANT, SYSTEM, THINK, END_THINK, DSML)}
 
-ALL_CONTROLS = tuple(dict.fromkeys(t for tokens in CONTROLS.values() for t in tokens))
+# every control token the encoder may place: CONTROLS and those only DeepSeek's own fields use
+ALL_CONTROLS = tuple(dict.fromkeys([*(t for tokens in CONTROLS.values() for t in tokens), LATEST_REMINDER,
+                                    *TASKS.values()]))
 
 # The tools section of the system prompt, as the model was trained on it (byte for byte).
 # {D} {T} {E}: the DSML, <think> and </think> control tokens; {C} {I} {P}: the variant's DSML
@@ -198,26 +214,28 @@ def _tool_calls(calls, field: str, variant: _Variant) -> list[tuple[str, dict, s
     return out
 
 
-def _tool_schemas(tools) -> list[dict]:
+def _tool_schemas(tools, field: str = "tools") -> list[dict]:
     if not isinstance(tools, list):
-        raise ValueError(f"tools: expected a list, found {type(tools).__name__}")
+        raise ValueError(f"{field}: expected a list, found {type(tools).__name__}")
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"tools[{i}].function: expected an object with a name, found {fn!r}")
+            raise ValueError(f"{field}[{i}].function: expected an object with a name, found {fn!r}")
         out.append(fn)
     return out
 
 
 @dataclass
 class _Turn:
-    role: str                      # system / developer / user / assistant (tool results live in user turns)
-    text: str = ""                 # system, user (parts already joined)
+    role: str                      # system / developer / user / assistant / latest_reminder (tool results live
+    text: str = ""                 # in user turns); system, developer, latest_reminder: the text
     parts: list | None = None      # user: [("text", s) | ("tool", s, call_id)]
     content: str = ""              # assistant
     reasoning: str = ""
     calls: list | None = None
+    tools: list | None = None      # system, developer: the tools described after the text
+    task: str | None = None        # user, developer: the classification task answered next
 
 
 def _turns(messages, variant: _Variant) -> list[_Turn]:
@@ -235,6 +253,11 @@ def _turns(messages, variant: _Variant) -> list[_Turn]:
         if msg.get("prefix") not in (None, False):
             raise ValueError(f"{f}.prefix: continuing an assistant message (DeepSeek's chat prefix completion) "
                              f"is not served; expected false or no prefix, found {msg['prefix']!r}")
+        task = _task(msg.get("task"), role, f + ".task")
+        tools = msg.get("tools")
+        if tools is not None and role not in ("system", "developer"):
+            raise ValueError(f"{f}.tools: only a system or developer message describes tools (a {role} message "
+                             f"has none)")
         if role == "assistant":
             calls = msg.get("tool_calls")
             calls = _tool_calls(calls, f + ".tool_calls", variant) if calls else []
@@ -253,16 +276,30 @@ def _turns(messages, variant: _Variant) -> list[_Turn]:
         if "content" not in msg or msg["content"] is None:
             raise ValueError(f"{f}.content: missing")
         text = _text_of(msg["content"], f + ".content")
-        if role in ("system", "developer"):       # a turn of its own, never merged
-            turns.append(_Turn(role, text=text))
+        if role in ("system", "developer", "latest_reminder"):       # a turn of its own, never merged
+            turns.append(_Turn(role, text=text, tools=_tool_schemas(tools, f + ".tools") if tools else None,
+                               task=task))
             continue
         part = ("tool", text, msg.get("tool_call_id")) if role == "tool" else ("text", text)
-        # a run of user / tool messages is one user turn
-        if turns and turns[-1].role == "user":
+        # a run of user / tool messages is one user turn (a user message after a task's turn opens its own)
+        if turns and turns[-1].role == "user" and (role == "tool" or turns[-1].task is None):
+            if task is not None:
+                raise ValueError(f"{f}.task: this message joins the user turn before it, and a task is the "
+                                 f"answer to a turn of its own; put the task on that turn's first message")
             turns[-1].parts.append(part)
         else:
-            turns.append(_Turn("user", parts=[part]))
+            turns.append(_Turn("user", parts=[part], task=task))
     return turns
+
+
+def _task(task, role: str, field: str) -> str | None:
+    if task is None:
+        return None
+    if role not in ("user", "developer"):
+        raise ValueError(f"{field}: only a user or developer message takes a task, found one on a {role} message")
+    if task not in TASKS:
+        raise ValueError(f"{field}: expected one of {', '.join(TASKS)}, found {task!r}")
+    return task
 
 
 def _check_name(name, field: str):
@@ -379,9 +416,10 @@ def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = 
     if schemas:  # request tools are described in the (first) system prompt
         if turns[0].role != "system":
             turns.insert(0, _Turn("system", text=""))
+        turns[0].tools = [*schemas, *(turns[0].tools or ())]
     _order_results(turns)
     # with tools on offer, reasoning stays in history (the calls of a turn depend on it)
-    drop = thinking and not schemas
+    drop = thinking and not any(t.tools for t in turns)
     last_user = max((i for i, t in enumerate(turns) if _is_user_turn(t, i, v)), default=-1)
     if drop:       # developer turns go with the reasoning they framed
         turns = [t for i, t in enumerate(turns) if t.role != "developer" or i >= last_user]
@@ -394,22 +432,24 @@ def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = 
             out.control(SYSTEM)
         if i == 0:
             out.text(prefix)
-        if turn.role == "system":
-            if i > 0 and v.system_token:
+        if turn.role in ("system", "developer"):
+            if turn.role == "developer":
+                out.control(USER)
+            elif i > 0 and v.system_token:
                 out.control(SYSTEM)
             out.text(turn.text)
-            if i == 0 and schemas:
+            if turn.tools:
                 out.text("\n\n")
-                _render_tools(out, schemas, v)
-        elif turn.role == "developer":
-            out.control(USER)
+                _render_tools(out, turn.tools, v)
+        elif turn.role == "latest_reminder":
+            out.control(LATEST_REMINDER)
             out.text(turn.text)
         elif turn.role == "user":
             out.control(USER)
             out.text("\n\n".join(p[1] if p[0] == "text" else f"<tool_result>{p[1]}</tool_result>"
                                  for p in turn.parts))
-        else:
-            if thinking and (not drop or i > last_user):
+        else:      # an assistant turn; one answering a task has no reasoning
+            if thinking and (not drop or i > last_user) and not (i and turns[i - 1].task):
                 out.text(turn.reasoning)
                 out.control(END_THINK)
             out.text(turn.content)
@@ -417,8 +457,16 @@ def chat_pieces(messages, thinking: bool = False, add_generation_prompt: bool = 
                 _render_calls(out, turn.calls, v)
             out.control(EOS)
         following = turns[i + 1].role if i + 1 < len(turns) else None
-        if _is_user_turn(turn, i, v) and (following == "assistant"
-                                          or (following is None and add_generation_prompt)):
+        # what opens the answer: after the last turn, or before an assistant turn or a reminder
+        if not (following in ("assistant", "latest_reminder") or (following is None and add_generation_prompt)):
+            continue
+        if turn.task == "action":
+            out.control(ASSISTANT)
+            out.control(THINK if thinking else END_THINK)
+            out.control(TASKS["action"])
+        elif turn.task is not None:
+            out.control(TASKS[turn.task])
+        elif _is_user_turn(turn, i, v):
             out.control(ASSISTANT)
             out.control(THINK if thinking and (not drop or i >= last_user) else END_THINK)
     return out.pieces

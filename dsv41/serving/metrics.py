@@ -9,6 +9,9 @@ generation lengths; requests that ended are counted by finish reason ("abort": e
 server, or its client went away). The engine loop reports a request's admission, each of its
 tokens and its end (``on_admit``, ``on_token``, ``on_finish``) and each step (``on_step``).
 
+Every series carries the served model's name as its first label, ``model_name`` (as vLLM's do),
+so one Prometheus can scrape several servers and a dashboard can tell their models apart; only
+the process's own series (``process_*``) have none, as in any Python exporter.
 ``names="vllm"`` (``--metrics-names vllm``) exports every series vLLM has a twin of under vLLM's
 name, with its ``model_name`` and ``engine`` labels and its histogram buckets, so a dashboard
 made for vLLM reads them unchanged; the series vLLM has no twin of keep their dsv41 names.
@@ -40,7 +43,7 @@ def _one_two_five(top: int) -> tuple[int, ...]:
 
 
 class _Bound:
-    """A metric with its leading labels (vLLM's model_name and engine) already given."""
+    """A metric with its leading labels (model_name, and vLLM's engine) already given."""
 
     def __init__(self, metric, values: tuple):
         self.metric, self.values = metric, values
@@ -54,7 +57,7 @@ class Metrics:
 
     def __init__(self, names: str = "dsv41", model: str = "", max_context: int = 5_000_000):
         """names: "dsv41" or "vllm" (the series vLLM exports, under its names and labels); model:
-        the served model's name (vLLM's model_name label); max_context: where vLLM's token-count
+        the served model's name (every series' model_name label); max_context: where vLLM's token-count
         buckets end."""
         if names not in NAMES:
             raise ValueError(f"names: expected one of {', '.join(NAMES)}, found {names!r}")
@@ -63,11 +66,11 @@ class Metrics:
 
         def make(kind, ours: str, theirs: str | None, doc: str, labels=(), **kw):
             if vllm and theirs is not None:
-                metric = kind(theirs, doc, ["model_name", "engine", *labels], registry=r, **kw)
-                bound = _Bound(metric, (model, "0"))
-                return bound if labels else bound.labels()
-            metric = kind(ours, doc, list(labels), registry=r, **kw)
-            return metric
+                name, leading, values = theirs, ["model_name", "engine"], (model, "0")
+            else:
+                name, leading, values = ours, ["model_name"], (model,)
+            bound = _Bound(kind(name, doc, [*leading, *labels], registry=r, **kw), values)
+            return bound if labels else bound.labels()
 
         def hist(ours, theirs, doc, buckets, their_buckets=None, labels=()):
             return make(Histogram, ours, theirs, doc, labels,
