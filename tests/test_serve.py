@@ -114,6 +114,46 @@ def test_openai_completions_equal_the_reference(ids_server, reference):
 
 
 @pytest.mark.timeout(600)
+def test_vllm_sampling_fields_change_the_answer_as_vllm_documents(ids_server, reference):
+    """vLLM's own sampling fields reach the draw: each answer is the reference engine's under the
+    same SamplingParams (whose rules tests/test_sampling.py checks against vLLM's), and the field
+    changes it as vLLM documents."""
+    client = openai.OpenAI(base_url=ids_server.url + "/v1", api_key="none")
+    base = dict(temperature=1.0, seed=3, max_tokens=8)
+
+    def served(**extra):
+        kw = {**base, **{k: extra.pop(k) for k in list(extra) if k in base}}
+        choice = client.completions.create(model="tiny", prompt=PROMPT, **kw, extra_body=extra).choices[0]
+        want = reference.generate([PROMPT], sampling=SamplingParams(**kw, **{
+            k: tuple(v) if k == "stop_token_ids" else v for k, v in extra.items()}))[0]
+        assert choice.token_ids == want, extra
+        return choice.token_ids
+
+    plain, greedy = served(), reference.generate([PROMPT], 8)[0]
+    assert plain != greedy
+    # top_k: only the k likeliest tokens are drawn from (k = 1: the greedy answer); top_p likewise
+    # keeps the likeliest tokens whose probabilities add up to p (a tiny p: the likeliest alone)
+    assert served(top_k=1) == greedy
+    assert served(top_k=40) != plain
+    assert served(top_p=1e-6) == greedy
+    # min_p: tokens below min_p times the likeliest's probability are dropped (1: only the likeliest)
+    assert served(min_p=1.0) == greedy
+    assert served(min_p=0.2) != plain
+    # repetition_penalty: tokens already in the prompt or the answer are made less likely; a strong
+    # one keeps greedy decoding off every token it has seen (random weights leave unseen tokens with
+    # positive logits)
+    assert len(set(greedy)) < len(greedy)                 # greedy decoding repeats itself
+    penalized = served(temperature=0, repetition_penalty=1e4)
+    assert penalized != greedy and len(set(PROMPT + penalized)) == len(PROMPT) + len(penalized)
+    # presence and frequency penalties (OpenAI's, over the answer's tokens) reach the draw too
+    assert served(presence_penalty=2.0) != plain and served(frequency_penalty=2.0) != plain
+    # min_tokens: a stop token id is not drawn before min_tokens tokens are out
+    assert served(stop_token_ids=[plain[0]]) == []
+    late = served(stop_token_ids=[plain[0]], min_tokens=3)
+    assert len(late) >= 3 and plain[0] not in late[:3]
+
+
+@pytest.mark.timeout(600)
 def test_openai_chat_and_text_completions(text_server, tiny_checkpoint):
     from dsv41.checkpoint.text import TextCodec
     codec = TextCodec.load(tiny_checkpoint)

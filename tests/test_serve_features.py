@@ -216,8 +216,8 @@ SERVED_CHAT = {  # field: where it is tested
     "messages": "every chat test", "model": "test_thinking_prompt...", "max_tokens": "here",
     "max_completion_tokens": "test_serve", "temperature": "test_serve", "top_p": "test_serve", "seed": "test_serve",
     "stop": "test_serve", "stream": "here", "stream_options": "test_serve", "n": "test_structured",
-    "logprobs": "test_logit_bias...", "top_logprobs": "test_logit_bias...", "presence_penalty": "test_sampling",
-    "frequency_penalty": "test_sampling", "logit_bias": "test_logit_bias...", "tools": "here",
+    "logprobs": "test_logit_bias...", "top_logprobs": "test_logit_bias...", "presence_penalty": "test_serve",
+    "frequency_penalty": "test_serve", "logit_bias": "test_logit_bias...", "tools": "here",
     "tool_choice": "here (auto, none), test_structured (required, named)", "parallel_tool_calls": "true only",
     "reasoning_effort": "here", "response_format": "test_structured", "modalities": "[text] only",
     "store": "false only",
@@ -252,6 +252,41 @@ def test_every_openai_field_is_served_or_refused():
         assert name in schema.SERVED[True] or name in schema.IDENTIFIERS, name
     for name in SERVED_COMPLETIONS:
         assert name in schema.SERVED[False] or name in schema.IDENTIFIERS, name
+
+
+# vLLM's own request fields (beyond OpenAI's) this server serves, each with the test that asserts its
+# effect as vLLM documents it ("file::test"); those served with one value only are refused otherwise
+# (REFUSED_CHAT / REFUSED_COMPLETIONS send that)
+SAMPLING_TEST = "test_serve.py::test_vllm_sampling_fields_change_the_answer_as_vllm_documents"
+FIELDS_TEST = "test_structured.py::test_vllm_fields_change_the_answer_as_vllm_documents"
+GUIDED_TEST = "test_structured.py::test_guided_fields_constrain_the_answer"
+VLLM_SERVED = {
+    "top_k": SAMPLING_TEST, "min_p": SAMPLING_TEST, "repetition_penalty": SAMPLING_TEST,
+    "min_tokens": SAMPLING_TEST + " (stop ids), " + FIELDS_TEST + " (EOS)",
+    "stop_token_ids": "test_serve.py::test_openai_completions_equal_the_reference", "ignore_eos": FIELDS_TEST,
+    "include_stop_str_in_output": FIELDS_TEST, "skip_special_tokens": FIELDS_TEST,
+    "spaces_between_special_tokens": FIELDS_TEST, "truncate_prompt_tokens": FIELDS_TEST,
+    "priority": FIELDS_TEST + " (0 only, as vLLM's first-come-first-served policy)",
+    "structured_outputs": GUIDED_TEST, "guided_json": GUIDED_TEST, "guided_regex": GUIDED_TEST,
+    "guided_choice": GUIDED_TEST, "guided_grammar": GUIDED_TEST,
+    "chat_template_kwargs": "test_serve_features.py::test_thinking_prompt_and_reasoning_effort_reach_the_encoder",
+    "add_generation_prompt": "test_serve_features.py::test_thinking_prompt_and_reasoning_effort_reach_the_encoder",
+    "continue_final_message": "false only",
+}
+
+
+def test_every_vllm_field_has_a_test_of_its_effect():
+    """Every field served beyond OpenAI's is one of vLLM's with a test that exists."""
+    import re
+    from pathlib import Path
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+    openai_fields = _openai_fields(chat_params) | _openai_fields(completion_create_params)
+    assert (schema.SERVED[True] | schema.SERVED[False]) - openai_fields == set(VLLM_SERVED)
+    here = Path(__file__).parent
+    for name, where in VLLM_SERVED.items():
+        for file, test in re.findall(r"(test_\w+\.py)::(test_\w+)", where):
+            assert f"\ndef {test}(" in (here / file).read_text(), (name, file, test)
 
 
 @pytest.mark.timeout(120)

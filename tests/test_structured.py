@@ -296,6 +296,20 @@ def test_vllm_fields_change_the_answer_as_vllm_documents(server, codec):
                                             n=3, stream=True))
     assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
             for i in range(3)] == [r.choices[0].text for r in singles]
+    # ignore_eos: EOS (here the likeliest token by far) does not end the answer; min_tokens: EOS is
+    # not drawn before that many tokens are out. The EOS drawn is one of the answer's tokens, as in vLLM
+    eos_text = codec.tokenizer.decode([codec.eos_id], skip_special_tokens=False)
+
+    def eos_forced(**extra):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=0,
+                                      logit_bias={str(codec.eos_id): 100}, extra_body=extra)
+        assert r.usage.completion_tokens == len(r.choices[0].logprobs.tokens)
+        return r.choices[0].finish_reason, r.choices[0].logprobs.tokens
+
+    assert eos_forced() == ("stop", [eos_text])
+    assert eos_forced(ignore_eos=True) == ("length", [eos_text] * 4)
+    finish, tokens = eos_forced(min_tokens=2)
+    assert finish == "stop" and len(tokens) == 3 and eos_text not in tokens[:2] and tokens[2] == eos_text
     # priority: first come, first served, as vLLM's default policy: 0 only
     assert complete(priority=0).text == plain.text
     with pytest.raises(openai.BadRequestError) as e:
