@@ -176,6 +176,16 @@ def test_user_text_never_becomes_a_control_token(v4):
     assert 128803 in v4.tokenizer.encode(sneaky, add_special_tokens=False).ids
 
 
+def test_deepseek_fields_on_a_tokenizer_without_their_tokens_are_refused(tiny_checkpoint):
+    """The test checkpoints' tokenizer has V4.1's required control tokens only."""
+    from tokenizers import Tokenizer
+    tiny = ChatTokenizer(Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json")))
+    for messages, token in (([HI, {"role": "latest_reminder", "content": "r"}], "<｜latest_reminder｜>"),
+                            ([{**HI, "task": "title"}], "<｜title｜>")):
+        with pytest.raises(ValueError, match="^messages: .*" + re.escape(repr(token))):
+            tiny.encode(messages, variant="v4.1")
+
+
 def test_v41_on_a_v4_tokenizer_is_refused(v4):
     with pytest.raises(ValueError, match="^tokenizer: .*<｜System｜>"):
         v4.encode(HISTORY, variant="v4.1")

@@ -491,6 +491,9 @@ class ChatTokenizer:
 
     def control_id(self, token: str) -> int:
         tid = self.tokenizer.token_to_id(token)
+        if tid is None and (token == LATEST_REMINDER or token in TASKS.values()):
+            raise ValueError(f"messages: this checkpoint's tokenizer has no {token!r}, the token DeepSeek's "
+                             f"latest_reminder messages and tasks are written with")
         if tid is None:
             raise ValueError(f"tokenizer: expected the control token {token!r} in its vocabulary, "
                              f"found none (is the chat variant right for this checkpoint?)")
