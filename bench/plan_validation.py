@@ -5,9 +5,10 @@
                                                     # constants fitted on every row (--write: calibration.json)
     python bench/plan_validation.py                 # the leave-one-out table of docs/plan-validation.md
 
-The rows are dsv41/plan/deployments.toml (each cited). The graph builder sizes DeepSeek-V4.1-Flash
-(FLASH) only: rows measured on DeepSeek-V4-Flash or V3/R1 are planned as FLASH at the same device,
-batch per DP group, context and layout class, and the doc says what differs. Deployments with
+The rows are dsv41/plan/deployments.toml (each cited). Each is planned as the model it measured
+(its ``card``): DeepSeek-V4.1-Flash on the graph builder (at a layout class the graph can be built
+at), DeepSeek-V3/R1 and V4-Flash on their model cards (``dsv41.plan.cards``, at the deployment's own
+layout: ``dsv41.plan.card_step`` prices the kernels of one card). Deployments with
 speculative decoding (``draft`` tokens verified per step) run 1 + draft rows per request, and the
 time per output token is the step over the expected accepted tokens (``calibration.ACCEPT``).
 """
@@ -23,23 +24,35 @@ from dataclasses import replace
 
 from dsv41.config import FLASH
 from dsv41.plan import calibration as cb
+from dsv41.plan.card_step import plan_card
+from dsv41.plan.cards import CARDS
+from dsv41.plan.roofline import profile
 from dsv41.plan.step import run_plan
 
 PARTS = ("compute", "memory", "launch", "sync", "collectives", "host")
 
 
 def plan_row(m: cb.Deployment) -> dict:
-    """The first-principles plan of one row: the features the terms scale, and what the table shows."""
-    cfg = replace(FLASH, decode_rows_per_request=1 + m.draft, max_batch_per_dp=128)
+    """The first-principles plan of one row: the features the terms scale, and what the table shows.
+    A V4.1-Flash row is planned on its graph, any other on its model card (``dsv41.plan.card_step``)."""
     t0 = time.perf_counter()
-    r, planned = run_plan(cfg, m.topo, m.batch, m.context, device=m.profile, dispatch=m.dispatch,
-                           scheme=m.scheme)
-    hbm = max(c["total_bytes"] for c in r["cards"])
-    return {**cb.features(r, cfg.num_hidden_layers),
+    card = CARDS[m.card]
+    if card is None:
+        cfg = replace(FLASH, decode_rows_per_request=1 + m.draft, max_batch_per_dp=128)
+        r, planned = run_plan(cfg, m.topo, m.batch, m.context, device=m.profile, dispatch=m.dispatch,
+                              scheme=m.scheme)
+        dev, layers, hbm = planned.device, cfg.num_hidden_layers, max(c["total_bytes"] for c in r["cards"])
+        extra = {"roofline_us": round(r["roofline_step_us"], 3)}
+    else:
+        dev = profile(m.profile)
+        r = plan_card(card, m.tp, m.dp, m.ep, m.batch, m.context, dev, m.draft, m.dispatch, m.scheme, m.precision)
+        layers, hbm = card.layers, int(r["weights_bytes"] + r["cache_bytes"])
+        extra = {"kernels": r["kernels"]}
+    return {**cb.features(r, layers),
             "critical_path_us": {k: round(r["breakdown_us"][k], 3) for k in PARTS},
-            "roofline_us": round(r["roofline_step_us"], 3), "moe_imbalance": round(r["moe_imbalance"], 4),
-            "hbm_bytes": hbm, "fits_hbm": hbm <= planned.device.hbm_bytes,
-            "device": planned.device.description, "planned_in_s": round(time.perf_counter() - t0)}
+            **extra, "moe_imbalance": round(r["moe_imbalance"], 4),
+            "hbm_bytes": hbm, "fits_hbm": hbm <= dev.hbm_bytes,
+            "device": dev.description, "planned_in_s": round(time.perf_counter() - t0)}
 
 
 def write_features(rows, replan: bool) -> None:
@@ -88,7 +101,8 @@ def robustness_lines(rows, planned, model: str) -> list[str]:
 
 def sources_lines(rows) -> list[str]:
     """Where every measured figure was read, and the arithmetic where it is derived."""
-    return [f"- **{r.label}** ({r.model}, {r.layout}{f', {r.draft} drafts' if r.draft else ''}): {r.source}"
+    return [f"- **{r.label}** ({r.model}, planned as `{r.card}`{f' {r.precision}' if r.precision else ''}, {r.layout}"
+            f"{f', {r.draft} drafts' if r.draft else ''}): {r.source}"
             + (f". Derived: {r.derived}" if r.derived else "")
             + (f". Scheme {r.scheme}: {r.scheme_source}" if r.scheme_source else "") for r in rows]
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from dsv41.config import Topology
+from dsv41.plan.card_step import PRECISION
+from dsv41.plan.cards import CARDS
 from dsv41.plan.latency import DISPATCH, SCHEMES
 
 HERE = Path(__file__).parent
@@ -54,20 +56,21 @@ MODELS = {
     "body+layer": ("body", "layer"), "gaps+layer": ("gaps", "layer"), "body+gaps": ("body", "gaps"),
     "body+gaps+layer": ("body", "gaps", "layer"),
 }
-_ROW_KEYS = {"label": str, "deployment": str, "model": str, "stack": str, "profile": str, "layout": str,
+_ROW_KEYS = {"label": str, "deployment": str, "model": str, "card": str, "stack": str, "profile": str, "layout": str,
              "tp": int, "dp": int, "ep": int, "batch": int, "context": int, "measured_ms": (int, float),
              "source": str}
 _OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float), "accept_length": (int, float), "dispatch": str,
-             "scheme": str, "scheme_source": str}
+             "scheme": str, "scheme_source": str, "precision": str}
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """One published measurement: what was deployed, the FLASH layout class the plan uses for it,
-    and the measured time per output token."""
+    """One published measurement: what was deployed, the layout the plan uses for it, and the
+    measured time per output token."""
     label: str
     deployment: str        # rows sharing it are one deployment, left out together
-    model: str
+    model: str             # what the source says was served
+    card: str              # the model it is planned as (dsv41.plan.cards.CARDS): "v41-flash" on its graph
     stack: str
     profile: str
     layout: str
@@ -87,6 +90,7 @@ class Deployment:
     scheme: str = "all_to_all"  # how the stack hands data between cards (dsv41.plan.latency.SCHEMES): "all_reduce"
                                 # for TP attention with the experts' sums all-reduced (no all-to-all backend)
     scheme_source: str = ""     # where the stack's code or command says so (required with a scheme)
+    precision: str = ""         # a card's weight formats (dsv41.plan.card_step.PRECISION); the graph sizes its own
 
     @property
     def topo(self) -> Topology:
@@ -121,6 +125,11 @@ def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
         if row.get("scheme", "all_to_all") not in SCHEMES or (row.get("scheme") == "all_reduce" and row["dp"] != 1):
             raise ValueError(f"{path}: row[{i}].scheme: must be one of {list(SCHEMES)} (all_reduce with dp = 1), "
                              f"got {row['scheme']!r}")
+        if row["card"] not in CARDS:
+            raise ValueError(f"{path}: row[{i}].card: must be one of {list(CARDS)}, got {row['card']!r}")
+        if (CARDS[row["card"]] is None) == (row.get("precision") in PRECISION):
+            raise ValueError(f"{path}: row[{i}].precision: one of {list(PRECISION)} for a card other than "
+                             f"v41-flash (whose graph sizes its own formats), none for it; got {row.get('precision')!r}")
         if ("scheme" in row) != ("scheme_source" in row):
             raise ValueError(f"{path}: row[{i}]: scheme and scheme_source go together (the scheme is cited)")
         if not 0 <= row.get("accept_length", 0) <= row.get("draft", 0) + 1:

@@ -96,36 +96,53 @@ def peers(node, graph) -> list[int]:
     return sorted(cards - {node.card})
 
 
+def collective_call_us(calls: int, remote: bool, link_bytes: float, dev, scale: dict | None = None
+                       ) -> tuple[float, float]:
+    """(fixed cost, bytes time) in µs of ``calls`` TP collective calls receiving ``link_bytes`` in all;
+    ``remote``: a peer sits on another node."""
+    prim = (dev.inter if remote else dev.intra).collective
+    return calls * prim.alpha_us * (scale or {}).get("collective", 1.0), link_bytes / prim.bytes_per_s * 1e6
+
+
+def a2a_call_us(local: int, remote: int, link_bytes: float, dev, scale: dict | None = None) -> tuple[float, float]:
+    """(fixed cost, bytes time) in µs of one dispatch or combine receiving ``link_bytes`` from ``local``
+    peers on the card's node and ``remote`` on others, each link carrying its peers' share at once."""
+    ranks = local + remote + 1
+    alpha = (dev.inter if remote else dev.intra).a2a.at(ranks).alpha_us * (scale or {}).get("a2a", 1.0)
+    times = [link_bytes * n / (local + remote) / link.a2a.at(ranks).bytes_per_s * 1e6
+             for n, link in ((local, dev.intra), (remote, dev.inter)) if n]
+    return alpha, max(times)
+
+
+def all_reduce_call_us(ranks: int, remote: bool, output_bytes: float, dev, scale: dict | None = None
+                       ) -> tuple[float, float]:
+    """(fixed cost, bytes time) in µs of one all-reduce over ``ranks`` of ``output_bytes`` per rank
+    (one rank's share of the rows): a ring receives 2 (n - 1) / n of all ranks' rows, 2 (n - 1) times
+    one rank's."""
+    if ranks <= 1:
+        return 0.0, 0.0
+    prim = (dev.inter if remote else dev.intra).collective
+    alpha = all_reduce_alpha(prim.alpha_us, ranks) * (scale or {}).get("collective", 1.0)
+    return alpha, 2 * (ranks - 1) * output_bytes / prim.bytes_per_s * 1e6
+
+
 def link_us(node, link_bytes: float, others: list[int], dev, scale: dict | None = None) -> tuple[float, float]:
     """(fixed cost, bytes time) in µs of what a node receives from ``others``."""
     if not link_bytes or not others:
         return 0.0, 0.0
-    scale = scale or {}
     home = node.card // dev.cards_per_node
     remote = [c for c in others if c // dev.cards_per_node != home]
     kind = KINDS[node.kernel]
     if kind.comm != "all_to_all":
-        prim = (dev.inter if remote else dev.intra).collective
-        calls = kind.calls(node) if kind.calls else 1
-        return calls * prim.alpha_us * scale.get("collective", 1.0), link_bytes / prim.bytes_per_s * 1e6
-    ranks = len(others) + 1
-    alpha = (dev.inter if remote else dev.intra).a2a.at(ranks).alpha_us * scale.get("a2a", 1.0)
-    local = len(others) - len(remote)
-    times = [link_bytes * n / len(others) / link.a2a.at(ranks).bytes_per_s * 1e6
-             for n, link in ((local, dev.intra), (len(remote), dev.inter)) if n]
-    return alpha, max(times)
+        return collective_call_us(kind.calls(node) if kind.calls else 1, bool(remote), link_bytes, dev, scale)
+    return a2a_call_us(len(others) - len(remote), len(remote), link_bytes, dev, scale)
 
 
 def all_reduce_us(node, output_bytes: int, others: list[int], dev, scale: dict | None = None) -> tuple[float, float]:
-    """(fixed cost, bytes time) in µs of one all-reduce of the rows a node outputs over it and
-    ``others``: a ring receives 2 (n - 1) / n of all ranks' rows, 2 (n - 1) times one rank's."""
-    if not others:
-        return 0.0, 0.0
+    """(fixed cost, bytes time) in µs of one all-reduce of the rows a node outputs over it and ``others``."""
     home = node.card // dev.cards_per_node
-    prim = (dev.inter if any(c // dev.cards_per_node != home for c in others) else dev.intra).collective
-    ranks = len(others) + 1
-    alpha = all_reduce_alpha(prim.alpha_us, ranks) * (scale or {}).get("collective", 1.0)
-    return alpha, 2 * (ranks - 1) * output_bytes / prim.bytes_per_s * 1e6
+    return all_reduce_call_us(len(others) + 1, any(c // dev.cards_per_node != home for c in others),
+                              output_bytes, dev, scale)
 
 
 # under the all_reduce scheme: rows every card already holds, and the all-reduces that replace a hand-off

@@ -1,0 +1,363 @@
+"""A decode step of a model the graph builder does not size, from its card (``dsv41.plan.cards``):
+the kernels one card runs, in order, each priced with the plan's own primitives.
+
+Decode is a chain: each kernel waits on the one before it, so the step on the busiest card is the
+sum of its kernels, each ``launches`` device gaps, then its hand-off's fixed cost and bytes, then its
+body, max(bytes / achievable bandwidth, FLOPs / achievable rate) by the kernel's latency class
+(``latency.body_us``, the graph's own). Launch counts follow the rule of ``dsv41.kernels.record``
+(counted there on vLLM's DeepSeek-V3.2 decode path, which is V3's MLA plus an indexer): a quantised
+linear is two kernels (activation quantisation, GEMM), a norm, RoPE, cache write, top-k or
+activation one, attention decode two (metadata, kernel), a dispatch two, the experts four, a combine
+two, a collective one. The hand-offs are the deployment's ``scheme`` (``latency.SCHEMES``), priced by
+``latency.all_reduce_call_us``, ``collective_call_us`` and ``a2a_call_us`` as the graph's are; the
+routed experts' FLOPs and all-to-all bytes carry the busiest rank's load (``primitives.moe_imbalance``),
+and the weights a card reads are its experts' expected share touched by the step's tokens (each picks
+``top_k`` distinct of ``n_routed``). Host, graph replay or eager issue, and the sampled tokens' sync are
+the profile's, as in ``latency.release_times``.
+
+Rows: a DP group serves ``batch`` requests of ``1 + draft`` rows each. Under ``all_reduce`` every card
+of the (single) TP group holds every row: attention heads, the shared expert and the dense MLP split
+``tp`` ways, the experts' partial sums and the attention output all-reduced. Under ``all_to_all`` the
+attention input is all-gathered over the TP group (when ``tp`` > 1) and its output reduce-scattered, and
+each card's slab of rows is dispatched to the experts' cards and combined back (DP attention with an
+all-to-all backend). A step with drafts then runs the model's MTP layer once per draft on one row a
+request (a draft model's decode, as SGLang's EAGLE/NEXTN worker runs ``num_steps`` draft passes).
+
+Bytes: weights at the deployment's ``precision`` (``PRECISION``), activations BF16, the MLA cache BF16
+(576 values a token a layer: what vLLM and SGLang store by default), V4's caches 1 byte a value with a
+BF16 rope part (its FP8 cache). The weights are the only per-model numbers: every other constant is
+the device profile's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsv41.plan.cards import ModelCard
+from dsv41.plan.latency import DISPATCH, PARTS, SCHEMES, a2a_call_us, all_reduce_call_us, body_us, \
+    collective_call_us
+from dsv41.plan.primitives import moe_imbalance
+from dsv41.plan.sizing import NodeCost
+
+ACT = 2                       # bytes per activation value (BF16)
+# bytes per weight value by role (dsv41.plan.cards): FP8 with one FP32 scale per 128x128 block
+# (DeepSeek's release), INT8 W8A8 (per-channel scales, negligible), MXFP4 experts (E8M0 per 32)
+_FP8 = 1 + 4 / (128 * 128)
+PRECISION = {
+    "fp8": {"linear": _FP8, "expert": _FP8, "bf16": 2.0},
+    "int8": {"linear": 1.0, "expert": 1.0, "bf16": 2.0},
+    "fp4_experts": {"linear": _FP8, "expert": 0.5 + 1 / 32, "bf16": 2.0},
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel group on the card: ``weights`` role -> parameters it reads (routed experts: all of
+    the card's, ``touched`` the expected fraction read), ``other_bytes`` activations and cache rows
+    read and written, ``handoff``: what it receives first (kind, then its sizes)."""
+    what: str
+    klass: str                       # latency class: matmul, gather, vector
+    launches: int
+    weights: dict = field(default_factory=dict)
+    other_bytes: float = 0.0
+    flops: dict = field(default_factory=dict)
+    routed: bool = False
+    touched: float = 1.0
+    handoff: tuple = ()              # ("all_reduce", bytes per rank, ranks) | ("collective", bytes) | ("a2a", bytes)
+
+    def weight_bytes(self, precision: dict) -> float:
+        return sum(n * precision[role] * (self.touched if role == "expert" else 1.0)
+                   for role, n in self.weights.items())
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One deployment of a card: its layout, rows, context and hand-offs."""
+    card: ModelCard
+    tp: int
+    dp: int
+    ep: int
+    batch: int                       # requests per DP group
+    rows: int                        # rows per request (1 + drafts)
+    context: int
+    scheme: str
+
+    @property
+    def reduce(self) -> bool:
+        return self.scheme == "all_reduce"
+
+    @property
+    def attn_rows(self) -> int:
+        """Rows each card's attention runs (every row of its DP group: heads are what TP splits)."""
+        return self.batch * self.rows
+
+    @property
+    def ffn_rows(self) -> float:
+        """Rows a card runs its shared expert and gate on: all of them under all_reduce, its slab else."""
+        return self.attn_rows if self.reduce else self.attn_rows / self.tp
+
+    @property
+    def tokens(self) -> int:
+        """Rows routed to the experts in the EP world per layer."""
+        return self.dp * self.attn_rows
+
+    @property
+    def expert_split(self) -> int:
+        """How many ways each routed expert's weights are split: under all_reduce with fewer EP ranks
+        than TP (SGLang's --ep-size 1 at TP8: every expert tensor-parallel), TP / EP; else 1."""
+        return self.tp // self.ep if self.reduce else 1
+
+    @property
+    def split(self) -> int:
+        """How many ways the shared expert and dense MLP weights are split (TP under all_reduce)."""
+        return self.tp if self.reduce else 1
+
+
+def _tp_handoffs(s: Shape, what: str) -> list[Kernel]:
+    """The hand-off after a TP-split block: an all-reduce (all_reduce), or under all_to_all the next
+    block's all-gather and this one's reduce-scatter (when tp > 1)."""
+    if s.tp == 1:
+        return []
+    rows = s.attn_rows * s.card.hidden * ACT
+    if s.reduce:
+        return [Kernel(f"{what} all-reduce", "vector", 1, other_bytes=2 * rows,
+                       handoff=("all_reduce", rows / s.tp, s.tp))]
+    part = rows * (s.tp - 1) / s.tp
+    return [Kernel(f"{what} all-gather", "vector", 1, other_bytes=rows, handoff=("collective", part)),
+            Kernel(f"{what} reduce-scatter", "vector", 1, other_bytes=rows, handoff=("collective", part))]
+
+
+def _mla(s: Shape, rows: float, batch: float) -> list[Kernel]:
+    """DeepSeek-V3's MLA, absorbed for decode (vLLM's and SGLang's decode path): the latent cache is
+    read once a request by every TP card (one latent for all heads), the heads split over TP, the
+    up-projections kv_b kept BF16 for the two absorbed batched GEMMs."""
+    c, h, nh = s.card, s.card.hidden, s.card.heads / s.tp
+    qk, latent = c.qk_nope + c.qk_rope, c.kv_lora + c.qk_rope
+    a = c.q_lora + latent
+    cache = batch * s.context * latent * ACT
+    return [
+        Kernel("attn norm", "vector", 1, other_bytes=2 * rows * h * ACT),
+        Kernel("q_a + kv_a", "matmul", 2, {"linear": h * a}, rows * (h + a) * ACT, {"mx": 2 * rows * h * a}),
+        Kernel("q/kv norms, RoPE, cache write", "vector", 4, other_bytes=rows * (2 * a + latent) * ACT),
+        Kernel("q_b", "matmul", 2, {"linear": c.q_lora * nh * qk}, rows * (c.q_lora + nh * qk) * ACT,
+               {"mx": 2 * rows * c.q_lora * nh * qk}),
+        Kernel("absorbed W_UK", "matmul", 1, {"bf16": nh * c.qk_nope * c.kv_lora},
+               rows * nh * (c.qk_nope + c.kv_lora) * ACT, {"dense": 2 * rows * nh * c.qk_nope * c.kv_lora}),
+        Kernel("MLA decode", "matmul", 2, other_bytes=cache + rows * nh * (latent + c.kv_lora) * ACT,
+               flops={"dense": 2 * rows * nh * s.context * (latent + c.kv_lora)}),
+        Kernel("absorbed W_UV", "matmul", 1, {"bf16": nh * c.kv_lora * c.v_head},
+               rows * nh * (c.kv_lora + c.v_head) * ACT, {"dense": 2 * rows * nh * c.kv_lora * c.v_head}),
+        Kernel("o_proj", "matmul", 2, {"linear": nh * c.v_head * h}, rows * (nh * c.v_head + h) * ACT,
+               {"mx": 2 * rows * nh * c.v_head * h}),
+    ]
+
+
+V4_ROW = 448 + 64 * 2         # bytes of one V4 cache row: FP8 values, the rope part BF16
+
+
+def _v4(s: Shape, layer: int, rows: float, batch: float) -> list[Kernel]:
+    """DeepSeek-V4's attention (the node kinds of the V4.1 graph, ``dsv41.kernels.nodes.attention``):
+    each request reads its window rows and, on a ratio-4 layer, the indexer's keys of every
+    compressed position and the top-k compressed rows they pick, on a ratio-128 layer every
+    compressed row; heads split over TP, q/kv/compressor/indexer weights replicated."""
+    c, h, nh = s.card, s.card.hidden, s.card.heads / s.tp
+    ratio, d = c.compress_ratios[layer], c.head_dim
+    kept = min(s.context, c.window)
+    out = [Kernel("q_proj", "matmul", 5, {"linear": h * c.q_lora + c.q_lora * nh * d},
+                  rows * (h + c.q_lora + nh * d) * ACT, {"mx": 2 * rows * (h * c.q_lora + c.q_lora * nh * d)}),
+           Kernel("kv_proj", "matmul", 4, {"linear": h * d}, rows * (h + d) * ACT, {"mx": 2 * rows * h * d})]
+    if ratio:
+        out.append(Kernel("compressor", "matmul", 3, {"bf16": (2 if ratio == 4 else 1) * h * d},
+                          rows * (h + d) * ACT, {"dense": 2 * rows * h * d * (2 if ratio == 4 else 1)}))
+    out.append(Kernel("cache writes", "vector", 2, other_bytes=rows * V4_ROW * 2))
+    if ratio == 4:
+        n_keys = s.context // ratio
+        ih, idim = c.index_heads, c.index_dim
+        out += [Kernel("indexer", "matmul", 5, {"linear": c.q_lora * ih * idim, "bf16": h * ih + 2 * h * idim},
+                       batch * n_keys * idim + rows * ih * idim * ACT,
+                       {"mx": 2 * rows * (c.q_lora * ih * idim + ih * n_keys * idim)}),
+                Kernel("top-k", "vector", 1, other_bytes=rows * n_keys * 4)]
+        kept += min(n_keys, c.index_topk)
+    elif ratio:
+        kept += s.context // ratio
+    out += [Kernel("sparse attention", "gather", 2, other_bytes=batch * kept * V4_ROW + rows * nh * d * 2 * ACT,
+                   flops={"dense": 4 * rows * nh * kept * d}),
+            Kernel("o_proj", "matmul", 4, {"linear": nh * d * c.o_lora + c.o_groups * c.o_lora * h / s.tp},
+                   rows * (nh * d + h) * ACT, {"mx": 2 * rows * (nh * d * c.o_lora + c.o_groups * c.o_lora * h / s.tp)})]
+    return out
+
+
+def _hc(s: Shape, rows: float) -> list[Kernel]:
+    """V4's mHC around a sublayer (the V4.1 graph's hc.mixes, hc.pre, hc.post): the mix GEMM over
+    the ``hc_mult`` residual streams, their reduction, then their update."""
+    c = s.card
+    streams, mix = rows * c.hc_mult * c.hidden * ACT, (2 + c.hc_mult) * c.hc_mult
+    return [Kernel("hc mixes", "vector", 3, {"bf16": mix * c.hc_mult * c.hidden}, streams,
+                   {"vector": 2 * rows * mix * c.hc_mult * c.hidden}),
+            Kernel("hc pre", "vector", 1, other_bytes=streams + rows * c.hidden * ACT),
+            Kernel("hc post", "vector", 1, other_bytes=2 * streams)]
+
+
+def _ffn(s: Shape, layer: int, rows: float) -> list[Kernel]:
+    """The dense MLP (TP-split) or the MoE: gate, dispatch, the card's experts, shared expert, combine."""
+    c, h = s.card, s.card.hidden
+    norm = [Kernel("ffn norm", "vector", 1, other_bytes=2 * rows * h * ACT)]
+    if layer < c.dense_layers:
+        i = c.dense_inter / s.tp
+        return norm + [Kernel("dense MLP", "matmul", 5, {"linear": 3 * h * i}, rows * (h + 3 * i) * ACT,
+                              {"mx": 6 * rows * h * i})] + _tp_handoffs(s, "MLP")
+    slab, local = rows if s.reduce else rows / s.tp, c.n_routed / s.ep
+    tokens = s.dp * rows
+    pairs = tokens * c.top_k / s.ep
+    touched = 1 - (1 - c.top_k / c.n_routed) ** tokens
+    expert = 3 * h * c.moe_inter / s.expert_split
+    shared = c.n_shared * expert / s.split
+    remote_share = (s.ep - 1) / s.ep
+    out = norm + [
+        Kernel("gate", "matmul", 2, {"bf16": c.n_routed * h}, slab * h * ACT, {"dense": 2 * slab * h * c.n_routed}),
+        Kernel("dispatch", "vector", 2, other_bytes=2 * slab * c.top_k * h * ACT),
+        Kernel("experts", "matmul", 4, {"expert": local * expert}, pairs * (h * 4 + 20), {"mx": 2 * pairs * expert},
+               routed=True, touched=touched,
+               handoff=() if s.reduce else ("a2a", pairs * remote_share * (h * ACT + 8))),
+        Kernel("shared expert", "matmul", 5, {"linear": shared}, slab * (h + 3 * c.moe_inter / s.split) * ACT,
+               {"mx": 2 * slab * shared}),
+        Kernel("combine", "vector", 2, other_bytes=slab * (c.top_k + 2) * h * ACT,
+               handoff=("all_reduce", rows * h * ACT / s.tp, s.tp) if s.reduce
+               else ("a2a", slab * c.top_k * remote_share * (h * ACT + 4)), routed=not s.reduce),
+    ]
+    return out
+
+
+def layer_kernels(s: Shape, layer: int, rows: float | None = None, batch: float | None = None) -> list[Kernel]:
+    """One decoder layer's kernels on a card at ``rows`` per DP group (default: the step's)."""
+    rows = s.attn_rows if rows is None else rows
+    batch = s.batch if batch is None else batch
+    if s.card.attention == "mla":
+        attn = _mla(s, rows, batch)
+    else:
+        attn = _hc(s, rows) + [Kernel("attn norm", "vector", 1, other_bytes=2 * rows * s.card.hidden * ACT)] \
+            + _v4(s, layer, rows, batch)
+    ffn = _ffn(s, layer, rows)
+    if s.card.attention == "v4":
+        ffn = _hc(s, rows) + ffn
+    return attn + _tp_handoffs(s, "attention") + ffn
+
+
+def head_kernels(s: Shape, rows: float) -> list[Kernel]:
+    """Embedding, final norm, the vocabulary head split over TP, the sampled token gathered."""
+    c, v = s.card, s.card.vocab / s.tp
+    gather = ("collective", rows * (s.tp - 1) * 8) if s.tp > 1 else ()
+    return [Kernel("embed", "gather", 1, other_bytes=rows * c.hidden * 2 * ACT),
+            Kernel("final norm", "vector", 1, other_bytes=2 * rows * c.hidden * ACT),
+            Kernel("lm_head", "matmul", 2, {"bf16": v * c.hidden}, rows * (c.hidden + v) * ACT,
+                   {"dense": 2 * rows * c.hidden * v}),
+            Kernel("argmax", "vector", 2, other_bytes=rows * v * ACT, handoff=gather)]
+
+
+def mtp_kernels(s: Shape) -> list[Kernel]:
+    """One draft pass of the MTP layer at one row a request: the embedding and the previous hidden
+    state normed and projected (eh_proj, 2 hidden -> hidden), one MoE decoder layer, the shared head."""
+    c, rows = s.card, s.batch
+    return [Kernel("mtp norms", "vector", 2, other_bytes=4 * rows * c.hidden * ACT),
+            Kernel("mtp eh_proj", "matmul", 2, {"linear": 2 * c.hidden * c.hidden}, 3 * rows * c.hidden * ACT,
+                   {"mx": 4 * rows * c.hidden * c.hidden})] \
+        + layer_kernels(s, c.layers - 1, rows, rows) + head_kernels(s, rows)
+
+
+def step_kernels(s: Shape) -> list[Kernel]:
+    """Every kernel of one decode step on a card, in order: the backbone, the head, the drafts."""
+    out = []
+    for layer in range(s.card.layers):
+        out += layer_kernels(s, layer)
+    out += head_kernels(s, s.attn_rows)
+    for _ in range(s.rows - 1):
+        out += mtp_kernels(s)
+    return out
+
+
+def weight_params(card: ModelCard) -> dict[str, float]:
+    """Role -> the backbone's parameters as the step's kernels hold them on one card serving the
+    whole model (the embedding counted once, the head once; the MTP layer not)."""
+    s = Shape(card, 1, 1, 1, 1, 1, 1, "all_to_all")
+    out = {"linear": 0.0, "expert": 0.0, "bf16": float(card.vocab * card.hidden)}    # the embedding table
+    for k in step_kernels(s):
+        for role, n in k.weights.items():
+            out[role] += n
+    return out
+
+
+def active_params(card: ModelCard) -> float:
+    """Parameters one token uses: all but the embedding (a row lookup) and the routed experts it
+    does not pick (top_k of n_routed)."""
+    p = weight_params(card)
+    return sum(p.values()) - card.vocab * card.hidden - p["expert"] * (1 - card.top_k / card.n_routed)
+
+
+def cache_bytes(card: ModelCard, context: int) -> float:
+    """One request's cache at ``context``: MLA's latent rows, or V4's window, compressed rows and
+    index keys."""
+    if card.attention == "mla":
+        return context * card.layers * (card.kv_lora + card.qk_rope) * ACT
+    total = 0.0
+    for ratio in card.compress_ratios:
+        total += min(context, card.window) * V4_ROW
+        if ratio:
+            total += context // ratio * V4_ROW + (context // ratio * card.index_dim if ratio == 4 else 0)
+    return total
+
+
+def _handoff_us(k: Kernel, s: Shape, dev, load: float) -> tuple[float, float]:
+    if not k.handoff:
+        return 0.0, 0.0
+    kind = k.handoff[0]
+    if kind == "all_reduce":
+        _, per_rank, ranks = k.handoff
+        return all_reduce_call_us(ranks, ranks > dev.cards_per_node, per_rank, dev)
+    if kind == "collective":
+        return collective_call_us(1, s.tp > dev.cards_per_node, k.handoff[1], dev)
+    on_node = min(s.ep, dev.cards_per_node)
+    return a2a_call_us(on_node - 1, s.ep - on_node, k.handoff[1] * load, dev)
+
+
+def plan_card(card: ModelCard, tp: int, dp: int, ep: int, batch: int, context: int, dev, draft: int = 0,
+              dispatch: str = "graph", scheme: str = "all_to_all", precision: str = "fp8") -> dict:
+    """The first-principles step of ``card`` on profile ``dev``: its time and where it goes along the
+    chain (the report keys ``dsv41.plan.calibration.features`` reads), per-card HBM, the layer count."""
+    if scheme not in SCHEMES or dispatch not in DISPATCH or precision not in PRECISION:
+        raise ValueError(f"plan_card: scheme in {list(SCHEMES)}, dispatch in {list(DISPATCH)}, precision in "
+                         f"{list(PRECISION)}; got {scheme!r}, {dispatch!r}, {precision!r}")
+    if (tp * dp != ep) if scheme == "all_to_all" else (dp != 1 or tp % ep):
+        raise ValueError(f"plan_card: needs ep = tp x dp (all_to_all), or dp 1 and ep dividing tp (all_reduce), "
+                         f"got {tp}/{dp}/{ep} under {scheme}")
+    s = Shape(card, tp, dp, ep, batch, 1 + draft, context, scheme)
+    kernels = step_kernels(s)
+    prec = PRECISION[precision]
+    imbalance = moe_imbalance(s.tokens * card.top_k, ep)
+    t = dev.host_step_us + (dev.graph_launch_us if dispatch == "graph" else 0.0)
+    issued, waited_at, parts = t, 0, []
+    for i, k in enumerate(kernels):
+        sync, wire = _handoff_us(k, s, dev, imbalance if k.routed else 1.0)
+        cost = NodeCost(int(k.weight_bytes(prec) + k.other_bytes), 0,
+                        {f: n * (imbalance if k.routed and f == "mx" else 1.0) for f, n in k.flops.items()}, 0, 0)
+        body, bound = body_us(cost, dev, k.klass)
+        if dispatch == "eager":
+            issued += dev.host_launch_us * k.launches
+            if issued > t:               # the kernel waits for the host to issue it: the chain starts again
+                t, waited_at, parts = issued, i, []
+        launch = dev.launch_us * k.launches
+        parts.append((launch, sync, wire, body, bound))
+        t += launch + sync + wire + body
+    breakdown = dict.fromkeys(PARTS, 0.0)
+    breakdown["host"] = t - sum(p[0] + p[1] + p[2] + p[3] for p in parts)
+    for launch, sync, wire, body, bound in parts:
+        breakdown["launch"] += launch
+        breakdown["sync"] += sync
+        breakdown["collectives"] += wire
+        breakdown[bound] += body
+    breakdown["sync"] += dev.token_sync_us
+    held = Shape(card, tp, dp, ep, batch, 1, context, scheme)
+    weights = sum(n * prec[role] for k in step_kernels(held) for role, n in k.weights.items())
+    weights += card.vocab * card.hidden * ACT + (draft > 0) * sum(
+        n * prec[role] for k in mtp_kernels(held)[:-len(head_kernels(held, 1))] for role, n in k.weights.items())
+    return {"predicted_step_us": t + dev.token_sync_us, "breakdown_us": breakdown, "moe_imbalance": imbalance,
+            "layers": card.layers, "kernels": len(kernels), "first_waiting_kernel": waited_at,
+            "weights_bytes": weights, "cache_bytes": batch * cache_bytes(card, context)}
