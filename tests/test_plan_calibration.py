@@ -116,7 +116,13 @@ def test_a_bad_row_names_its_field(tmp_path):
     (tmp_path / "d.toml").write_text("[[row]]\n" + good + 'dispatch = "cuda"\n')
     with pytest.raises(ValueError, match=r"row\[0\]\.dispatch: must be one of \['graph', 'eager'\]"):
         cb.load_deployments(tmp_path / "d.toml")
-    dp16 = next(r for r in cb.DEPLOYMENTS.read_text().split("\n[[row]]\n")[1:] if "dp = 16" in r and "scheme" not in r)
+    (tmp_path / "d.toml").write_text("[[row]]\n" + good.replace('card = "v4-flash"', 'card = "v5"'))
+    with pytest.raises(ValueError, match=r"row\[0\]\.card: must be one of"):
+        cb.load_deployments(tmp_path / "d.toml")
+    (tmp_path / "d.toml").write_text("[[row]]\n" + good.replace('precision = "fp8"\n', ''))
+    with pytest.raises(ValueError, match=r"row\[0\]\.precision: one of"):
+        cb.load_deployments(tmp_path / "d.toml")
+    dp16 = next(r for r in cb.DEPLOYMENTS.read_text().split("\n[[row]]\n")[1:] if "dp = 144" in r and "scheme" not in r)
     (tmp_path / "d.toml").write_text("[[row]]\n" + dp16 + 'scheme = "all_to_all"\n')
     with pytest.raises(ValueError, match=r"row\[0\]: scheme and scheme_source go together"):
         cb.load_deployments(tmp_path / "d.toml")
