@@ -1,6 +1,6 @@
 """The plan's predicted decode step against published measured deployments (docs/plan-validation.md).
 
-    python bench/plan_validation.py --features [--replan]  # plan the new rows (every row: minutes)
+    python bench/plan_validation.py --features [--replan]  # plan the new rows (every row: 10 s)
     python bench/plan_validation.py --fit [--write] # models compared leaving one deployment out, the best one's
                                                     # constants fitted on every row (--write: calibration.json)
     python bench/plan_validation.py                 # the leave-one-out table of docs/plan-validation.md
