@@ -151,12 +151,24 @@ def test_cli_shows_first_principles_and_fitted_parts(capsys, tmp_path, monkeypat
     assert "calibrated" not in json.loads(capsys.readouterr().out)["plan"]     # measured here, not fitted
 
 
+def test_the_committed_card_features_are_what_the_card_step_gives(data):
+    """Every row planned on a model card (milliseconds each) gives its committed features."""
+    rows, planned = data
+    bench = _bench()
+    cards = [r for r in rows if r.card != "v41-flash"]
+    assert {r.card for r in cards} == {"v3", "v4-flash"}
+    for row in cards:
+        fresh = bench.plan_row(row)
+        for k in ("step_us", "body_us", "fixed_us", "layers"):
+            assert fresh[k] == pytest.approx(planned[row.label][k], rel=1e-9), (row.label, k)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_committed_features_are_what_the_planner_gives(data):
-    """deployments_planned.json is the current planner's (else replan and refit): one row replanned."""
+    """deployments_planned.json is the current planner's (else replan and refit): one graph row replanned."""
     rows, planned = data
-    row = min(rows, key=lambda r: r.tp * r.dp)
+    row = min((r for r in rows if r.card == "v41-flash"), key=lambda r: r.tp * r.dp)
     fresh = _bench().plan_row(row)
     for k in ("step_us", "body_us", "fixed_us", "layers"):
         assert fresh[k] == pytest.approx(planned[row.label][k], rel=1e-6), k

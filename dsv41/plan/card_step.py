@@ -12,12 +12,14 @@ two, a collective one. The hand-offs are the deployment's ``scheme`` (``latency.
 ``latency.all_reduce_call_us``, ``collective_call_us`` and ``a2a_call_us`` as the graph's are; the
 routed experts' FLOPs and all-to-all bytes carry the busiest rank's load (``primitives.moe_imbalance``),
 and the weights a card reads are its experts' expected share touched by the step's tokens (each picks
-``top_k`` distinct of ``n_routed``). Host, graph replay or eager issue, and the sampled tokens' sync are
+``top_k`` distinct of ``n_routed``; a card holds n_routed / ep experts, a fraction where EP does not
+divide them: redundant replicas are not modelled). Host, graph replay or eager issue, and the sampled tokens' sync are
 the profile's, as in ``latency.release_times``.
 
 Rows: a DP group serves ``batch`` requests of ``1 + draft`` rows each. Under ``all_reduce`` every card
 of the (single) TP group holds every row: attention heads, the shared expert and the dense MLP split
-``tp`` ways, the experts' partial sums and the attention output all-reduced. Under ``all_to_all`` the
+``tp`` ways, the experts' partial sums and the attention output all-reduced (with fewer EP ranks than TP, each
+expert split TP / EP ways). Under ``all_to_all`` the
 attention input is all-gathered over the TP group (when ``tp`` > 1) and its output reduce-scattered, and
 each card's slab of rows is dispatched to the experts' cards and combined back (DP attention with an
 all-to-all backend). A step with drafts then runs the model's MTP layer once per draft on one row a
@@ -253,14 +255,13 @@ def head_kernels(s: Shape, rows: float) -> list[Kernel]:
             Kernel("argmax", "vector", 2, other_bytes=rows * v * ACT, handoff=gather)]
 
 
-def mtp_kernels(s: Shape) -> list[Kernel]:
-    """One draft pass of the MTP layer at one row a request: the embedding and the previous hidden
-    state normed and projected (eh_proj, 2 hidden -> hidden), one MoE decoder layer, the shared head."""
+def mtp_layer_kernels(s: Shape) -> list[Kernel]:
+    """The MTP layer at one row a request: the embedding and the previous hidden state normed and
+    projected (eh_proj, 2 hidden -> hidden), then one MoE decoder layer."""
     c, rows = s.card, s.batch
     return [Kernel("mtp norms", "vector", 2, other_bytes=4 * rows * c.hidden * ACT),
             Kernel("mtp eh_proj", "matmul", 2, {"linear": 2 * c.hidden * c.hidden}, 3 * rows * c.hidden * ACT,
-                   {"mx": 4 * rows * c.hidden * c.hidden})] \
-        + layer_kernels(s, c.layers - 1, rows, rows) + head_kernels(s, rows)
+                   {"mx": 4 * rows * c.hidden * c.hidden})] + layer_kernels(s, c.layers - 1, rows, rows)
 
 
 def step_kernels(s: Shape) -> list[Kernel]:
@@ -269,8 +270,8 @@ def step_kernels(s: Shape) -> list[Kernel]:
     for layer in range(s.card.layers):
         out += layer_kernels(s, layer)
     out += head_kernels(s, s.attn_rows)
-    for _ in range(s.rows - 1):
-        out += mtp_kernels(s)
+    for _ in range(s.rows - 1):          # one draft pass each: the MTP layer, then the shared head
+        out += mtp_layer_kernels(s) + head_kernels(s, s.batch)
     return out
 
 
@@ -333,8 +334,8 @@ def plan_card(card: ModelCard, tp: int, dp: int, ep: int, batch: int, context: i
     prec = PRECISION[precision]
     imbalance = moe_imbalance(s.tokens * card.top_k, ep)
     t = dev.host_step_us + (dev.graph_launch_us if dispatch == "graph" else 0.0)
-    issued, waited_at, parts = t, 0, []
-    for i, k in enumerate(kernels):
+    issued, parts = t, []
+    for k in kernels:
         sync, wire = _handoff_us(k, s, dev, imbalance if k.routed else 1.0)
         cost = NodeCost(int(k.weight_bytes(prec) + k.other_bytes), 0,
                         {f: n * (imbalance if k.routed and f == "mx" else 1.0) for f, n in k.flops.items()}, 0, 0)
@@ -342,7 +343,7 @@ def plan_card(card: ModelCard, tp: int, dp: int, ep: int, batch: int, context: i
         if dispatch == "eager":
             issued += dev.host_launch_us * k.launches
             if issued > t:               # the kernel waits for the host to issue it: the chain starts again
-                t, waited_at, parts = issued, i, []
+                t, parts = issued, []
         launch = dev.launch_us * k.launches
         parts.append((launch, sync, wire, body, bound))
         t += launch + sync + wire + body
@@ -356,8 +357,9 @@ def plan_card(card: ModelCard, tp: int, dp: int, ep: int, batch: int, context: i
     breakdown["sync"] += dev.token_sync_us
     held = Shape(card, tp, dp, ep, batch, 1, context, scheme)
     weights = sum(n * prec[role] for k in step_kernels(held) for role, n in k.weights.items())
-    weights += card.vocab * card.hidden * ACT + (draft > 0) * sum(
-        n * prec[role] for k in mtp_kernels(held)[:-len(head_kernels(held, 1))] for role, n in k.weights.items())
+    weights += card.vocab * card.hidden * ACT          # the embedding table
+    if draft:
+        weights += sum(n * prec[role] for k in mtp_layer_kernels(held) for role, n in k.weights.items())
     return {"predicted_step_us": t + dev.token_sync_us, "breakdown_us": breakdown, "moe_imbalance": imbalance,
-            "layers": card.layers, "kernels": len(kernels), "first_waiting_kernel": waited_at,
+            "layers": card.layers, "kernels": len(kernels),
             "weights_bytes": weights, "cache_bytes": batch * cache_bytes(card, context)}
