@@ -131,6 +131,33 @@ def test_a_bad_row_names_its_field(tmp_path):
         cb.load_deployments(tmp_path / "d.toml")
 
 
+def test_a_stack_term_is_cited_and_on_a_row_that_has_it(tmp_path):
+    """An overlap, a dispatch format or a stated expert count needs its source, and goes only on a
+    model-card row under the all_to_all scheme (the graph path and the all_reduce scheme have no
+    dispatch to split or to send in FP8)."""
+    rows = cb.DEPLOYMENTS.read_text().split("\n[[row]]\n")[1:]
+    deepseek = next(r for r in rows if 'deployment = "deepseek-h800"' in r)
+    bare = "\n".join(line for line in deepseek.splitlines() if not line.startswith("overlap_source"))
+    (tmp_path / "d.toml").write_text("[[row]]\n" + bare + "\n")
+    with pytest.raises(ValueError, match=r"row\[0\]: overlap needs overlap_source"):
+        cb.load_deployments(tmp_path / "d.toml")
+    bare = "\n".join(line for line in deepseek.splitlines() if not line.startswith("experts_source"))
+    (tmp_path / "d.toml").write_text("[[row]]\n" + bare + "\n")
+    with pytest.raises(ValueError, match=r"row\[0\]\.experts_per_rank"):
+        cb.load_deployments(tmp_path / "d.toml")
+    tp_row = next(r for r in rows if 'scheme = "all_reduce"' in r and 'card = "v3"' in r)
+    (tmp_path / "d.toml").write_text("[[row]]\n" + tp_row + 'a2a_format = "fp8"\na2a_source = "x"\n')
+    with pytest.raises(ValueError, match=r"row\[0\]\.a2a_format: one of"):
+        cb.load_deployments(tmp_path / "d.toml")
+    graph_row = next(r for r in rows if 'card = "v41-flash"' in r).replace('scheme = "all_reduce"\n', "")
+    graph_row = "\n".join(line for line in graph_row.splitlines() if not line.startswith("scheme_source"))
+    (tmp_path / "d.toml").write_text("[[row]]\n" + graph_row + '\noverlap = "tbo"\noverlap_source = "x"\n')
+    with pytest.raises(ValueError, match=r"row\[0\]\.overlap: one of \['none', 'tbo'\]"):
+        cb.load_deployments(tmp_path / "d.toml")
+    loaded = {r.deployment: r for r in cb.load_deployments()}
+    assert (loaded["deepseek-h800"].overlap, loaded["deepseek-h800"].a2a_format) == ("tbo", "fp8")
+
+
 def test_cli_shows_first_principles_and_fitted_parts(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     base = ["--config", "tiny", "--plan", "--tp", "2", "--dp", "1", "--batch", "2", "--context", "256",

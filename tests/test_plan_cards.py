@@ -69,3 +69,69 @@ def test_a_bad_layout_is_refused():
         cs.plan_card(V3, 2, 4, 4, 1, 1024, profile("h100"))
     with pytest.raises(ValueError, match="precision in"):
         cs.plan_card(V3, 1, 1, 1, 1, 1024, profile("h100"), precision="fp16")
+
+
+def test_dispatch_message_bytes_by_format():
+    """One dispatched token of DeepSeek-V3 (hidden 7168): DeepEP's FP8 low-latency message is a 16-byte
+    header, 7168 FP8 values and 7168 / 128 = 56 FP32 scales = 7408 bytes, against 2 x 7168 + 8 = 14344
+    in BF16; INT8 with one FP32 scale 7168 + 4 + 8 = 7180. The combine is BF16 in every format."""
+    assert cs.A2A_FORMATS["fp8"](7168) == 16 + 7168 + 56 * 4 == 7408
+    assert cs.A2A_FORMATS["bf16"](7168) == 14344 and cs.A2A_FORMATS["int8"](7168) == 7180
+    # EP16, 64 requests a rank: 16 x 64 x 8 / 16 = 512 (token, expert) pairs a rank, 15 / 16 of them remote
+    kernels = {a2a: {k.what: k for k in cs.layer_kernels(cs.Shape(V3, 1, 16, 16, 64, 1, 4096, "all_to_all", a2a), 10)}
+               for a2a in ("bf16", "fp8")}
+    assert kernels["fp8"]["experts"].handoff == ("a2a", 512 * 15 / 16 * 7408)
+    assert kernels["bf16"]["experts"].handoff == ("a2a", 512 * 15 / 16 * 14344)
+    assert kernels["fp8"]["combine"].handoff == kernels["bf16"]["combine"].handoff == ("a2a", 64 * 8 * 15 / 16 * 14340)
+
+
+def test_two_micro_batch_layer_hand_worked():
+    """One micro-batch's kernels priced by hand (launch, sync, bytes, body): ATTN-0 10 µs, ATTN-1 30,
+    the shared expert 5, the experts 15 on the compute lane with their dispatch 5 + 35 = 40 on the wire,
+    the combine 5 with 4 + 21 = 25 on the wire. Each micro-batch adds MLP 15 + 5, then max(SHARED +
+    ATTN-0 = 15, dispatch 40) = 40 (the wire is the critical path), then max(ATTN-1 30, combine 25) = 30
+    (the compute is): 90, and the layer runs two: 180 µs."""
+    ks = [cs.Kernel("a0", "vector", 1, stage="a0"), cs.Kernel("a1", "vector", 1),
+          cs.Kernel("experts", "matmul", 4, handoff=("a2a", 1.0), stage="mlp"),
+          cs.Kernel("shared", "matmul", 5, stage="shared"),
+          cs.Kernel("combine", "vector", 2, handoff=("a2a", 1.0), stage="mlp")]
+    priced = {"a0": (1, 0, 0, 9, "memory"), "a1": (2, 0, 0, 28, "compute"), "experts": (2, 5, 35, 13, "memory"),
+              "shared": (1, 0, 0, 4, "memory"), "combine": (1, 4, 21, 4, "memory")}
+    path = cs.tbo_layer(ks, lambda k: priced[k.what])
+    assert cs._span(path) == 180
+    assert sum(p[1] for p in path) == 2 * 5 and sum(p[2] for p in path) == 2 * 35     # the dispatch's wire, not the combine's
+    assert sum(p[3] for p in path if p[4] == "compute") == 2 * 28                     # ATTN-1 on the path
+    quiet = {**priced, "experts": (2, 1, 4, 13, "memory")}        # dispatch 5 < SHARED + ATTN-0 15: hidden
+    assert cs._span(cs.tbo_layer(ks, lambda k: quiet[k.what])) == 2 * (20 + 15 + 30)
+
+
+def test_overlap_hides_a_large_all_to_all_and_costs_where_there_is_none():
+    """DeepSeek's service layout (EP144 over 18 nodes, 88 requests a GPU): two micro-batches hide most of
+    the all-to-all, so the step falls; on one card (nothing to hide) the split only reads the weights
+    twice and launches twice the kernels, so the step rises. Either way the step is its parts."""
+    dev = profile("h100")
+    serial = cs.plan_card(V3, 1, 144, 144, 88, 4989, dev, a2a="fp8")
+    tbo = cs.plan_card(V3, 1, 144, 144, 88, 4989, dev, a2a="fp8", overlap="tbo")
+    assert tbo["predicted_step_us"] < serial["predicted_step_us"]
+    assert tbo["breakdown_us"]["collectives"] < serial["breakdown_us"]["collectives"]
+    assert sum(tbo["breakdown_us"].values()) == pytest.approx(tbo["predicted_step_us"], rel=1e-12)
+    assert tbo["kernels"] == serial["kernels"] + 58 * len(cs.layer_kernels(cs.Shape(V3, 1, 144, 144, 44, 1, 4989,
+                                                                                      "all_to_all"), 10))
+    alone = cs.plan_card(V3, 1, 1, 1, 2, 1024, dev)
+    assert cs.plan_card(V3, 1, 1, 1, 2, 1024, dev, overlap="tbo")["predicted_step_us"] > alone["predicted_step_us"]
+
+
+def test_stated_experts_per_rank():
+    """DeepSeek's decode: 2 routed experts a GPU (256 + 32 redundant over 144), not 256 / 144."""
+    s = cs.Shape(V3, 1, 144, 144, 88, 1, 4989, "all_to_all", "fp8", 2)
+    experts = next(k for k in cs.layer_kernels(s, 10) if k.what == "experts")
+    assert experts.weights["expert"] == 2 * 3 * 7168 * 2048
+    with pytest.raises(ValueError, match="experts_per_rank"):
+        cs.plan_card(V3, 1, 144, 144, 88, 4989, profile("h100"), experts_per_rank=1.5)
+
+
+def test_overlap_needs_an_all_to_all_step_to_split():
+    with pytest.raises(ValueError, match="overlap 'tbo'"):
+        cs.plan_card(V3, 8, 1, 8, 8, 1024, profile("h200"), scheme="all_reduce", overlap="tbo")
+    with pytest.raises(ValueError, match="overlap in"):
+        cs.plan_card(V3, 1, 16, 16, 8, 1024, profile("h100"), overlap="dbo")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41.config import Topology
-from dsv41.plan.card_step import PRECISION
+from dsv41.plan.card_step import A2A_FORMATS, OVERLAPS, PRECISION
 from dsv41.plan.cards import CARDS
 from dsv41.plan.latency import DISPATCH, SCHEMES
 
@@ -60,7 +60,8 @@ _ROW_KEYS = {"label": str, "deployment": str, "model": str, "card": str, "stack"
              "tp": int, "dp": int, "ep": int, "batch": int, "context": int, "measured_ms": (int, float),
              "source": str}
 _OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float), "accept_length": (int, float), "dispatch": str,
-             "scheme": str, "scheme_source": str, "precision": str}
+             "scheme": str, "scheme_source": str, "precision": str, "a2a_format": str, "a2a_source": str,
+             "overlap": str, "overlap_source": str, "experts_per_rank": (int, float), "experts_source": str}
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,12 @@ class Deployment:
                                 # for TP attention with the experts' sums all-reduced (no all-to-all backend)
     scheme_source: str = ""     # where the stack's code or command says so (required with a scheme)
     precision: str = ""         # a card's weight formats (dsv41.plan.card_step.PRECISION); the graph sizes its own
+    a2a_format: str = "bf16"    # what the stack's dispatch sends a token as (dsv41.plan.card_step.A2A_FORMATS)
+    a2a_source: str = ""        # where the stack's code or report says so (required with a format)
+    overlap: str = "none"       # how the stack overlaps its all-to-all with compute (card_step.OVERLAPS)
+    overlap_source: str = ""    # where the deployment's source says it runs so (required with an overlap)
+    experts_per_rank: float = 0.0  # routed experts an EP rank holds where the source states it (replicas counted)
+    experts_source: str = ""    # where it is stated (required with experts_per_rank)
 
     @property
     def topo(self) -> Topology:
@@ -132,6 +139,23 @@ def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
                              f"v41-flash (whose graph sizes its own formats), none for it; got {row.get('precision')!r}")
         if ("scheme" in row) != ("scheme_source" in row):
             raise ValueError(f"{path}: row[{i}]: scheme and scheme_source go together (the scheme is cited)")
+        if ("experts_per_rank" in row) != bool(row.get("experts_source")) or (
+                "experts_per_rank" in row and (CARDS[row["card"]] is None or row.get("scheme", "all_to_all") != "all_to_all"
+                                               or row["experts_per_rank"] < CARDS[row["card"]].n_routed / row["ep"])):
+            raise ValueError(f"{path}: row[{i}].experts_per_rank: the routed experts an EP rank holds, at least "
+                             f"n_routed / ep, on a model-card row under all_to_all, with experts_source")
+        for key, allowed in (("a2a_format", A2A_FORMATS), ("overlap", OVERLAPS)):
+            if key not in row:
+                continue
+            source = "a2a_source" if key == "a2a_format" else "overlap_source"
+            if row[key] not in allowed or CARDS[row["card"]] is None or row.get("scheme", "all_to_all") != "all_to_all":
+                raise ValueError(f"{path}: row[{i}].{key}: one of {list(allowed)}, on a model-card row under the "
+                                 f"all_to_all scheme; got {row[key]!r} (card {row['card']!r})")
+            if not row.get(source):
+                raise ValueError(f"{path}: row[{i}]: {key} needs {source} (where the deployment says it runs so)")
+        for key, source in (("a2a_format", "a2a_source"), ("overlap", "overlap_source")):
+            if source in row and key not in row:
+                raise ValueError(f"{path}: row[{i}]: {source} without {key}")
         if not 0 <= row.get("accept_length", 0) <= row.get("draft", 0) + 1:
             raise ValueError(f"{path}: row[{i}].accept_length: must be in [1, draft + 1], got {row['accept_length']!r}")
         out.append(Deployment(**row))

@@ -32,7 +32,7 @@ the device profile's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dsv41.plan.cards import ModelCard
 from dsv41.plan.latency import DISPATCH, PARTS, SCHEMES, a2a_call_us, all_reduce_call_us, body_us, \
@@ -50,6 +50,24 @@ PRECISION = {
     "fp4_experts": {"linear": _FP8, "expert": 0.5 + 1 / 32, "bf16": 2.0},
 }
 
+# Bytes one dispatched (token, expert) message takes on the wire, by the format the stack sends:
+# "bf16" the hidden row in BF16 plus its expert index and weight (what the graph counts); "fp8" DeepEP's
+# low-latency dispatch message (deepseek-ai/DeepEP csrc/kernels/internode_ll.cu, num_bytes_per_msg: a
+# 16-byte int4 header, the row in FP8, one FP32 scale per 128 channels); "int8" the row quantised to INT8
+# before it is sent, with one FP32 scale (CloudMatrix-Infer's FusedDispatch "early quantization").
+# A combine sends the experts' outputs in BF16 in every stack here (DeepEP's combine; DeepSeek's and
+# RTP-LLM's reports say so of their services).
+A2A_FORMATS = {
+    "bf16": lambda h: h * ACT + 8,
+    "fp8": lambda h: 16 + h + h / 128 * 4,
+    "int8": lambda h: h + 4 + 8,
+}
+# How a step overlaps the all-to-all with compute: "none" (each kernel waits on the one before it), or
+# "tbo": the MoE layers run as two micro-batches of half the requests, each one's dispatch and combine
+# in flight while the other computes (DeepSeek's decode, its day-6 inference-system overview: attention
+# split in two steps, a 5-stage pipeline; tbo_layer below).
+OVERLAPS = ("none", "tbo")
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -65,6 +83,7 @@ class Kernel:
     routed: bool = False
     touched: float = 1.0
     handoff: tuple = ()              # ("all_reduce", bytes per rank, ranks) | ("collective", bytes) | ("a2a", bytes)
+    stage: str = "a1"                # its block in a two-micro-batch overlap (OVERLAPS): a0, a1, mlp, shared
 
     def weight_bytes(self, precision: dict) -> float:
         return sum(n * precision[role] * (self.touched if role == "expert" else 1.0)
@@ -82,6 +101,8 @@ class Shape:
     rows: int                        # rows per request (1 + drafts)
     context: int
     scheme: str
+    a2a: str = "bf16"                # what a dispatch sends a token as (A2A_FORMATS); a combine sends BF16
+    experts_per_rank: float = 0.0    # routed experts a rank holds, redundant replicas counted (0: n_routed / ep)
 
     @property
     def reduce(self) -> bool:
@@ -114,7 +135,7 @@ class Shape:
         return self.tp if self.reduce else 1
 
 
-def _tp_handoffs(s: Shape, what: str) -> list[Kernel]:
+def _tp_handoffs(s: Shape, what: str, stage: str = "a1") -> list[Kernel]:
     """The hand-off after a TP-split block: an all-reduce (all_reduce), or under all_to_all the next
     block's all-gather and this one's reduce-scatter (when tp > 1)."""
     if s.tp == 1:
@@ -122,10 +143,11 @@ def _tp_handoffs(s: Shape, what: str) -> list[Kernel]:
     rows = s.attn_rows * s.card.hidden * ACT
     if s.reduce:
         return [Kernel(f"{what} all-reduce", "vector", 1, other_bytes=2 * rows,
-                       handoff=("all_reduce", rows / s.tp, s.tp))]
+                       handoff=("all_reduce", rows / s.tp, s.tp), stage=stage)]
     part = rows * (s.tp - 1) / s.tp
-    return [Kernel(f"{what} all-gather", "vector", 1, other_bytes=rows, handoff=("collective", part)),
-            Kernel(f"{what} reduce-scatter", "vector", 1, other_bytes=rows, handoff=("collective", part))]
+    return [Kernel(f"{what} all-gather", "vector", 1, other_bytes=rows, handoff=("collective", part), stage=stage),
+            Kernel(f"{what} reduce-scatter", "vector", 1, other_bytes=rows, handoff=("collective", part),
+                   stage=stage)]
 
 
 def _mla(s: Shape, rows: float, batch: float) -> list[Kernel]:
@@ -137,13 +159,15 @@ def _mla(s: Shape, rows: float, batch: float) -> list[Kernel]:
     a = c.q_lora + latent
     cache = batch * s.context * latent * ACT
     return [
-        Kernel("attn norm", "vector", 1, other_bytes=2 * rows * h * ACT),
-        Kernel("q_a + kv_a", "matmul", 2, {"linear": h * a}, rows * (h + a) * ACT, {"mx": 2 * rows * h * a}),
-        Kernel("q/kv norms, RoPE, cache write", "vector", 4, other_bytes=rows * (2 * a + latent) * ACT),
+        Kernel("attn norm", "vector", 1, other_bytes=2 * rows * h * ACT, stage="a0"),
+        Kernel("q_a + kv_a", "matmul", 2, {"linear": h * a}, rows * (h + a) * ACT, {"mx": 2 * rows * h * a},
+               stage="a0"),
+        Kernel("q/kv norms, RoPE, cache write", "vector", 4, other_bytes=rows * (2 * a + latent) * ACT, stage="a0"),
         Kernel("q_b", "matmul", 2, {"linear": c.q_lora * nh * qk}, rows * (c.q_lora + nh * qk) * ACT,
-               {"mx": 2 * rows * c.q_lora * nh * qk}),
+               {"mx": 2 * rows * c.q_lora * nh * qk}, stage="a0"),
         Kernel("absorbed W_UK", "matmul", 1, {"bf16": nh * c.qk_nope * c.kv_lora},
-               rows * nh * (c.qk_nope + c.kv_lora) * ACT, {"dense": 2 * rows * nh * c.qk_nope * c.kv_lora}),
+               rows * nh * (c.qk_nope + c.kv_lora) * ACT, {"dense": 2 * rows * nh * c.qk_nope * c.kv_lora},
+               stage="a0"),
         Kernel("MLA decode", "matmul", 2, other_bytes=cache + rows * nh * (latent + c.kv_lora) * ACT,
                flops={"dense": 2 * rows * nh * s.context * (latent + c.kv_lora)}),
         Kernel("absorbed W_UV", "matmul", 1, {"bf16": nh * c.kv_lora * c.v_head},
@@ -165,19 +189,21 @@ def _v4(s: Shape, layer: int, rows: float, batch: float) -> list[Kernel]:
     ratio, d = c.compress_ratios[layer], c.head_dim
     kept = min(s.context, c.window)
     out = [Kernel("q_proj", "matmul", 5, {"linear": h * c.q_lora + c.q_lora * nh * d},
-                  rows * (h + c.q_lora + nh * d) * ACT, {"mx": 2 * rows * (h * c.q_lora + c.q_lora * nh * d)}),
-           Kernel("kv_proj", "matmul", 4, {"linear": h * d}, rows * (h + d) * ACT, {"mx": 2 * rows * h * d})]
+                  rows * (h + c.q_lora + nh * d) * ACT, {"mx": 2 * rows * (h * c.q_lora + c.q_lora * nh * d)},
+                  stage="a0"),
+           Kernel("kv_proj", "matmul", 4, {"linear": h * d}, rows * (h + d) * ACT, {"mx": 2 * rows * h * d},
+                  stage="a0")]
     if ratio:
         out.append(Kernel("compressor", "matmul", 3, {"bf16": (2 if ratio == 4 else 1) * h * d},
-                          rows * (h + d) * ACT, {"dense": 2 * rows * h * d * (2 if ratio == 4 else 1)}))
-    out.append(Kernel("cache writes", "vector", 2, other_bytes=rows * V4_ROW * 2))
+                          rows * (h + d) * ACT, {"dense": 2 * rows * h * d * (2 if ratio == 4 else 1)}, stage="a0"))
+    out.append(Kernel("cache writes", "vector", 2, other_bytes=rows * V4_ROW * 2, stage="a0"))
     if ratio == 4:
         n_keys = s.context // ratio
         ih, idim = c.index_heads, c.index_dim
         out += [Kernel("indexer", "matmul", 5, {"linear": c.q_lora * ih * idim, "bf16": h * ih + 2 * h * idim},
                        batch * n_keys * idim + rows * ih * idim * ACT,
-                       {"mx": 2 * rows * (c.q_lora * ih * idim + ih * n_keys * idim)}),
-                Kernel("top-k", "vector", 1, other_bytes=rows * n_keys * 4)]
+                       {"mx": 2 * rows * (c.q_lora * ih * idim + ih * n_keys * idim)}, stage="a0"),
+                Kernel("top-k", "vector", 1, other_bytes=rows * n_keys * 4, stage="a0")]
         kept += min(n_keys, c.index_topk)
     elif ratio:
         kept += s.context // ratio
@@ -188,15 +214,15 @@ def _v4(s: Shape, layer: int, rows: float, batch: float) -> list[Kernel]:
     return out
 
 
-def _hc(s: Shape, rows: float) -> list[Kernel]:
+def _hc(s: Shape, rows: float, stage: str) -> list[Kernel]:
     """V4's mHC around a sublayer (the V4.1 graph's hc.mixes, hc.pre, hc.post): the mix GEMM over
     the ``hc_mult`` residual streams, their reduction, then their update."""
     c = s.card
     streams, mix = rows * c.hc_mult * c.hidden * ACT, (2 + c.hc_mult) * c.hc_mult
     return [Kernel("hc mixes", "vector", 3, {"bf16": mix * c.hc_mult * c.hidden}, streams,
-                   {"vector": 2 * rows * mix * c.hc_mult * c.hidden}),
-            Kernel("hc pre", "vector", 1, other_bytes=streams + rows * c.hidden * ACT),
-            Kernel("hc post", "vector", 1, other_bytes=2 * streams)]
+                   {"vector": 2 * rows * mix * c.hc_mult * c.hidden}, stage=stage),
+            Kernel("hc pre", "vector", 1, other_bytes=streams + rows * c.hidden * ACT, stage=stage),
+            Kernel("hc post", "vector", 1, other_bytes=2 * streams, stage=stage)]
 
 
 def _ffn(s: Shape, layer: int, rows: float) -> list[Kernel]:
@@ -206,8 +232,8 @@ def _ffn(s: Shape, layer: int, rows: float) -> list[Kernel]:
     if layer < c.dense_layers:
         i = c.dense_inter / s.tp
         return norm + [Kernel("dense MLP", "matmul", 5, {"linear": 3 * h * i}, rows * (h + 3 * i) * ACT,
-                              {"mx": 6 * rows * h * i})] + _tp_handoffs(s, "MLP")
-    slab, local = rows if s.reduce else rows / s.tp, c.n_routed / s.ep
+                              {"mx": 6 * rows * h * i}, stage="mlp")] + _tp_handoffs(s, "MLP", "mlp")
+    slab, local = rows if s.reduce else rows / s.tp, s.experts_per_rank or c.n_routed / s.ep
     tokens = s.dp * rows
     pairs = tokens * c.top_k / s.ep
     touched = 1 - (1 - c.top_k / c.n_routed) ** tokens
@@ -219,12 +245,12 @@ def _ffn(s: Shape, layer: int, rows: float) -> list[Kernel]:
         Kernel("dispatch", "vector", 2, other_bytes=2 * slab * c.top_k * h * ACT),
         Kernel("experts", "matmul", 4, {"expert": local * expert}, pairs * (h * 4 + 20), {"mx": 2 * pairs * expert},
                routed=True, touched=touched,
-               handoff=() if s.reduce else ("a2a", pairs * remote_share * (h * ACT + 8))),
+               handoff=() if s.reduce else ("a2a", pairs * remote_share * A2A_FORMATS[s.a2a](h)), stage="mlp"),
         Kernel("shared expert", "matmul", 5, {"linear": shared}, slab * (h + 3 * c.moe_inter / s.split) * ACT,
-               {"mx": 2 * slab * shared}),
+               {"mx": 2 * slab * shared}, stage="shared"),
         Kernel("combine", "vector", 2, other_bytes=slab * (c.top_k + 2) * h * ACT,
                handoff=("all_reduce", rows * h * ACT / s.tp, s.tp) if s.reduce
-               else ("a2a", slab * c.top_k * remote_share * (h * ACT + 4)), routed=not s.reduce),
+               else ("a2a", slab * c.top_k * remote_share * (h * ACT + 4)), routed=not s.reduce, stage="mlp"),
     ]
     return out
 
@@ -236,11 +262,12 @@ def layer_kernels(s: Shape, layer: int, rows: float | None = None, batch: float 
     if s.card.attention == "mla":
         attn = _mla(s, rows, batch)
     else:
-        attn = _hc(s, rows) + [Kernel("attn norm", "vector", 1, other_bytes=2 * rows * s.card.hidden * ACT)] \
+        attn = _hc(s, rows, "a0") + [Kernel("attn norm", "vector", 1, other_bytes=2 * rows * s.card.hidden * ACT,
+                                            stage="a0")] \
             + _v4(s, layer, rows, batch)
     ffn = _ffn(s, layer, rows)
     if s.card.attention == "v4":
-        ffn = _hc(s, rows) + ffn
+        ffn = _hc(s, rows, "a1") + ffn
     return attn + _tp_handoffs(s, "attention") + ffn
 
 
@@ -259,9 +286,9 @@ def mtp_layer_kernels(s: Shape) -> list[Kernel]:
     """The MTP layer at one row a request: the embedding and the previous hidden state normed and
     projected (eh_proj, 2 hidden -> hidden), then one MoE decoder layer."""
     c, rows = s.card, s.batch
-    return [Kernel("mtp norms", "vector", 2, other_bytes=4 * rows * c.hidden * ACT),
+    return [Kernel("mtp norms", "vector", 2, other_bytes=4 * rows * c.hidden * ACT, stage="a0"),
             Kernel("mtp eh_proj", "matmul", 2, {"linear": 2 * c.hidden * c.hidden}, 3 * rows * c.hidden * ACT,
-                   {"mx": 4 * rows * c.hidden * c.hidden})] + layer_kernels(s, c.layers - 1, rows, rows)
+                   {"mx": 4 * rows * c.hidden * c.hidden}, stage="a0")] + layer_kernels(s, c.layers - 1, rows, rows)
 
 
 def step_kernels(s: Shape) -> list[Kernel]:
@@ -315,51 +342,135 @@ def _handoff_us(k: Kernel, s: Shape, dev, load: float) -> tuple[float, float]:
         return all_reduce_call_us(ranks, ranks > dev.cards_per_node, per_rank, dev)
     if kind == "collective":
         return collective_call_us(1, s.tp > dev.cards_per_node, k.handoff[1], dev)
+    if s.ep == 1:                        # the experts are all on the card: nothing is sent
+        return 0.0, 0.0
     on_node = min(s.ep, dev.cards_per_node)
     return a2a_call_us(on_node - 1, s.ep - on_node, k.handoff[1] * load, dev)
 
 
+def _price(k: Kernel, s: Shape, dev, prec: dict, imbalance: float) -> tuple:
+    """One kernel's (launch, hand-off fixed cost, hand-off bytes, body, what bounds the body), µs."""
+    sync, wire = _handoff_us(k, s, dev, imbalance if k.routed else 1.0)
+    cost = NodeCost(int(k.weight_bytes(prec) + k.other_bytes), 0,
+                    {f: n * (imbalance if k.routed and f == "mx" else 1.0) for f, n in k.flops.items()}, 0, 0)
+    body, bound = body_us(cost, dev, k.klass)
+    return dev.launch_us * k.launches, sync, wire, body, bound
+
+
+def _span(parts) -> float:
+    return sum(p[0] + p[1] + p[2] + p[3] for p in parts)
+
+
+def tbo_layer(kernels: list[Kernel], price) -> list[tuple]:
+    """The critical path of one MoE layer run as DeepSeek's decode runs it (its day-6 inference-system
+    overview: two micro-batches, the attention split in two steps, a 5-stage pipeline; its profile-data
+    README: the all-to-all holds no SMs in decode, the RDMA runs while the other micro-batch computes).
+    ``kernels`` are one micro-batch's, ``price`` gives each one's parts. The compute lane runs, per layer,
+    SHARED(0) ATTN-0(1) | MLP(0) | ATTN-1(1) | SHARED(1) ATTN-0(0) | MLP(1) | ATTN-1(0) (the decode
+    figure's order), with ATTN-0 the projections before core attention and ATTN-1 core attention, the
+    output projection and the gate; a micro-batch's dispatch is in flight under the block after its gate
+    (SHARED + ATTN-0) and its combine under the block after its experts (ATTN-1). So each micro-batch
+    adds MLP + max(SHARED + ATTN-0, dispatch) + max(ATTN-1, combine): whichever lane is longer is the
+    critical path there; the experts wait on their dispatch and the next attention on the combine."""
+    lanes = {"a0": [], "a1": [], "mlp": [], "shared": []}
+    comm = {"dispatch": [], "combine": []}
+    for k in kernels:
+        launch, sync, wire, body, bound = price(k)
+        if k.handoff and k.handoff[0] == "a2a":      # the wire on its own lane, the kernel on the compute lane
+            comm["combine" if k.what == "combine" else "dispatch"].append((0.0, sync, wire, 0.0, bound))
+            sync = wire = 0.0
+        lanes[k.stage].append((launch, sync, wire, body, bound))
+
+    def longer(a, b):
+        return a if _span(a) >= _span(b) else b
+    one = lanes["mlp"] + longer(lanes["shared"] + lanes["a0"], comm["dispatch"]) + longer(lanes["a1"], comm["combine"])
+    return one + one
+
+
+def _tbo_step(s: Shape, dev, prec: dict) -> tuple[list[tuple], int, int]:
+    """The parts on the critical path of a step under ``tbo``, the kernels it launches and its kernel
+    groups: the dense
+    layers and the head un-split (nothing to hide; DeepSeek's decode trace runs its dense layers as one
+    batch), every MoE layer (the MTP layer's too) as two micro-batches of half the requests, each
+    reading the weights again and launching its own kernels, their MoE load that of half the tokens."""
+    half = replace(s, batch=s.batch / 2)
+    full_load = moe_imbalance(s.tokens * s.card.top_k, s.ep)
+    half_load = moe_imbalance(half.tokens * s.card.top_k, s.ep)
+    parts, launches, groups = [], 0, 0
+
+    def serial(kernels):
+        nonlocal launches, groups
+        parts.extend(_price(k, s, dev, prec, full_load) for k in kernels)
+        launches, groups = launches + sum(k.launches for k in kernels), groups + len(kernels)
+
+    def split(kernels):
+        nonlocal launches, groups
+        parts.extend(tbo_layer(kernels, lambda k: _price(k, half, dev, prec, half_load)))
+        launches, groups = launches + 2 * sum(k.launches for k in kernels), groups + 2 * len(kernels)
+    for layer in range(s.card.layers):
+        (serial(layer_kernels(s, layer)) if layer < s.card.dense_layers else split(layer_kernels(half, layer)))
+    serial(head_kernels(s, s.attn_rows))
+    for _ in range(s.rows - 1):
+        split(mtp_layer_kernels(half))
+        serial(head_kernels(s, s.batch))
+    return parts, launches, groups
+
+
 def plan_card(card: ModelCard, tp: int, dp: int, ep: int, batch: int, context: int, dev, draft: int = 0,
-              dispatch: str = "graph", scheme: str = "all_to_all", precision: str = "fp8") -> dict:
+              dispatch: str = "graph", scheme: str = "all_to_all", precision: str = "fp8", a2a: str = "bf16",
+              overlap: str = "none", experts_per_rank: float = 0.0) -> dict:
     """The first-principles step of ``card`` on profile ``dev``: its time and where it goes along the
-    chain (the report keys ``dsv41.plan.calibration.features`` reads), per-card HBM, the layer count."""
-    if scheme not in SCHEMES or dispatch not in DISPATCH or precision not in PRECISION:
+    chain (the report keys ``dsv41.plan.calibration.features`` reads), per-card HBM, the layer count.
+    ``a2a``: what a dispatch sends (``A2A_FORMATS``); ``overlap``: ``OVERLAPS``; ``experts_per_rank``:
+    the routed experts a rank holds where the deployment states it (with redundant replicas), else 0."""
+    if scheme not in SCHEMES or dispatch not in DISPATCH or precision not in PRECISION or a2a not in A2A_FORMATS \
+            or overlap not in OVERLAPS:
         raise ValueError(f"plan_card: scheme in {list(SCHEMES)}, dispatch in {list(DISPATCH)}, precision in "
-                         f"{list(PRECISION)}; got {scheme!r}, {dispatch!r}, {precision!r}")
+                         f"{list(PRECISION)}, a2a in {list(A2A_FORMATS)}, overlap in {list(OVERLAPS)}; got "
+                         f"{scheme!r}, {dispatch!r}, {precision!r}, {a2a!r}, {overlap!r}")
     if (tp * dp != ep) if scheme == "all_to_all" else (dp != 1 or tp % ep):
         raise ValueError(f"plan_card: needs ep = tp x dp (all_to_all), or dp 1 and ep dividing tp (all_reduce), "
                          f"got {tp}/{dp}/{ep} under {scheme}")
-    s = Shape(card, tp, dp, ep, batch, 1 + draft, context, scheme)
-    kernels = step_kernels(s)
+    if experts_per_rank and (scheme != "all_to_all" or experts_per_rank < card.n_routed / ep):
+        raise ValueError(f"plan_card: experts_per_rank is the routed experts an EP rank holds under all_to_all, at "
+                         f"least n_routed / ep = {card.n_routed / ep:g}; got {experts_per_rank!r} under {scheme}")
+    if overlap != "none" and (scheme != "all_to_all" or batch < 2):
+        raise ValueError(f"plan_card: overlap {overlap!r} splits an all_to_all step's requests in two: needs scheme "
+                         f"all_to_all and batch >= 2, got {scheme} and batch {batch}")
+    s = Shape(card, tp, dp, ep, batch, 1 + draft, context, scheme, a2a, experts_per_rank)
     prec = PRECISION[precision]
     imbalance = moe_imbalance(s.tokens * card.top_k, ep)
     t = dev.host_step_us + (dev.graph_launch_us if dispatch == "graph" else 0.0)
-    issued, parts = t, []
-    for k in kernels:
-        sync, wire = _handoff_us(k, s, dev, imbalance if k.routed else 1.0)
-        cost = NodeCost(int(k.weight_bytes(prec) + k.other_bytes), 0,
-                        {f: n * (imbalance if k.routed and f == "mx" else 1.0) for f, n in k.flops.items()}, 0, 0)
-        body, bound = body_us(cost, dev, k.klass)
-        if dispatch == "eager":
-            issued += dev.host_launch_us * k.launches
-            if issued > t:               # the kernel waits for the host to issue it: the chain starts again
-                t, parts = issued, []
-        launch = dev.launch_us * k.launches
-        parts.append((launch, sync, wire, body, bound))
-        t += launch + sync + wire + body
+    if overlap == "tbo":
+        parts, launches, n_kernels = _tbo_step(s, dev, prec)
+        t += _span(parts)
+        if dispatch == "eager":          # the device cannot finish before the host has issued every kernel
+            t = max(t, dev.host_step_us + dev.host_launch_us * launches)
+    else:
+        kernels = step_kernels(s)
+        n_kernels = len(kernels)
+        issued, parts = t, []
+        for k in kernels:
+            if dispatch == "eager":
+                issued += dev.host_launch_us * k.launches
+                if issued > t:           # the kernel waits for the host to issue it: the chain starts again
+                    t, parts = issued, []
+            part = _price(k, s, dev, prec, imbalance)
+            parts.append(part)
+            t += _span([part])
     breakdown = dict.fromkeys(PARTS, 0.0)
-    breakdown["host"] = t - sum(p[0] + p[1] + p[2] + p[3] for p in parts)
+    breakdown["host"] = t - _span(parts)
     for launch, sync, wire, body, bound in parts:
         breakdown["launch"] += launch
         breakdown["sync"] += sync
         breakdown["collectives"] += wire
         breakdown[bound] += body
     breakdown["sync"] += dev.token_sync_us
-    held = Shape(card, tp, dp, ep, batch, 1, context, scheme)
+    held = replace(s, rows=1)
     weights = sum(n * prec[role] for k in step_kernels(held) for role, n in k.weights.items())
     weights += card.vocab * card.hidden * ACT          # the embedding table
     if draft:
         weights += sum(n * prec[role] for k in mtp_layer_kernels(held) for role, n in k.weights.items())
-    return {"predicted_step_us": t + dev.token_sync_us, "breakdown_us": breakdown, "moe_imbalance": imbalance,
-            "layers": card.layers, "kernels": len(kernels),
+    return {"predicted_step_us": t + dev.token_sync_us, "breakdown_us": breakdown,
+            "moe_imbalance": imbalance, "layers": card.layers, "kernels": n_kernels,
             "weights_bytes": weights, "cache_bytes": batch * cache_bytes(card, context)}
