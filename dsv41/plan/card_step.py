@@ -1,8 +1,9 @@
 """A decode step of a model the graph builder does not size, from its card (``dsv41.plan.cards``):
 the kernels one card runs, in order, each priced with the plan's own primitives.
 
-Decode is a chain: each kernel waits on the one before it, so the step on the busiest card is the
-sum of its kernels, each ``launches`` device gaps, then its hand-off's fixed cost and bytes, then its
+Decode is a chain: each kernel waits on the one before it (unless the deployment overlaps its
+all-to-all with compute, ``OVERLAPS``: then each MoE layer is priced by ``tbo_layer``), so the step on
+the busiest card is the sum of its kernels, each ``launches`` device gaps, then its hand-off's fixed cost and bytes, then its
 body, max(bytes / achievable bandwidth, FLOPs / achievable rate) by the kernel's latency class
 (``latency.body_us``, the graph's own). Launch counts follow the rule of ``dsv41.kernels.record``
 (counted there on vLLM's DeepSeek-V3.2 decode path, which is V3's MLA plus an indexer): a quantised
@@ -25,7 +26,8 @@ each card's slab of rows is dispatched to the experts' cards and combined back (
 all-to-all backend). A step with drafts then runs the model's MTP layer once per draft on one row a
 request (a draft model's decode, as SGLang's EAGLE/NEXTN worker runs ``num_steps`` draft passes).
 
-Bytes: weights at the deployment's ``precision`` (``PRECISION``), activations BF16, the MLA cache BF16
+Bytes: weights at the deployment's ``precision`` (``PRECISION``), activations BF16 (a dispatch's in the
+format the stack sends, ``A2A_FORMATS``), the MLA cache BF16
 (576 values a token a layer: what vLLM and SGLang store by default), V4's caches 1 byte a value with a
 BF16 rope part (its FP8 cache). The weights are the only per-model numbers: every other constant is
 the device profile's.
