@@ -9,11 +9,20 @@ free list while a sequence holds it; everything returns at the end."""
 import random
 
 import pytest
+import torch
 
-from dsv41.config import FLASH, TINY
+from dsv41.cluster.engine import GraphEngine
+from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.blocks import BlockManager, PoolExhausted, Reservation
+from dsv41.engine.drafters import NgramDrafter, OracleDrafter
+from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.prefix_cache import span
+from dsv41.engine.reference import ReferenceEngine
+from dsv41.engine.scheduler import Scheduler, jobs_for
 from dsv41.engine.sequence import Sequence
+from dsv41.model.caches import cache_names
+from dsv41.ops import kv_cache
+from dsv41.ops.sampling import SamplingParams
 
 V = TINY.vocab_size
 G = span(TINY)
@@ -225,3 +234,172 @@ def test_random_traffic_keeps_every_block_accounted(seed):
     census(bm, [])
     assert bm.in_use()[0] == 0
     assert hits and evicted, "the traffic hit cached prefixes and evicted cached blocks"
+
+
+# ---- a request served from a cached prefix equals the same request computed whole ------------------------
+CTX, NEW = 256, 6
+BASE = prompt(100)
+# where a prompt leaves BASE: odd, inside a ratio-2 page (32 tokens) and a ratio-1 page (16); a
+# window page edge; 2 past a span edge (the rows after the cut read a 4-gram reaching into the
+# prefix); a span edge; inside the first span; the whole of BASE resent with more (the next turn)
+DIVERGE = (77, 80, 66, 96, 40, 100)
+SAMPLED = SamplingParams(temperature=0.9, top_k=50, seed=11)
+
+
+def variants() -> list[list[int]]:
+    return [BASE[:d] + prompt(14, salt=d + 1) for d in DIVERGE]
+
+
+def run(engine, prompts, sampling=None, drafter=None, budget=24, cls=Scheduler, new=NEW, **kw):
+    jobs = jobs_for(prompts, sampling, new, None)
+    sched = cls(engine, drafter(engine) if drafter else None, keep_logits=True, budget=budget, **kw)
+    sched.run(jobs)
+    return jobs, sched
+
+
+def expected_cut(prompt_: list[int], before: list[list[int]], min_feed: int = 1) -> int:
+    """The longest prefix shared with a history computed before, in whole spans, leaving min_feed."""
+    common = max((next((i for i, (a, b) in enumerate(zip(prompt_, h)) if a != b), min(len(prompt_), len(h)))
+                  for h in before), default=0)
+    return min(common, len(prompt_) - min_feed) // G * G
+
+
+MODES = {"greedy": (None, None), "sampled": (SAMPLED, None), "ngram": (None, lambda e: NgramDrafter(3)),
+         "dspark": (None, dspark_drafter), "dspark-sampled": (SAMPLED, dspark_drafter)}
+
+
+def check_cached(engine, oracle, mode: str, prompts=None):
+    """BASE first, then every variant (one batch, chunks of 24 rows beside decode rows) on the caching
+    engine; each variant's tokens and final logits equal the oracle's, which caches nothing."""
+    sampling, drafter = MODES[mode]
+    prompts = prompts or variants()
+    warm, _ = run(engine, [BASE], sampling, drafter)
+    histories = [BASE + warm[0].made[:-1]]
+    got, sched = run(engine, prompts, sampling, drafter)
+    want, _ = run(oracle, prompts, sampling, drafter)
+    min_feed = TINY.sliding_window if drafter is dspark_drafter else 1
+    for g, w, p in zip(got, want, prompts):
+        assert g.cached == expected_cut(p, histories, min_feed) > 0
+        assert g.made == w.made
+        assert torch.equal(g.final_logits, w.final_logits)
+    assert sched.prefix_hits == sum(g.cached for g in got) and sched.prefix_queries == sum(map(len, prompts))
+    if drafter is not None:
+        assert sched.spec.drafted > 0
+    assert engine.blocks_in_use()[0] == 0
+    engine.taps, engine.dspark = (), False
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_reference_cached_prefix_equals_the_whole_prompt(oracle, mode):
+    check_cached(ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True), oracle, mode)
+
+
+def dp2_prompts():
+    """Two requests per wave, one per DP group (the least loaded group first): the first wave
+    computes BASE's spans in both groups, the second reuses them in both."""
+    return variants()[:2]
+
+
+@pytest.mark.timeout(1200)
+def test_dp2_each_group_reuses_the_prefix_it_computed(oracle):
+    engine = GraphEngine(TINY, Topology(1, 2, 2), seed=0, executor="threads", max_batch=8, max_context=CTX,
+                         prefix_caching=True)
+    try:
+        first, _ = run(engine, [BASE, BASE + [1]])
+        placed = []
+        spy = engine.router.admit
+
+        def admit(split, local_ids):
+            placed.extend(g for g, _ in split.placed)
+            return spy(split, local_ids)
+        engine.router.admit = admit
+        got, _ = run(engine, dp2_prompts(), SAMPLED)
+        want, _ = run(oracle, dp2_prompts(), SAMPLED)
+        assert {0, 1} <= set(placed)
+        for g, w in zip(got, want):
+            assert g.cached == 64 and g.made == w.made and torch.equal(g.final_logits, w.final_logits)
+        assert engine.blocks_in_use()[0] == 0
+    finally:
+        engine.close()
+
+
+LAYOUTS = [("threads", Topology(4, 1, 4), "sharded"), ("threads", Topology(4, 1, 4), "replicated"),
+           ("distributed", Topology(2, 2, 4), "sharded")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("executor,topo,wiring", LAYOUTS, ids=lambda v: str(v))
+def test_every_layout_cached_prefix_equals_the_whole_prompt(executor, topo, wiring, oracle):
+    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=8, max_context=CTX,
+                         prefix_caching=True)
+    try:
+        for mode in MODES:
+            check_cached(engine, oracle, mode)
+    finally:
+        engine.close()
+
+
+class Censused(Scheduler):
+    """After every step, each group's blocks are counted against its requests' pages (census)."""
+
+    def step(self):
+        turn = super().step()
+        for table in self.engine.tables:
+            census(table.blocks, list(table.requests.values()))
+        return turn
+
+
+@pytest.mark.timeout(1800)
+def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(oracle):
+    """16 requests, two by two over five 70-token prefixes, in pools of 160 tokens: cached blocks are
+    evicted, requests are preempted and recomputed (from cached spans where they survive). Oracle:
+    the same batch with room for every request and nothing cached (a request's tokens do not depend
+    on its batch, tests/test_admission.py)."""
+    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, cache_tokens=160, prefix_caching=True)
+    evicted = []
+    evict = engine.table.blocks.cache.evict
+    engine.table.blocks.cache.evict = lambda key: evicted.append(key) or evict(key)
+    heads = [prompt(70, salt=s) for s in range(5)]
+    prompts = [heads[i // 2 % 5] + prompt(3 + i % 11, salt=40 + i) for i in range(16)]
+    got, sched = run(engine, prompts, SAMPLED, cls=Censused, new=16)
+    want, _ = run(oracle, prompts, SAMPLED, new=16)
+    assert [g.made for g in got] == [w.made for w in want]
+    assert all(torch.equal(g.final_logits, w.final_logits) for g, w in zip(got, want))
+    assert sched.victims and evicted and sched.prefix_hits > 0
+    assert engine.blocks_in_use()[0] == 0
+    census(engine.table.blocks, [])
+
+
+@pytest.mark.timeout(900)
+def test_a_rejected_draft_after_a_cached_prefix_leaves_the_shared_blocks_as_they_were(oracle):
+    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True)
+    run(engine, [BASE])
+    q = BASE[:77] + prompt(20, salt=3)
+    hit = engine.table.blocks.cache.lookup(q, len(q) - 1)
+    assert hit.length == 64
+    bs = TINY.block_size
+    shared = {}                                   # cache name -> its rows in the hit's blocks
+    for name, (kind, _, ratio) in cache_names(TINY).items():
+        blocks = list(hit.window.values()) if kind == kv_cache.WINDOW else hit.compressed[ratio]
+        shared[name] = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in blocks])
+    before = {n: [t[rows].clone() for t in engine.caches.committed[n]] for n, rows in shared.items()}
+    written = []
+    put = engine.caches.put
+    engine.caches.put = lambda name, slots, *a: written.append((name, slots.clone())) or put(name, slots, *a)
+    wrong = OracleDrafter(lambda job, room: [(job.last + 1 + i) % V for i in range(room)])
+    got, sched = run(engine, [q], drafter=lambda e: wrong)
+    want, _ = run(oracle, [q])
+    assert got[0].cached == 64 and got[0].made == want[0].made
+    assert sched.spec.drafted > sched.spec.accepted          # drafts were rejected
+    for name, slots in written:
+        if name in shared:
+            assert not torch.isin(slots.long(), shared[name]).any(), f"a write into a shared row of {name}"
+    for n, rows in shared.items():
+        assert all(torch.equal(t[rows], b) for t, b in zip(engine.caches.committed[n], before[n])), n
