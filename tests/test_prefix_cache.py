@@ -6,6 +6,7 @@ register, release stale pages) and checks the cache's bookkeeping against a coun
 block is exactly one of free, cached with nobody holding it, or held, and a held block's count is
 the number of sequences whose pages name it; a shared block is never handed out, written or put on a
 free list while a sequence holds it; everything returns at the end."""
+import json
 import random
 
 import pytest
@@ -23,6 +24,7 @@ from dsv41.engine.sequence import Sequence
 from dsv41.model.caches import cache_names
 from dsv41.ops import kv_cache
 from dsv41.ops.sampling import SamplingParams
+from dsv41.serving import schema
 
 V = TINY.vocab_size
 G = span(TINY)
@@ -403,3 +405,43 @@ def test_a_rejected_draft_after_a_cached_prefix_leaves_the_shared_blocks_as_they
             assert not torch.isin(slots.long(), shared[name]).any(), f"a write into a shared row of {name}"
     for n, rows in shared.items():
         assert all(torch.equal(t[rows], b) for t, b in zip(engine.caches.committed[n], before[n])), n
+
+
+@pytest.mark.timeout(900)
+def test_the_server_reports_cached_prompt_tokens_in_usage_and_metrics(oracle):
+    """serve caches by default: a prompt sent again, and one sharing 77 tokens with it, are answered
+    with the tokens of the uncached engine and report their cached tokens in usage (OpenAI's
+    prompt_tokens_details.cached_tokens, streamed and not) and in vLLM's prefix-cache counters."""
+    httpx = pytest.importorskip("httpx")
+    from test_serve_hostile import Served
+    from test_serve_metrics import _scrape, _value
+    server = Served("--max-context", str(CTX), "--metrics-names", "vllm", "--served-model-name", "tiny")
+    first, again, other = BASE + prompt(9, salt=2), BASE + prompt(9, salt=2), BASE[:77] + prompt(9, salt=3)
+    try:
+        answers = []
+        for p, stream in ((first, False), (again, False), (other, True)):
+            body = {"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            if not stream:
+                r = httpx.post(server.url + "/v1/completions", json=body, timeout=600).json()
+                answers.append((r["choices"][0]["token_ids"], r["usage"]))
+                continue
+            ids, usage = [], None
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=600,
+                              json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        ids += event["choices"][0]["token_ids"] if event["choices"] else []
+                        usage = event.get("usage") or usage
+            answers.append((ids, usage))
+        m = _scrape(server)
+    finally:
+        server.stop()
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for _, u in answers]
+    assert cached == [0, 96, 64]
+    assert [a for a, _ in answers] == oracle.generate([first, again, other], 4)
+    on = dict(model_name="tiny", engine="0")
+    probe = 1                              # the start-up probe's one-token prompt
+    assert _value(m, "vllm:prefix_cache_queries_total", **on) == len(first) + len(again) + len(other) + probe
+    assert _value(m, "vllm:prefix_cache_hits_total", **on) == 96 + 64
+    assert schema.usage(5, 2) == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}   # caching off

@@ -162,6 +162,11 @@ class Engine(ABC):
             return blocks.needs_started(drawn, n_new) if drawn else blocks.needs(None, n_new)
         return self.tables[self.group_of(rid)].blocks.needs(self.sequence(rid), n_new)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the DP groups keep a prefix cache (``prefix_cache.py``)."""
+        return any(t.blocks.cache is not None for t in self.tables)
+
     def cached_prefix(self, group: int, tokens: list[int], min_feed: int = 1) -> Hit:
         """The longest prefix of tokens a DP group's prefix cache holds, leaving at least min_feed
         tokens to feed (empty with prefix caching off). Each group caches what its own pools hold."""
