@@ -59,7 +59,7 @@ def served(jobs: list[Timed], starts: list[float], metrics: Metrics, wall: float
             "cached_tokens": sum(j.cached for j in jobs),
             "prompt_rows_computed": sum(len(j.prompt) - j.cached for j in jobs),
             "ttft_ms_mean": statistics.fmean(ttft), "ttft_ms_p50": statistics.median(ttft), "ttft_ms_max": max(ttft),
-            "wall_s": wall, "hit_rate": metrics.registry.get_sample_value("dsv41_prefix_cache_hit_rate")}
+            "wall_s": wall, "hit_rate": metrics.registry.get_sample_value("dsv41_prefix_cache_hit_rate", {"model_name": ""})}
 
 
 def chat(a, cfg, caching: bool) -> tuple[dict, list]:
