@@ -268,6 +268,19 @@ def expected_cut(prompt_: list[int], before: list[list[int]], min_feed: int = 1)
 
 MODES = {"greedy": (None, None), "sampled": (SAMPLED, None), "ngram": (None, lambda e: NgramDrafter(3)),
          "dspark": (None, dspark_drafter), "dspark-sampled": (SAMPLED, dspark_drafter)}
+# what a mode's answers equal: greedy drafts change no token or logit (tests/test_speculative.py), so
+# greedy n-gram and DSpark answers are plain greedy's; a sampling request's drafts change its draws
+ORACLE = {"greedy": "greedy", "sampled": "sampled", "ngram": "greedy", "dspark": "greedy",
+          "dspark-sampled": "dspark-sampled"}
+_answers: dict = {}
+
+
+def oracle_answers(oracle, mode: str, prompts: list[list[int]]) -> list:
+    key = (id(oracle), ORACLE[mode], tuple(map(tuple, prompts)))
+    if key not in _answers:
+        _answers[key] = run(oracle, prompts, *MODES[ORACLE[mode]])[0]
+        oracle.taps = ()
+    return _answers[key]
 
 
 def check_cached(engine, oracle, mode: str, prompts=None):
@@ -278,7 +291,7 @@ def check_cached(engine, oracle, mode: str, prompts=None):
     warm, _ = run(engine, [BASE], sampling, drafter)
     histories = [BASE + warm[0].made[:-1]]
     got, sched = run(engine, prompts, sampling, drafter)
-    want, _ = run(oracle, prompts, sampling, drafter)
+    want = oracle_answers(oracle, mode, prompts)
     min_feed = TINY.sliding_window if drafter is dspark_drafter else 1
     for g, w, p in zip(got, want, prompts):
         assert g.cached == expected_cut(p, histories, min_feed) > 0
@@ -322,7 +335,7 @@ def test_dp2_each_group_reuses_the_prefix_it_computed(oracle):
             return spy(split, local_ids)
         engine.router.admit = admit
         got, _ = run(engine, dp2_prompts(), SAMPLED)
-        want, _ = run(oracle, dp2_prompts(), SAMPLED)
+        want = oracle_answers(oracle, "sampled", variants())[:2]
         assert {0, 1} <= set(placed)
         for g, w in zip(got, want):
             assert g.cached == 64 and g.made == w.made and torch.equal(g.final_logits, w.final_logits)
@@ -360,18 +373,18 @@ class Censused(Scheduler):
 
 @pytest.mark.timeout(1800)
 def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(oracle):
-    """16 requests, two by two over five 70-token prefixes, in pools of 160 tokens: cached blocks are
+    """10 requests, two by two over five 70-token prefixes, in pools of 128 tokens: cached blocks are
     evicted, requests are preempted and recomputed (from cached spans where they survive). Oracle:
     the same batch with room for every request and nothing cached (a request's tokens do not depend
     on its batch, tests/test_admission.py)."""
-    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, cache_tokens=160, prefix_caching=True)
+    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, cache_tokens=128, prefix_caching=True)
     evicted = []
     evict = engine.table.blocks.cache.evict
     engine.table.blocks.cache.evict = lambda key: evicted.append(key) or evict(key)
     heads = [prompt(70, salt=s) for s in range(5)]
-    prompts = [heads[i // 2 % 5] + prompt(3 + i % 11, salt=40 + i) for i in range(16)]
-    got, sched = run(engine, prompts, SAMPLED, cls=Censused, new=16)
-    want, _ = run(oracle, prompts, SAMPLED, new=16)
+    prompts = [heads[i // 2 % 5] + prompt(3 + i % 11, salt=40 + i) for i in range(10)]
+    got, sched = run(engine, prompts, SAMPLED, cls=Censused, new=12)
+    want, _ = run(oracle, prompts, SAMPLED, new=12)
     assert [g.made for g in got] == [w.made for w in want]
     assert all(torch.equal(g.final_logits, w.final_logits) for g, w in zip(got, want))
     assert sched.victims and evicted and sched.prefix_hits > 0
