@@ -458,3 +458,30 @@ def test_the_server_reports_cached_prompt_tokens_in_usage_and_metrics(oracle):
     assert _value(m, "vllm:prefix_cache_queries_total", **on) == len(first) + len(again) + len(other) + probe
     assert _value(m, "vllm:prefix_cache_hits_total", **on) == 96 + 64
     assert schema.usage(5, 2) == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}   # caching off
+
+
+@pytest.mark.timeout(900)
+def test_a_lost_card_replays_a_request_that_shared_cached_pages(oracle):
+    """A card loses its State while a request decodes over shared pages: the recovery replays the
+    request's whole history into fresh tables (a fresh cache) and its answer is unchanged."""
+    from dsv41.cluster import registry
+    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="threads", max_batch=8, max_context=CTX,
+                         prefix_caching=True)
+
+    class Losing(Scheduler):
+        lost = False
+
+        def step(self):
+            turn = super().step()
+            if not self.lost and any(j.made for j in self.running.values()):
+                registry.find(engine.id).states.pop(0)
+                self.lost = True
+            return turn
+    try:
+        run(engine, [BASE])
+        got, _ = run(engine, variants()[:1], cls=Losing)
+        assert got[0].cached == 64 and engine.recoveries
+        assert got[0].made == oracle_answers(oracle, "greedy", variants())[0].made
+        assert engine.blocks_in_use()[0] == 0
+    finally:
+        engine.close()
