@@ -3,6 +3,7 @@ the scheduler and the server ask of an engine besides its tokens; a test subclas
 tokens it needs (``token``) and, where it tests capacity, its own ``fits``."""
 from __future__ import annotations
 
+from dsv41.engine.prefix_cache import Hit
 from dsv41.engine.protocol import StepOutput
 from dsv41.engine.sequence import Sequence
 
@@ -40,8 +41,13 @@ class OneGroupEngine:
     def place(self, count):
         return [0] * count
 
-    def needs(self, rid, n_new, drawn=0):
+    def needs(self, rid, n_new, drawn=0, hit=None, group=0):
         return {"rows": n_new}
+
+    prefix_caching = False
+
+    def cached_prefix(self, group, tokens, min_feed=1):
+        return Hit()
 
     def fits(self, group, needs):
         return True

@@ -85,6 +85,8 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--new-tokens": (RUN, ("needs --graph decode", lambda a: a.graph == "decode")),
     "--max-num-batched-tokens": (RUN, None),
     "--max-total-tokens": (ALL, None),
+    "--enable-prefix-caching": (RUN, None),
+    "--no-enable-prefix-caching": (RUN, None),
     "--seed": (RUN, (FROM_PROMPTS + "the seed draws random prompts and weights, and --checkpoint gives both",
                      _no_prompts)),
     "--executor": (RUN, None),

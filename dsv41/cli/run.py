@@ -90,6 +90,14 @@ def add_budget_arguments(p):
                         "--plan: how many requests of --context tokens it holds")
 
 
+def add_prefix_caching_argument(p, default: bool):
+    """--enable-prefix-caching / --no-enable-prefix-caching (vLLM's flags; serve's default on, run's off)."""
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=default,
+                   help="reuse the caches of prompt prefixes computed before, per DP group, in spans of 2 x "
+                        "block_size tokens; cached blocks nobody holds are evicted least recently used first "
+                        "(default: %s)" % ("on" if default else "off"))
+
+
 MODEL_FLAGS = ("--config", "--layers", "--experts", "--engram-rows", "--checkpoint", "--seed", "--executor", "--tp",
                "--dp", "--ep", "--granularity", "--backend", "--wiring", "--address", "--connect-timeout", "--debug", "--help")
 
@@ -104,6 +112,7 @@ def build_parser() -> rules.Parser:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=8, help="--graph decode: tokens generated per request")
     add_budget_arguments(p)
+    add_prefix_caching_argument(p, False)
     p.add_argument("--dashboard", action="store_true",
                    help="distributed: print the dashboard link when the cluster is up and wait after the run")
     p.add_argument("--hold", type=float, default=None, help="with --dashboard: seconds to wait instead of Enter")
@@ -239,13 +248,13 @@ def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
     if args.executor == REFERENCE:
         from dsv41.engine.reference import ReferenceEngine
         return ReferenceEngine(cfg, seed=args.seed, max_batch=args.batch, max_context=context, checkpoint=checkpoint,
-                               cache_tokens=rules.cache_tokens(args))
+                               cache_tokens=rules.cache_tokens(args), prefix_caching=args.enable_prefix_caching)
     from dsv41.cluster.engine import GraphEngine
     startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
     return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
                        wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
                        max_context=context, backend=args.backend, checkpoint=checkpoint, startup=startup,
-                       cache_tokens=rules.cache_tokens(args))
+                       cache_tokens=rules.cache_tokens(args), prefix_caching=args.enable_prefix_caching)
 
 
 def _refuse(problem, args) -> int:
@@ -297,6 +306,7 @@ class Steps:
     stats: list[dict] = field(default_factory=list)
     final_logits: torch.Tensor | None = None
     speculative: dict | None = None
+    prefix_cache: dict | None = None   # with --enable-prefix-caching: cached prompt tokens per request, queries, hits
 
 
 class ShownJob(Job):
@@ -361,6 +371,9 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
     done.final_logits = torch.stack([j.final_logits for j in jobs])
     if sched.drafter is not None:
         done.speculative = sched.spec.summary()
+    if args.enable_prefix_caching:
+        done.prefix_cache = {"cached_tokens": [j.cached for j in jobs], "queries": sched.prefix_queries,
+                             "hits": sched.prefix_hits}
     if codec is not None:
         for j, job in enumerate(jobs):
             rest = job.stops.text[job.stops.shown:]
@@ -381,6 +394,8 @@ def summary(args, cfg, topo, done: Steps) -> dict:
     }
     if done.speculative is not None:
         result["speculative"] = done.speculative
+    if done.prefix_cache is not None:
+        result["prefix_cache"] = done.prefix_cache
     if done.texts is not None:
         result["text"] = done.texts
     return result

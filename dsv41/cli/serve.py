@@ -43,7 +43,8 @@ SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
                                   "--max-body-bytes", "--served-model-name", "--read-timeout",
                                   "--shutdown-timeout", "--metrics-names", "--max-num-batched-tokens",
-                                  "--max-total-tokens"), (RUN, None)),
+                                  "--max-total-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching"),
+                                 (RUN, None)),
                  "--chat-format": (RUN, ("needs --checkpoint (chats need its tokenizer)", lambda a: a.checkpoint)),
                  "--dashboard": (DIST, None)}     # the server runs until stopped: no --hold
 
@@ -61,6 +62,7 @@ def build_parser() -> rules.Parser:
                    help=f"tokens one request reaches, prompt and answer (default: {DEFAULT_CONTEXT} or the "
                         "model's limit)")
     run.add_budget_arguments(g)
+    run.add_prefix_caching_argument(g, True)
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot; one more is answered 429 (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")

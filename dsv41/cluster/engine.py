@@ -60,12 +60,14 @@ class GraphEngine(Engine):
                  max_context: int | None = None, address: str | None = None, dashboard: bool = False,
                  options: Options = Options(), backend: str = "torch", checkpoint=None,
                  recovery_timeout: float = RECOVERY_TIMEOUT_S, graph_cache: int = GRAPH_CACHE,
-                 startup: Startup = Startup(), cache_tokens: int | None = None):
+                 startup: Startup = Startup(), cache_tokens: int | None = None, prefix_caching: bool = False):
         """checkpoint: an opened checkpoint holding cfg (weights and Engram token map), the source each
         card reads its own slices from; None draws random weights from seed. Under distributed it
         travels to the workers, which open its files themselves. startup: how long to wait for the
         cluster and whom to tell as its workers join (``connect.Startup``). cache_tokens: what each DP
-        group's compressed pools hold (default: every request at max_context; ``RequestTable``)."""
+        group's compressed pools hold (default: every request at max_context; ``RequestTable``).
+        prefix_caching: each DP group keeps the pages of prompt prefixes it computed for later
+        requests placed there (``engine.prefix_cache``)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
         if backend == "pypto-npu":
@@ -93,7 +95,8 @@ class GraphEngine(Engine):
                              f"per DP group (capacity contract)")
         max_context = max_context or min(cfg.max_position_embeddings, 1024)
         token_map = None if checkpoint is None else checkpoint.token_map
-        self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens) for _ in range(topo.dp)]
+        self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens, prefix_caching)
+                       for _ in range(topo.dp)]
         self.router = Router(topo.dp)
         self.filled: set[int] = set()        # requests started at a drawn context: no history to replay
         self.step_id = 0
@@ -186,7 +189,7 @@ class GraphEngine(Engine):
 
     # ---- steps -------------------------------------------------------------------------------------
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
-             draft_probs=None) -> StepOutput:
+             draft_probs=None, cached=None) -> StepOutput:
         if not batch:
             raise ValueError("batch: must contain at least one request, got an empty batch")
         if not self._finalizer.alive:
@@ -198,7 +201,7 @@ class GraphEngine(Engine):
             try:
                 if lost is not None:
                     self._recover(*lost)
-                return self._step(batch, phase, self.recoveries[first:], sampling, drafts, draft_probs)
+                return self._step(batch, phase, self.recoveries[first:], sampling, drafts, draft_probs, cached)
             except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
@@ -207,14 +210,15 @@ class GraphEngine(Engine):
                 raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
 
     def _step(self, batch, phase: str, recovered: list[dict], sampling=None, drafts=None,
-              draft_probs=None) -> StepOutput:
-        split = self.router.split(batch, [len(t.requests) for t in self.tables], sampling, drafts, draft_probs)
+              draft_probs=None, cached=None) -> StepOutput:
+        split = self.router.split(batch, [len(t.requests) for t in self.tables], sampling, drafts, draft_probs,
+                                  cached)
         steps = {}
         try:
             for g, b in split.batches.items():
                 dists = split.draft_probs[g]
                 steps[g] = self.tables[g].plan(b, phase, split.sampling[g], split.drafts[g],
-                                               dists if any(q is not None for q in dists) else None)
+                                               dists if any(q is not None for q in dists) else None, split.cached[g])
             t0 = time.perf_counter()
             values, graph, plan = self._execute(steps, phase)
         except BaseException:                # nothing of the step stays on the host either

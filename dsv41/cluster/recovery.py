@@ -60,7 +60,7 @@ def replay(engine, groups: list[int]) -> tuple[int, int, int]:
     limit = engine.cfg.prefill_max_tokens
     tables = engine.tables
     fresh = {g: RequestTable(engine.cfg, tables[g].max_batch, tables[g].max_context, tables[g].token_map,
-                             tables[g].cache_tokens) for g in groups}
+                             tables[g].cache_tokens, tables[g].blocks.cache is not None) for g in groups}
     work = {g: [(local, req.tokens[i:i + limit]) for local, req in tables[g].requests.items()
                 for i in range(0, len(req.tokens), limit)] for g in groups}
     renamed = {g: {} for g in groups}                 # old local id -> new local id

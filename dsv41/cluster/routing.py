@@ -15,13 +15,14 @@ from dataclasses import dataclass
 class Split:
     """One batch cut into per-group batches. placed: per request of the batch, (group, index within
     that group's batch); batches: group -> [(local id or None for a new request, tokens)], groups in
-    ascending order; sampling, drafts, draft_probs: group -> that group's entries, in its batch order."""
+    ascending order; sampling, drafts, draft_probs: group -> that group's entries, in its batch order; cached: group -> the prefix each new request reuses (or None)."""
     rids: list[int | None]
     placed: list[tuple[int, int]]
     batches: dict[int, list]
     sampling: dict[int, list]
     drafts: dict[int, list]
     draft_probs: dict[int, list]
+    cached: dict[int, list]
 
     def gather(self, per_group: dict[int, list]) -> list:
         """Per-group results (each in its group's batch order) in the batch's order."""
@@ -50,9 +51,10 @@ class Router:
         return self.where[rid]
 
     def split(self, batch: list[tuple[int | None, list[int]]], loads: list[int], sampling=None, drafts=None,
-              draft_probs=None) -> Split:
-        """batch: (global id, or None for a new request; tokens) pairs; sampling, drafts, draft_probs:
-        one entry per pair (None: plain settings, no proposals, drafts without a distribution)."""
+              draft_probs=None, cached=None) -> Split:
+        """batch: (global id, or None for a new request; tokens) pairs; sampling, drafts, draft_probs,
+        cached: one entry per pair (None: plain settings, no proposals, drafts without a
+        distribution, no cached prefix)."""
         sampling = [None] * len(batch) if sampling is None else list(sampling)
         if len(sampling) != len(batch):
             raise ValueError(f"sampling: expected one entry per request ({len(batch)}), found {len(sampling)}")
@@ -62,17 +64,21 @@ class Router:
         draft_probs = [None] * len(batch) if draft_probs is None else list(draft_probs)
         if len(draft_probs) != len(batch):
             raise ValueError(f"draft_probs: expected one entry per request ({len(batch)}), found {len(draft_probs)}")
+        cached = [None] * len(batch) if cached is None else list(cached)
+        if len(cached) != len(batch):
+            raise ValueError(f"cached: expected one entry per request ({len(batch)}), found {len(cached)}")
         new = iter(self.place(loads, sum(rid is None for rid, _ in batch)))
-        out = Split([rid for rid, _ in batch], [], *({g: [] for g in range(self.dp)} for _ in range(4)))
-        for (rid, toks), sp, d, q in zip(batch, sampling, drafts, draft_probs):
+        out = Split([rid for rid, _ in batch], [], *({g: [] for g in range(self.dp)} for _ in range(5)))
+        for (rid, toks), sp, d, q, c in zip(batch, sampling, drafts, draft_probs, cached):
             grp, local = (next(new), None) if rid is None else self.locate(rid)
             out.placed.append((grp, len(out.batches[grp])))
             out.batches[grp].append((local, toks))
             out.sampling[grp].append(sp)
             out.drafts[grp].append(d)
             out.draft_probs[grp].append(q)
+            out.cached[grp].append(c)
         for g in [g for g, b in out.batches.items() if not b]:     # groups this batch does not use
-            del out.batches[g], out.sampling[g], out.drafts[g], out.draft_probs[g]
+            del out.batches[g], out.sampling[g], out.drafts[g], out.draft_probs[g], out.cached[g]
         return out
 
     def admit(self, split: Split, local_ids: dict[int, list[int]]) -> list[int]:

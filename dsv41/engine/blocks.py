@@ -6,6 +6,11 @@ logged, so ``Reservation.undo`` puts each back where it came from (a failed step
 returns those past the rows a step kept (a verify step's rejected drafts). Pools hand out blocks
 from the front, and a returned reservation goes back to the front: after an undo the pools are
 exactly as before.
+
+With prefix caching (``prefix_cache.PrefixCache``) a sequence may also hold cached blocks other
+sequences hold too: those are counted by the cache, never written (they hold rows before the
+sequence's kv_len) and never handed back to a free list while anyone holds them; a block nobody
+holds stays cached until a pool runs out of free blocks and evicts its least recently used one.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from dsv41.config import ModelConfig
+from dsv41.engine.prefix_cache import Hit, PrefixCache
 from dsv41.engine.sequence import Sequence
 
 
@@ -25,11 +31,16 @@ class Pools:
     window: list[int]
     compressed: dict[int, list[int]]        # ratio -> free blocks
     state: list[int]
+    cache: PrefixCache | None = None        # the cached blocks (prefix caching on)
+
+
+HELD = "held"       # a reservation's log entry for a cached block a new sequence holds
 
 
 @dataclass
 class Reservation:
-    """Blocks one step took, oldest first: (pool key, sequence, page or None, block)."""
+    """Blocks one step took, oldest first: (pool key, sequence, page or None, block); a cached block
+    a sequence started to hold: (HELD, sequence, pool key, block)."""
     taken: list = field(default_factory=list)
 
     def undo(self, pools: Pools):
@@ -42,13 +53,42 @@ def _pool(pools: Pools, key) -> list[int]:
     return pools.window if key == "window" else pools.state if key == "state" else pools.compressed[key]
 
 
+def _put(pools: Pools, key, blk: int, front: bool = False):
+    """A block a sequence let go of: a cached one is the cache's to keep, any other is free."""
+    if pools.cache is not None and pools.cache.shared(key, blk):
+        pools.cache.unhold(key, blk)
+    elif front:
+        _pool(pools, key).insert(0, blk)
+    else:
+        _pool(pools, key).append(blk)
+
+
+def _take(pools: Pools, key) -> int:
+    """A free block, or (none free) the least recently used cached block nobody holds."""
+    free = _pool(pools, key)
+    if free:
+        return free.pop(0)
+    if pools.cache is not None and pools.cache.idle_blocks(key):
+        return pools.cache.evict(key)
+    raise PoolExhausted("batch: window cache pool exhausted" if key == "window" else
+                        "batch: no free compressor state block" if key == "state" else
+                        f"batch: ratio-{key} compressed cache pool exhausted")
+
+
 def _give_back(pools: Pools, key, seq: Sequence, page, blk: int):
+    if key == HELD:
+        key, pages = page, seq.window_pages if page == "window" else seq.compressed_pages[page]
+        if key == "window":
+            del pages[next(p for p, b in pages.items() if b == blk)]
+        else:
+            pages.remove(blk)
+        pools.cache.unhold(key, blk)
+        return
     if key == "window":
         del seq.window_pages[page]
     elif key != "state":
         seq.compressed_pages[key].pop()
-    _pool(pools, key).insert(0, blk)
-
+    _put(pools, key, blk, front=True)
 
 def window_pages(cfg: ModelConfig, max_context: int) -> int:
     """Window pages one request can hold at once. Before a step it holds the pages from its earliest
@@ -60,9 +100,12 @@ def window_pages(cfg: ModelConfig, max_context: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, cache_tokens: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, cache_tokens: int | None = None,
+                 prefix_caching: bool = False):
         """cache_tokens: the tokens the compressed pools hold over all requests (default: every
-        request at max_context); fewer makes the scheduler preempt when requests grow."""
+        request at max_context); fewer makes the scheduler preempt when requests grow.
+        prefix_caching: keep the pages of completed prompt spans for later requests (evicted,
+        least recently used first, when a pool has no free block left)."""
         self.cfg = cfg
         bs = cfg.block_size
         self.window_per_request = window_pages(cfg, max_context)
@@ -76,6 +119,13 @@ class BlockManager:
         self.pools = Pools(list(range(self.window_blocks)),
                            {r: list(range(n)) for r, n in self.compressed_blocks.items()},
                            list(range(self.state_blocks)))
+        if prefix_caching:
+            self.pools.cache = PrefixCache(cfg, {"window": self.pools.window, "state": self.pools.state,
+                                                 **self.pools.compressed})
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        return self.pools.cache
 
     def _window_range(self, kv_len: int, n_new: int) -> range:
         bs, w = self.cfg.block_size, self.cfg.sliding_window
@@ -84,15 +134,21 @@ class BlockManager:
     def _compressed_need(self, kv_len: int, ratio: int) -> int:
         return math.ceil(kv_len // ratio / self.cfg.block_size)
 
-    def needs(self, seq: Sequence | None, n_new: int) -> dict:
-        """Blocks per pool key a sequence (None: a new one) must take to feed n_new more rows."""
-        kv = 0 if seq is None else seq.kv_len
-        held = {} if seq is None else seq.window_pages
-        out = {"window": sum(p not in held for p in self._window_range(kv, n_new))}
+    def needs(self, seq: Sequence | None, n_new: int, hit: Hit | None = None) -> dict:
+        """Blocks per pool key a sequence (None: a new one, after hit's cached prefix if given) must
+        take to feed n_new more rows; a hit's cached blocks nobody holds count too (they leave the
+        LRU the free counts include)."""
+        held = seq if seq is not None else hit
+        kv = 0 if held is None else held.kv_len if seq is not None else hit.length
+        window = {} if held is None else held.window_pages if seq is not None else hit.window
+        pages = {} if held is None else held.compressed_pages if seq is not None else hit.compressed
+        out = {"window": sum(p not in window for p in self._window_range(kv, n_new))}
         for r in self.pools.compressed:
-            have = 0 if seq is None else len(seq.compressed_pages.get(r, []))
-            out[r] = max(0, self._compressed_need(kv + n_new, r) - have)
+            out[r] = max(0, self._compressed_need(kv + n_new, r) - len(pages.get(r, [])))
         out["state"] = 1 if seq is None else 0
+        if seq is None and hit is not None:
+            for key, n in self.cache.revived(hit).items():
+                out[key] += n
         return out
 
     def needs_started(self, drawn: int, n_new: int) -> dict:
@@ -116,29 +172,37 @@ class BlockManager:
         for need in needs:
             for k, n in need.items():
                 total[k] = total.get(k, 0) + n
-        return all(len(_pool(self.pools, k)) >= n for k, n in total.items())
+        return all(self.free_blocks(k) >= n for k, n in total.items())
+
+    def free_blocks(self, key) -> int:
+        """Blocks a pool can hand out: free, or cached with nobody holding them."""
+        return len(_pool(self.pools, key)) + (self.cache.idle_blocks(key) if self.cache is not None else 0)
 
     def take_state(self, seq: Sequence, res: Reservation):
-        if not self.pools.state:
-            raise PoolExhausted("batch: no free compressor state block")
-        seq.state_block = self.pools.state.pop(0)
+        seq.state_block = _take(self.pools, "state")
         res.taken.append(("state", seq, None, seq.state_block))
+
+    def attach(self, seq: Sequence, hit: Hit, res: Reservation):
+        """A new sequence (its tokens the hit's prefix) holds the hit's cached pages and starts after
+        them: its caches read those rows, and it writes only past them (logged in res)."""
+        seq.window_pages = dict(hit.window)
+        seq.compressed_pages = {r: list(b) for r, b in hit.compressed.items()}
+        seq.kv_len, seq.hashes = hit.length, list(hit.hashes)
+        for key, blk in hit.blocks():
+            self.cache.hold(key, blk)
+            res.taken.append((HELD, seq, key, blk))
 
     def reserve(self, seq: Sequence, n_new: int, res: Reservation):
         """The pages seq needs for n_new more rows, logged in res (raises PoolExhausted, having
         taken part of them: the caller undoes res)."""
         for page in self._window_range(seq.kv_len, n_new):
             if page not in seq.window_pages:
-                if not self.pools.window:
-                    raise PoolExhausted("batch: window cache pool exhausted")
-                seq.window_pages[page] = blk = self.pools.window.pop(0)
+                seq.window_pages[page] = blk = _take(self.pools, "window")
                 res.taken.append(("window", seq, page, blk))
-        for r, free in self.pools.compressed.items():
+        for r in self.pools.compressed:
             pages = seq.compressed_pages.setdefault(r, [])
             while len(pages) < self._compressed_need(seq.kv_len + n_new, r):
-                if not free:
-                    raise PoolExhausted(f"batch: ratio-{r} compressed cache pool exhausted")
-                pages.append(blk := free.pop(0))
+                pages.append(blk := _take(self.pools, r))
                 res.taken.append((r, seq, None, blk))
 
     def trim(self, seq: Sequence, res: Reservation):
@@ -149,7 +213,7 @@ class BlockManager:
         keep = []
         for entry in reversed(res.taken):
             key, owner, page, blk = entry
-            extra = owner is seq and ((key == "window" and page > last_page) or
+            extra = owner is seq and key != HELD and ((key == "window" and page > last_page) or
                                       (key not in ("window", "state")
                                        and len(seq.compressed_pages[key]) > self._compressed_need(seq.kv_len, key)))
             if extra:
@@ -162,17 +226,33 @@ class BlockManager:
         """Pages wholly before the next step's earliest window position go back to the pool."""
         keep_from = max(0, seq.kv_len - self.cfg.sliding_window + 1) // self.cfg.block_size
         for page in [p for p in seq.window_pages if p < keep_from]:
-            self.pools.window.append(seq.window_pages.pop(page))
+            _put(self.pools, "window", seq.window_pages.pop(page))
+
+    def register(self, seq: Sequence):
+        """Cache the spans seq's rows completed (prefix caching on; not a drawn-context request's)."""
+        if self.cache is not None and not seq.from_context:
+            self.cache.register(seq)
 
     def free(self, seq: Sequence):
-        self.pools.window.extend(seq.window_pages.values())
+        self._let_go("window", list(seq.window_pages.values()))
         for r, pages in seq.compressed_pages.items():
-            self.pools.compressed[r].extend(pages)
+            self._let_go(r, pages)
         self.pools.state.append(seq.state_block)
         seq.window_pages, seq.compressed_pages, seq.state_block = {}, {}, -1
 
+    def _let_go(self, key, blocks: list[int]):
+        """A sequence's blocks of one pool back: its own to the free list in order, cached ones to the
+        cache newest first (a prefix's later spans become the least recently used)."""
+        cache = self.cache
+        shared = [cache is not None and cache.shared(key, b) for b in blocks]
+        _pool(self.pools, key).extend(b for b, s in zip(blocks, shared) if not s)
+        for blk, s in zip(reversed(blocks), reversed(shared)):
+            if s:
+                cache.unhold(key, blk)
+
     def in_use(self) -> tuple[int, int]:
-        """(blocks held by sequences, blocks in all pools): window, compressed and state."""
+        """(blocks held by sequences, blocks in all pools): window, compressed and state; a cached
+        block nobody holds is not in use."""
         total = self.window_blocks + sum(self.compressed_blocks.values()) + self.state_blocks
-        free = len(self.pools.window) + sum(map(len, self.pools.compressed.values())) + len(self.pools.state)
+        free = sum(self.free_blocks(k) for k in ["window", "state", *self.pools.compressed])
         return total - free, total

@@ -11,6 +11,9 @@ DRAFTERS = (NGRAM, DSPARK)        # what --speculative offers (the oracle is the
 class Drafter:
     """Proposes tokens for a batch of jobs; ``propose`` one job's (a drafter that also gives the
     distribution its drafts were drawn from overrides ``propose_batch``)."""
+    reads_states = False      # drafts from the model's states of the last window rows (DSpark): a
+    #                           request after a cached prefix feeds at least a window of rows
+
 
     def propose(self, job, room: int) -> list[int]:
         raise NotImplementedError

@@ -53,6 +53,7 @@ def _kept(confidence: torch.Tensor, n: int, threshold: float | None) -> int:
 
 
 class GraphDrafts(Drafter):
+    reads_states = True
     def __init__(self, engine, k: int | None = None, confidence: float | None = None):
         """k: drafts per step; confidence: a block ends at the first draft whose confidence is below it."""
         self.k, self.confidence, self.engine = _options(engine.cfg, k, confidence), confidence, engine
@@ -69,6 +70,7 @@ class GraphDrafts(Drafter):
 
 
 class DSparkDrafter(Drafter):
+    reads_states = True
     def __init__(self, engine, weights, k: int | None = None, confidence: float | None = None):
         """weights: the checkpoint's tensors in this process (the DSpark stages, embedding and LM
         head); k: drafts per step (default the config's block); confidence: a block ends at the
@@ -92,7 +94,9 @@ class DSparkDrafter(Drafter):
             taps = out.taps[i]
             rows = next(iter(taps.values())).shape[0]
             if phase == "prefill":            # a recompute's later chunks continue its window
-                window = self.windows.get(job.id) or DSparkWindow(self.cfg)
+                window = self.windows.get(job.id)
+                if window is None:            # its first rows: past a cached prefix, not at 0
+                    window = DSparkWindow(self.cfg, length=self.engine.sequence(job.rid).kv_len - rows)
                 first, kept = window.length, rows
             elif job.id in self.windows:
                 window = self.windows[job.id]

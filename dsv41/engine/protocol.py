@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from dsv41.engine.prefix_cache import Hit
 from dsv41.engine.scheduler import Scheduler, jobs_for
 from dsv41.engine.sequence import Sequence
 from dsv41.ops.sampling import SamplingParams
@@ -69,12 +70,15 @@ class Engine(ABC):
     @abstractmethod
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str,
              sampling: list[SamplingParams | None] | None = None,
-             drafts: list[list[int]] | None = None, draft_probs: list | None = None) -> StepOutput:
+             drafts: list[list[int]] | None = None, draft_probs: list | None = None,
+             cached: list[list[int] | None] | None = None) -> StepOutput:
         """Run one step; it publishes what it made or leaves every request and cache as it was.
         sampling: per pair, the settings of the request it starts (None: greedy). drafts: per pair,
         tokens proposed after its new tokens (decode only); the step keeps the accepted prefix.
         draft_probs: per pair, the distribution each draft was drawn from (FP64 [k, vocab]) or
-        None: a sampling request then accepts by the speculative-sampling rule (``ops.verify``)."""
+        None: a sampling request then accepts by the speculative-sampling rule (``ops.verify``).
+        cached: per pair, the prefix a starting request reuses from its group's prefix cache (its
+        tokens come first; ``cached_prefix`` finds it) or None."""
 
     @property
     @abstractmethod
@@ -147,13 +151,27 @@ class Engine(ABC):
         """The DP groups the next step would give ``count`` new requests (in batch order)."""
         return [0] * count
 
-    def needs(self, rid: int | None, n_new: int, drawn: int = 0) -> dict:
+    def needs(self, rid: int | None, n_new: int, drawn: int = 0, hit: Hit | None = None, group: int = 0) -> dict:
         """Blocks per pool a request (None: a new one, holding ``drawn`` tokens of drawn history
-        first) takes to feed n_new more rows (``BlockManager.needs``)."""
+        first, or starting after ``hit``, a cached prefix of DP group ``group``) takes to feed n_new
+        more rows (``BlockManager.needs``)."""
         if rid is None:
+            if hit is not None and hit.length:
+                return self.tables[group].blocks.needs(None, n_new, hit)
             blocks = self.tables[0].blocks          # every group's pools have the same sizes
             return blocks.needs_started(drawn, n_new) if drawn else blocks.needs(None, n_new)
         return self.tables[self.group_of(rid)].blocks.needs(self.sequence(rid), n_new)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the DP groups keep a prefix cache (``prefix_cache.py``)."""
+        return any(t.blocks.cache is not None for t in self.tables)
+
+    def cached_prefix(self, group: int, tokens: list[int], min_feed: int = 1) -> Hit:
+        """The longest prefix of tokens a DP group's prefix cache holds, leaving at least min_feed
+        tokens to feed (empty with prefix caching off). Each group caches what its own pools hold."""
+        cache = self.tables[group].blocks.cache
+        return Hit() if cache is None else cache.lookup(tokens, len(tokens) - min_feed)
 
     def fits(self, group: int, needs: list[dict]) -> bool:
         """Whether a DP group's free blocks hold these needs together."""

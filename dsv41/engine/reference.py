@@ -22,7 +22,7 @@ class ReferenceEngine(Engine):
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, max_batch: int | None = None,
                  max_context: int | None = None, checkpoint=None, options: Options = Options(),
-                 cache_tokens: int | None = None):
+                 cache_tokens: int | None = None, prefix_caching: bool = False):
         """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; None draws from seed."""
         self.cfg = cfg
         self.options = options
@@ -36,7 +36,7 @@ class ReferenceEngine(Engine):
         self.model = Transformer(cfg, self.weights)
         self.table = RequestTable(cfg, max_batch or cfg.max_batch_per_dp,
                                   max_context or min(cfg.max_position_embeddings, 1024),
-                                  None if checkpoint is None else checkpoint.token_map, cache_tokens)
+                                  None if checkpoint is None else checkpoint.token_map, cache_tokens, prefix_caching)
         self.caches = StagedTensors(empty_caches(cfg, self.table.blocks))
         capacity = self.table.max_context
         self.rope_tables = {p: precompute_rope_tables(cfg, capacity, p) for p in (PLAIN, COMPRESSED)}
@@ -67,8 +67,8 @@ class ReferenceEngine(Engine):
         return self.table.requests[rid]
 
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
-             draft_probs=None) -> StepOutput:
-        step = self.table.plan(batch, phase, sampling=sampling, drafts=drafts, draft_probs=draft_probs)
+             draft_probs=None, cached=None) -> StepOutput:
+        step = self.table.plan(batch, phase, sampling=sampling, drafts=drafts, draft_probs=draft_probs, cached=cached)
         try:
             taps = {} if self.taps else None
             logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options, taps),

@@ -59,7 +59,7 @@ class RequestTable:
     """Sequences and block pools of one DP group (one paged-cache owner)."""
 
     def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, token_map: torch.Tensor | None = None,
-                 cache_tokens: int | None = None):
+                 cache_tokens: int | None = None, prefix_caching: bool = False):
         if not 1 <= max_batch <= cfg.max_batch_per_dp:
             raise ValueError(f"max_batch: must be in [1, {cfg.max_batch_per_dp}], got {max_batch}")
         if not 1 <= max_context <= cfg.max_position_embeddings:
@@ -68,7 +68,7 @@ class RequestTable:
         if cache_tokens is not None and not 1 <= cache_tokens <= max_batch * max_context:
             raise ValueError(f"cache_tokens: must be in [1, {max_batch * max_context}], got {cache_tokens}")
         self.cache_tokens = cache_tokens
-        self.blocks = BlockManager(cfg, max_batch, max_context, cache_tokens)
+        self.blocks = BlockManager(cfg, max_batch, max_context, cache_tokens, prefix_caching)
         self.requests: dict[int, Sequence] = {}
         self.next_rid = 0
         self.token_map = default_token_map(cfg) if token_map is None else token_map
@@ -79,7 +79,7 @@ class RequestTable:
 
     # ---- planning --------------------------------------------------------------------------
     def check(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
-              draft_probs=None):
+              draft_probs=None, cached=None):
         """Every input of a step checked, nothing changed: returns (sampling, drafts) one per pair."""
         cfg = self.cfg
         if not batch:
@@ -98,8 +98,13 @@ class RequestTable:
                                       or not q.is_floating_point()):
                     raise ValueError(f"draft_probs: each must be a float tensor [drafts, {cfg.vocab_size}], got "
                                      f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        cached = [None] * len(batch) if cached is None else list(cached)
+        if len(cached) != len(batch):
+            raise ValueError(f"cached: expected one entry per request ({len(batch)}), found {len(cached)}")
         starting, seen = 0, set()
-        for (rid, toks), d in zip(batch, drafts):
+        for (rid, toks), d, c in zip(batch, drafts, cached):
+            if c and (rid is not None or self.blocks.cache is None):
+                raise ValueError("cached: only a request this step starts reuses a cached prefix (prefix caching on)")
             if not toks:
                 raise ValueError("token_ids: every request in a step needs at least one token")
             bad = [t for t in list(toks) + d if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
@@ -112,7 +117,7 @@ class RequestTable:
                                  f"(decode_rows_per_request {cfg.decode_rows_per_request}), got {len(d)}")
             if rid is None:
                 starting += 1
-                kv = 0
+                kv = len(c or [])
             elif rid not in self.requests:
                 raise ValueError(f"request_ids: unknown or released request {rid}")
             elif rid in seen:
@@ -129,31 +134,42 @@ class RequestTable:
         limit = cfg.prefill_max_tokens if phase == "prefill" else cfg.decode_max_tokens
         if rows > limit:
             raise ValueError(f"batch: {rows} token rows exceed the {phase} capacity {limit} per DP group")
-        return sampling, drafts
+        return sampling, drafts, cached
 
     def plan(self, batch: list[tuple[int | None, list[int]]], phase: str,
              sampling: list[SamplingParams | None] | None = None, drafts: list[list[int]] | None = None,
-             draft_probs: list | None = None) -> StepInputs:
-        """batch: (request id, new tokens) pairs; rid None starts a new request at position 0.
-        sampling: per pair, the settings of a request it starts (None: greedy; ignored for running
-        requests, which keep their own). drafts: per pair, proposed tokens to verify after its new
-        tokens (decode only). Reserves the step's pages: ``commit`` or ``abort`` the result."""
-        sampling, drafts = self.check(batch, phase, sampling, drafts, draft_probs)
+             draft_probs: list | None = None, cached: list[list[int] | None] | None = None) -> StepInputs:
+        """batch: (request id, new tokens) pairs; rid None starts a new request at position 0, or
+        after the tokens ``cached`` gives it (a prefix whose pages the prefix cache holds: the
+        request shares them and feeds only its new tokens). sampling: per pair, the settings of a
+        request it starts (None: greedy; ignored for running requests, which keep their own).
+        drafts: per pair, proposed tokens to verify after its new tokens (decode only). Reserves
+        the step's pages: ``commit`` or ``abort`` the result."""
+        sampling, drafts, cached = self.check(batch, phase, sampling, drafts, draft_probs, cached)
         res = Reservation()
         new: dict[int, Sequence] = {}
         seqs = []
         try:
             next_rid = self.next_rid
-            for (rid, toks), params, d in zip(batch, sampling, drafts):
-                if rid is None:
-                    params = params or GREEDY
-                    seed = RequestGenerator(params.seed).seed if not params.greedy else 0
-                    seq = Sequence(next_rid, [], sampling=params, seed=seed, prompt_len=len(toks))
-                    self.blocks.take_state(seq, res)
-                    new[next_rid] = seq
-                    next_rid += 1
-                else:
-                    seq = self.requests[rid]
+            starts = {}
+            # cached pages first: the other requests' pages may not evict what the new ones reuse
+            for i, ((rid, toks), params, c) in enumerate(zip(batch, sampling, cached)):
+                if rid is not None:
+                    continue
+                params = params or GREEDY
+                seed = RequestGenerator(params.seed).seed if not params.greedy else 0
+                seq = starts[i] = Sequence(next_rid, list(c or []), sampling=params, seed=seed,
+                                           prompt_len=len(c or []) + len(toks))
+                if c:
+                    hit = self.blocks.cache.lookup(c, len(c))
+                    if hit.length != len(c):
+                        raise ValueError(f"cached: {len(c)} tokens asked, {hit.length} of them cached")
+                    self.blocks.attach(seq, hit, res)
+                self.blocks.take_state(seq, res)
+                new[next_rid] = seq
+                next_rid += 1
+            for i, ((rid, toks), d) in enumerate(zip(batch, drafts)):
+                seq = starts[i] if rid is None else self.requests[rid]
                 self.blocks.reserve(seq, len(toks) + len(d), res)
                 seqs.append(seq)
         except BaseException:
@@ -207,7 +223,8 @@ class RequestTable:
         try:
             for i, history in enumerate(histories):
                 n = len(history)
-                seq = started[self.next_rid + i] = Sequence(self.next_rid + i, list(history), prompt_len=n)
+                seq = started[self.next_rid + i] = Sequence(self.next_rid + i, list(history), prompt_len=n,
+                                                            from_context=True)
                 self.blocks.take_state(seq, res)
                 for done in range(0, n, self.cfg.prefill_max_tokens):   # in the largest steps the scheduler allows
                     step = min(self.cfg.prefill_max_tokens, n - done)
@@ -258,6 +275,7 @@ class RequestTable:
             seq.publish(fed, len(fed) - k + n - 1, n)
             if n - 1 < k:
                 self.blocks.trim(seq, step.reservation)
+            self.blocks.register(seq)
             self.blocks.release_stale(seq)
         self.next_rid = max([self.next_rid] + [r + 1 for r in step.rids])
 

@@ -44,6 +44,8 @@ class Job:
     rid: int | None = None        # the engine's request id while it runs
     last: int | None = None       # its newest token, fed at its next decode step
     feed: list[int] = field(default_factory=list)   # tokens still to feed before it decodes (prompt chunks)
+    prefix: list[int] = field(default_factory=list)  # the cached prefix its first step reuses (prefix caching)
+    cached: int = 0               # prompt tokens its first admission found cached (the answer's usage)
     saved: Sequence | None = None  # the sampling state it holds while preempted or fed in chunks
     cancelled: bool = False
     finished: bool = False
@@ -133,6 +135,10 @@ class Scheduler:
         if budget is not None and not 1 <= budget <= capacity:
             raise ValueError(f"max_num_batched_tokens: must be in [1, {capacity}] rows per DP group, got {budget}")
         self.budget = budget or capacity
+        # rows fed after a cached prefix: the last prompt row makes the first token; DSpark's window
+        # is rebuilt from the last ``window`` rows (prefix_cache.py)
+        self.min_feed = engine.cfg.sliding_window if getattr(drafter, "reads_states", False) else 1
+        self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached, first admissions
         self.keep_logits, self.fail_fast, self.context = keep_logits, fail_fast, context
         self.on_finish, self.interleave = on_finish, interleave
         self.waiting: collections.deque[Job] = collections.deque()
@@ -200,8 +206,8 @@ class Scheduler:
         needs: dict[int, list[dict]] = collections.defaultdict(list)
         items: list[tuple[Job, list[int]]] = []
 
-        def take(job: Job, group: int, tokens: list[int], drawn: int = 0) -> bool:
-            need = engine.needs(job.rid, len(tokens), drawn)
+        def take(job: Job, group: int, tokens: list[int], drawn: int = 0, hit=None) -> bool:
+            need = engine.needs(job.rid, len(tokens), drawn, hit, group)
             if not engine.fits(group, needs[group] + [need]):
                 return False
             needs[group].append(need)
@@ -228,9 +234,11 @@ class Scheduler:
             g = engine.place(admitted + 1)[-1]
             room = budget - rows[g]
             feed = job.history[:-1] if job.made else job.prompt
-            if room <= 0 or not take(job, g, feed[:room], self.context):
+            hit = None if self.context or room <= 0 else engine.cached_prefix(g, feed, self.min_feed)
+            skip = hit.length if hit is not None else 0
+            if room <= 0 or not take(job, g, feed[skip:skip + room], self.context, hit):
                 break                              # first come, first served: the rest wait behind it
-            job.feed = list(feed)
+            job.feed, job.prefix = list(feed[skip:]), list(feed[:skip])
             admitted += 1
             chunked = True
         if not chunked:
@@ -254,17 +262,19 @@ class Scheduler:
             if self.context and new:
                 rids = self.engine.start_at_context(len(new), self.context)
             ids = iter(rids)
-            batch, sampling = [], []
+            batch, sampling, cached = [], [], []
             for job, tokens in items:
                 rid = next(ids) if job.rid is None and self.context else job.rid
                 batch.append((rid, tokens))
                 sampling.append(self._params(job) if rid is None else None)
-            out = self.engine.step(batch, "prefill", sampling, drafts, probs)
+                cached.append(job.prefix if rid is None and job.prefix else None)
+            out = self.engine.step(batch, "prefill", sampling, drafts, probs,
+                                   **({"cached": cached} if any(cached) else {}))
         except Exception as e:
             for rid in rids:
                 self.engine.release(rid)
             for job in new:
-                job.feed = []
+                job.feed, job.prefix = [], []
                 self.waiting.remove(job)
             jobs = [j for j, _ in items]
             self._step_failed(jobs, e)
@@ -274,6 +284,11 @@ class Scheduler:
             self.waiting.remove(job)
             job.rid = rid
             self.running[rid] = job
+            if not job.preemptions:                # a request's own prompt, not its recompute
+                job.cached = len(job.prefix)
+                self.prefix_queries += len(job.prompt)
+                self.prefix_hits += job.cached
+            job.prefix = []
         if self.drafter is not None:
             self.drafter.observe("prefill", [j if f else None for (j, _), f in zip(items, fed)], out)
             decoded = [j if not f else None for (j, _), f in zip(items, fed)]

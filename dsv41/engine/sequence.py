@@ -22,6 +22,10 @@ class Sequence:
     drawn: int = 0                          # draws made so far (temperature > 0 tokens draw once each)
     prompt_len: int = 0                     # tokens of the first step (the rest were generated)
     matcher: object = None                  # its grammar's state (made from sampling.grammar)
+    # started at a drawn context: no history to recompute from, nothing to cache (not host state a
+    # prefill of the same history would differ in)
+    from_context: bool = field(default=False, compare=False)
+    hashes: list = field(default_factory=list, compare=False)  # chain hashes of its completed prefix-cache spans
 
     def __post_init__(self):
         if self.matcher is None and self.sampling.grammar is not None:

@@ -309,7 +309,10 @@ class Answer:
         return schema.chat_logprobs(entries, codec) if self.chat else schema.completion_logprobs(entries, codec)
 
     def _usage(self) -> dict:
-        return schema.usage(len(self.gen.prompt), sum(j.generated for j in self.jobs))
+        # the choices share the prompt: its cached part is the first choice's (the others' may differ
+        # only by what the first computed before them)
+        cached = self.jobs[0].cached if self.server.batcher.prefix_caching else None
+        return schema.usage(len(self.gen.prompt), sum(j.generated for j in self.jobs), cached)
 
     def _choice(self, i: int) -> dict:
         job = self.jobs[i]

@@ -85,6 +85,7 @@ class Batcher:
         """budget: the rows one step feeds per DP group (None: the engine's prefill capacity; a longer
         prompt is fed in chunks); drafter: speculative steps."""
         self.engine, self.metrics = engine, metrics
+        self.prefix_caching = engine.prefix_caching
         self.max_batch, self.max_queue = max_batch, max_queue
         self.scheduler = Scheduler(engine, drafter, max_batch, budget, fail_fast=False,
                                    on_finish=self._finished)
@@ -187,6 +188,8 @@ class Batcher:
             started = time.monotonic() - turn.ms / 1e3
             for job in fresh:
                 m.on_admit(job, started)
+                if self.prefix_caching:
+                    m.on_prefix(len(job.prompt), job.cached)
         m.on_step(prompt, sum(map(len, turn.out.tokens)), turn.out.proposed, turn.out.accepted)
 
     def _finished(self, job: Job, reason: str):

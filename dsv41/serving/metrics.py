@@ -96,6 +96,12 @@ class Metrics:
                                 "Paged-cache blocks in use over all blocks (1 is full)")
         self.preemptions = make(Counter, "dsv41_num_preemptions", "vllm:num_preemptions",
                                 "Preemptions: a running request's blocks freed, to be recomputed when it fits again")
+        self.prefix_queries = make(Counter, "dsv41_prefix_cache_queries", "vllm:prefix_cache_queries",
+                                   "Prompt tokens looked up in the prefix cache (a request's first admission)")
+        self.prefix_hits = make(Counter, "dsv41_prefix_cache_hits", "vllm:prefix_cache_hits",
+                                "Prompt tokens found in the prefix cache (a request's first admission)")
+        self.prefix_hit_rate = make(Gauge, "dsv41_prefix_cache_hit_rate", None,
+                                    "Prefix cache hits over queries so far, in prompt tokens")
         self.errors = make(Counter, "dsv41_errors", None, "Requests that ended in an error, by kind", ["kind"])
         ProcessCollector(registry=r)          # process_resident_memory_bytes and friends
         self.cancelled = make(Counter, "dsv41_cancelled_requests", None, "Requests whose client went away")
@@ -134,6 +140,7 @@ class Metrics:
                                    "Prompt tokens per request", TOKEN_BUCKETS, lengths)
         self.generation_lengths = hist("dsv41_request_generation_tokens", "vllm:request_generation_tokens",
                                        "Generated tokens per request", TOKEN_BUCKETS, lengths)
+        self._looked = self._found = 0         # the hit rate's prompt tokens so far
         for reason in FINISH_REASONS:
             self.success.labels(reason)           # every series exists (at 0) before the first request ends
 
@@ -148,6 +155,13 @@ class Metrics:
             self.prefill_time.observe(job.first_token_at - started)
         if job.ended_at is not None:
             self._ran(job)
+
+    def on_prefix(self, queried: int, hit: int):
+        """A request's first admission looked up ``queried`` prompt tokens and found ``hit`` cached."""
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
+        self._looked, self._found = self._looked + queried, self._found + hit
+        self.prefix_hit_rate.set(self._found / self._looked if self._looked else 0.0)
 
     def on_token(self, job, now: float):
         """A token of ``job`` came out (its first: time to first token; later: the gap since the last)."""

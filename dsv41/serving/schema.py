@@ -444,8 +444,12 @@ def envelope(kind: str, rid: str, model: str) -> dict:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; cached: prompt tokens served from the prefix cache (None: caching off)."""
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def token_text(codec, token: int) -> str:

@@ -1,0 +1,487 @@
+"""Prefix caching: the block machinery (this part) and a request served from a cached prefix against
+the same request on a fresh engine (below).
+
+The block part drives one group's ``BlockManager`` as the request table does (reserve, publish,
+register, release stale pages) and checks the cache's bookkeeping against a count kept here: every
+block is exactly one of free, cached with nobody holding it, or held, and a held block's count is
+the number of sequences whose pages name it; a shared block is never handed out, written or put on a
+free list while a sequence holds it; everything returns at the end."""
+import json
+import random
+
+import pytest
+import torch
+
+from dsv41.cluster.engine import GraphEngine
+from dsv41.config import FLASH, TINY, Topology
+from dsv41.engine.blocks import BlockManager, PoolExhausted, Reservation
+from dsv41.engine.drafters import NgramDrafter, OracleDrafter
+from dsv41.engine.dspark import dspark_drafter
+from dsv41.engine.prefix_cache import span
+from dsv41.engine.reference import ReferenceEngine
+from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.sequence import Sequence
+from dsv41.model.caches import cache_names
+from dsv41.ops import kv_cache
+from dsv41.ops.sampling import SamplingParams
+from dsv41.serving import schema
+
+V = TINY.vocab_size
+G = span(TINY)
+
+
+def feed(bm: BlockManager, seq: Sequence, tokens: list[int], drafts: int = 0, kept: int | None = None):
+    """One step of seq as RequestTable.plan/commit make it: reserve rows for tokens (+ drafts),
+    keep ``kept`` of them (default all tokens), register, release stale pages."""
+    res = Reservation()
+    try:
+        bm.reserve(seq, len(tokens) + drafts, res)
+    except PoolExhausted:
+        res.undo(bm.pools)
+        raise
+    kept = len(tokens) if kept is None else kept
+    seq.tokens.extend(tokens[:kept])
+    seq.kv_len += kept
+    if kept < len(tokens) + drafts:
+        bm.trim(seq, res)
+    bm.register(seq)
+    bm.release_stale(seq)
+    return res
+
+
+def start(bm: BlockManager, rid: int, tokens: list[int], limit: int | None = None) -> tuple[Sequence, int]:
+    """A new sequence over tokens' longest cached prefix (at most limit tokens), fed the rest."""
+    res = Reservation()
+    seq = Sequence(rid, [])
+    hit = bm.cache.lookup(tokens, len(tokens) - 1 if limit is None else limit)
+    try:
+        bm.take_state(seq, res)
+        if hit.length:
+            seq.tokens = list(tokens[:hit.length])
+            bm.attach(seq, hit, res)
+        feed(bm, seq, tokens[hit.length:])
+    except PoolExhausted:
+        res.undo(bm.pools)
+        bm.pools.state.extend([seq.state_block] if seq.state_block >= 0 and seq.state_block not in bm.pools.state else [])
+        raise
+    return seq, hit.length
+
+
+def census(bm: BlockManager, seqs: list[Sequence]):
+    """Every block of every pool is free, idle-cached or held, exactly once; held counts match."""
+    cache, pools = bm.cache, bm.pools
+    sizes = {"window": bm.window_blocks, "state": bm.state_blocks, **bm.compressed_blocks}
+    for key, size in sizes.items():
+        free = list(pools.window if key == "window" else pools.state if key == "state" else pools.compressed[key])
+        idle = list(cache.idle.get(key, ()))
+        holders: dict[int, int] = {}
+        for s in seqs:
+            blocks = ([s.state_block] if key == "state" else list(s.window_pages.values()) if key == "window"
+                      else s.compressed_pages.get(key, []))
+            for b in blocks:
+                holders[b] = holders.get(b, 0) + 1
+        assert len(free) == len(set(free)), f"{key}: a block twice on the free list"
+        assert not set(free) & set(idle) and not set(free) & set(holders) and not set(idle) & set(holders), key
+        assert sorted(free + idle + list(holders)) == list(range(size)), f"{key}: a block lost or made up"
+        for b, n in holders.items():
+            if n > 1 or cache.shared(key, b):
+                assert cache.refs[(key, b)] == n, f"{key} block {b}: {cache.refs.get((key, b))} holders, {n} hold it"
+        for b in idle:
+            assert cache.refs[(key, b)] == 0 and (key, b) in cache.owner
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * j + 3 * salt + j * j) % V for j in range(n)]
+
+
+def test_the_span_is_where_every_page_and_the_ratio_2_pair_end():
+    assert span(TINY) == 2 * TINY.block_size == 32
+    assert span(FLASH) == 2 * FLASH.block_size == 256
+    from dataclasses import replace
+    wide = replace(TINY, sliding_window=3 * TINY.block_size)     # a window reaching past one span
+    assert span(wide) == 64 and span(wide) >= wide.sliding_window - 1
+
+
+def test_a_hit_holds_the_prefix_pages_and_the_window_before_the_cut():
+    bm = BlockManager(TINY, 4, 256, prefix_caching=True)
+    toks = prompt(100)
+    a, cached = start(bm, 0, toks)
+    assert cached == 0 and len(a.hashes) == 100 // G
+    # a prompt equal for its first 77 tokens (odd, inside a ratio-2 page, an Engram 4-gram and a span)
+    other = toks[:77] + prompt(40, salt=1)
+    hit = bm.cache.lookup(other, len(other) - 1)
+    assert hit.length == 64 == (77 // G) * G
+    assert hit.compressed[1] == a.compressed_pages[1][:64 // 16] and hit.compressed[2] == a.compressed_pages[2][:64 // 32]
+    assert list(hit.window) == [3]                 # positions 49..63 of the window: page 3
+    b, cached = start(bm, 1, other)
+    assert cached == 64 and b.kv_len == len(other) and b.compressed_pages[1][:4] == a.compressed_pages[1][:4]
+    assert b.window_pages.get(3) is None           # stale after its own rows: given back to the cache
+    census(bm, [a, b])
+    bm.free(a)
+    census(bm, [b])
+    assert all(bm.cache.refs[(1, blk)] == 1 for blk in b.compressed_pages[1][:4])
+    bm.free(b)
+    census(bm, [])
+    assert bm.in_use()[0] == 0 and bm.cache.stats()["entries"] == 100 // G + 1   # b's span 64..95 cached too
+
+
+def test_the_cut_leaves_a_row_to_feed_and_a_miss_is_a_miss():
+    bm = BlockManager(TINY, 4, 256, prefix_caching=True)
+    toks = prompt(64)
+    a, _ = start(bm, 0, toks)
+    assert bm.cache.lookup(toks, 63).length == 32      # the whole prompt cached, but one row must be fed
+    assert bm.cache.lookup(toks + [1], 64).length == 64
+    assert bm.cache.lookup([toks[0] ^ 1] + toks[1:], 63).length == 0
+    assert bm.cache.lookup(toks, 31).length == 0
+    bm.free(a)
+
+
+def test_eviction_takes_the_least_recently_used_block_nobody_holds():
+    bm = BlockManager(TINY, 2, 256, cache_tokens=192, prefix_caching=True)
+    a, _ = start(bm, 0, prompt(129))
+    bm.free(a)
+    entries = bm.cache.stats()["entries"]
+    assert entries == 4 and bm.in_use()[0] == 0
+    # a request needing every ratio-1 block evicts the cached spans, newest span first
+    b = Sequence(1, [])
+    res = Reservation()
+    bm.take_state(b, res)
+    bm.reserve(b, 112, res)
+    assert bm.cache.lookup(prompt(129), 128).length == 96, "the last span goes first"
+    census(bm, [b])
+    res.undo(bm.pools)
+    census(bm, [])
+    c, cached = start(bm, 2, prompt(129))
+    assert cached == 96
+    with pytest.raises(PoolExhausted):              # held blocks are never evicted
+        feed(bm, Sequence(3, [], state_block=-1), prompt(200, salt=5))
+    census(bm, [c])
+    bm.free(c)
+    census(bm, [])
+
+
+def test_an_undone_start_leaves_holders_and_pools_as_they_were():
+    bm = BlockManager(TINY, 4, 256, prefix_caching=True)
+    a, _ = start(bm, 0, prompt(80))
+    before = (list(bm.pools.window), {r: list(b) for r, b in bm.pools.compressed.items()}, list(bm.pools.state),
+              dict(bm.cache.refs), {k: list(v) for k, v in bm.cache.idle.items()})
+    res = Reservation()
+    b = Sequence(1, prompt(80)[:64])
+    bm.take_state(b, res)
+    bm.attach(b, bm.cache.lookup(prompt(80), 79), res)
+    bm.reserve(b, 16, res)
+    res.undo(bm.pools)
+    after = (list(bm.pools.window), {r: list(b) for r, b in bm.pools.compressed.items()}, list(bm.pools.state),
+             dict(bm.cache.refs), {k: list(v) for k, v in bm.cache.idle.items()})
+    assert after == before
+    census(bm, [a])
+    bm.free(a)
+
+
+def test_a_rejected_draft_trims_only_the_requests_own_blocks():
+    bm = BlockManager(TINY, 4, 256, prefix_caching=True)
+    toks = prompt(70)
+    a, _ = start(bm, 0, toks)
+    b, cached = start(bm, 1, toks[:64] + [5, 6])
+    assert cached == 64
+    held = {r: list(p) for r, p in b.compressed_pages.items()}
+    for _ in range(40):                  # decode steps verifying 5 drafts, 1 kept each time
+        feed(bm, b, [9], drafts=5, kept=1)
+        census(bm, [a, b])
+        assert all(b.compressed_pages[r][:len(held[r])] == held[r] for r in held)
+    bm.free(a)
+    bm.free(b)
+    census(bm, [])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_keeps_every_block_accounted(seed):
+    """Requests sharing prefixes start, grow (with rejected drafts), are preempted (freed and
+    started again from their history), finish; the pools are small enough that cached blocks are
+    evicted all the time."""
+    rng = random.Random(seed)
+    bm = BlockManager(TINY, 4, 256, cache_tokens=300, prefix_caching=True)
+    bases = [prompt(rng.randrange(40, 120), salt=s) for s in range(3)]
+    live: dict[int, Sequence] = {}
+    rid, hits, evicted = 0, 0, []
+    evict = bm.cache.evict
+    bm.cache.evict = lambda key: evicted.append(key) or evict(key)
+    for _ in range(300):
+        op = rng.random()
+        try:
+            if op < 0.3 and len(live) < 4:
+                base = rng.choice(bases)
+                toks = base[:rng.randrange(1, len(base))] + prompt(rng.randrange(1, 30), salt=rid + 10)
+                seq, cached = start(bm, rid, toks)
+                assert cached % G == 0 and cached < len(toks) and seq.tokens == toks
+                hits += cached > 0
+                live[rid] = seq
+                rid += 1
+            elif op < 0.8 and live:
+                seq = live[rng.choice(list(live))]
+                if seq.kv_len < 240:
+                    feed(bm, seq, [rng.randrange(V)], drafts=rng.randrange(0, 4), kept=1)
+            elif live:
+                victim = live.pop(rng.choice(list(live)))
+                bm.free(victim)
+                if rng.random() < 0.5 and len(live) < 4:      # preempted: recomputed from its history
+                    seq, cached = start(bm, rid, victim.tokens + [1])
+                    live[rid] = seq
+                    rid += 1
+        except PoolExhausted:          # a failed start or step took nothing
+            pass
+        census(bm, list(live.values()))
+    for seq in live.values():
+        bm.free(seq)
+    census(bm, [])
+    assert bm.in_use()[0] == 0
+    assert hits and evicted, "the traffic hit cached prefixes and evicted cached blocks"
+
+
+# ---- a request served from a cached prefix equals the same request computed whole ------------------------
+CTX, NEW = 256, 6
+BASE = prompt(100)
+# where a prompt leaves BASE: odd, inside a ratio-2 page (32 tokens) and a ratio-1 page (16); a
+# window page edge; 2 past a span edge (the rows after the cut read a 4-gram reaching into the
+# prefix); a span edge; inside the first span; the whole of BASE resent with more (the next turn)
+DIVERGE = (77, 80, 66, 96, 40, 100)
+SAMPLED = SamplingParams(temperature=0.9, top_k=50, seed=11)
+
+
+def variants() -> list[list[int]]:
+    return [BASE[:d] + prompt(14, salt=d + 1) for d in DIVERGE]
+
+
+def run(engine, prompts, sampling=None, drafter=None, budget=24, cls=Scheduler, new=NEW, **kw):
+    jobs = jobs_for(prompts, sampling, new, None)
+    sched = cls(engine, drafter(engine) if drafter else None, keep_logits=True, budget=budget, **kw)
+    sched.run(jobs)
+    return jobs, sched
+
+
+def expected_cut(prompt_: list[int], before: list[list[int]], min_feed: int = 1) -> int:
+    """The longest prefix shared with a history computed before, in whole spans, leaving min_feed."""
+    common = max((next((i for i, (a, b) in enumerate(zip(prompt_, h)) if a != b), min(len(prompt_), len(h)))
+                  for h in before), default=0)
+    return min(common, len(prompt_) - min_feed) // G * G
+
+
+MODES = {"greedy": (None, None), "sampled": (SAMPLED, None), "ngram": (None, lambda e: NgramDrafter(3)),
+         "dspark": (None, dspark_drafter), "dspark-sampled": (SAMPLED, dspark_drafter)}
+# what a mode's answers equal: greedy drafts change no token or logit (tests/test_speculative.py), so
+# greedy n-gram and DSpark answers are plain greedy's; a sampling request's drafts change its draws
+ORACLE = {"greedy": "greedy", "sampled": "sampled", "ngram": "greedy", "dspark": "greedy",
+          "dspark-sampled": "dspark-sampled"}
+_answers: dict = {}
+
+
+def oracle_answers(oracle, mode: str, prompts: list[list[int]]) -> list:
+    key = (id(oracle), ORACLE[mode], tuple(map(tuple, prompts)))
+    if key not in _answers:
+        _answers[key] = run(oracle, prompts, *MODES[ORACLE[mode]])[0]
+        oracle.taps = ()
+    return _answers[key]
+
+
+def check_cached(engine, oracle, mode: str, prompts=None):
+    """BASE first, then every variant (one batch, chunks of 24 rows beside decode rows) on the caching
+    engine; each variant's tokens and final logits equal the oracle's, which caches nothing."""
+    sampling, drafter = MODES[mode]
+    prompts = prompts or variants()
+    warm, _ = run(engine, [BASE], sampling, drafter)
+    histories = [BASE + warm[0].made[:-1]]
+    got, sched = run(engine, prompts, sampling, drafter)
+    want = oracle_answers(oracle, mode, prompts)
+    min_feed = TINY.sliding_window if drafter is dspark_drafter else 1
+    for g, w, p in zip(got, want, prompts):
+        assert g.cached == expected_cut(p, histories, min_feed) > 0
+        assert g.made == w.made
+        assert torch.equal(g.final_logits, w.final_logits)
+    assert sched.prefix_hits == sum(g.cached for g in got) and sched.prefix_queries == sum(map(len, prompts))
+    if drafter is not None:
+        assert sched.spec.drafted > 0
+    assert engine.blocks_in_use()[0] == 0
+    engine.taps, engine.dspark = (), False
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_reference_cached_prefix_equals_the_whole_prompt(oracle, mode):
+    check_cached(ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True), oracle, mode)
+
+
+def dp2_prompts():
+    """Two requests per wave, one per DP group (the least loaded group first): the first wave
+    computes BASE's spans in both groups, the second reuses them in both."""
+    return variants()[:2]
+
+
+@pytest.mark.timeout(1200)
+def test_dp2_each_group_reuses_the_prefix_it_computed(oracle):
+    engine = GraphEngine(TINY, Topology(1, 2, 2), seed=0, executor="threads", max_batch=8, max_context=CTX,
+                         prefix_caching=True)
+    try:
+        first, _ = run(engine, [BASE, BASE + [1]])
+        placed = []
+        spy = engine.router.admit
+
+        def admit(split, local_ids):
+            placed.extend(g for g, _ in split.placed)
+            return spy(split, local_ids)
+        engine.router.admit = admit
+        got, _ = run(engine, dp2_prompts(), SAMPLED)
+        want = oracle_answers(oracle, "sampled", variants())[:2]
+        assert {0, 1} <= set(placed)
+        for g, w in zip(got, want):
+            assert g.cached == 64 and g.made == w.made and torch.equal(g.final_logits, w.final_logits)
+        assert engine.blocks_in_use()[0] == 0
+    finally:
+        engine.close()
+
+
+LAYOUTS = [("threads", Topology(4, 1, 4), "sharded"), ("threads", Topology(4, 1, 4), "replicated"),
+           ("distributed", Topology(2, 2, 4), "sharded")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("executor,topo,wiring", LAYOUTS, ids=lambda v: str(v))
+def test_every_layout_cached_prefix_equals_the_whole_prompt(executor, topo, wiring, oracle):
+    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=8, max_context=CTX,
+                         prefix_caching=True)
+    try:
+        for mode in MODES:
+            check_cached(engine, oracle, mode)
+    finally:
+        engine.close()
+
+
+class Censused(Scheduler):
+    """After every step, each group's blocks are counted against its requests' pages (census)."""
+
+    def step(self):
+        turn = super().step()
+        for table in self.engine.tables:
+            census(table.blocks, list(table.requests.values()))
+        return turn
+
+
+@pytest.mark.timeout(1800)
+def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(oracle):
+    """10 requests, two by two over five 70-token prefixes, in pools of 128 tokens: cached blocks are
+    evicted, requests are preempted and recomputed (from cached spans where they survive). Oracle:
+    the same batch with room for every request and nothing cached (a request's tokens do not depend
+    on its batch, tests/test_admission.py)."""
+    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, cache_tokens=128, prefix_caching=True)
+    evicted = []
+    evict = engine.table.blocks.cache.evict
+    engine.table.blocks.cache.evict = lambda key: evicted.append(key) or evict(key)
+    heads = [prompt(70, salt=s) for s in range(5)]
+    prompts = [heads[i // 2 % 5] + prompt(3 + i % 11, salt=40 + i) for i in range(10)]
+    got, sched = run(engine, prompts, SAMPLED, cls=Censused, new=12)
+    want, _ = run(oracle, prompts, SAMPLED, new=12)
+    assert [g.made for g in got] == [w.made for w in want]
+    assert all(torch.equal(g.final_logits, w.final_logits) for g, w in zip(got, want))
+    assert sched.victims and evicted and sched.prefix_hits > 0
+    assert engine.blocks_in_use()[0] == 0
+    census(engine.table.blocks, [])
+
+
+@pytest.mark.timeout(900)
+def test_a_rejected_draft_after_a_cached_prefix_leaves_the_shared_blocks_as_they_were(oracle):
+    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True)
+    run(engine, [BASE])
+    q = BASE[:77] + prompt(20, salt=3)
+    hit = engine.table.blocks.cache.lookup(q, len(q) - 1)
+    assert hit.length == 64
+    bs = TINY.block_size
+    shared = {}                                   # cache name -> its rows in the hit's blocks
+    for name, (kind, _, ratio) in cache_names(TINY).items():
+        blocks = list(hit.window.values()) if kind == kv_cache.WINDOW else hit.compressed[ratio]
+        shared[name] = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in blocks])
+    before = {n: [t[rows].clone() for t in engine.caches.committed[n]] for n, rows in shared.items()}
+    written = []
+    put = engine.caches.put
+    engine.caches.put = lambda name, slots, *a: written.append((name, slots.clone())) or put(name, slots, *a)
+    wrong = OracleDrafter(lambda job, room: [(job.last + 1 + i) % V for i in range(room)])
+    got, sched = run(engine, [q], drafter=lambda e: wrong)
+    want, _ = run(oracle, [q])
+    assert got[0].cached == 64 and got[0].made == want[0].made
+    assert sched.spec.drafted > sched.spec.accepted          # drafts were rejected
+    for name, slots in written:
+        if name in shared:
+            assert not torch.isin(slots.long(), shared[name]).any(), f"a write into a shared row of {name}"
+    for n, rows in shared.items():
+        assert all(torch.equal(t[rows], b) for t, b in zip(engine.caches.committed[n], before[n])), n
+
+
+@pytest.mark.timeout(900)
+def test_the_server_reports_cached_prompt_tokens_in_usage_and_metrics(oracle):
+    """serve caches by default: a prompt sent again, and one sharing 77 tokens with it, are answered
+    with the tokens of the uncached engine and report their cached tokens in usage (OpenAI's
+    prompt_tokens_details.cached_tokens, streamed and not) and in vLLM's prefix-cache counters."""
+    httpx = pytest.importorskip("httpx")
+    from test_serve_hostile import Served
+    from test_serve_metrics import _scrape, _value
+    server = Served("--max-context", str(CTX), "--metrics-names", "vllm", "--served-model-name", "tiny")
+    first, again, other = BASE + prompt(9, salt=2), BASE + prompt(9, salt=2), BASE[:77] + prompt(9, salt=3)
+    try:
+        answers = []
+        for p, stream in ((first, False), (again, False), (other, True)):
+            body = {"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            if not stream:
+                r = httpx.post(server.url + "/v1/completions", json=body, timeout=600).json()
+                answers.append((r["choices"][0]["token_ids"], r["usage"]))
+                continue
+            ids, usage = [], None
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=600,
+                              json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        ids += event["choices"][0]["token_ids"] if event["choices"] else []
+                        usage = event.get("usage") or usage
+            answers.append((ids, usage))
+        m = _scrape(server)
+    finally:
+        server.stop()
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for _, u in answers]
+    assert cached == [0, 96, 64]
+    assert [a for a, _ in answers] == oracle.generate([first, again, other], 4)
+    on = dict(model_name="tiny", engine="0")
+    probe = 1                              # the start-up probe's one-token prompt
+    assert _value(m, "vllm:prefix_cache_queries_total", **on) == len(first) + len(again) + len(other) + probe
+    assert _value(m, "vllm:prefix_cache_hits_total", **on) == 96 + 64
+    assert schema.usage(5, 2) == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}   # caching off
+
+
+@pytest.mark.timeout(900)
+def test_a_lost_card_replays_a_request_that_shared_cached_pages(oracle):
+    """A card loses its State while a request decodes over shared pages: the recovery replays the
+    request's whole history into fresh tables (a fresh cache) and its answer is unchanged."""
+    from dsv41.cluster import registry
+    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="threads", max_batch=8, max_context=CTX,
+                         prefix_caching=True)
+
+    class Losing(Scheduler):
+        lost = False
+
+        def step(self):
+            turn = super().step()
+            if not self.lost and any(j.made for j in self.running.values()):
+                registry.find(engine.id).states.pop(0)
+                self.lost = True
+            return turn
+    try:
+        run(engine, [BASE])
+        got, _ = run(engine, variants()[:1], cls=Losing)
+        assert got[0].cached == 64 and engine.recoveries
+        assert got[0].made == oracle_answers(oracle, "greedy", variants())[0].made
+        assert engine.blocks_in_use()[0] == 0
+    finally:
+        engine.close()
