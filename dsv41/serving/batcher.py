@@ -7,6 +7,13 @@ preempts the newest request when the cache pools run out, and ends requests thro
 ``Stops``. Jobs past the batch's free slots wait in a bounded queue; a full queue refuses at once
 (the server answers 429). A failed step changes nothing in the engine (steps are atomic): its jobs
 get the error and leave, the others carry on.
+
+The n samples of one request share one prefill through the prefix cache: the first sample (the
+*leader*) is queued as any request, and the others are held here until the leader's prompt is fed
+(its spans are cached when that step commits), then queued where they arrived; admitted, each
+finds the prompt's spans cached and feeds only the tail the cache cannot cut (at least the last
+row, whose logits draw its first token). With prefix caching off they are queued at once, each
+with its own prefill.
 """
 from __future__ import annotations
 
@@ -55,6 +62,12 @@ class Job(ScheduledJob):
     ended: bool = False           # its end (done or error) was sent: nothing follows it
     _emitting: threading.Lock = field(default_factory=threading.Lock, repr=False)
     choice: int = 0               # its index among the request's samples (n > 1 share one events queue)
+    leader: Job | None = None     # the request's first sample, whose prefill the others wait for
+
+    @property
+    def prefilled(self) -> bool:
+        """Its prompt was fed whole (its spans are cached), or it ended: its samples may go."""
+        return self.finished or self.cancelled or self.ended or (self.rid is not None and not self.feed)
 
     @property
     def generated(self) -> int:
@@ -90,6 +103,7 @@ class Batcher:
         self.scheduler = Scheduler(engine, drafter, max_batch, budget, fail_fast=False,
                                    on_finish=self._finished)
         self.incoming: list[Job] = []                 # submitted, not yet seen by the engine thread
+        self.held: list[Job] = []                     # samples waiting for their leader's prefill
         self.cond = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="dsv41-engine-loop", daemon=True)
@@ -101,7 +115,10 @@ class Batcher:
 
     @property
     def waiting(self) -> list:
-        return list(self.scheduler.waiting) + self.incoming
+        return list(self.scheduler.waiting) + self.held + self.incoming
+
+    def _queued(self) -> int:
+        return len(self.scheduler.waiting) + len(self.held) + len(self.incoming)
 
     def start(self):
         self.thread.start()
@@ -114,7 +131,7 @@ class Batcher:
 
     def submit(self, job: Job):
         with self.cond:
-            waiting = len(self.scheduler.waiting) + len(self.incoming)
+            waiting = self._queued()
             free = max(0, self.max_batch - len(self.scheduler.running))     # slots the next turn fills
             if waiting >= self.max_queue + free:
                 raise QueueFull(f"{len(self.scheduler.running)} requests running and {waiting} waiting "
@@ -150,32 +167,42 @@ class Batcher:
         sched = self.scheduler
         while True:
             with self.cond:
-                while not self.stopping and not self.incoming and not sched.busy:
+                while not self.stopping and not self.incoming and not self.held and not sched.busy:
                     self.cond.wait()
                 if self.stopping:
                     break
-                for job in self.incoming:
-                    sched.add(job)
+                self.held += self.incoming
                 self.incoming = []
-            held = {job: job.preemptions for job in (*sched.running.values(), *sched.waiting)}
+                self._release()
+            before = {job: job.preemptions for job in (*sched.running.values(), *sched.waiting)}
             try:
                 turn = sched.step()
             except Exception:            # the loop itself must not die: every job it holds gets the error
                 log.exception("scheduler turn failed")
-                for job in list(sched.running.values()) + list(sched.waiting):
+                for job in list(sched.running.values()) + list(sched.waiting) + self.held:
                     job.emit("error", error="the engine loop failed")
+                self.held = []
                 sched.release_all()
                 turn = None
             if turn is not None:
                 self._count(turn)
             # preempted in this turn (a step either admits or decodes: no job both joins and is preempted)
-            self.metrics.preemptions.inc(sum(job.preemptions - n for job, n in held.items()))
+            self.metrics.preemptions.inc(sum(job.preemptions - n for job, n in before.items()))
             self._update_gauges()
-        for job in list(sched.running.values()) + list(sched.waiting) + self.incoming:
+        for job in list(sched.running.values()) + list(sched.waiting) + self.held + self.incoming:
             if not job.ended:                 # not already ended by the drain (finish reason "abort")
                 job.emit("error", error="the server is shutting down")
                 self.metrics.errors.labels("engine").inc()
         sched.release_all()
+
+    def _release(self):
+        """Queue each held job whose leader's prompt is cached (or that has none) where it arrived:
+        before the jobs that came after it, behind the preempted ones (they go first)."""
+        waiting = self.scheduler.waiting
+        for job in [j for j in self.held if j.leader is None or j.leader.prefilled]:
+            self.held.remove(job)
+            at = next((i for i, w in enumerate(waiting) if not w.preemptions and w.id > job.id), len(waiting))
+            waiting.insert(at, job)
 
     def _count(self, turn):
         m = self.metrics
@@ -190,7 +217,8 @@ class Batcher:
                 m.on_admit(job, started)
                 if self.prefix_caching:
                     m.on_prefix(len(job.prompt), job.cached)
-        m.on_step(prompt, sum(map(len, turn.out.tokens)), turn.out.proposed, turn.out.accepted)
+        m.on_step(prompt, sum(j.cached for j in fresh), sum(map(len, turn.out.tokens)), turn.out.proposed,
+                  turn.out.accepted)
 
     def _finished(self, job: Job, reason: str):
         if reason == "error":
@@ -199,4 +227,4 @@ class Batcher:
     def _update_gauges(self):
         self.metrics.cache(*self.engine.blocks_in_use())
         self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self.incoming))
+        self.metrics.queue_depth.set(self._queued())

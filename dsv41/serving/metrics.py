@@ -35,6 +35,7 @@ VLLM_TPOT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
 VLLM_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit")    # vLLM's, less the KV transfer dsv41 has not
 
 
 def _one_two_five(top: int) -> tuple[int, ...]:
@@ -79,7 +80,12 @@ class Metrics:
         self.requests = make(Counter, "dsv41_requests", None, "HTTP requests answered, by endpoint and status",
                              ["endpoint", "status"])
         self.prompt_tokens = make(Counter, "dsv41_prompt_tokens", "vllm:prompt_tokens",
-                                  "Prompt tokens admitted to the engine")
+                                  "Prompt tokens admitted to the engine (each sample's, as vLLM counts its child requests)")
+        self.prompt_tokens_cached = make(Counter, "dsv41_prompt_tokens_cached", "vllm:prompt_tokens_cached",
+                                         "Admitted prompt tokens found in the prefix cache (not computed)")
+        self.prompt_by_source = make(Counter, "dsv41_prompt_tokens_by_source", "vllm:prompt_tokens_by_source",
+                                     "Admitted prompt tokens by source: computed, or found in the prefix cache",
+                                     ["source"])
         self.generation_tokens = make(Counter, "dsv41_generation_tokens", "vllm:generation_tokens",
                                       "Tokens generated")
         self.step_seconds = hist("dsv41_step_seconds", None, "Engine step wall time, by phase", STEP_BUCKETS,
@@ -143,6 +149,8 @@ class Metrics:
         self._looked = self._found = 0         # the hit rate's prompt tokens so far
         for reason in FINISH_REASONS:
             self.success.labels(reason)           # every series exists (at 0) before the first request ends
+        for source in PROMPT_SOURCES:
+            self.prompt_by_source.labels(source)
 
     # ---- a request's life, as the engine loop sees it ----------------------------------------------------
     def on_admit(self, job, started: float):
@@ -188,9 +196,14 @@ class Metrics:
             if job.generated > 1:
                 self.tpot.observe((job.ended_at - job.first_token_at) / (job.generated - 1))
 
-    def on_step(self, prompt_tokens: int, generated: int, proposed: list[int] | None, accepted: list[int] | None):
-        """One engine step's tokens and, with drafts, each request's proposed and accepted drafts."""
+    def on_step(self, prompt_tokens: int, cached: int, generated: int, proposed: list[int] | None,
+                accepted: list[int] | None):
+        """One engine step's tokens (the prompts of the requests it admitted, ``cached`` of them found
+        in the prefix cache) and, with drafts, each request's proposed and accepted drafts."""
         self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens_cached.inc(cached)
+        self.prompt_by_source.labels("local_compute").inc(prompt_tokens - cached)
+        self.prompt_by_source.labels("local_cache_hit").inc(cached)
         self.generation_tokens.inc(generated)
         self.iteration_tokens.observe(prompt_tokens + generated)
         if proposed is None:
