@@ -134,10 +134,10 @@ def test_without_prefix_caching_each_sample_has_its_own_prefill(servers):
     assert many.usage.prompt_tokens == len(PROMPT) and many.usage.prompt_tokens_details is None
 
 
-@pytest.mark.timeout(300)
-def test_held_samples_keep_their_place_in_the_queue():
-    """One batch slot: a request's later samples, held until its first sample's prompt is cached,
-    run before a request that arrived after them; one whose client hung up while held never runs."""
+
+def _batch(max_batch: int, budget: int | None, cancel: int | None = None):
+    """A request's 4 samples (greedy, 2 tokens) and then another request through a Batcher over a
+    caching engine, sample ``cancel`` hung up before the engine starts; (engine, samples, later)."""
     import asyncio
     import time
 
@@ -147,7 +147,7 @@ def test_held_samples_keep_their_place_in_the_queue():
     from dsv41.serving.metrics import Metrics
 
     engine, loop = Counting(prefix_caching=True), asyncio.new_event_loop()
-    batcher = Batcher(engine, Metrics(), max_batch=1, max_queue=8)
+    batcher = Batcher(engine, Metrics(), max_batch=max_batch, max_queue=8, budget=budget)
     p = SamplingParams(max_tokens=2)
     first = Job(PROMPT, p, Stops(p), loop)
     samples = [first] + [Job(PROMPT, p, Stops(p), loop, choice=i, leader=first) for i in (1, 2, 3)]
@@ -155,7 +155,8 @@ def test_held_samples_keep_their_place_in_the_queue():
     try:
         for job in samples + [later]:
             batcher.submit(job)
-        batcher.cancel(samples[2])
+        if cancel is not None:
+            batcher.cancel(samples[cancel])
         batcher.start()
         deadline = time.monotonic() + 240
         while not all(j.ended for j in samples + [later]):
@@ -164,7 +165,25 @@ def test_held_samples_keep_their_place_in_the_queue():
     finally:
         batcher.stop()
         loop.close()
-    order = ["later" if t[-1] == PROMPT[0] else len(c) for c, t in engine.started]
+    assert batcher.waiting == [] and engine.blocks_in_use()[0] == 0
+    return engine, samples, later
+
+
+@pytest.mark.timeout(300)
+def test_held_samples_keep_their_place_in_the_queue():
+    """One batch slot: a request's later samples, held until its first sample's prompt is cached,
+    run before a request that arrived after them; one whose client hung up while held never runs."""
+    engine, samples, later = _batch(1, None, cancel=2)
+    order = ["later" if not c and t == PROMPT[::-1] else len(c) for c, t in engine.started]
     assert order == [0, CUT, CUT, "later"]
     assert samples[2].made == [] and all(len(j.made) == 2 for j in samples if j is not samples[2])
-    assert batcher.waiting == [] and engine.blocks_in_use()[0] == 0
+
+
+@pytest.mark.timeout(300)
+def test_samples_wait_for_the_whole_of_a_chunked_prompt():
+    """A prompt fed in chunks of 40 rows: the later samples start after its last chunk, on every
+    span of it, beside the first sample's decoding."""
+    engine, samples, later = _batch(4, 40)
+    assert [j.cached for j in samples] == [0, CUT, CUT, CUT]
+    assert [len(t) for c, t in engine.started if len(c) == CUT] == [len(PROMPT) - CUT] * 3
+    assert all(j.made == samples[0].made for j in samples) and len(later.made) == 2

@@ -80,7 +80,7 @@ class Metrics:
         self.requests = make(Counter, "dsv41_requests", None, "HTTP requests answered, by endpoint and status",
                              ["endpoint", "status"])
         self.prompt_tokens = make(Counter, "dsv41_prompt_tokens", "vllm:prompt_tokens",
-                                  "Prompt tokens admitted to the engine (each sample's, as vLLM counts its child requests)")
+                                  "Prompt tokens admitted to the engine (per sample, as vLLM counts child requests)")
         self.prompt_tokens_cached = make(Counter, "dsv41_prompt_tokens_cached", "vllm:prompt_tokens_cached",
                                          "Admitted prompt tokens found in the prefix cache (not computed)")
         self.prompt_by_source = make(Counter, "dsv41_prompt_tokens_by_source", "vllm:prompt_tokens_by_source",
