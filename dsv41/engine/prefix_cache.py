@@ -29,12 +29,11 @@ computed once per group that serves it.
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-import torch
 
 from dsv41.config import ModelConfig
 
@@ -48,8 +47,7 @@ def span(cfg: ModelConfig) -> int:
 
 def chain(parent: bytes, tokens: list[int]) -> bytes:
     """The hash of a span given the hash of the prefix before it."""
-    return hashlib.blake2b(parent + torch.tensor(tokens, dtype=torch.int64).numpy().tobytes(),
-                           digest_size=16).digest()
+    return hashlib.blake2b(parent + array.array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 @dataclass
@@ -77,7 +75,6 @@ class PrefixCache:
         self.owner: dict[tuple, bytes] = {}             # (pool key, block) -> the entry holding it
         self.refs: dict[tuple, int] = {}                # (pool key, block) -> requests holding it
         self.idle = {key: OrderedDict() for key in free if key != "state"}  # pool key -> blocks nobody holds, oldest first
-        self.queries = self.hits = 0                    # prompt tokens looked up / found (started requests)
 
     # ---- pages of a span ---------------------------------------------------------------------------
     def _pages(self, i: int) -> dict:
@@ -178,7 +175,3 @@ class PrefixCache:
                 for b in blocks:
                     self.owner[(key, b)] = h
                     self.refs.setdefault((key, b), 1)   # seq held it alone until now
-
-    def stats(self) -> dict:
-        return {"queries": self.queries, "hits": self.hits, "entries": len(self.entries),
-                "idle_blocks": sum(map(len, self.idle.values()))}
