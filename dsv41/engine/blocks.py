@@ -138,10 +138,12 @@ class BlockManager:
         """Blocks per pool key a sequence (None: a new one, after hit's cached prefix if given) must
         take to feed n_new more rows; a hit's cached blocks nobody holds count too (they leave the
         LRU the free counts include)."""
-        held = seq if seq is not None else hit
-        kv = 0 if held is None else held.kv_len if seq is not None else hit.length
-        window = {} if held is None else held.window_pages if seq is not None else hit.window
-        pages = {} if held is None else held.compressed_pages if seq is not None else hit.compressed
+        if seq is not None:
+            kv, window, pages = seq.kv_len, seq.window_pages, seq.compressed_pages
+        elif hit is not None:
+            kv, window, pages = hit.length, hit.window, hit.compressed
+        else:
+            kv, window, pages = 0, {}, {}
         out = {"window": sum(p not in window for p in self._window_range(kv, n_new))}
         for r in self.pools.compressed:
             out[r] = max(0, self._compressed_need(kv + n_new, r) - len(pages.get(r, [])))
