@@ -284,12 +284,13 @@ def oracle_answers(oracle, mode: str, prompts: list[list[int]]) -> list:
 
 
 def check_cached(engine, oracle, mode: str, prompts=None):
-    """BASE first, then every variant (one batch, chunks of 24 rows beside decode rows) on the caching
-    engine; each variant's tokens and final logits equal the oracle's, which caches nothing."""
+    """BASE first (once per DP group: each group caches what it computed), then every variant (one
+    batch, chunks of 24 rows beside decode rows) on the caching engine; each variant's tokens and
+    final logits equal the oracle's, which caches nothing."""
     sampling, drafter = MODES[mode]
     prompts = prompts or variants()
-    warm, _ = run(engine, [BASE], sampling, drafter)
-    histories = [BASE + warm[0].made[:-1]]
+    warm, _ = run(engine, [BASE] * len(engine.tables), sampling, drafter)    # in every DP group
+    histories = [BASE + w.made[:-1] for w in warm]
     got, sched = run(engine, prompts, sampling, drafter)
     want = oracle_answers(oracle, mode, prompts)
     min_feed = TINY.sliding_window if drafter is dspark_drafter else 1
