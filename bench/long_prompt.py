@@ -27,10 +27,11 @@ import torch
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import PRESETS, Topology
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Job, Scheduler, jobs_for
+from dsv41.engine.request import Request, requests_for
+from dsv41.engine.scheduler import Scheduler
 
 
-class Timed(Job):
+class Timed(Request):
     """A job that notes when each of its tokens came out."""
 
     def emit(self, kind: str, **fields):
@@ -56,7 +57,7 @@ def ttft(a, cfg) -> list[dict]:
     try:
         for n in a.lengths:
             for budget in a.budgets:
-                (job,) = jobs_for([prompt(cfg, n, 0)], None, 1, None, cls=Timed)
+                (job,) = requests_for([prompt(cfg, n, 0)], None, 1, None, cls=Timed)
                 sched = Scheduler(engine, budget=budget)
                 t0 = time.perf_counter()
                 turns = sched.run([job])
@@ -82,8 +83,8 @@ def arrival(a, cfg) -> list[dict]:
     try:
         for budget in a.budgets:
             for interleave in (True, False):
-                streams = jobs_for([prompt(cfg, 16, i + 1) for i in range(a.streams)], None, a.new, None, cls=Timed)
-                (long,) = jobs_for([prompt(cfg, a.long, 0)], None, 1, None, cls=Timed)
+                streams = requests_for([prompt(cfg, 16, i + 1) for i in range(a.streams)], None, a.new, None, cls=Timed)
+                (long,) = requests_for([prompt(cfg, a.long, 0)], None, 1, None, cls=Timed)
                 sched = Scheduler(engine, budget=budget, interleave=interleave)
                 for job in streams:
                     sched.add(job)

@@ -39,7 +39,8 @@ from dsv41.config import PRESETS, Topology
 from dsv41.engine.drafters import OracleDrafter
 from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.request import requests_for
+from dsv41.engine.scheduler import Scheduler
 from dsv41.telemetry.session import TraceSession
 
 
@@ -109,7 +110,7 @@ class Timed:
 
 
 def generation(engine, prompts, tokens: int, drafter=None):
-    jobs = jobs_for(prompts, None, tokens, None)
+    jobs = requests_for(prompts, None, tokens, None)
     sched = Scheduler(engine, drafter)
     t0 = time.perf_counter()
     turns = sched.run(jobs)

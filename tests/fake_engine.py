@@ -3,6 +3,7 @@ the scheduler and the server ask of an engine besides its tokens; a test subclas
 tokens it needs (``token``) and, where it tests capacity, its own ``fits``."""
 from __future__ import annotations
 
+from dsv41.engine.layout import StepLayout
 from dsv41.engine.prefix_cache import Hit
 from dsv41.engine.protocol import StepOutput
 from dsv41.engine.sequence import Sequence
@@ -12,28 +13,19 @@ class OneGroupEngine:
     max_batch, max_context = 4, 4096
 
     def __init__(self):
-        self.next, self.last_stats = 0, {}
+        self.last_stats = {}
 
     def token(self, rid: int) -> int:
         raise NotImplementedError
 
     def started(self, rid: int):
-        """A new request got its id."""
+        """A request started (under its own id)."""
 
-    def step(self, batch, phase, sampling=None, drafts=None, draft_probs=None):
-        rids = []
-        for rid, _ in batch:
-            if rid is None:
-                rid, self.next = self.next, self.next + 1
-                self.started(rid)
-            rids.append(rid)
-        return self._out(rids)
-
-    def decode(self, tokens, rids, drafts=None, draft_probs=None):
-        return self._out(rids)
-
-    def _out(self, rids):
-        return StepOutput(rids, [[self.token(r)] for r in rids], fetch=lambda: None)
+    def run(self, parts, phase):
+        for part in parts:
+            if part.start:
+                self.started(part.id)
+        return StepOutput(StepLayout.of(parts), [[self.token(p.id)] for p in parts], fetch=lambda: None)
 
     def group_of(self, rid):
         return 0

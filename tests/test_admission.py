@@ -9,7 +9,8 @@ import pytest
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import TINY, Topology
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.request import requests_for
+from dsv41.engine.scheduler import Scheduler
 
 V = TINY.vocab_size
 CTX, NEW, COUNT = 64, 14, 32
@@ -24,7 +25,7 @@ class Watched(Scheduler):
         decoding = [j for j in self.running.values() if not j.feed and self._group(j) == group]
         need: dict = {}
         for j in decoding:
-            for k, n in table.blocks.needs(self.engine.sequence(j.rid), 1).items():
+            for k, n in table.blocks.needs(self.engine.sequence(j.id), 1).items():
                 need[k] = need.get(k, 0) + n
         pools = table.pools
         free = {"window": len(pools.window), "state": len(pools.state), **{r: len(b) for r, b in pools.compressed.items()}}
@@ -36,13 +37,13 @@ class Watched(Scheduler):
 @pytest.mark.timeout(1800)
 def test_requests_past_the_cache_budget_all_finish_with_their_tokens():
     roomy = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX)
-    want = jobs_for(PROMPTS, None, NEW, None)
+    want = requests_for(PROMPTS, None, NEW, None)
     Scheduler(roomy).run(want)
     budget = 2 * 100                                  # tokens in all: 100 per DP group, 16 requests reach ~30 each
     engine = GraphEngine(TINY, Topology(1, 2, 2), seed=0, executor="threads", max_batch=16, max_context=CTX,
                          cache_tokens=budget // 2)
     try:
-        jobs = jobs_for(PROMPTS, None, NEW, None)
+        jobs = requests_for(PROMPTS, None, NEW, None)
         sched = Watched(engine, budget=24)
         sched.run(jobs)
         assert [j.made for j in jobs] == [j.made for j in want]

@@ -20,7 +20,8 @@ from dsv41.config import TINY, Topology
 from dsv41.engine.drafters import NgramDrafter
 from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.request import requests_for
+from dsv41.engine.scheduler import Scheduler
 from dsv41.ops.sampling import SamplingParams
 from test_speculative import graph_engine
 
@@ -38,16 +39,16 @@ SAMPLED = [SamplingParams(temperature=0.9, top_k=50, seed=21 + i) for i in range
 
 
 class Recorder:
-    """Wraps an engine's step: every step's (request id, rows fed, first position) per request."""
+    """Wraps an engine's run: every step's (request id, rows fed, first position) per request."""
 
     def __init__(self, engine):
-        self.engine, self.steps, self._step = engine, [], engine.step
-        engine.step = self.step
+        self.engine, self.steps, self._run = engine, [], engine.run
+        engine.run = self.run
 
-    def step(self, batch, phase, *a, **k):
-        kv = [0 if rid is None else self.engine.sequence(rid).kv_len for rid, _ in batch]
-        out = self._step(batch, phase, *a, **k)
-        self.steps.append([(rid, len(t), at) for rid, (_, t), at in zip(out.request_ids, batch, kv)])
+    def run(self, parts, phase):
+        kv = [0 if p.start else self.engine.sequence(p.id).kv_len for p in parts]
+        out = self._run(parts, phase)
+        self.steps.append([(p.id, len(p.tokens), at) for p, at in zip(parts, kv)])
         return out
 
     def boundaries(self) -> set[int]:
@@ -59,11 +60,11 @@ class Recorder:
         return any(any(n > 1 for _, n, _ in s) and any(n == 1 for _, n, _ in s) for s in self.steps)
 
     def undo(self):
-        self.engine.step = self._step
+        self.engine.run = self._run
 
 
 def generate(engine, prompts, budget=None, sampling=None, drafter=None):
-    jobs = jobs_for(prompts, sampling, NEW, None)
+    jobs = requests_for(prompts, sampling, NEW, None)
     Scheduler(engine, drafter, budget=budget, keep_logits=True).run(jobs)
     assert engine.blocks_in_use()[0] == 0
     return [j.made for j in jobs], torch.stack([j.final_logits for j in jobs])
@@ -154,7 +155,7 @@ def test_a_step_of_the_same_rows_and_more_requests_gets_its_own_dspark_graph():
         a = engine.step([(None, list(range(1, 7)))], "prefill").request_ids[0]
         out = engine.step([(a, [7]), (None, list(range(9, 14)))], "prefill")
         assert engine.last_stats["graph_reused"] is False
-        assert [len(engine.drafts[r][0]) for r in out.request_ids] == [TINY.dspark_block_size] * 2
+        assert [len(engine.sequence(r).drafted[0]) for r in out.request_ids] == [TINY.dspark_block_size] * 2
         for r in out.request_ids:
             engine.release(r)
 

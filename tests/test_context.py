@@ -11,7 +11,9 @@ import torch
 
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import TINY, Topology
+from dsv41.engine.layout import Part
 from dsv41.engine.reference import ReferenceEngine
+from dsv41.engine.request import new_id
 from dsv41.engine.requests import RequestTable
 from dsv41.model import caches as cache
 from dsv41.ops.indexer import score_chunks
@@ -55,10 +57,13 @@ def test_graph_equals_reference_at_a_drawn_context(reference_logits, tp, dp):
 
 def test_filled_state_is_what_a_prefill_leaves_and_decodes_finite():
     engine = ReferenceEngine(CFG, seed=3, max_batch=2, max_context=CONTEXT + 8)
-    rids = engine.start_at_context(2, CONTEXT)
-    # the host state equals a real prefill plan of the same histories
+    rids = engine.start_at_context([new_id(), new_id()], CONTEXT)
+    # the host state equals a real prefill plan of the same histories (but for the flag that says
+    # the history was drawn)
     table = RequestTable(CFG, 2, CONTEXT + 8)
-    table.commit(table.plan([(None, engine.table.requests[r].tokens) for r in rids], "prefill"))
+    table.commit(table.plan([Part(r, engine.table.requests[r].tokens, start=True) for r in rids], "prefill"))
+    for seq in table.requests.values():
+        seq.from_context = True
     assert table.requests == engine.table.requests and table.pools == engine.table.pools
     assert [engine.table.requests[r].kv_len for r in rids] == [CONTEXT, CONTEXT]
     # every compressed row of each request is written (a drawn row is never all zeros), nothing past them
@@ -84,5 +89,5 @@ def test_filled_state_is_what_a_prefill_leaves_and_decodes_finite():
 def test_a_context_past_the_capacity_is_refused():
     engine = ReferenceEngine(CFG, seed=0, max_batch=1, max_context=64)
     with pytest.raises(ValueError, match=r"context: must be in \[1, 63\]"):
-        engine.start_at_context(1, 64)
+        engine.start_at_context([new_id()], 64)
     assert engine.active == []

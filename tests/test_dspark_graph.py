@@ -13,7 +13,9 @@ from dsv41.cluster.engine import GraphEngine
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.dspark import DSparkDrafter
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.layout import Part
+from dsv41.engine.request import requests_for
+from dsv41.engine.scheduler import Scheduler
 from dsv41.model.dspark import seeded_sampler
 from dsv41.ops.sampling import SamplingParams
 
@@ -34,8 +36,7 @@ class Golden:
 
     def step(self, phase: str, out, params):
         if phase == "prefill":
-            self.jobs = [SimpleNamespace(id=i, rid=r, params=p or SamplingParams()) for i, (r, p) in
-                         enumerate(zip(out.request_ids, params))]
+            self.jobs = [SimpleNamespace(id=r, params=p or SamplingParams()) for r, p in zip(out.request_ids, params)]
         for job, last in zip(self.jobs, out.last):
             job.last = last
         self.drafter.observe(phase, self.jobs, out)
@@ -43,7 +44,7 @@ class Golden:
     def drafts(self):
         windows = [self.drafter.windows[j.id] for j in self.jobs]
         dists = {}
-        sample = seeded_sampler([(j.params, self.engine.sequence(j.rid).seed, w.length)
+        sample = seeded_sampler([(j.params, self.engine.sequence(j.id).seed, w.length)
                                  for j, w in zip(self.jobs, windows)], dists)
         made = self.drafter.model.draft(torch.tensor([j.last for j in self.jobs]), windows, self.drafter.tables, sample)
         return made, dists
@@ -52,7 +53,7 @@ class Golden:
 def graph_drafts(engine: GraphEngine, rids: list[int]):
     """(tokens, confidences, distributions per request, draft logits [B, block, V]) the last step
     made, the logits from the head card of DP group 0 (the only group)."""
-    made = [engine.drafts[r] for r in rids]
+    made = [engine.sequence(r).drafted for r in rids]
     _, logits = engine.states()[engine.topo.group_cards(0)[0]].draft_logits[0]
     return torch.stack([m[0] for m in made]), torch.stack([m[1] for m in made]), [m[2] for m in made], logits
 
@@ -73,7 +74,7 @@ def check_graph_drafts(cfg, topo: Topology, prompts, sampling, ctx: int):
     """Prefill, then a verify step in which request i accepts 3 - i drafts of the true continuation and
     rejects the next: after each, the graph's drafts equal the golden's."""
     v = cfg.vocab_size
-    plain = jobs_for(prompts, sampling, 6, None)
+    plain = requests_for(prompts, sampling, 6, None)
     Scheduler(ReferenceEngine(cfg, seed=0, max_batch=4, max_context=ctx)).run(plain)
     golden = Golden(cfg, ctx)
     engine = GraphEngine(cfg, topo, seed=0, executor="sync", max_batch=4, max_context=ctx)
@@ -91,14 +92,14 @@ def check_graph_drafts(cfg, topo: Topology, prompts, sampling, ctx: int):
         assert out.accepted == ref.accepted == [3 - i for i in range(len(prompts))]
         golden.step("decode", ref, sampling)
         assert_same_drafts(graph_drafts(engine, rids), golden.drafts())
-        return engine.drafts, rids
+        return [engine.sequence(r).drafted for r in rids]
     finally:
         engine.close()
 
 
 def test_the_graphs_drafts_are_the_golden_drafts_after_prefill_and_a_partly_rejected_verify():
-    drafts, rids = check_graph_drafts(TINY, Topology(2, 1, 2), PROMPTS, SAMPLING, CTX)
-    assert drafts[rids[1]][2] is not None and drafts[rids[0]][2] is None   # the sampling request's distributions
+    drafts = check_graph_drafts(TINY, Topology(2, 1, 2), PROMPTS, SAMPLING, CTX)
+    assert drafts[1][2] is not None and drafts[0][2] is None   # the sampling request's distributions
 
 
 @pytest.mark.slow
@@ -122,9 +123,12 @@ def test_a_request_recomputed_after_preemption_drafts_again():
         rid = engine.prefill([PROMPTS[1]]).request_ids[0]
         state = engine.sequence(rid)
         engine.release(rid)
-        assert rid not in engine.drafts
-        # recomputed as the scheduler does a preempted request (one chunk here), its state settled
-        again = engine.step([(None, history)], "prefill", [state.sampling]).request_ids[0]
+        assert rid not in engine.active
+        # recomputed as the scheduler does a preempted request (one chunk here, under its one id),
+        # its state settled
+        assert state.drafted is not None
+        again = engine.run([Part(rid, history, sampling=state.sampling, start=True)], "prefill").request_ids[0]
+        assert again == rid
         engine.settle(again, state)
         made, _ = golden.drafts()
         tokens, conf, _, _ = graph_drafts(engine, [again])

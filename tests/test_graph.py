@@ -6,6 +6,7 @@ from dsv41.cluster.plan import make_plan
 from dsv41.config import TINY, Topology
 from dsv41.graph.build import build, slab
 from dsv41.graph.graph import Graph, GraphError, Node
+from dsv41.engine.protocol import parts_of
 from dsv41.engine.requests import RequestTable
 
 TOPO = Topology(2, 2, 4)
@@ -17,7 +18,7 @@ def _steps(topo, prompt_lens, phase="prefill"):
     steps = {}
     for grp, table in enumerate(tables):
         batch = [(None, torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist()) for n in prompt_lens]
-        steps[grp] = table.plan(batch, phase)
+        steps[grp] = table.plan(parts_of(batch), phase).inputs
     return steps
 
 

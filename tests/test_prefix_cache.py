@@ -19,7 +19,8 @@ from dsv41.engine.drafters import NgramDrafter, OracleDrafter
 from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.prefix_cache import span
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.request import requests_for
+from dsv41.engine.scheduler import Scheduler
 from dsv41.engine.sequence import Sequence
 from dsv41.model.caches import cache_names
 from dsv41.ops import kv_cache
@@ -253,7 +254,7 @@ def variants() -> list[list[int]]:
 
 
 def run(engine, prompts, sampling=None, drafter=None, budget=24, cls=Scheduler, new=NEW, **kw):
-    jobs = jobs_for(prompts, sampling, new, None)
+    jobs = requests_for(prompts, sampling, new, None)
     sched = cls(engine, drafter(engine) if drafter else None, keep_logits=True, budget=budget, **kw)
     sched.run(jobs)
     return jobs, sched
@@ -329,12 +330,13 @@ def test_dp2_each_group_reuses_the_prefix_it_computed(oracle):
     try:
         first, _ = run(engine, [BASE, BASE + [1]])
         placed = []
-        spy = engine.router.admit
+        spy = engine.router.split
 
-        def admit(split, local_ids):
-            placed.extend(g for g, _ in split.placed)
-            return spy(split, local_ids)
-        engine.router.admit = admit
+        def split(parts, loads, group_of):
+            out = spy(parts, loads, group_of)
+            placed.extend(g for p, (g, _) in zip(parts, out.placed) if p.start)
+            return out
+        engine.router.split = split
         got, _ = run(engine, dp2_prompts(), SAMPLED)
         want = oracle_answers(oracle, "sampled", variants())[:2]
         assert {0, 1} <= set(placed)

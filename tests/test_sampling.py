@@ -204,12 +204,13 @@ def test_speculative_sampling_rule_sees_the_row_edits():
     """A verify step of a sampling request with a drafter's distribution draws from the same edited
     rows as a plain step: +100 on token 3 makes every token 3, whatever the drafts."""
     from dsv41.ops.sampling import RowDraw
+    from dsv41.engine.layout import StepLayout
     from dsv41.ops.verify import sampled_rule
     p = SamplingParams(temperature=1.0, seed=4, logit_bias={3: 100.0})
     rows = torch.stack([LOGITS] * 3)
     draws = [RowDraw(p, 4, j, generated=j) for j in range(3)]
     uniform = torch.full((2, LOGITS.numel()), 1 / LOGITS.numel(), dtype=torch.float64)
     for drafts in ([1, 2], [3, 5], [3, 3]):
-        decided, _ = sampled_rule(rows, draws, [[0, *drafts]], [2], [uniform], None)
+        decided, _ = sampled_rule(rows, draws, StepLayout([0], [3], [drafts], [uniform]), None)
         made = decided[0]
         assert set(made) == {3} and len(made) == 1 + (drafts[0] == 3) + (drafts == [3, 3])

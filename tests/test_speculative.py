@@ -19,7 +19,8 @@ from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.model import caches as cache
 from dsv41.ops.sampling import SamplingParams
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.request import requests_for
+from dsv41.engine.scheduler import Scheduler
 
 V = TINY.vocab_size
 BS = TINY.block_size
@@ -32,7 +33,7 @@ CTX = 64
 
 def generate(engine, drafter=None, sampling=None, prompts=PROMPTS, new=NEW, context=0):
     """Each request's tokens, the logits of its last token, the scheduler (its spec counts)."""
-    jobs = jobs_for(prompts, sampling, new, None)
+    jobs = requests_for(prompts, sampling, new, None)
     sched = Scheduler(engine, drafter, keep_logits=True, context=context)
     sched.run(jobs)
     return [j.made for j in jobs], torch.stack([j.final_logits for j in jobs]), sched
@@ -295,7 +296,7 @@ def test_preemption_recomputes_to_the_tokens_of_an_unconstrained_run(sampling):
     roomy = ReferenceEngine(TINY, seed=0, max_batch=3, max_context=CTX)
     tight = ReferenceEngine(TINY, seed=0, max_batch=3, max_context=CTX, cache_tokens=100)
     plain = generate(roomy, sampling=sampling, prompts=prompts, new=30)
-    jobs = jobs_for(prompts, sampling, 30, None)
+    jobs = requests_for(prompts, sampling, 30, None)
     turns = Scheduler(tight, keep_logits=True).run(jobs)
     assert [t.phase for t in turns].count("restart") >= 1 and any(j.preemptions for j in jobs)
     assert [j.made for j in jobs] == plain[0]
@@ -310,7 +311,7 @@ def test_preemption_with_dspark_sampling_recomputes_to_the_tokens_of_an_unconstr
     roomy = ReferenceEngine(TINY, seed=0, max_batch=3, max_context=CTX)
     tight = ReferenceEngine(TINY, seed=0, max_batch=3, max_context=CTX, cache_tokens=100)
     plain = generate(roomy, dspark_drafter(roomy), SAMPLED, prompts, 30)
-    jobs = jobs_for(prompts, SAMPLED, 30, None)
+    jobs = requests_for(prompts, SAMPLED, 30, None)
     sched = Scheduler(tight, dspark_drafter(tight), keep_logits=True)
     turns = sched.run(jobs)
     restarted = [j for j in jobs if j.preemptions]

@@ -23,8 +23,10 @@ import torch
 from dsv41.cluster.engine import GraphEngine
 from dsv41.config import TINY, Topology
 from dsv41.engine.drafters import Drafter, OracleDrafter
+from dsv41.engine.layout import StepLayout
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.request import requests_for
+from dsv41.engine.scheduler import Scheduler
 from dsv41.engine.sequence import Sequence
 from dsv41.model.head import Head
 from dsv41.ops.sampling import RequestGenerator, SamplingParams, filtered_probs, processed
@@ -57,7 +59,7 @@ RULE = [SamplingParams(temperature=0.8, seed=5, min_tokens=5, eos_token_id=EOS, 
 
 def generate(engine, drafter=None, sampling=PARAMS):
     """Each request's tokens (its stop token included), the logits of its last token, the scheduler."""
-    jobs = jobs_for(PROMPTS, sampling, NEW, None)
+    jobs = requests_for(PROMPTS, sampling, NEW, None)
     sched = Scheduler(engine, drafter, keep_logits=True)
     sched.run(jobs)
     return [j.made for j in jobs], torch.stack([j.final_logits for j in jobs]), sched
@@ -153,7 +155,7 @@ class Recorded(Drafter):
             q = spread.expand(len(d), V).clone()
             drafts.append(d)
             probs.append(q if d else None)
-            self.pending[job.rid] = (list(job.prompt), list(job.made), d, q)
+            self.pending[job.id] = (list(job.prompt), list(job.made), d, q)
         return drafts, probs
 
     def observe(self, phase, jobs, out):
@@ -162,8 +164,8 @@ class Recorded(Drafter):
         for job in jobs:
             if job is None:                  # a prompt chunk of a step that also decodes
                 continue
-            i = out.request_ids.index(job.rid)
-            prompt, made, d, q = self.pending.pop(job.rid)
+            i = out.request_ids.index(job.id)
+            prompt, made, d, q = self.pending.pop(job.id)
             k = out.proposed[i] if out.proposed else 0
             assert k == len(d)
             rows = torch.stack([out.token_logits(i, j) for j in range(k + 1)])
@@ -226,8 +228,8 @@ def test_a_verify_steps_later_rows_follow_their_targets_over_many_seeds():
         seq = Sequence(0, prompt[:-1], kv_len=len(prompt) - 1, sampling=params, seed=seed, drawn=4,
                        prompt_len=1)
         fed = [prompt[-1]] + drafts
-        step = SimpleNamespace(draws=seq.row_draws(fed, k + 1), fed=[fed], proposed=[k], draft_probs=[q],
-                               md=SimpleNamespace(num_tokens=len(fed)))
+        layout = StepLayout([0], [len(fed)], [drafts], [q])
+        step = SimpleNamespace(draws=seq.row_draws(fed, k + 1), layout=layout, draft_probs=layout.draft_probs)
         made = Head.tokens(target_logits, step).tokens[0]
         for j, t in enumerate(made):
             counts[j, t] += 1

@@ -205,7 +205,7 @@ def test_a_speculative_step_traces_its_verify_and_its_draft_part(engine):
     nodes' spans and a ``draft`` span over its DSpark nodes', both children of the step span."""
     session = TraceSession(engine)
     try:
-        drafts = [engine.drafts[r][0][:2].tolist() for r in engine.active]
+        drafts = [engine.sequence(r).drafted[0][:2].tolist() for r in engine.active]
         out = engine.decode(engine.tokens, engine.active, drafts)
         engine.tokens = out.last
         records = session.collect()

@@ -7,6 +7,7 @@ import random
 
 from dsv41.config import FLASH, TINY
 from dsv41.engine.blocks import window_pages
+from dsv41.engine.protocol import parts_of
 from dsv41.engine.requests import RequestTable
 
 
@@ -23,7 +24,7 @@ def test_largest_steps_to_the_end_of_the_context_never_exhaust_the_pool():
     cfg, batch = TINY, 2
     rng = random.Random(0)
     table = RequestTable(cfg, batch, cfg.max_position_embeddings)
-    step = table.plan([(None, [1] * (cfg.prefill_max_tokens // batch))] * batch, "prefill")
+    step = table.plan(parts_of([(None, [1] * (cfg.prefill_max_tokens // batch))] * batch), "prefill")
     table.commit(step)
     rids = step.rids
     while True:
@@ -31,7 +32,7 @@ def test_largest_steps_to_the_end_of_the_context_never_exhaust_the_pool():
         n = min(room, rng.choice([1, cfg.block_size - 1, cfg.prefill_max_tokens // batch]))
         if n <= 0:
             break
-        table.commit(table.plan([(r, [1] * n) for r in rids], "prefill"))
+        table.commit(table.plan(parts_of([(r, [1] * n) for r in rids]), "prefill"))
         held = [len(table.requests[r].window_pages) for r in rids]
         assert max(held) <= window_pages(cfg, cfg.max_position_embeddings)
     assert table.requests[rids[0]].kv_len == cfg.max_position_embeddings
@@ -43,11 +44,11 @@ def test_a_drawn_history_longer_than_one_step_leaves_what_its_chunked_prefill_wo
     cfg = TINY
     n = cfg.max_position_embeddings - 10
     drawn = RequestTable(cfg, 1, cfg.max_position_embeddings)
-    started = drawn.start_at([[1] * n])
+    started = drawn.start_at([0], [[1] * n])
     prefilled = RequestTable(cfg, 1, cfg.max_position_embeddings)
     rid = None
     for done in range(0, n, cfg.prefill_max_tokens):
-        step = prefilled.plan([(rid, [1] * min(cfg.prefill_max_tokens, n - done))], "prefill")
+        step = prefilled.plan(parts_of([(rid, [1] * min(cfg.prefill_max_tokens, n - done))]), "prefill")
         prefilled.commit(step)
         rid = step.rids[0]
     a, b = started.requests[started.rids[0]], prefilled.requests[rid]

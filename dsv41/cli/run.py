@@ -27,7 +27,8 @@ from dsv41.cli.progress import Progress, tolerant_streams
 from dsv41.cli.prompts import prompts_for
 from dsv41.cluster.connect import DEFAULT_TIMEOUT_S, ConnectError, Startup
 from dsv41.config import PRESETS
-from dsv41.engine.scheduler import Job, Scheduler, jobs_for
+from dsv41.engine.request import Request, requests_for
+from dsv41.engine.scheduler import Scheduler
 from dsv41.kernels.device_time import BACKENDS
 from dsv41.model.finite import NonFiniteError
 from dsv41.names import DEFAULT_EXECUTOR, EXECUTORS, REFERENCE
@@ -309,7 +310,7 @@ class Steps:
     prefix_cache: dict | None = None   # with --enable-prefix-caching: cached prompt tokens per request, queries, hits
 
 
-class ShownJob(Job):
+class ShownJob(Request):
     """A run's request: its text printed as it grows (with a checkpoint)."""
     say = None
     index = 0
@@ -331,7 +332,7 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
     context = args.context or 0
     n = args.new_tokens if args.graph == "decode" else 0
     codec = args.codec
-    jobs = jobs_for(prompts, params, max(n, 1), codec.decode if codec is not None else None,
+    jobs = requests_for(prompts, params, max(n, 1), codec.decode if codec is not None else None,
                     codec.eos_id if codec is not None else None, cls=ShownJob)
     for j, job in enumerate(jobs):
         job.say, job.index = (progress.say if codec is not None and n else None), j

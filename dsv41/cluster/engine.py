@@ -13,7 +13,6 @@ and retried. Requests are placed on DP groups by ``cluster/routing.py``; whoever
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -39,6 +38,7 @@ from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.context import draw_history, fill_caches
+from dsv41.engine.layout import Part, StepLayout
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
 from dsv41.graph.build import SHARDED, build, commit_key, dspark_key, feed, head_key, shape, step_outputs
@@ -95,17 +95,15 @@ class GraphEngine(Engine):
                              f"per DP group (capacity contract)")
         max_context = max_context or min(cfg.max_position_embeddings, 1024)
         token_map = None if checkpoint is None else checkpoint.token_map
-        self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens, prefix_caching)
-                       for _ in range(topo.dp)]
+        self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens, prefix_caching, g)
+                       for g in range(topo.dp)]
         self.router = Router(topo.dp)
-        self.filled: set[int] = set()        # requests started at a drawn context: no history to replay
         self.step_id = 0
         self.generation = 0                  # steps committed on every card
         self.last_request_ids: list[int] = []
         self.last_stats: dict = {}
         self.last_graph = None
         self.dspark = False                  # steps draft DSpark blocks in the graph (``engine.dspark``)
-        self.drafts: dict[int, tuple] = {}   # request id -> (tokens, confidences, distributions) its last step drafted
         self._steps = StepCounter()          # numbers the steps StepOutput.logits may ask about
         self._heads: dict[int, int] = {}     # DP group of the last step -> the card holding its logits
         self.recoveries: list[dict] = []     # one record per recovery, oldest first
@@ -130,7 +128,7 @@ class GraphEngine(Engine):
 
     @property
     def active(self) -> list[int]:
-        return list(self.router.where)
+        return sorted(rid for t in self.tables for rid in t.requests)
 
     @property
     def max_batch(self) -> int:
@@ -141,11 +139,13 @@ class GraphEngine(Engine):
         return self.tables[0].max_context
 
     def sequence(self, rid: int):
-        grp, local = self.router.locate(rid)
-        return self.tables[grp].requests[local]
+        for table in self.tables:
+            if rid in table.requests:
+                return table.requests[rid]
+        raise ValueError(f"request_ids: unknown or released request {rid}")
 
     def group_of(self, rid: int) -> int:
-        return self.router.locate(rid)[0]
+        return self.sequence(rid).group
 
     def place(self, count: int) -> list[int]:
         return self.router.place([len(t.requests) for t in self.tables], count)
@@ -188,9 +188,8 @@ class GraphEngine(Engine):
                     record["replay_steps"], record["ms"])
 
     # ---- steps -------------------------------------------------------------------------------------
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
-             draft_probs=None, cached=None) -> StepOutput:
-        if not batch:
+    def run(self, parts: list[Part], phase: str) -> StepOutput:
+        if not parts:
             raise ValueError("batch: must contain at least one request, got an empty batch")
         if not self._finalizer.alive:
             raise RuntimeError(f"engine {self.id} is closed")
@@ -201,7 +200,7 @@ class GraphEngine(Engine):
             try:
                 if lost is not None:
                     self._recover(*lost)
-                return self._step(batch, phase, self.recoveries[first:], sampling, drafts, draft_probs, cached)
+                return self._step(parts, phase, self.recoveries[first:])
             except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
@@ -209,27 +208,25 @@ class GraphEngine(Engine):
             except NonFiniteError as e:      # the cards found NaN/Inf: the step is aborted; say which step
                 raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
 
-    def _step(self, batch, phase: str, recovered: list[dict], sampling=None, drafts=None,
-              draft_probs=None, cached=None) -> StepOutput:
-        split = self.router.split(batch, [len(t.requests) for t in self.tables], sampling, drafts, draft_probs,
-                                  cached)
+    def _step(self, parts: list[Part], phase: str, recovered: list[dict]) -> StepOutput:
+        self._check_new([p.id for p in parts if p.start])
+        split = self.router.split(parts, [len(t.requests) for t in self.tables], self.group_of)
         steps = {}
         try:
-            for g, b in split.batches.items():
-                dists = split.draft_probs[g]
-                steps[g] = self.tables[g].plan(b, phase, split.sampling[g], split.drafts[g],
-                                               dists if any(q is not None for q in dists) else None, split.cached[g])
+            for g, share in split.shares.items():
+                steps[g] = self.tables[g].plan([parts[i] for i in share], phase)
             t0 = time.perf_counter()
-            values, graph, plan = self._execute(steps, phase)
+            values, graph, plan = self._execute({g: s.inputs for g, s in steps.items()}, phase)
         except BaseException:                # nothing of the step stays on the host either
             for g, s in steps.items():
                 self.tables[g].abort(s)
             raise
         heads = {g: values[head_key(g)] for g in steps}
         for g, s in steps.items():
-            self.tables[g].commit(s, [len(t) for t in heads[g].tokens])
-        new_ids = self.router.admit(split, {g: s.rids for g, s in steps.items()})
-        self.last_request_ids = new_ids
+            self.tables[g].commit(s, heads[g].tokens)
+            self.started += len(s.new)
+        layout = StepLayout.of(parts)
+        self.last_request_ids = layout.ids
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
                            "dask_tasks": plan.dask_tasks + len(graph.literals),
@@ -243,16 +240,20 @@ class GraphEngine(Engine):
         tokens = split.gather({g: h.tokens for g, h in heads.items()})
         logprobs = split.gather({g: [None] * len(h.tokens) if h.logprobs is None else h.logprobs
                                  for g, h in heads.items()})
-        # each request's logit rows within its group's: the rows of the requests before it
-        spans = [(grp, steps[grp].first_rows[idx], steps[grp].proposed[idx] + 1) for grp, idx in split.placed]
+        # each request's logit rows within its group's
+        spans = [(grp, steps[grp].layout.logit_span(idx)) for grp, idx in split.placed]
         step = self.step_id
-        verified = split.gather({g: s.proposed for g, s in steps.items()})
         if self.dspark:
-            self._keep_drafts(new_ids, split.gather({g: self._drafts(values[dspark_key(g)]) for g in steps}))
-        return StepOutput(new_ids, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, spans)),
-                          logprobs if any(x is not None for x in logprobs) else None,
-                          verified if any(verified) else None,
-                          list(itertools.accumulate([0] + [n for _, _, n in spans]))[:-1])
+            for rid, drafted in zip(layout.ids, split.gather({g: self._drafts(values[dspark_key(g)]) for g in steps})):
+                self.sequence(rid).drafted = drafted
+        return StepOutput(layout, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, spans)),
+                          logprobs if any(x is not None for x in logprobs) else None)
+
+    def _check_new(self, rids: list[int]):
+        """Requests to start run nowhere yet (a group's table checks only its own)."""
+        for rid in rids:
+            if any(rid in t.requests for t in self.tables):
+                raise ValueError(f"request_ids: request {rid} is running already")
 
     @staticmethod
     def _drafts(made) -> list[tuple]:
@@ -260,16 +261,12 @@ class GraphEngine(Engine):
         probs = made.probs or [None] * made.tokens.shape[0]
         return [(made.tokens[b], made.confidence[b], probs[b]) for b in range(made.tokens.shape[0])]
 
-    def _keep_drafts(self, rids: list[int], drafts: list[tuple]):
-        """The drafts each request of the step verifies next (``release`` drops them)."""
-        self.drafts.update(zip(rids, drafts))
-
-    def _logits(self, step: int, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    def _logits(self, step: int, spans: list[tuple[int, range]]) -> torch.Tensor:
         """A step's logit rows from the cards that made them, each request's in batch order."""
         held = {}
         for found in self._on_every_process(_held_logits, self.id, step, self._heads).values():
             held.update(found)
-        return torch.cat([held[grp][a:a + n] for grp, a, n in spans])
+        return torch.cat([held[grp][span.start:span.stop] for grp, span in spans])
 
     def _execute(self, steps: dict, phase: str):
         """Plan and run one step over these DP groups' inputs; abort everywhere if it fails."""
@@ -350,22 +347,23 @@ class GraphEngine(Engine):
         used = [t.blocks_in_use() for t in self.tables]
         return sum(u for u, _ in used), sum(t for _, t in used)
 
-    def start_at_context(self, count: int, context: int) -> list[int]:
+    def start_at_context(self, rids: list[int], context: int) -> list[int]:
         """Requests placed as a prefill places them (the least loaded DP group); every card of a group
         fills its replica of the group's caches with the same drawn rows."""
         if not self._finalizer.alive:
             raise RuntimeError(f"engine {self.id} is closed")
-        seed, first = self._state_args[0], self.router.next_rid
-        split = self.router.split([(None, draw_history(self.cfg, seed, rid, context))
-                                   for rid in range(first, first + count)], [len(t.requests) for t in self.tables])
+        self._check_new(rids)
+        seed = self._state_args[0]
+        keys = dict(zip(rids, range(self.started, self.started + len(rids))))
+        histories = {rid: draw_history(self.cfg, seed, k, context) for rid, k in keys.items()}
+        split = self.router.split([Part(rid, [], start=True) for rid in rids], [len(t.requests) for t in self.tables],
+                                  self.group_of)
         started = {}
         try:
-            for g, items in split.batches.items():
-                started[g] = self.tables[g].start_at([h for _, h in items])
-            rids = {g: [] for g in started}             # group -> global ids, in its batch order
-            for i, (g, _) in enumerate(split.placed):
-                rids[g].append(first + i)
-            fills = {g: [(rid, s.requests[local]) for rid, local in zip(rids[g], s.rids)] for g, s in started.items()}
+            for g, share in split.shares.items():
+                mine = [rids[i] for i in share]
+                started[g] = self.tables[g].start_at(mine, [histories[r] for r in mine])
+            fills = {g: [(keys[r], s.requests[r]) for r in s.rids] for g, s in started.items()}
             self._on_every_process(_fill_here, self.id, self.cfg, seed, fills)
         except BaseException:
             for g, s in started.items():
@@ -373,15 +371,11 @@ class GraphEngine(Engine):
             raise
         for g, s in started.items():
             self.tables[g].commit(s)
-        ids = self.router.admit(split, {g: s.rids for g, s in started.items()})
-        self.filled.update(ids)
-        return ids
+        self.started += len(rids)
+        return list(rids)
 
     def release(self, rid: int):
-        grp, local = self.router.release(rid)
-        self.filled.discard(rid)
-        self.drafts.pop(rid, None)
-        self.tables[grp].release(local)
+        self.tables[self.group_of(rid)].release(rid)
 
     # ---- tools ------------------------------------------------------------------------------------------
     def observe(self, observer: StepObserver):

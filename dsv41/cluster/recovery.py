@@ -12,6 +12,7 @@ import time
 
 from dsv41.cluster import registry
 from dsv41.cluster.registry import StateLost
+from dsv41.engine.layout import Part
 from dsv41.engine.requests import RequestTable
 
 
@@ -24,7 +25,7 @@ def recover(engine, err: StateLost, failed_step_ms: float) -> dict:
     lost = lost_cards(engine) or list(err.cards)
     t.append(time.perf_counter())
     groups = sorted({engine.topo.dp_group(c) for c in lost})
-    drawn = sorted(r for r in engine.filled if engine.router.where[r][0] in groups)
+    drawn = sorted(r for g in groups for r, seq in engine.tables[g].requests.items() if seq.from_context)
     if drawn:
         raise RuntimeError(f"recovery: request(s) {drawn} started at a drawn context (start_at_context); "
                            f"replaying their history would compute caches, not redraw them") from err
@@ -55,48 +56,44 @@ def lost_cards(engine) -> list[int]:
 
 def replay(engine, groups: list[int]) -> tuple[int, int, int]:
     """Rebuild the caches of these DP groups from their requests' token histories, as prefill steps of
-    at most prefill_max_tokens rows per group (a longer history in chunks), into fresh host tables.
-    Returns the tokens replayed, the requests and the steps."""
+    at most prefill_max_tokens rows per group (a longer history in chunks), into fresh host tables
+    under the same request ids. Returns the tokens replayed, the requests and the steps."""
     limit = engine.cfg.prefill_max_tokens
     tables = engine.tables
     fresh = {g: RequestTable(engine.cfg, tables[g].max_batch, tables[g].max_context, tables[g].token_map,
-                             tables[g].cache_tokens, tables[g].blocks.cache is not None) for g in groups}
-    work = {g: [(local, req.tokens[i:i + limit]) for local, req in tables[g].requests.items()
+                             tables[g].cache_tokens, tables[g].blocks.cache is not None, g) for g in groups}
+    work = {g: [Part(rid, req.tokens[i:i + limit], start=i == 0) for rid, req in tables[g].requests.items()
                 for i in range(0, len(req.tokens), limit)] for g in groups}
-    renamed = {g: {} for g in groups}                 # old local id -> new local id
     tokens = steps = 0
     while any(work.values()):
         take = {g: pack(work[g], limit) for g in groups if work[g]}
-        plans = {g: fresh[g].plan([(renamed[g].get(local), chunk) for local, chunk in items], "prefill")
-                 for g, items in take.items()}
-        engine._execute(plans, "prefill")
-        for g, items in take.items():
+        plans = {g: fresh[g].plan(parts, "prefill") for g, parts in take.items()}
+        engine._execute({g: p.inputs for g, p in plans.items()}, "prefill")
+        for g, parts in take.items():
             fresh[g].commit(plans[g])
-            for (local, chunk), rid in zip(items, plans[g].rids):
-                renamed[g].setdefault(local, rid)
-                tokens += len(chunk)
+            tokens += sum(len(p.tokens) for p in parts)
         steps += 1
-    for g in groups:   # the replay drew nothing: each request keeps its settings, draw count and prompt
-        engine.router.renumber(g, renamed[g])
-        for local, old in tables[g].requests.items():
-            new = fresh[g].requests[renamed[g][local]]
-            new.sampling, new.seed, new.drawn, new.prompt_len = old.sampling, old.seed, old.drawn, old.prompt_len
+    for g in groups:   # the replay drew nothing: each request keeps its sampling state, grammar and drafts
+        for rid, old in tables[g].requests.items():
+            new = fresh[g].requests[rid]
+            new.settle(old)
+            new.matcher, new.drafted = old.matcher, old.drafted
         tables[g] = fresh[g]
-    return tokens, sum(len(r) for r in renamed.values()), steps
+    return tokens, sum(len(fresh[g].requests) for g in groups), steps
 
 
-def pack(work: list, limit: int) -> list:
-    """Take from the front of work the (request, chunk) items of one prefill step: at least one, up to
-    limit rows, at most one chunk per request and a request's chunks in order."""
+def pack(work: list[Part], limit: int) -> list[Part]:
+    """Take from the front of work the chunks of one prefill step: at least one, up to limit rows, at
+    most one chunk per request and a request's chunks in order."""
     items = [work.pop(0)]
-    rows, seen = len(items[0][1]), {items[0][0]}
+    rows, seen = len(items[0].tokens), {items[0].id}
     i = 0
     while i < len(work):
-        local, chunk = work[i]
-        if local not in seen and rows + len(chunk) <= limit:
+        part = work[i]
+        if part.id not in seen and rows + len(part.tokens) <= limit:
             items.append(work.pop(i))
-            rows += len(chunk)
+            rows += len(part.tokens)
         else:
             i += 1
-        seen.add(local)
+        seen.add(part.id)
     return items

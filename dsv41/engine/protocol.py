@@ -1,8 +1,8 @@
 """The engine protocol: what the command line, the server and the tests drive.
 
-An engine runs steps over a batch of ``(request id, new tokens)`` pairs (``None`` starts a request,
-with its ``SamplingParams``), optionally with drafts to verify after each request's new tokens,
-and answers each step with the tokens every request made, drawn where the logits are (the head)
+An engine runs a scheduled step (``run``: one ``engine.layout.Part`` per request: its id, new
+tokens, drafts to verify after them and, for a request the step starts, its ``SamplingParams``)
+and answers it with the tokens every request made, drawn where the logits are (the head)
 from the request's own generator: one per request, or in a verify step the accepted drafts and the
 model's own token after them. The logits themselves stay there; ``StepOutput.logits`` fetches
 them, for the step just run only.
@@ -15,21 +15,35 @@ from typing import Callable
 
 import torch
 
+from dsv41.engine.layout import Part, StepLayout
 from dsv41.engine.prefix_cache import Hit
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.request import new_id, requests_for
+from dsv41.engine.scheduler import Scheduler
 from dsv41.engine.sequence import Sequence
 from dsv41.ops.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    request_ids: list[int]
+    layout: StepLayout                          # the step's parts and rows, in batch order
     tokens: list[list[int]]                     # per request, in batch order, the tokens the step made
     fetch: Callable[[], torch.Tensor] = field(repr=False, compare=False)   # FP32 [R, vocab] every logit row
     logprobs: list | None = None                # per request, one (logprob, [(id, logprob)] top) per token; None: nobody asked
-    proposed: list[int] | None = None           # per request, the drafts the step verified (None: none)
-    first_rows: list[int] | None = field(default=None, repr=False)   # per request, its first logit row
     taps: list[dict] | None = field(default=None, repr=False)   # per request, {DSpark target layer: [rows, D]}
+
+    @property
+    def request_ids(self) -> list[int]:
+        return self.layout.ids
+
+    @property
+    def proposed(self) -> list[int] | None:
+        """Per request, the drafts the step verified (None: none)."""
+        return self.layout.proposed if self.layout.verifies else None
+
+    @property
+    def kept(self) -> list[int]:
+        """Per request, the rows the step kept (its new tokens and the drafts it accepted)."""
+        return self.layout.kept(self.tokens)
 
     @property
     def last(self) -> list[int]:
@@ -53,7 +67,7 @@ class StepOutput:
         return rows[[self._row(i, len(t) - 1) for i, t in enumerate(self.tokens)]]
 
     def _row(self, i: int, j: int) -> int:
-        return (i if self.first_rows is None else self.first_rows[i]) + j
+        return self.layout.first_rows[i] + j
 
 
 class StaleLogits(RuntimeError):
@@ -68,17 +82,22 @@ class Engine(ABC):
     taps: tuple = ()            # DSpark target layers whose taps each step hands back (the drafter sets them)
 
     @abstractmethod
+    def run(self, parts: list[Part], phase: str) -> StepOutput:
+        """Run one scheduled step; it publishes what it made or leaves every request and cache as
+        it was. A part's drafts are verified after its new tokens (the step keeps the accepted
+        prefix); with their distribution (FP64 [k, vocab]) a sampling request accepts them by the
+        speculative-sampling rule (``ops.verify``)."""
+
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str,
              sampling: list[SamplingParams | None] | None = None,
              drafts: list[list[int]] | None = None, draft_probs: list | None = None,
              cached: list[list[int] | None] | None = None) -> StepOutput:
-        """Run one step; it publishes what it made or leaves every request and cache as it was.
-        sampling: per pair, the settings of the request it starts (None: greedy). drafts: per pair,
-        tokens proposed after its new tokens (decode only); the step keeps the accepted prefix.
-        draft_probs: per pair, the distribution each draft was drawn from (FP64 [k, vocab]) or
-        None: a sampling request then accepts by the speculative-sampling rule (``ops.verify``).
-        cached: per pair, the prefix a starting request reuses from its group's prefix cache (its
-        tokens come first; ``cached_prefix`` finds it) or None."""
+        """``run`` over (request id, new tokens) pairs (id None starts a request under a new id) and
+        per pair: sampling, the settings of the request it starts (None: greedy); drafts, tokens
+        proposed after its new tokens (decode only); draft_probs, their distribution or None;
+        cached, the prefix a starting request reuses from its group's prefix cache (its tokens come
+        first; ``cached_prefix`` finds it) or None."""
+        return self.run(parts_of(batch, sampling, drafts, draft_probs, cached), phase)
 
     @property
     @abstractmethod
@@ -105,11 +124,14 @@ class Engine(ABC):
     def close(self):
         """Free what the engine holds (its cards' States, its cluster)."""
 
+    started = 0                 # requests this engine has started: the n-th one started at a context draws key n
+
     @abstractmethod
-    def start_at_context(self, count: int, context: int) -> list[int]:
-        """Start ``count`` requests that have read ``context`` tokens, without a step: host state and
+    def start_at_context(self, rids: list[int], context: int) -> list[int]:
+        """Start these requests as having read ``context`` tokens, without a step: host state and
         every cache replica as a prefill of that history would leave them, rows drawn from the seed
-        and each request's id (``engine.context``). Returns their ids; nothing runs on the model."""
+        and the request's place among the requests this engine started (``engine.context``).
+        Returns their ids; nothing runs on the model."""
 
     def prefill(self, prompts: list[list[int]], sampling=None, context: int = 0) -> StepOutput:
         """Start one request per prompt, at positions from ``context``; sampling: one SamplingParams
@@ -122,7 +144,7 @@ class Engine(ABC):
             return self.step([(None, list(p)) for p in prompts], "prefill", sampling)
         if any(s is not None and not s.greedy for s in sampling):
             raise ValueError("sampling: requests started at a drawn context (context > 0) are greedy only")
-        rids = self.start_at_context(len(prompts), context)
+        rids = self.start_at_context([new_id() for _ in prompts], context)
         try:
             return self.step([(r, list(p)) for r, p in zip(rids, prompts)], "prefill")
         except BaseException:
@@ -178,10 +200,9 @@ class Engine(ABC):
         return self.tables[group].blocks.fits(needs)
 
     def settle(self, rid: int, state: Sequence):
-        """Give a live request the sampling state ``state`` holds (settings, seed, draws made,
-        prompt length): after a chunk of its prompt or of its recompute, whose token is not kept."""
-        seq = self.sequence(rid)
-        seq.sampling, seq.seed, seq.drawn, seq.prompt_len = state.sampling, state.seed, state.drawn, state.prompt_len
+        """Give a live request the sampling state ``state`` holds: after a chunk of its prompt or of
+        its recompute, whose token is not kept (``Sequence.settle``)."""
+        self.sequence(rid).settle(state)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, sampling=None,
                  decode_text: Callable[[list[int]], str] | None = None, drafter=None) -> list[list[int]]:
@@ -190,9 +211,26 @@ class Engine(ABC):
         request ends at max_new_tokens (default: its params' max_tokens), at one of its stop token
         ids (not returned) or, with decode_text, at one of its stop strings; every request is
         released at the end, also when a step fails."""
-        jobs = jobs_for(prompts, sampling, max_new_tokens, decode_text)
-        Scheduler(self, drafter).run(jobs)
-        return [j.stops.tokens for j in jobs]
+        requests = requests_for(prompts, sampling, max_new_tokens, decode_text)
+        Scheduler(self, drafter).run(requests)
+        return [r.stops.tokens for r in requests]
+
+
+def parts_of(batch: list[tuple[int | None, list[int]]], sampling=None, drafts=None, draft_probs=None,
+             cached=None) -> list[Part]:
+    """A step's parts from (request id or None, new tokens) pairs and parallel per-pair lists."""
+    n = len(batch)
+    for name, given in (("sampling", sampling), ("drafts", drafts), ("draft_probs", draft_probs), ("cached", cached)):
+        if given is not None and len(given) != n:
+            raise ValueError(f"{name}: expected one entry per request ({n}), found {len(given)}")
+    parts = []
+    for i, (rid, toks) in enumerate(batch):
+        parts.append(Part(new_id() if rid is None else rid, list(toks),
+                          list((drafts[i] if drafts is not None else None) or []),
+                          draft_probs[i] if draft_probs is not None else None,
+                          sampling[i] if sampling is not None and rid is None else None, rid is None,
+                          cached[i] if cached is not None else None))
+    return parts
 
 
 class StepCounter:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.context import draw_history, fill_caches
+from dsv41.engine.layout import Part
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
 from dsv41.model.caches import empty_caches
@@ -46,7 +47,7 @@ class ReferenceEngine(Engine):
 
     @property
     def active(self) -> list[int]:
-        return list(self.table.requests)
+        return sorted(self.table.requests)
 
     @property
     def max_batch(self) -> int:
@@ -66,41 +67,43 @@ class ReferenceEngine(Engine):
     def sequence(self, rid: int):
         return self.table.requests[rid]
 
-    def step(self, batch: list[tuple[int | None, list[int]]], phase: str, sampling=None, drafts=None,
-             draft_probs=None, cached=None) -> StepOutput:
-        step = self.table.plan(batch, phase, sampling=sampling, drafts=drafts, draft_probs=draft_probs, cached=cached)
+    def run(self, parts: list[Part], phase: str) -> StepOutput:
+        planned = self.table.plan(parts, phase)
+        step = planned.inputs
         try:
             taps = {} if self.taps else None
             logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options, taps),
                                    None, LOGITS)
             made = Head.tokens(logits, step)     # made before anything commits, as on a card
         except NonFiniteError as e:
-            self._abort(step)
+            self._abort(planned)
             raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
         except BaseException:
-            self._abort(step)
+            self._abort(planned)
             raise
         self.caches.commit(keep_rows=made.keep_rows)
-        self.table.commit(step, [len(t) for t in made.tokens])
+        self.table.commit(planned, made.tokens)
+        self.started += len(planned.new)
         self.last_request_ids = step.rids
-        qsl = step.md.query_start_loc.tolist()
+        qsl = step.layout.starts
         per_request = None if taps is None else [{L: taps[L][a:b] for L in self.taps} for a, b in zip(qsl, qsl[1:])]
-        return StepOutput(step.rids, made.tokens, self._steps.guard(self._steps.next(), lambda: logits),
-                          made.logprobs, step.proposed if step.verifies else None, step.first_rows, per_request)
+        return StepOutput(step.layout, made.tokens, self._steps.guard(self._steps.next(), lambda: logits),
+                          made.logprobs, per_request)
 
     def _abort(self, step):
         self.caches.abort()
         self.table.abort(step)
 
-    def start_at_context(self, count: int, context: int) -> list[int]:
-        first = self.table.next_rid
-        started = self.table.start_at([draw_history(self.cfg, self.seed, first + i, context) for i in range(count)])
+    def start_at_context(self, rids: list[int], context: int) -> list[int]:
+        keys = range(self.started, self.started + len(rids))
+        started = self.table.start_at(rids, [draw_history(self.cfg, self.seed, k, context) for k in keys])
         try:
-            fill_caches(self.cfg, self.seed, [self.caches], [(r, started.requests[r]) for r in started.rids])
+            fill_caches(self.cfg, self.seed, [self.caches], [(k, started.requests[r]) for k, r in zip(keys, rids)])
         except BaseException:
             self.table.abort(started)
             raise
         self.table.commit(started)
+        self.started += len(rids)
         return started.rids
 
     def release(self, rid: int):

@@ -1,5 +1,7 @@
-"""One request's host state: its token history (append-only), how far its caches reach, its pages
-and its sampling state (with structured output, its grammar's matcher, ``engine.grammar``)."""
+"""The cache side of a request while it holds blocks: its token history (append-only), how far its
+caches reach, its pages, its DP group, its sampling state (with structured output, its grammar's
+matcher, ``engine.grammar``) and the DSpark block its last step drafted. It lives in its DP group's
+request table under the request's own id (``engine.request``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,10 +24,12 @@ class Sequence:
     drawn: int = 0                          # draws made so far (temperature > 0 tokens draw once each)
     prompt_len: int = 0                     # tokens of the first step (the rest were generated)
     matcher: object = None                  # its grammar's state (made from sampling.grammar)
+    group: int = 0                          # the DP group whose table and caches hold it
     # started at a drawn context: no history to recompute from, nothing to cache (not host state a
     # prefill of the same history would differ in)
     from_context: bool = field(default=False, compare=False)
     hashes: list = field(default_factory=list, compare=False)  # chain hashes of its completed prefix-cache spans
+    drafted: tuple | None = field(default=None, compare=False)  # DSpark's block of its last step: (tokens, confidences, probs)
 
     def __post_init__(self):
         if self.matcher is None and self.sampling.grammar is not None:
@@ -34,7 +38,12 @@ class Sequence:
     def __getstate__(self):
         """A step's new sequences travel with it to the cards, which read no grammar: the matcher
         stays on the host (as ``SamplingParams.grammar`` does)."""
-        return {**self.__dict__, "matcher": None}
+        return {**self.__dict__, "matcher": None, "drafted": None}
+
+    def settle(self, state: Sequence):
+        """Take the sampling state ``state`` holds (settings, seed, draws made, prompt length): after
+        a chunk of a prompt or a recompute, or a replay, whose tokens draw nothing."""
+        self.sampling, self.seed, self.drawn, self.prompt_len = state.sampling, state.seed, state.drawn, state.prompt_len
 
     def row_draws(self, fed: list[int], drawing: int) -> list[RowDraw]:
         """The draws of a step that feeds ``fed`` and makes a token at its last ``drawing`` rows:

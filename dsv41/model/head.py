@@ -39,8 +39,8 @@ class Head:
         ids, logprobs = sample_rows(logits, step.draws)
         decided = None
         if step.draft_probs is not None:
-            decided, logprobs = sampled_rule(logits, step.draws, step.fed, step.proposed, step.draft_probs, logprobs)
-        return accept(ids, logprobs, step.fed, step.proposed, step.md.num_tokens, decided)
+            decided, logprobs = sampled_rule(logits, step.draws, step.layout, logprobs)
+        return accept(ids, logprobs, step.layout, decided)
 
 
 def vocab_logits(weights, key: str, rows) -> torch.Tensor:

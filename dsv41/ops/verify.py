@@ -24,28 +24,25 @@ class Accepted:
     last_rows: torch.Tensor             # i64 [B] index into the logit rows of each request's last token
 
 
-def accept(ids: torch.Tensor, logprobs: list | None, fed: list[list[int]], proposed: list[int],
-           num_tokens: int, decided: list | None = None) -> Accepted:
-    """ids: the token of every logit row (each request's k + 1 rows, in batch order); fed: the rows
-    each request fed, its k drafts last; decided: per request, the tokens the speculative-sampling
-    rule already made (``sampled_rule``), or None where drafts are accepted while they equal ids."""
+def accept(ids: torch.Tensor, logprobs: list | None, layout, decided: list | None = None) -> Accepted:
+    """ids: the token of every logit row (each request's k + 1 rows, in batch order); layout: the
+    step's ``engine.layout.StepLayout`` (each request's rows, its k drafts last); decided: per
+    request, the tokens the speculative-sampling rule already made (``sampled_rule``), or None where
+    drafts are accepted while they equal ids."""
     ids = ids.tolist()
-    tokens, lps, keep, last = [], [], [], []
-    at = 0
-    for i, (f, k) in enumerate(zip(fed, proposed)):
-        made = ids[at:at + k + 1]
+    tokens, lps, last = [], [], []
+    for i, drafts in enumerate(layout.drafts):
+        span = layout.logit_span(i)
+        made = ids[span.start:span.stop]
         n = 1
-        while n <= k and made[n - 1] == f[len(f) - k + n - 1]:
+        while n <= len(drafts) and made[n - 1] == drafts[n - 1]:
             n += 1
         if decided is not None and decided[i] is not None:
             made, n = decided[i], len(decided[i])
         tokens.append(made[:n])
-        lps.append(None if logprobs is None else logprobs[at:at + n])
-        keep += [True] * (len(f) - k + n - 1) + [False] * (k - n + 1)
-        last.append(at + n - 1)
-        at += k + 1
-    if len(keep) != num_tokens:
-        raise ValueError(f"fed: {len(keep)} rows, the step has {num_tokens}")
+        lps.append(None if logprobs is None else logprobs[span.start:span.start + n])
+        last.append(span.start + n - 1)
+    keep = [j < n for r, n in zip(layout.rows, layout.kept(tokens)) for j in range(r)]
     return Accepted(tokens, None if logprobs is None else lps,
                     None if all(keep) else torch.tensor(keep, dtype=torch.bool), torch.tensor(last, dtype=torch.long))
 
@@ -83,22 +80,20 @@ def _target(row: torch.Tensor, draw) -> torch.Tensor:
     return filtered_probs(processed(row, p, draw.output_ids, draw.prompt_ids, draw.generated, draw.allowed), p)
 
 
-def sampled_rule(logits: torch.Tensor, draws: list | None, fed: list[list[int]], proposed: list[int],
-                 draft_probs: list, logprobs: list | None):
-    """Per request with drafts, their distribution (draft_probs[i]: FP64 [k, V]) and temperature
+def sampled_rule(logits: torch.Tensor, draws: list | None, layout, logprobs: list | None):
+    """Per request with drafts, their distribution (``layout.probs[i]``: FP64 [k, V]) and temperature
     > 0: the tokens ``speculative_tokens`` makes from its rows' filtered target probabilities, each
     row with its own draw (the request's generator at that position); None elsewhere. Returns
     (decided, logprobs) with each decided token's raw-row logprob entry where one was asked."""
-    decided, at = [], 0
+    decided = []
     lps = None if logprobs is None else list(logprobs)
-    for f, k, q in zip(fed, proposed, draft_probs):
-        rows = list(range(at, at + k + 1))
-        at += k + 1
-        if q is None or not k or draws is None or draws[rows[0]].params.greedy:
+    for i, (drafts, q) in enumerate(zip(layout.drafts, layout.probs)):
+        rows = list(layout.logit_span(i))
+        if q is None or not drafts or draws is None or draws[rows[0]].params.greedy:
             decided.append(None)
             continue
         target = torch.stack([_target(logits[r], draws[r]) for r in rows])
-        toks = speculative_tokens(target, q.to(torch.float64), f[len(f) - k:],
+        toks = speculative_tokens(target, q.to(torch.float64), drafts,
                                   lambda j: RequestGenerator(draws[rows[j]].seed, draws[rows[j]].draw).next())
         decided.append(toks)
         if lps is not None and draws[rows[0]].params.logprob:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.cluster.plan import make_plan
+from dsv41.engine.layout import StepLayout
 from dsv41.engine.requests import StepInputs
 from dsv41.graph.build import SHARDED, build, step_outputs
 from dsv41.kernels.cost import nbytes
@@ -62,9 +63,8 @@ def step_inputs(cfg, requests: int, rows: int, context: int, phase: str) -> Step
     md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states)
     t = requests * rows
     hashes = {layer: torch.zeros(t, cfg.engram_ids_per_token, dtype=torch.int64) for layer in cfg.engram_layer_ids}
-    fed = [[0] * rows for _ in range(requests)]
-    return StepInputs(list(range(requests)), torch.zeros(t, dtype=torch.int64), md, hashes, phase, fed,
-                      [0] * requests, md.logit_row_indices)
+    layout = StepLayout(list(range(requests)), [rows] * requests, [[] for _ in range(requests)], [None] * requests)
+    return StepInputs(layout, torch.zeros(t, dtype=torch.int64), md, hashes, phase, md.logit_row_indices)
 
 
 def check(cfg, requests: int, context: int, phase: str):

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from dsv41.engine.scheduler import Job as ScheduledJob
+from dsv41.engine.request import Request
 from dsv41.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Event:
 
 
 @dataclass(eq=False)
-class Job(ScheduledJob):
+class Job(Request):
     """A request's generation, its events sent to the queue its handler reads (on the server's
     event loop)."""
     loop: asyncio.AbstractEventLoop | None = None
