@@ -29,7 +29,9 @@ import torch
 
 def engine(ckpt, topo, executor: str, batch: int, context: int):
     from dsv41.cluster.engine import GraphEngine
-    return GraphEngine(ckpt.cfg, topo, executor=executor, max_batch=batch, max_context=context, checkpoint=ckpt)
+    from dsv41.cluster.settings import EngineConfig
+    return GraphEngine(ckpt.cfg, topo, EngineConfig(executor=executor, max_batch=batch, max_context=context),
+                       checkpoint=ckpt)
 
 
 def streamed(client, fn):

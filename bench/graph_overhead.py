@@ -26,6 +26,7 @@ import time
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.cluster.plan import make_plan
 from dsv41.config import FLASH, PRESETS, Topology
 from dsv41.graph.build import build, head_key
@@ -122,7 +123,8 @@ def main():
     out["reference_ms"] = ref_ms
     one = Topology(1, 1, 1)
     for ex in ("sync", "threads"):
-        ms, stats = decode_ms(GraphEngine(cfg, one, executor=ex, max_batch=a.batch, max_context=ctx), prompts, a.steps)
+        ms, stats = decode_ms(GraphEngine(cfg, one, EngineConfig(executor=ex, max_batch=a.batch, max_context=ctx)),
+                              prompts, a.steps)
         out[f"graph_{ex}_tp1_ms"] = ms
         out[f"graph_{ex}_tp1_over_reference"] = ms / ref_ms
 
@@ -132,7 +134,8 @@ def main():
     for ex in executors:
         per = {}
         for gran in ("submission", "node"):
-            eng = GraphEngine(cfg, topo, executor=ex, granularity=gran, max_batch=a.batch, max_context=ctx)
+            eng = GraphEngine(cfg, topo, EngineConfig(executor=ex, granularity=gran, max_batch=a.batch,
+                                                      max_context=ctx))
             try:
                 per[gran] = decode_ms(eng, prompts, a.steps if gran == "submission" or ex != "distributed" else 1)
             finally:

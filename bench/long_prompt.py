@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.request import Request, requests_for
@@ -43,8 +44,8 @@ def make_engine(a, cfg, batch: int, context: int):
     context = min(context, cfg.max_position_embeddings)
     if a.executor == "reference":
         return ReferenceEngine(cfg, seed=0, max_batch=batch, max_context=context)
-    return GraphEngine(cfg, Topology(a.tp, a.dp, a.tp * a.dp), seed=0, executor=a.executor, max_batch=batch,
-                       max_context=context)
+    return GraphEngine(cfg, Topology(a.tp, a.dp, a.tp * a.dp), EngineConfig(seed=0, executor=a.executor,
+                                                                            max_batch=batch, max_context=context))
 
 
 def prompt(cfg, n: int, salt: int) -> list[int]:

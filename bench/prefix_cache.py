@@ -23,14 +23,16 @@ import time
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Job, Scheduler, jobs_for
+from dsv41.engine.request import Request, requests_for
+from dsv41.engine.scheduler import Scheduler
 from dsv41.serving.metrics import Metrics
 
 
-class Timed(Job):
-    """A job that notes when its first token came out."""
+class Timed(Request):
+    """A request that notes when its first token came out."""
     first_at = None
 
     def emit(self, kind: str, **fields):
@@ -42,8 +44,8 @@ def make_engine(a, cfg, batch: int, context: int, caching: bool):
     context = min(context, cfg.max_position_embeddings)
     if a.executor == "reference":
         return ReferenceEngine(cfg, seed=0, max_batch=batch, max_context=context, prefix_caching=caching)
-    return GraphEngine(cfg, Topology(a.tp, a.dp, a.tp * a.dp), seed=0, executor=a.executor, max_batch=batch,
-                       max_context=context, prefix_caching=caching)
+    settings = EngineConfig(seed=0, executor=a.executor, max_batch=batch, max_context=context, prefix_caching=caching)
+    return GraphEngine(cfg, Topology(a.tp, a.dp, a.tp * a.dp), settings)
 
 
 def tokens(cfg, n: int, salt: int) -> list[int]:
@@ -70,7 +72,7 @@ def chat(a, cfg, caching: bool) -> tuple[dict, list]:
     try:
         for turn in range(a.turns):
             conversation += tokens(cfg, a.user_tokens, turn + 1)
-            (job,) = jobs_for([list(conversation)], None, a.answer_tokens, None, cls=Timed)
+            (job,) = requests_for([list(conversation)], None, a.answer_tokens, None, cls=Timed)
             starts.append(time.perf_counter())
             Scheduler(engine, budget=a.budget).run([job])
             conversation += job.made
@@ -88,7 +90,7 @@ def system(a, cfg, caching: bool) -> tuple[dict, list]:
     prompts = [head + tokens(cfg, a.suffix_tokens, 100 + i) for i in range(a.requests)]
     engine = make_engine(a, cfg, min(a.batch, a.requests), a.system_tokens + a.suffix_tokens + a.answer_tokens + 1,
                          caching)
-    jobs = jobs_for(prompts, None, a.answer_tokens, None, cls=Timed)
+    jobs = requests_for(prompts, None, a.answer_tokens, None, cls=Timed)
     try:
         start = time.perf_counter()
         Scheduler(engine, budget=a.budget).run(jobs)

@@ -21,6 +21,7 @@ import torch
 
 from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
 
 
@@ -32,8 +33,8 @@ def main():
     p.add_argument("--prompt-len", type=int, default=16)
     a = p.parse_args()
     cfg = PRESETS[a.config]
-    engine = GraphEngine(cfg, Topology(2, 1, 2), seed=0, executor=a.executor, max_batch=a.batch,
-                         max_context=a.prompt_len + 4)
+    engine = GraphEngine(cfg, Topology(2, 1, 2), EngineConfig(seed=0, executor=a.executor, max_batch=a.batch,
+                                                              max_context=a.prompt_len + 4))
     try:
         g = torch.Generator().manual_seed(1)
         logits = engine.prefill(torch.randint(0, cfg.vocab_size, (a.batch, a.prompt_len), generator=g).tolist()).logits

@@ -35,6 +35,7 @@ import time
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
 from dsv41.engine.drafters import OracleDrafter
 from dsv41.engine.dspark import dspark_drafter
@@ -153,8 +154,8 @@ def main():
     if args.executor == "reference":
         engine = ReferenceEngine(cfg, seed=0, max_batch=args.batch, max_context=ctx, checkpoint=ckpt)
     else:
-        engine = GraphEngine(cfg, Topology(args.tp, args.dp, args.tp * args.dp), seed=0, executor=args.executor,
-                             max_batch=args.batch, max_context=ctx, checkpoint=ckpt)
+        settings = EngineConfig(seed=0, executor=args.executor, max_batch=args.batch, max_context=ctx)
+        engine = GraphEngine(cfg, Topology(args.tp, args.dp, args.tp * args.dp), settings, checkpoint=ckpt)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     out = {"config": cfg.name, "layers": len(cfg.layers), "experts": cfg.n_routed_experts, "hidden": cfg.hidden_size,

@@ -23,6 +23,7 @@ import time
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
 from dsv41.engine.reference import ReferenceEngine
 
@@ -65,8 +66,8 @@ def main():
     for name in args.layouts.split(","):
         (tp, dp), executor = LAYOUTS[name]
         prof = cProfile.Profile() if args.profile and name == "tp2dp2ep4_sync" else None
-        engine = GraphEngine(cfg, Topology(tp, dp, tp * dp), executor=executor, max_batch=args.batch,
-                             max_context=context)
+        engine = GraphEngine(cfg, Topology(tp, dp, tp * dp), EngineConfig(executor=executor, max_batch=args.batch,
+                                                                          max_context=context))
         ms, tokens = step_cpu_ms(engine, prompts, args.steps, prof)
         engine.close()
         out[name] = {"step_ms": round(ms, 1), "over_reference": round(ms / ref_ms, 3),

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.cluster.registry import Hooks
 from dsv41.config import PRESETS, Topology
 from dsv41.plan.roofline import profile
@@ -49,8 +50,8 @@ def main():
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = _discarding_receiver() + "/v1/traces"
     cfg, topo = PRESETS[a.config], Topology(a.tp, a.dp, a.tp * a.dp)
     prompt = 8
-    engine = GraphEngine(cfg, topo, seed=0, executor=a.executor, max_batch=2 * a.dp,
-                         max_context=prompt + 2 * a.steps + 2)
+    engine = GraphEngine(cfg, topo, EngineConfig(seed=0, executor=a.executor, max_batch=2 * a.dp,
+                                                 max_context=prompt + 2 * a.steps + 2))
     logits = engine.prefill(torch.randint(0, cfg.vocab_size, (2 * a.dp, prompt)).tolist()).logits
     rids = list(engine.last_request_ids)
     ms = {"off": [], "on": [], "encode": []}

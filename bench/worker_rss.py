@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
 
 
@@ -44,8 +45,8 @@ def main():
     args = p.parse_args()
     cfg = PRESETS[args.config]
     topo = Topology(args.tp, args.dp, args.tp * args.dp).check(cfg)
-    engine = GraphEngine(cfg, topo, executor="distributed", max_batch=args.batch,
-                         max_context=args.prompt_len + 2)
+    engine = GraphEngine(cfg, topo, EngineConfig(executor="distributed", max_batch=args.batch,
+                                                 max_context=args.prompt_len + 2))
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()

@@ -7,6 +7,7 @@ context (a request's tokens do not depend on what it is batched with, tests/test
 import pytest
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import TINY, Topology
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.request import requests_for
@@ -40,8 +41,8 @@ def test_requests_past_the_cache_budget_all_finish_with_their_tokens():
     want = requests_for(PROMPTS, None, NEW, None)
     Scheduler(roomy).run(want)
     budget = 2 * 100                                  # tokens in all: 100 per DP group, 16 requests reach ~30 each
-    engine = GraphEngine(TINY, Topology(1, 2, 2), seed=0, executor="threads", max_batch=16, max_context=CTX,
-                         cache_tokens=budget // 2)
+    engine = GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=16,
+                                                               max_context=CTX, cache_tokens=budget // 2))
     try:
         jobs = requests_for(PROMPTS, None, NEW, None)
         sched = Watched(engine, budget=24)

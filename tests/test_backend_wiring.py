@@ -5,6 +5,7 @@ import torch
 
 import dsv41.kernels.pypto.backend as pypto_backend
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.cluster import registry
 from dsv41.config import TINY, Topology
 from dsv41.kernels.device_time import node_sim_us
@@ -32,8 +33,8 @@ def _tokens(engine):
 
 def test_pypto_sim_keeps_values_and_reports_device_time(fake_cost_model):
     topo = Topology(2, 1, 2)
-    plain = _tokens(GraphEngine(TINY, topo, executor="sync", max_batch=2, max_context=16))
-    engine = GraphEngine(TINY, topo, executor="sync", max_batch=2, max_context=16, backend="pypto-sim")
+    plain = _tokens(GraphEngine(TINY, topo, EngineConfig(executor="sync", max_batch=2, max_context=16)))
+    engine = GraphEngine(TINY, topo, EngineConfig(executor="sync", max_batch=2, max_context=16, backend="pypto-sim"))
     trace = TraceSession(engine)
     try:
         assert _tokens(engine) == plain
@@ -53,7 +54,7 @@ def test_pypto_sim_keeps_values_and_reports_device_time(fake_cost_model):
 
 
 def test_nodes_without_pypto_form_get_none(fake_cost_model):
-    engine = GraphEngine(TINY, Topology(1, 1, 1), executor="sync", max_batch=1, max_context=8)
+    engine = GraphEngine(TINY, Topology(1, 1, 1), EngineConfig(executor="sync", max_batch=1, max_context=8))
     engine.prefill([[1, 2, 3]])
     node = engine.last_graph.nodes["L0/attn/mixes@c0"]
     assert node_sim_us(engine.states()[0], node, [torch.zeros(3, 4, TINY.hidden_size)]) is None
@@ -61,4 +62,4 @@ def test_nodes_without_pypto_form_get_none(fake_cost_model):
 
 def test_pypto_npu_fails_clearly_without_an_npu():
     with pytest.raises(RuntimeError, match="pypto-npu needs an Ascend NPU and torch_npu"):
-        GraphEngine(TINY, Topology(1, 1, 1), executor="sync", backend="pypto-npu")
+        GraphEngine(TINY, Topology(1, 1, 1), EngineConfig(executor="sync", backend="pypto-npu"))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import TINY, Topology
 from dsv41.kernels import check
 from dsv41.cli.replay import replay
@@ -31,7 +32,7 @@ def test_check_torch_backend_every_node_exact(capsys, tmp_path, monkeypatch):
 
 def test_perturbed_kernel_is_the_first_failure_and_replays(tmp_path):
     target = "L5/ffn/norm@c0"
-    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=2, max_context=32)
+    engine = GraphEngine(TINY, Topology(1, 1, 1), EngineConfig(seed=0, executor="sync", max_batch=2, max_context=32))
     checker = check.NodeCheck("torch", trace_dir=tmp_path)
     original = KINDS["norm.rms"]
 
@@ -59,7 +60,7 @@ def test_perturbed_kernel_is_the_first_failure_and_replays(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_replay_command_exit_status(tmp_path):
-    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=1, max_context=16)
+    engine = GraphEngine(TINY, Topology(1, 1, 1), EngineConfig(seed=0, executor="sync", max_batch=1, max_context=16))
     checker = check.NodeCheck("torch", trace_dir=tmp_path)
     key = "L0/attn/norm@c0"
     original = KINDS["norm.rms"]
@@ -97,7 +98,7 @@ def test_pypto_values_for_the_first_nodes_of_each_kernel_and_shape(monkeypatch, 
         calls.append((node.kernel, check.shape_key(*request[:3])))
         return KINDS[node.kernel].run(st, node, *args)
     monkeypatch.setattr(check, "pypto_value", fake_pypto)
-    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="sync", max_batch=2, max_context=32)
+    engine = GraphEngine(TINY, Topology(2, 1, 2), EngineConfig(seed=0, executor="sync", max_batch=2, max_context=32))
     checker = check.NodeCheck("pypto-sim", pypto_per_shape=per_shape, trace_dir=tmp_path)
     engine.check_nodes(checker)
     try:

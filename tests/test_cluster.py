@@ -7,6 +7,7 @@ import torch
 
 from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import TINY, Topology
 from dsv41.engine.reference import ReferenceEngine
@@ -52,8 +53,8 @@ GRID = [pytest.param(tp, dp, wiring, executor, id=f"{tp}-{dp}-{wiring}-{executor
 
 @pytest.mark.parametrize("tp,dp,wiring,executor", GRID)
 def test_graph_matches_reference(reference, tp, dp, wiring, executor):
-    engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), seed=0, executor=executor, wiring=wiring,
-                         max_batch=2, max_context=64)
+    engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), EngineConfig(seed=0, executor=executor, wiring=wiring,
+                                                                       max_batch=2, max_context=64))
     tokens, logits = _run(engine, _prompts())
     ref_tokens, ref_logits = reference
     assert tokens == ref_tokens
@@ -63,8 +64,8 @@ def test_graph_matches_reference(reference, tp, dp, wiring, executor):
 def test_node_and_submission_granularity_bit_identical():
     runs = {}
     for gran in ("submission", "node"):
-        engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="threads", granularity=gran,
-                             wiring="sharded", max_batch=2, max_context=64)
+        engine = GraphEngine(TINY, Topology(2, 1, 2), EngineConfig(seed=0, executor="threads", granularity=gran,
+                                                                   wiring="sharded", max_batch=2, max_context=64))
         tokens, logits = _run(engine, _prompts(), steps=2)
         runs[gran] = (tokens, logits, engine.last_stats)
     (t1, l1, s1), (t2, l2, s2) = runs["submission"], runs["node"]
@@ -74,8 +75,8 @@ def test_node_and_submission_granularity_bit_identical():
 
 @pytest.mark.timeout(300)
 def test_distributed_matches_reference(reference):
-    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="distributed", wiring="sharded",
-                         max_batch=2, max_context=64)
+    engine = GraphEngine(TINY, Topology(2, 1, 2), EngineConfig(seed=0, executor="distributed", wiring="sharded",
+                                                               max_batch=2, max_context=64))
     try:
         tokens, logits = _run(engine, _prompts(), steps=2)
     finally:
@@ -97,8 +98,8 @@ def _same(a, b):
 
 @pytest.mark.parametrize("where", ["random", "cache.commit@c1"])
 def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
-    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="threads", wiring="sharded",
-                         max_batch=2, max_context=64)
+    engine = GraphEngine(TINY, Topology(2, 1, 2), EngineConfig(seed=0, executor="threads", wiring="sharded",
+                                                               max_batch=2, max_context=64))
     prompts = _prompts()
     logits = engine.prefill(prompts).logits
     rids = list(engine.last_request_ids)
@@ -122,7 +123,7 @@ def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
 
 
 def test_inputs_validated_before_any_node_runs():
-    engine = GraphEngine(TINY, Topology(2, 1, 2), seed=0, executor="sync", max_batch=2, max_context=64)
+    engine = GraphEngine(TINY, Topology(2, 1, 2), EngineConfig(seed=0, executor="sync", max_batch=2, max_context=64))
     before = _snapshot(engine)
     with pytest.raises(ValueError, match="token_ids"):
         engine.prefill([[TINY.vocab_size]])

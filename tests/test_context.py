@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import TINY, Topology
 from dsv41.engine.layout import Part
 from dsv41.engine.reference import ReferenceEngine
@@ -45,8 +46,8 @@ def reference_logits():
 
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 2)])
 def test_graph_equals_reference_at_a_drawn_context(reference_logits, tp, dp):
-    engine = GraphEngine(CFG, Topology(tp, dp, tp * dp), seed=0, executor="sync", max_batch=3,
-                         max_context=CONTEXT + 16)
+    engine = GraphEngine(CFG, Topology(tp, dp, tp * dp), EngineConfig(seed=0, executor="sync", max_batch=3,
+                                                                      max_context=CONTEXT + 16))
     try:
         got = _run(engine)
     finally:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.dspark import DSparkDrafter
 from dsv41.engine.reference import ReferenceEngine
@@ -77,7 +78,7 @@ def check_graph_drafts(cfg, topo: Topology, prompts, sampling, ctx: int):
     plain = requests_for(prompts, sampling, 6, None)
     Scheduler(ReferenceEngine(cfg, seed=0, max_batch=4, max_context=ctx)).run(plain)
     golden = Golden(cfg, ctx)
-    engine = GraphEngine(cfg, topo, seed=0, executor="sync", max_batch=4, max_context=ctx)
+    engine = GraphEngine(cfg, topo, EngineConfig(seed=0, executor="sync", max_batch=4, max_context=ctx))
     try:
         engine.dspark = True
         out = engine.prefill(prompts, sampling)
@@ -117,7 +118,7 @@ def test_a_request_recomputed_after_preemption_drafts_again():
     history = PROMPTS[1] + [7, 300, 41]
     golden = Golden()
     golden.step("prefill", golden.engine.prefill([history]), [None])
-    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=2, max_context=CTX)
+    engine = GraphEngine(TINY, Topology(1, 1, 1), EngineConfig(seed=0, executor="sync", max_batch=2, max_context=CTX))
     try:
         engine.dspark = True
         rid = engine.prefill([PROMPTS[1]]).request_ids[0]

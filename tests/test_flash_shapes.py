@@ -19,6 +19,7 @@ import torch
 from dsv41.checkpoint.headers import without_dspark
 from dsv41.checkpoint.writer import write_checkpoint
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import FLASH, Topology
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.plan.sizing import weights_by_kind
@@ -61,7 +62,7 @@ def test_flash_width_decodes_at_16k_context_equal_to_the_reference_on_tp1_and_tp
 
     want = steps(ReferenceEngine(cfg, max_batch=2, max_context=context + 4, checkpoint=source))
     for topo, executor in ((Topology(1, 1, 1), "sync"), (Topology(4, 2, 8), "threads")):
-        got = steps(GraphEngine(cfg, topo, executor=executor, max_batch=2, max_context=context + 4,
+        got = steps(GraphEngine(cfg, topo, EngineConfig(executor=executor, max_batch=2, max_context=context + 4),
                                 checkpoint=source))
         assert all(torch.equal(g, w) for g, w in zip(got, want)), (topo, executor)
 

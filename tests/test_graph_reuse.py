@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import TINY, Topology
 
 
@@ -31,8 +32,9 @@ def _session(engine):
 @pytest.mark.timeout(300)
 def test_reused_graphs_give_the_bits_of_rebuilt_ones():
     topo = Topology(1, 2, 2)
-    cached = GraphEngine(TINY, topo, seed=0, executor="threads", max_batch=4, max_context=16)
-    rebuilt = GraphEngine(TINY, topo, seed=0, executor="threads", max_batch=4, max_context=16, graph_cache=0)
+    cached = GraphEngine(TINY, topo, EngineConfig(seed=0, executor="threads", max_batch=4, max_context=16))
+    rebuilt = GraphEngine(TINY, topo, EngineConfig(seed=0, executor="threads", max_batch=4, max_context=16,
+                                                   graph_cache=0))
     a, reused = _session(cached)
     b, never = _session(rebuilt)
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b) == 6

@@ -6,6 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import TINY, Topology
 from dsv41.engine.reference import ReferenceEngine
 
@@ -46,8 +47,10 @@ def _check(reference, case):
     g = torch.Generator().manual_seed(case["seed"])
     prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in case["lengths"]]
     tp, dp = case["layout"]
-    engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), seed=0, executor=case["executor"], wiring=case["wiring"],
-                         max_batch=MAX_BATCH * dp, max_context=MAX_CONTEXT)
+    engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), EngineConfig(seed=0, executor=case["executor"],
+                                                                       wiring=case["wiring"],
+                                                                       max_batch=MAX_BATCH * dp,
+                                                                       max_context=MAX_CONTEXT))
     got = _run(engine, prompts, case["steps"])
     want = _run(reference, prompts, case["steps"])
     for step, (a, r) in enumerate(zip(got, want)):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.blocks import BlockManager, PoolExhausted, Reservation
 from dsv41.engine.drafters import NgramDrafter, OracleDrafter
@@ -325,8 +326,8 @@ def dp2_prompts():
 
 @pytest.mark.timeout(1200)
 def test_dp2_each_group_reuses_the_prefix_it_computed(oracle):
-    engine = GraphEngine(TINY, Topology(1, 2, 2), seed=0, executor="threads", max_batch=8, max_context=CTX,
-                         prefix_caching=True)
+    engine = GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=8,
+                                                               max_context=CTX, prefix_caching=True))
     try:
         first, _ = run(engine, [BASE, BASE + [1]])
         placed = []
@@ -355,8 +356,8 @@ LAYOUTS = [("threads", Topology(4, 1, 4), "sharded"), ("threads", Topology(4, 1,
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("executor,topo,wiring", LAYOUTS, ids=lambda v: str(v))
 def test_every_layout_cached_prefix_equals_the_whole_prompt(executor, topo, wiring, oracle):
-    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=8, max_context=CTX,
-                         prefix_caching=True)
+    engine = GraphEngine(TINY, topo, EngineConfig(seed=0, executor=executor, wiring=wiring, max_batch=8,
+                                                  max_context=CTX, prefix_caching=True))
     try:
         for mode in MODES:
             check_cached(engine, oracle, mode)
@@ -468,8 +469,8 @@ def test_a_lost_card_replays_a_request_that_shared_cached_pages(oracle):
     """A card loses its State while a request decodes over shared pages: the recovery replays the
     request's whole history into fresh tables (a fresh cache) and its answer is unchanged."""
     from dsv41.cluster import registry
-    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="threads", max_batch=8, max_context=CTX,
-                         prefix_caching=True)
+    engine = GraphEngine(TINY, Topology(1, 1, 1), EngineConfig(seed=0, executor="threads", max_batch=8,
+                                                               max_context=CTX, prefix_caching=True))
 
     class Losing(Scheduler):
         lost = False

@@ -20,6 +20,7 @@ import torch
 from dsv41.cli import run
 from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import TINY, Topology
 from dsv41.engine.reference import ReferenceEngine
@@ -42,7 +43,7 @@ def reference_tokens(seed: int, steps: int) -> list[list[int]]:
 
 
 def engine_for(topo, seed=0, executor="threads", **kw):
-    return GraphEngine(TINY, topo, seed=seed, executor=executor, max_batch=2, max_context=CTX, **kw)
+    return GraphEngine(TINY, topo, EngineConfig(seed=seed, executor=executor, max_batch=2, max_context=CTX, **kw))
 
 
 def next_tokens(engine, logits=None, prompts=PROMPTS):
@@ -109,10 +110,12 @@ def test_three_engines_interleaved_give_their_solo_tokens():
 def test_lost_card_state_in_process_is_rebuilt_by_replay(caplog):
     engine = engine_for(Topology(1, 2, 2), seed=0, executor="threads")
     logits, _ = next_tokens(engine)
+    ids = engine.active
     registry.find(engine.id).states.pop(1)          # card 1 (DP group 1) lost its State
     with caplog.at_level("WARNING", logger="dsv41.cluster.engine"):
         logits, t1 = next_tokens(engine, logits)
     assert t1 == reference_tokens(0, 2)[1]
+    assert engine.active == engine.last_request_ids == ids      # replayed under the ids they had
     rec = engine.last_stats["recovered"][0]
     assert (rec["lost_cards"], rec["rebuilt_cards"], rec["replayed_requests"]) == ([1], [1], 1)
     assert "recovered card(s) [1]" in caplog.text

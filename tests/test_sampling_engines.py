@@ -7,6 +7,7 @@ import torch
 
 from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import TINY, Topology
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.ops.stopping import Stops
@@ -73,7 +74,8 @@ def test_reference_draws_are_the_golden_sample_of_its_logits(reference):
 @pytest.mark.parametrize("tp,dp,executor", [(1, 1, "threads"), (2, 2, "sync"), (2, 1, "threads"),
                                              pytest.param(2, 1, "distributed", marks=pytest.mark.timeout(300))])
 def test_graph_draws_equal_the_reference(reference, tp, dp, executor):
-    engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), seed=0, executor=executor, max_batch=2, max_context=CTX)
+    engine = GraphEngine(TINY, Topology(tp, dp, tp * dp), EngineConfig(seed=0, executor=executor, max_batch=2,
+                                                                       max_context=CTX))
     try:
         tokens, _, logprobs = drive(engine)
     finally:
@@ -85,7 +87,8 @@ def test_graph_draws_equal_the_reference(reference, tp, dp, executor):
 def test_recovery_replay_keeps_the_draw_index(reference):
     """A lost card's group is replayed as prefills of its histories; those replays draw nothing,
     so the next draw is the one an undisturbed run makes."""
-    engine = GraphEngine(TINY, Topology(1, 2, 2), seed=0, executor="threads", max_batch=2, max_context=CTX)
+    engine = GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=2,
+                                                               max_context=CTX))
 
     def lose(i):
         if i in (1, 2):
@@ -154,7 +157,8 @@ def test_logit_bias_and_min_tokens_draw_alike_on_every_layout():
             engine.close()
 
     ref = run(ReferenceEngine(TINY, seed=0, max_batch=2, max_context=CTX))
-    graph = run(GraphEngine(TINY, Topology(2, 2, 4), seed=0, executor="sync", max_batch=2, max_context=CTX))
+    graph = run(GraphEngine(TINY, Topology(2, 2, 4), EngineConfig(seed=0, executor="sync", max_batch=2,
+                                                                  max_context=CTX)))
     assert [t for t, _ in graph] == [t for t, _ in ref]
     gens = [RequestGenerator(p.seed) for p in params]
     for n, (tokens, logits) in enumerate(ref):

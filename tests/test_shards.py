@@ -8,6 +8,7 @@ import torch
 
 from dsv41.checkpoint.reader import open_checkpoint
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.checkpoint.shards import DrawnCheckpoint, RowLookup, card_index, read_card, read_cards
 from dsv41.config import SMALL, TINY, Topology
 from dsv41.ops.embed import embed_rows, embed_shard, shard_rows
@@ -72,7 +73,7 @@ def test_resident_bytes_small(topo):
 
 def test_engine_reports_measured_card_bytes(drawn):
     topo = Topology(2, 2, 4)
-    engine = GraphEngine(TINY, topo, executor="sync", max_batch=2, max_context=24, checkpoint=drawn)
+    engine = GraphEngine(TINY, topo, EngineConfig(executor="sync", max_batch=2, max_context=24), checkpoint=drawn)
     try:
         cards = engine.cards
         assert [c["card"] for c in cards] == list(topo.cards)

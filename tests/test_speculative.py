@@ -12,6 +12,7 @@ import torch
 
 from dsv41.cluster import registry
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.cluster.runtime import NodeError
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.drafters import Drafter, NgramDrafter, OracleDrafter
@@ -126,7 +127,8 @@ LAYOUTS = [("sync", Topology(1, 1, 1), "sharded"), ("threads", Topology(2, 2, 4)
 
 @contextmanager
 def graph_engine(executor="threads", topo=Topology(2, 2, 4), wiring="sharded", max_context=CTX):
-    engine = GraphEngine(TINY, topo, seed=0, executor=executor, wiring=wiring, max_batch=4, max_context=max_context)
+    engine = GraphEngine(TINY, topo, EngineConfig(seed=0, executor=executor, wiring=wiring, max_batch=4,
+                                                  max_context=max_context))
     try:
         yield engine
     finally:
@@ -180,8 +182,8 @@ def test_speculative_equals_plain_at_flash_width_and_16k_context():
         finally:
             engine.close()
     for make in (lambda: ReferenceEngine(cfg, seed=0, max_batch=2, max_context=context + 16),
-                 lambda: GraphEngine(cfg, Topology(4, 2, 8), seed=0, executor="threads", max_batch=2,
-                                     max_context=context + 16)):
+                 lambda: GraphEngine(cfg, Topology(4, 2, 8), EngineConfig(seed=0, executor="threads", max_batch=2,
+                                                                          max_context=context + 16))):
         plain = run(make)
         policy = Policy(plain[0], PREFIXES, prompts)
         assert_same(plain, run(make, OracleDrafter(policy)))
@@ -332,7 +334,8 @@ def test_a_request_the_pools_can_never_hold_fails_clearly():
 
 @pytest.mark.timeout(600)
 def test_verify_steps_recover_a_lost_card_and_abort_an_injected_failure():
-    engine = GraphEngine(TINY, Topology(1, 2, 2), seed=0, executor="threads", max_batch=4, max_context=CTX)
+    engine = GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=4,
+                                                               max_context=CTX))
     try:
         plain = generate(engine)
         policy = Policy(plain[0], PREFIXES)

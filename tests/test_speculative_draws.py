@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import TINY, Topology
 from dsv41.engine.drafters import Drafter, OracleDrafter
 from dsv41.engine.layout import StepLayout
@@ -121,7 +122,7 @@ def check_min_tokens_boundary(engine, sampling):
 
 @pytest.fixture(scope="module")
 def graph():
-    engine = GraphEngine(TINY, Topology(1, 1, 1), seed=0, executor="sync", max_batch=4, max_context=CTX)
+    engine = GraphEngine(TINY, Topology(1, 1, 1), EngineConfig(seed=0, executor="sync", max_batch=4, max_context=CTX))
     yield engine
     engine.close()
 

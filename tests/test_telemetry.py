@@ -14,6 +14,7 @@ from dask.utils import key_split
 
 from dsv41.cli import run
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.cluster import registry
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.graph.build import REPLICATED, SHARDED
@@ -57,7 +58,7 @@ def to_meta(v):
 
 @pytest.fixture(scope="module")
 def engine():
-    e = GraphEngine(TINY, TOPO, seed=0, executor="sync", max_batch=2, max_context=24)
+    e = GraphEngine(TINY, TOPO, EngineConfig(seed=0, executor="sync", max_batch=2, max_context=24))
     e.dspark = True      # every node kind runs: DSpark's seed, draft and head nodes too
     logits = e.prefill([[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]]).logits
     e.tokens = torch.argmax(logits, -1).tolist()
@@ -66,11 +67,12 @@ def engine():
 
 
 def decode(e, wiring=SHARDED):
-    e.wiring = wiring   # the wiring is a per-step build choice; both read and write the same caches
+    settings = e.settings   # the wiring is a per-step build choice; both read and write the same caches
+    e.settings = dataclasses.replace(settings, wiring=wiring)
     try:
         e.tokens = torch.argmax(e.decode(e.tokens, e.active).logits, -1).tolist()
     finally:
-        e.wiring = SHARDED
+        e.settings = settings
 
 
 class Capturing(NodeTracer):
@@ -466,7 +468,8 @@ def test_distributed_trace_dashboard_and_report(tmp_path, monkeypatch):
     from distributed import get_task_stream
     from dsv41.cli import trace as cli
     monkeypatch.chdir(tmp_path)
-    e = GraphEngine(TINY, TOPO, seed=0, executor="distributed", dashboard=True, max_batch=1, max_context=12)
+    e = GraphEngine(TINY, TOPO, EngineConfig(seed=0, executor="distributed", dashboard=True, max_batch=1,
+                                             max_context=12))
     try:
         tracing = cli.start(SimpleNamespace(trace="dist", report=True, device_profile="a5"), e)
         with get_task_stream(e.runner.client) as ts:

@@ -251,11 +251,13 @@ def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
         return ReferenceEngine(cfg, seed=args.seed, max_batch=args.batch, max_context=context, checkpoint=checkpoint,
                                cache_tokens=rules.cache_tokens(args), prefix_caching=args.enable_prefix_caching)
     from dsv41.cluster.engine import GraphEngine
+    from dsv41.cluster.settings import EngineConfig
     startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
-    return GraphEngine(cfg, topo, seed=args.seed, executor=args.executor, granularity=args.granularity,
-                       wiring=args.wiring, max_batch=args.batch, address=args.address, dashboard=args.dashboard,
-                       max_context=context, backend=args.backend, checkpoint=checkpoint, startup=startup,
-                       cache_tokens=rules.cache_tokens(args), prefix_caching=args.enable_prefix_caching)
+    settings = EngineConfig(seed=args.seed, executor=args.executor, granularity=args.granularity, wiring=args.wiring,
+                            max_batch=args.batch, max_context=context, cache_tokens=rules.cache_tokens(args),
+                            prefix_caching=args.enable_prefix_caching, backend=args.backend, address=args.address,
+                            dashboard=args.dashboard, startup=startup)
+    return GraphEngine(cfg, topo, settings, checkpoint=checkpoint)
 
 
 def _refuse(problem, args) -> int:
@@ -333,7 +335,7 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
     n = args.new_tokens if args.graph == "decode" else 0
     codec = args.codec
     jobs = requests_for(prompts, params, max(n, 1), codec.decode if codec is not None else None,
-                    codec.eos_id if codec is not None else None, cls=ShownJob)
+                        codec.eos_id if codec is not None else None, cls=ShownJob)
     for j, job in enumerate(jobs):
         job.say, job.index = (progress.say if codec is not None and n else None), j
         job.eos = codec.eos_id if codec is not None else None

@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from dsv41.cluster import registry
-from dsv41.cluster.connect import Startup, quiet_abandoned_start
+from dsv41.cluster.connect import quiet_abandoned_start
 from dsv41.cluster.executors import CardUnavailable, DistributedRunner, run_local
 from dsv41.cluster.observers import StepObserver
 from dsv41.cluster.plan import Plan, make_plan
@@ -34,6 +34,7 @@ from dsv41.cluster.recovery import recover
 from dsv41.cluster.registry import StateLost
 from dsv41.cluster.routing import Router
 from dsv41.cluster.runtime import NodeError
+from dsv41.cluster.settings import EngineConfig
 from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
@@ -41,59 +42,38 @@ from dsv41.engine.context import draw_history, fill_caches
 from dsv41.engine.layout import Part, StepLayout
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
 from dsv41.engine.requests import RequestTable
-from dsv41.graph.build import SHARDED, build, commit_key, dspark_key, feed, head_key, shape, step_outputs
-from dsv41.kernels.device_time import BACKENDS, node_sim_us
+from dsv41.graph.build import build, commit_key, dspark_key, feed, head_key, shape, step_outputs
+from dsv41.kernels.device_time import node_sim_us
 from dsv41.model.finite import NonFiniteError
-from dsv41.model.options import FULL_PREFILL, Options
-from dsv41.names import GRAPH_EXECUTORS, LOCAL_EXECUTORS
+from dsv41.names import LOCAL_EXECUTORS
 from dsv41.weights import site_tensors
 
-RECOVERY_TIMEOUT_S = 60.0    # how long a step waits for a worker to serve a lost card
 MAX_RECOVERIES = 2           # per step; a third loss in one step is raised
-GRAPH_CACHE = 16             # planned graphs kept, one per step shape (0: rebuild every step)
 log = logging.getLogger(__name__)
 
 
 class GraphEngine(Engine):
-    def __init__(self, cfg: ModelConfig, topo: Topology, seed: int = 0, executor: str = "threads",
-                 granularity: str = "submission", wiring: str = SHARDED, max_batch: int | None = None,
-                 max_context: int | None = None, address: str | None = None, dashboard: bool = False,
-                 options: Options = Options(), backend: str = "torch", checkpoint=None,
-                 recovery_timeout: float = RECOVERY_TIMEOUT_S, graph_cache: int = GRAPH_CACHE,
-                 startup: Startup = Startup(), cache_tokens: int | None = None, prefix_caching: bool = False):
-        """checkpoint: an opened checkpoint holding cfg (weights and Engram token map), the source each
-        card reads its own slices from; None draws random weights from seed. Under distributed it
-        travels to the workers, which open its files themselves. startup: how long to wait for the
-        cluster and whom to tell as its workers join (``connect.Startup``). cache_tokens: what each DP
-        group's compressed pools hold (default: every request at max_context; ``RequestTable``).
-        prefix_caching: each DP group keeps the pages of prompt prefixes it computed for later
-        requests placed there (``engine.prefix_cache``)."""
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
-        if backend == "pypto-npu":
+    def __init__(self, cfg: ModelConfig, topo: Topology, settings: EngineConfig = EngineConfig(), checkpoint=None):
+        """settings: how it runs (``cluster.settings``); checkpoint: an opened checkpoint holding cfg
+        (weights and Engram token map), the source each card reads its own slices from; None draws
+        random weights from the settings' seed. Under distributed it travels to the workers, which
+        open its files themselves."""
+        if settings.backend == "pypto-npu":
             from dsv41.kernels.pypto.backend import check_npu
             check_npu()
-        if executor not in GRAPH_EXECUTORS:
-            raise ValueError(f"executor: must be one of {GRAPH_EXECUTORS}, got {executor!r}")
-        if granularity not in ("submission", "node"):
-            raise ValueError(f"granularity: must be 'submission' or 'node', got {granularity!r}")
         topo.check(cfg)
-        if options.prefill_mode != FULL_PREFILL:
-            raise ValueError(f"options.prefill_mode: the graph runs the full prefill only ({FULL_PREFILL!r}); "
-                             f"{options.prefill_mode!r} is the reference engine's")
         if checkpoint is not None and checkpoint.cfg != cfg:
             raise ValueError(f"checkpoint: holds config {checkpoint.cfg.name!r}, not {cfg.name!r}")
-        self.cfg, self.topo, self.executor, self.granularity, self.wiring = cfg, topo, executor, granularity, wiring
-        self.backend = backend
-        self.recovery_timeout = recovery_timeout
-        self.graph_cache = graph_cache
+        self.cfg, self.topo, self.settings = cfg, topo, settings
+        seed, options, cache_tokens, prefix_caching = settings.seed, settings.options, settings.cache_tokens, \
+            settings.prefix_caching
         self._graphs: OrderedDict = OrderedDict()   # step shape -> planned graph, least recent first
-        max_batch = max_batch or cfg.max_batch_per_dp * topo.dp
+        max_batch = settings.max_batch or cfg.max_batch_per_dp * topo.dp
         per_group = math.ceil(max_batch / topo.dp)
         if per_group > cfg.max_batch_per_dp:
             raise ValueError(f"max_batch: {max_batch} over dp={topo.dp} exceeds {cfg.max_batch_per_dp} requests "
                              f"per DP group (capacity contract)")
-        max_context = max_context or min(cfg.max_position_embeddings, 1024)
+        max_context = settings.max_context or min(cfg.max_position_embeddings, 1024)
         token_map = None if checkpoint is None else checkpoint.token_map
         self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens, prefix_caching, g)
                        for g in range(topo.dp)]
@@ -112,8 +92,8 @@ class GraphEngine(Engine):
         self.id = uuid.uuid4().hex[:8]
         self.builds: dict[int, str] = {}      # card -> build id of the State this engine expects
         self._state_args = (seed, per_group, max_context, options, checkpoint, cache_tokens)
-        if executor not in LOCAL_EXECUTORS:
-            self.runner = DistributedRunner(topo.ep, address, dashboard, startup)
+        if settings.executor not in LOCAL_EXECUTORS:
+            self.runner = DistributedRunner(topo.ep, settings.address, settings.dashboard, settings.startup)
         self._finalizer = weakref.finalize(self, _free_everywhere, self.id, self.runner)
         self._finalizer.atexit = False       # a process that exits frees its own States
         try:
@@ -156,7 +136,7 @@ class GraphEngine(Engine):
         seed, per_group, max_context, options, source, cache_tokens = self._state_args
         build_id = uuid.uuid4().hex[:8]
         args = (self.cfg, self.topo, seed, per_group, max_context, options, source, self.id, build_id,
-                self.generation, self.backend, cache_tokens)
+                self.generation, self.settings.backend, cache_tokens)
         if self.runner is None:
             _install_here(*args, cards=cards)
         else:
@@ -234,7 +214,7 @@ class GraphEngine(Engine):
                            "host_ms": self._host_ms, "graph_reused": self._reused}
         if recovered:
             self.last_stats["recovered"] = recovered
-        if self.backend != "torch":
+        if self.settings.backend != "torch":
             self.last_stats.update(self._device_summary())
         self._heads = {g: self.topo.group_cards(g)[0] for g in steps}
         tokens = split.gather({g: h.tokens for g, h in heads.items()})
@@ -274,7 +254,7 @@ class GraphEngine(Engine):
         t0 = time.perf_counter()
         plan, reused = self._plan(steps, phase)
         self._host_ms, self._reused = (time.perf_counter() - t0) * 1e3, reused
-        if self.backend != "torch":
+        if self.settings.backend != "torch":
             self._on_every_process(_clear_sim_log, self.id)
         try:
             with ExitStack() as observed:
@@ -290,18 +270,19 @@ class GraphEngine(Engine):
     def _plan(self, steps: dict, phase: str) -> tuple[Plan, bool]:
         """This step's plan: the built, validated and planned graph of its shape (cached), fed this
         step's inputs, with submissions stamped with this engine, step and expected States."""
-        key = (phase, self.wiring, self.granularity, self.dspark, shape(self.cfg, steps))
+        wiring, granularity = self.settings.wiring, self.settings.granularity
+        key = (phase, wiring, granularity, self.dspark, shape(self.cfg, steps))
         template = self._graphs.get(key)
         reused = template is not None
         if reused:
             self._graphs.move_to_end(key)
             feed(template.graph, self.topo, steps)
         else:
-            graph = build(self.cfg, self.topo, steps, self.wiring, phase, self.dspark)
-            template = make_plan(graph, self.topo, self.granularity, step_outputs(self.topo, steps, self.dspark))
-            if self.graph_cache:
+            graph = build(self.cfg, self.topo, steps, wiring, phase, self.dspark)
+            template = make_plan(graph, self.topo, granularity, step_outputs(self.topo, steps, self.dspark))
+            if self.settings.graph_cache:
                 self._graphs[key] = template
-                while len(self._graphs) > self.graph_cache:
+                while len(self._graphs) > self.settings.graph_cache:
                     self._graphs.popitem(last=False)
         for key in [commit_key(c) for c in self.topo.cards] + [head_key(g) for g in steps] + \
                 ([dspark_key(g) for g in steps] if self.dspark else []):
@@ -312,7 +293,7 @@ class GraphEngine(Engine):
 
     def _run(self, plan):
         if self.runner is None:
-            return run_local(plan, self.executor)
+            return run_local(plan, self.settings.executor)
         return self.runner.run(plan)
 
     def _on_every_process(self, fn, *args):

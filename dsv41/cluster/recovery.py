@@ -48,7 +48,7 @@ def lost_cards(engine) -> list[int]:
     if runner is None:
         found = registry.probe(engine.id)
         return [c for c, e in expect.items() if found.get(c) != e]
-    runner.wait_for_cards(list(engine.topo.cards), engine.recovery_timeout)
+    runner.wait_for_cards(list(engine.topo.cards), engine.settings.recovery_timeout)
     found = runner.run_on_cards(registry.probe, engine.id, on_error="return")
     return [c for c, e in expect.items()
             if not isinstance(got := found.get(runner.address_of[c]), dict) or got.get(c) != e]

@@ -80,7 +80,7 @@ class DSparkDrafter(Drafter):
         self.engine, self.cfg, self.k, self.confidence = engine, cfg, _options(cfg, k, confidence), confidence
         self.model = DSpark(cfg, weights)
         self.tables = {PLAIN: precompute_rope_tables(cfg, engine.max_context + block + 1, PLAIN)}
-        self.windows: dict[int, DSparkWindow] = {}          # job id -> its window
+        self.windows: dict[int, DSparkWindow] = {}          # request id -> its window
         engine.taps = tuple(sorted(set(cfg.dspark_target_layer_ids)))
 
     # ---- seeding ----------------------------------------------------------------------------------

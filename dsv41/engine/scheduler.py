@@ -149,7 +149,7 @@ class Scheduler:
         if ingesting:                              # nothing decodes, and no chunk fits: make room
             self._make_room(ingesting[-1], self._group(ingesting[-1]))
             return None
-        if self.waiting and not self.running:      # nothing runs, and the first waiting req does not fit
+        if self.waiting and not self.running:      # nothing runs, and the first waiting request does not fit
             self._fail(self.waiting.popleft(), "the cache pools cannot hold this request", PoolExhausted)
         return None
 
@@ -278,7 +278,7 @@ class Scheduler:
         return replace(req.saved.sampling, seed=req.saved.seed)
 
     def _drafts(self, requests: list[Request]) -> tuple[list[list[int]] | None, list | None]:
-        """Each req's drafts (capped by its token limit, the context and the step's rows) and,
+        """Each request's drafts (capped by its token limit, the context and the step's rows) and,
         from a drafter that gives them, their distributions."""
         if self.drafter is None:
             return None, None
@@ -322,8 +322,8 @@ class Scheduler:
             return Turn("decode", ms, requests, dict(self.engine.last_stats), out)
 
     def _make_room(self, fallback: Request, group: int) -> Request | None:
-        """Preempt the newest running req of a DP group short of blocks; alone there (or started at
-        a drawn context, which has no tokens to recompute from), it fails instead. Returns the req
+        """Preempt the newest running request of a DP group short of blocks; alone there (or started at
+        a drawn context, which has no tokens to recompute from), it fails instead. Returns the request
         that left."""
         in_group = [j for j in self.running.values() if self._group(j) == group]
         victim = in_group[-1] if in_group else fallback
@@ -348,7 +348,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _deliver(self, rows: list[tuple[int, Request]], out):
-        """rows: (index of the req in the step's output, req)."""
+        """rows: (index of the request in the step's output, request)."""
         self.last_out = out
         for i, req in rows:
             lps = out.logprobs[i] if out.logprobs is not None else None

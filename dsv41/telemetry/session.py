@@ -36,7 +36,7 @@ class TraceSession(StepObserver):
 
     def __init__(self, engine, device: str = DEFAULT_PROFILE, keep: bool = True):
         self.engine, self.device, self.keep = engine, profile(device), keep
-        self.resource = resource_attributes(engine.cfg, engine.topo, engine.executor, device)
+        self.resource = resource_attributes(engine.cfg, engine.topo, engine.settings.executor, device)
         self.recorder = SpanRecorder(self.resource, keep)
         self.records: list[dict] = []
         if engine.runner is None:
