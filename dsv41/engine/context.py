@@ -7,7 +7,8 @@ compressed and index rows per KV source of ratio r, and the ratio-2 compressor r
 ``state_capacity`` rows. The values are drawn, not computed: standard normal FP32 rows (the scale
 of the RMS-normalised rows a prefill publishes), encoded in each cache's ``ops.kv_cache`` format.
 
-Everything drawn is a function of (seed, request id, cache name, N) only, never of where a row is
+Everything drawn is a function of (seed, key, cache name, N) only (key: the request's place among the
+requests its engine started, the same on every engine given the same calls), never of where a row is
 stored, so engines that place requests differently (the reference's one table, a graph's DP groups
 and their TP replicas) hold the same state and their logits compare bit for bit.
 """
@@ -32,7 +33,8 @@ def _generator(seed: int, rid: int, what: str) -> torch.Generator:
 
 
 def draw_history(cfg: ModelConfig, seed: int, rid: int, n: int) -> list[int]:
-    """The N token ids request ``rid`` is taken to have read (Engram hashes the next tokens' n-grams over them)."""
+    """The N token ids the request drawn under key ``rid`` is taken to have read (Engram hashes the next
+    tokens' n-grams over them)."""
     return torch.randint(0, cfg.vocab_size, (n,), generator=_generator(seed, rid, "tokens")).tolist()
 
 
@@ -45,7 +47,7 @@ def _rows(gen: torch.Generator, count: int, width: int):
 def fill_caches(cfg: ModelConfig, seed: int, targets: list[StagedTensors], requests: list[tuple[int, Sequence]]):
     """Write each request's drawn rows into every target (replicas of one DP group's caches).
 
-    requests: (request id the values are drawn for, its Sequence as ``start_at`` left it). Writes go
+    requests: (key the values are drawn for, the request's Sequence as ``start_at`` left it). Writes go
     to the committed tensors in place, between steps: staging would clone whole pools (GBs at 1M
     context) for rows no step has to undo.
     """
