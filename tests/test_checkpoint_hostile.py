@@ -226,7 +226,7 @@ def test_non_finite_step_commits_nothing(nan_layer):
             engine.prefill([prompt])
         assert (e.value.step, e.value.phase, e.value.layer, e.value.site) == (1, "prefill", 3, "attn")
         assert e.value.tensors == tuple(site_tensors(ck.cfg, 3, "attn"))
-        assert engine.active == [] and engine.started == 0
+        assert engine.active == [] and engine.starts == 0
 
 
 def test_site_tensors_are_the_checkpoint_names_that_feed_the_site(tiny_checkpoint):

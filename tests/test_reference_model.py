@@ -40,7 +40,7 @@ def _pools(model):
 def _snapshot(model):
     caches = {k: tuple(t.clone() for t in v) for k, v in model.caches.committed.items()}
     t = model.table
-    return caches, copy.deepcopy(t.requests), copy.deepcopy(t.pools), model.started, list(model.last_request_ids)
+    return caches, copy.deepcopy(t.requests), copy.deepcopy(t.pools), model.starts, list(model.last_request_ids)
 
 
 def _assert_unchanged(model, snap):
@@ -53,7 +53,7 @@ def _assert_unchanged(model, snap):
             assert a.dtype == b.dtype and a.shape == b.shape
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
     t = model.table
-    assert t.requests == requests and t.pools == pools and model.started == started
+    assert t.requests == requests and t.pools == pools and model.starts == started
     assert model.last_request_ids == last
 
 

@@ -32,10 +32,9 @@ class Counting(ReferenceEngine):
         super().__init__(TINY, seed=0, max_batch=8, max_context=256, **kw)
         self.started: list[tuple[list[int], list[int]]] = []
 
-    def step(self, batch, phase, sampling=None, drafts=None, draft_probs=None, cached=None):
-        out = super().step(batch, phase, sampling, drafts, draft_probs, cached)
-        self.started += [((cached[i] or []) if cached else [], list(tokens))
-                         for i, (rid, tokens) in enumerate(batch) if rid is None]
+    def run(self, parts, phase):
+        out = super().run(parts, phase)
+        self.started += [(p.cached or [], list(p.tokens)) for p in parts if p.start]
         return out
 
     def prompt_rows(self) -> list[int]:

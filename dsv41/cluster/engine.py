@@ -204,7 +204,7 @@ class GraphEngine(Engine):
         heads = {g: values[head_key(g)] for g in steps}
         for g, s in steps.items():
             self.tables[g].commit(s, heads[g].tokens)
-            self.started += len(s.new)
+            self.starts += len(s.new)
         layout = StepLayout.of(parts)
         self.last_request_ids = layout.ids
         self.last_graph = graph
@@ -335,7 +335,7 @@ class GraphEngine(Engine):
             raise RuntimeError(f"engine {self.id} is closed")
         self._check_new(rids)
         seed = self._state_args[0]
-        keys = dict(zip(rids, range(self.started, self.started + len(rids))))
+        keys = dict(zip(rids, range(self.starts, self.starts + len(rids))))
         histories = {rid: draw_history(self.cfg, seed, k, context) for rid, k in keys.items()}
         split = self.router.split([Part(rid, [], start=True) for rid in rids], [len(t.requests) for t in self.tables],
                                   self.group_of)
@@ -352,7 +352,7 @@ class GraphEngine(Engine):
             raise
         for g, s in started.items():
             self.tables[g].commit(s)
-        self.started += len(rids)
+        self.starts += len(rids)
         return list(rids)
 
     def release(self, rid: int):

@@ -124,7 +124,7 @@ class Engine(ABC):
     def close(self):
         """Free what the engine holds (its cards' States, its cluster)."""
 
-    started = 0                 # requests this engine has started: the n-th one started at a context draws key n
+    starts = 0                  # requests this engine has started: the n-th one started at a context draws key n
 
     @abstractmethod
     def start_at_context(self, rids: list[int], context: int) -> list[int]:

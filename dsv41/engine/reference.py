@@ -83,7 +83,7 @@ class ReferenceEngine(Engine):
             raise
         self.caches.commit(keep_rows=made.keep_rows)
         self.table.commit(planned, made.tokens)
-        self.started += len(planned.new)
+        self.starts += len(planned.new)
         self.last_request_ids = step.rids
         qsl = step.layout.starts
         per_request = None if taps is None else [{L: taps[L][a:b] for L in self.taps} for a, b in zip(qsl, qsl[1:])]
@@ -95,7 +95,7 @@ class ReferenceEngine(Engine):
         self.table.abort(step)
 
     def start_at_context(self, rids: list[int], context: int) -> list[int]:
-        keys = range(self.started, self.started + len(rids))
+        keys = range(self.starts, self.starts + len(rids))
         started = self.table.start_at(rids, [draw_history(self.cfg, self.seed, k, context) for k in keys])
         try:
             fill_caches(self.cfg, self.seed, [self.caches], [(k, started.requests[r]) for k, r in zip(keys, rids)])
@@ -103,7 +103,7 @@ class ReferenceEngine(Engine):
             self.table.abort(started)
             raise
         self.table.commit(started)
-        self.started += len(rids)
+        self.starts += len(rids)
         return started.rids
 
     def release(self, rid: int):

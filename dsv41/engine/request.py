@@ -29,6 +29,7 @@ class Request:
     _: KW_ONLY
     id: int = field(default_factory=new_id)
     made: list[int] = field(default_factory=list)      # every token made for it, a stop token included
+    running: bool = False         # it holds blocks in the engine (admitted, not preempted or ended)
     last: int | None = None       # its newest token, fed at its next decode step
     feed: list[int] = field(default_factory=list)   # tokens still to feed before it decodes (prompt chunks)
     prefix: list[int] = field(default_factory=list)  # the cached prefix its first step reuses (prefix caching)

@@ -240,6 +240,7 @@ class Scheduler:
         for req in new:
             self.waiting.remove(req)
             self.running[req.id] = req
+            req.running = True
             if not req.preemptions:                # a request's own prompt, not its recompute
                 req.cached = len(req.prefix)
                 self.prefix_queries += len(req.prompt)
@@ -342,7 +343,7 @@ class Scheduler:
                              prompt_len=seq.prompt_len)
         del self.running[req.id]
         self.engine.release(req.id)
-        req.feed = []
+        req.feed, req.running = [], False
         req.preemptions += 1
         self.victims.append((req, group))
         self.waiting.appendleft(req)
@@ -375,7 +376,7 @@ class Scheduler:
         if req.id in self.running:
             del self.running[req.id]
             self.engine.release(req.id)
-        req.finished, req.last, req.feed = True, None, []
+        req.finished, req.last, req.feed, req.running = True, None, [], False
 
     def _finish(self, req: Request, reason: str):
         self._leave(req)

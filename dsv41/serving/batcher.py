@@ -67,7 +67,7 @@ class Job(Request):
     @property
     def prefilled(self) -> bool:
         """Its prompt was fed whole (its spans are cached), or it ended: its samples may go."""
-        return self.finished or self.cancelled or self.ended or (self.rid is not None and not self.feed)
+        return self.finished or self.cancelled or self.ended or (self.running and not self.feed)
 
     @property
     def generated(self) -> int:
