@@ -12,18 +12,26 @@ summarised (p50, p99, max; each stream's gaps from the arrival up to its first t
 prompt's first token), with interleaving (each step gives every stream its row and the prompt's
 chunk fills the rest of the budget, vLLM v1's policy) and without it (the prompt's chunks run alone;
 the streams wait); the engine's batch slots per DP group are raised to hold the streams and the
-prompt (TINY has 8). One torch thread; wall time (run it on a quiet machine). Prints one JSON object.
+prompt (TINY has 8). One torch thread; wall time (run it on a quiet machine). Prints one JSON object,
+with the process's peak RSS.
+
+FLASH width (``docs/benchmarks.md``): ``--config flash --layers 4 --experts 8 --engram-rows 4099
+--lengths 4096 16384 --parts 1`` (FLASH's full Engram tables are 94 GiB; ``--budgets`` below the
+4,096-row capacity keeps a step's activations to a few GiB). The model is the backbone alone: the
+bench never drafts, and DSpark's stages are a GiB at FLASH width.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 from dataclasses import replace
 
 import torch
 
+from dsv41.checkpoint.headers import without_dspark
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
@@ -137,13 +145,14 @@ def main():
     p.add_argument("--parts", default="12")
     a = p.parse_args()
     torch.set_num_threads(1)
-    cfg = PRESETS[a.config].reduced(a.layers, a.experts, a.engram_rows)
+    cfg = without_dspark(PRESETS[a.config].reduced(a.layers, a.experts, a.engram_rows))
     a.budgets = a.budgets or [cfg.prefill_max_tokens]
     out = {"config": cfg.name, "executor": a.executor, "tp": a.tp, "dp": a.dp}
     if "1" in a.parts:
         out["ttft"] = ttft(a, cfg)
     if "2" in a.parts:
         out["arrival"] = arrival(a, cfg)
+    out["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
     print(json.dumps(out, indent=1))
 
 
