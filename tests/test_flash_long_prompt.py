@@ -26,9 +26,11 @@ import torch
 
 from dsv41.checkpoint.headers import without_dspark
 from dsv41.cluster.engine import GraphEngine
+from dsv41.cluster.settings import EngineConfig
 from dsv41.config import FLASH, Topology
 from dsv41.engine.reference import ReferenceEngine
-from dsv41.engine.scheduler import Scheduler, jobs_for
+from dsv41.engine.request import requests_for
+from dsv41.engine.scheduler import Scheduler
 from test_chunked_prefill import Recorder
 from test_flash_shapes import _HeldDraw
 
@@ -58,7 +60,7 @@ def real_prompt(tokens: int) -> list[int]:
 
 
 def generate(engine, prompt, budget):
-    (job,) = jobs_for([prompt], None, NEW, None)
+    (job,) = requests_for([prompt], None, NEW, None)
     rec = Recorder(engine)
     try:
         Scheduler(engine, budget=budget, keep_logits=True).run([job])
@@ -80,7 +82,8 @@ def test_flash_width_real_8k_prompt_chunked_on_the_graph_equals_the_reference():
         want = generate(ref, prompt, 512)
     finally:
         ref.close()
-    graph = GraphEngine(cfg, Topology(1, 1, 1), executor="sync", max_batch=1, max_context=context, checkpoint=source)
+    graph = GraphEngine(cfg, Topology(1, 1, 1), EngineConfig(executor="sync", max_batch=1, max_context=context),
+                        checkpoint=source)
     try:
         got = generate(graph, prompt, 511)
     finally:
