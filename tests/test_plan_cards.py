@@ -44,6 +44,21 @@ def test_one_token_reads_the_active_weights_once():
     assert read == pytest.approx(expected, rel=1e-12)
 
 
+def test_fp4_expert_formats_differ_only_in_their_scales():
+    """MXFP4 stores a value in half a byte plus one E8M0 scale byte per 32 values (0.53125 bytes);
+    NVFP4 one E4M3 scale byte per 16 (0.5625 bytes). The rest stays the release's FP8 in both, so an
+    EP8 card at batch 1 reads the same non-expert bytes and its experts' bytes in that ratio."""
+    assert cs.PRECISION["fp4_experts"]["expert"] == 0.5 + 1 / 32
+    assert cs.PRECISION["nvfp4_experts"]["expert"] == 0.5 + 1 / 16
+    s = cs.Shape(V3, 8, 1, 8, 1, 1, 1536, "all_reduce")
+    experts = next(k for k in cs.layer_kernels(s, 10) if k.what == "experts")
+    mx, nv = (experts.weight_bytes(cs.PRECISION[p]) for p in ("fp4_experts", "nvfp4_experts"))
+    assert nv / mx == pytest.approx(0.5625 / 0.53125, rel=1e-12)
+    attn = [k for k in cs.layer_kernels(s, 10) if "expert" not in k.weights]
+    assert [k.weight_bytes(cs.PRECISION["fp4_experts"]) for k in attn] == \
+        [k.weight_bytes(cs.PRECISION["nvfp4_experts"]) for k in attn]
+
+
 def test_tensor_parallel_experts_split_each_expert():
     """SGLang at TP8 with --ep-size 1: each card holds an eighth of every expert, no all-to-all, and
     the MoE output is one all-reduce over the eight cards."""

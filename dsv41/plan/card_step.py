@@ -44,12 +44,15 @@ from dsv41.plan.sizing import NodeCost
 
 ACT = 2                       # bytes per activation value (BF16)
 # bytes per weight value by role (dsv41.plan.cards): FP8 with one FP32 scale per 128x128 block
-# (DeepSeek's release), INT8 W8A8 (per-channel scales, negligible), MXFP4 experts (E8M0 per 32)
+# (DeepSeek's release), INT8 W8A8 (per-channel scales, negligible), MXFP4 experts (E8M0 per 32),
+# NVFP4 experts (ModelOpt's layout: an E4M3 scale per 16 values and one FP32 per tensor, the attention,
+# shared expert and head left in the release's FP8, as the ModelOpt checkpoints' ignore list has it)
 _FP8 = 1 + 4 / (128 * 128)
 PRECISION = {
     "fp8": {"linear": _FP8, "expert": _FP8, "bf16": 2.0},
     "int8": {"linear": 1.0, "expert": 1.0, "bf16": 2.0},
     "fp4_experts": {"linear": _FP8, "expert": 0.5 + 1 / 32, "bf16": 2.0},
+    "nvfp4_experts": {"linear": _FP8, "expert": 0.5 + 1 / 16, "bf16": 2.0},
 }
 
 # Bytes one dispatched (token, expert) message takes on the wire, by the format the stack sends:
