@@ -46,7 +46,7 @@ def plan_row(m: cb.Deployment) -> dict:
     else:
         dev = profile(m.profile)
         r = plan_card(card, m.tp, m.dp, m.ep, m.batch, m.context, dev, m.draft, m.dispatch, m.scheme, m.precision,
-                      m.a2a_format, m.overlap, m.experts_per_rank)
+                      m.a2a_format, m.overlap, m.experts_per_rank, m.kv_format)
         layers, hbm = card.layers, int(r["weights_bytes"] + r["cache_bytes"])
         extra = {"kernels": r["kernels"]}
     return {**cb.features(r, layers),
@@ -109,6 +109,7 @@ def sources_lines(rows) -> list[str]:
             + (f". Dispatch sent as {r.a2a_format}: {r.a2a_source}" if r.a2a_source else "")
             + (f". Overlap {r.overlap}: {r.overlap_source}" if r.overlap_source else "")
             + (f". {r.experts_per_rank:g} routed experts a rank: {r.experts_source}" if r.experts_source else "")
+            + (f". KV cache {r.kv_format}: {r.kv_source}" if r.kv_source else "")
             for r in rows]
 
 
@@ -131,7 +132,7 @@ def table_lines(rows, planned, model: str) -> list[str]:
     for p, cal in cb.leave_one_out(rows, planned, model):
         m, f = p.row, planned[p.row.label]
         parts = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in f["critical_path_us"].items() if v >= 50)
-        out.append(f"| {m.label} | {m.stack} | {m.profile} | TP{m.tp}/DP{m.dp}/EP{m.ep}, {m.dispatch}, {m.scheme}{'' if m.a2a_format == 'bf16' else f' ({m.a2a_format} dispatch)'}{'' if m.overlap == 'none' else f', {m.overlap}'} | {m.batch} x {1 + m.draft} "
+        out.append(f"| {m.label} | {m.stack} | {m.profile} | TP{m.tp}/DP{m.dp}/EP{m.ep}, {m.dispatch}, {m.scheme}{'' if m.a2a_format == 'bf16' else f' ({m.a2a_format} dispatch)'}{'' if m.overlap == 'none' else f', {m.overlap}'}{'' if m.kv_format == 'bf16' else f', {m.kv_format} KV'} | {m.batch} x {1 + m.draft} "
                    f"rows | {m.accepted:.2f}{'' if m.accept_length or not m.draft else ' (assumed)'} | {m.context} | {m.measured_ms:.1f} ms | {p.first_principles_ms:.1f} ms "
                    f"| {p.fitted_ms:.1f} ms | {p.predicted_ms:.1f} ms | {p.ratio:.2f} "
                    f"| {'yes' if cb.within(p.ratio) else 'no'} | {constants_text(cal)} | {alone(m, f):.2f} x | {parts} |")

@@ -154,6 +154,13 @@ def test_a_stack_term_is_cited_and_on_a_row_that_has_it(tmp_path):
     (tmp_path / "d.toml").write_text("[[row]]\n" + graph_row + '\noverlap = "tbo"\noverlap_source = "x"\n')
     with pytest.raises(ValueError, match=r"row\[0\]\.overlap: one of \['none', 'tbo'\]"):
         cb.load_deployments(tmp_path / "d.toml")
+    lambda_row = next(r for r in rows if 'card = "v4-flash"' in r)
+    (tmp_path / "d.toml").write_text("[[row]]\n" + lambda_row + 'kv_format = "fp8"\nkv_source = "x"\n')
+    with pytest.raises(ValueError, match=r"row\[0\]\.kv_format: one of \['bf16', 'fp8'\], on a model-card row with MLA"):
+        cb.load_deployments(tmp_path / "d.toml")
+    (tmp_path / "d.toml").write_text("[[row]]\n" + tp_row + 'kv_format = "fp8"\n')
+    with pytest.raises(ValueError, match=r"row\[0\]\.kv_format"):
+        cb.load_deployments(tmp_path / "d.toml")
     loaded = {r.deployment: r for r in cb.load_deployments()}
     assert (loaded["deepseek-h800"].overlap, loaded["deepseek-h800"].a2a_format) == ("tbo", "fp8")
 

@@ -59,6 +59,21 @@ def test_fp4_expert_formats_differ_only_in_their_scales():
         [k.weight_bytes(cs.PRECISION["nvfp4_experts"]) for k in attn]
 
 
+def test_an_fp8_latent_cache_reads_half_the_bytes():
+    """MLA decode at 1,536 tokens: the latent cache is 1,536 x 576 values a request a layer, two bytes
+    each in BF16, one in FP8 (SGLang's --kv-cache-dtype fp8_e4m3); nothing else in the layer changes.
+    V4's caches are FP8 already, so a format is refused there."""
+    kernels = {kv: cs.layer_kernels(cs.Shape(V3, 8, 1, 8, 32, 1, 1536, "all_reduce", kv=kv), 10)
+               for kv in ("bf16", "fp8")}
+    mla = {kv: next(k for k in ks if k.what == "MLA decode").other_bytes for kv, ks in kernels.items()}
+    assert mla["bf16"] - mla["fp8"] == 32 * 1536 * 576
+    rest = {kv: sum(k.other_bytes for k in ks if k.what != "MLA decode") for kv, ks in kernels.items()}
+    assert rest["bf16"] == rest["fp8"]
+    assert cs.cache_bytes(V3, 1536, "fp8") * 2 == cs.cache_bytes(V3, 1536)
+    with pytest.raises(ValueError, match="kv in"):
+        cs.plan_card(V4_FLASH, 8, 1, 8, 1, 1024, profile("b200"), scheme="all_reduce", kv="fp8")
+
+
 def test_tensor_parallel_experts_split_each_expert():
     """SGLang at TP8 with --ep-size 1: each card holds an eighth of every expert, no all-to-all, and
     the MoE output is one all-reduce over the eight cards."""

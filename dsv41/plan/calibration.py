@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41.config import Topology
-from dsv41.plan.card_step import A2A_FORMATS, OVERLAPS, PRECISION
+from dsv41.plan.card_step import A2A_FORMATS, KV_FORMATS, OVERLAPS, PRECISION
 from dsv41.plan.cards import CARDS
 from dsv41.plan.latency import DISPATCH, SCHEMES
 
@@ -61,7 +61,8 @@ _ROW_KEYS = {"label": str, "deployment": str, "model": str, "card": str, "stack"
              "source": str}
 _OPTIONAL = {"draft": int, "derived": str, "stated_ms": (int, float), "accept_length": (int, float), "dispatch": str,
              "scheme": str, "scheme_source": str, "precision": str, "a2a_format": str, "a2a_source": str,
-             "overlap": str, "overlap_source": str, "experts_per_rank": (int, float), "experts_source": str}
+             "overlap": str, "overlap_source": str, "experts_per_rank": (int, float), "experts_source": str,
+             "kv_format": str, "kv_source": str}
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class Deployment:
     overlap_source: str = ""    # where the deployment's source says it runs so (required with an overlap)
     experts_per_rank: float = 0.0  # routed experts an EP rank holds where the source states it (replicas counted)
     experts_source: str = ""    # where it is stated (required with experts_per_rank)
+    kv_format: str = "bf16"     # MLA's latent cache format (dsv41.plan.card_step.KV_FORMATS)
+    kv_source: str = ""         # where the stack's command says so (required with a format)
 
     @property
     def topo(self) -> Topology:
@@ -156,6 +159,11 @@ def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
         for key, source in (("a2a_format", "a2a_source"), ("overlap", "overlap_source")):
             if source in row and key not in row:
                 raise ValueError(f"{path}: row[{i}]: {source} without {key}")
+        if ("kv_format" in row) != bool(row.get("kv_source")) or ("kv_format" in row and (
+                row["kv_format"] not in KV_FORMATS or CARDS[row["card"]] is None
+                or CARDS[row["card"]].attention != "mla")):
+            raise ValueError(f"{path}: row[{i}].kv_format: one of {list(KV_FORMATS)}, on a model-card row with MLA's "
+                             f"latent cache, with kv_source; got {row.get('kv_format')!r} (card {row['card']!r})")
         if not 0 <= row.get("accept_length", 0) <= row.get("draft", 0) + 1:
             raise ValueError(f"{path}: row[{i}].accept_length: must be in [1, draft + 1], got {row['accept_length']!r}")
         out.append(Deployment(**row))

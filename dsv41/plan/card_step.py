@@ -27,8 +27,8 @@ all-to-all backend). A step with drafts then runs the model's MTP layer once per
 request (a draft model's decode, as SGLang's EAGLE/NEXTN worker runs ``num_steps`` draft passes).
 
 Bytes: weights at the deployment's ``precision`` (``PRECISION``), activations BF16 (a dispatch's in the
-format the stack sends, ``A2A_FORMATS``), the MLA cache BF16
-(576 values a token a layer: what vLLM and SGLang store by default), V4's caches 1 byte a value with a
+format the stack sends, ``A2A_FORMATS``), the MLA cache in ``KV_FORMATS`` (576 values a token a
+layer; BF16, what vLLM and SGLang store by default, unless the deployment asks for FP8), V4's caches 1 byte a value with a
 BF16 rope part (its FP8 cache). The weights are the only per-model numbers: every other constant is
 the device profile's.
 """
@@ -72,6 +72,10 @@ A2A_FORMATS = {
 # in flight while the other computes (DeepSeek's decode, its day-6 inference-system overview: attention
 # split in two steps, a 5-stage pipeline; tbo_layer below).
 OVERLAPS = ("none", "tbo")
+# Bytes one value of MLA's latent cache takes: BF16 (what vLLM and SGLang store by default), or FP8
+# where the stack's command asks for it (SGLang's --kv-cache-dtype fp8_e4m3: one byte a value, a
+# per-tensor scale). V4's caches are FP8 already (V4_ROW).
+KV_FORMATS = {"bf16": 2.0, "fp8": 1.0}
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class Shape:
     scheme: str
     a2a: str = "bf16"                # what a dispatch sends a token as (A2A_FORMATS); a combine sends BF16
     experts_per_rank: float = 0.0    # routed experts a rank holds, redundant replicas counted (0: n_routed / ep)
+    kv: str = "bf16"                 # MLA's latent cache format (KV_FORMATS)
 
     @property
     def reduce(self) -> bool:
@@ -162,7 +167,7 @@ def _mla(s: Shape, rows: float, batch: float) -> list[Kernel]:
     c, h, nh = s.card, s.card.hidden, s.card.heads / s.tp
     qk, latent = c.qk_nope + c.qk_rope, c.kv_lora + c.qk_rope
     a = c.q_lora + latent
-    cache = batch * s.context * latent * ACT
+    cache = batch * s.context * latent * KV_FORMATS[s.kv]
     return [
         Kernel("attn norm", "vector", 1, other_bytes=2 * rows * h * ACT, stage="a0"),
         Kernel("q_a + kv_a", "matmul", 2, {"linear": h * a}, rows * (h + a) * ACT, {"mx": 2 * rows * h * a},
@@ -325,11 +330,11 @@ def active_params(card: ModelCard) -> float:
     return sum(p.values()) - card.vocab * card.hidden - p["expert"] * (1 - card.top_k / card.n_routed)
 
 
-def cache_bytes(card: ModelCard, context: int) -> float:
-    """One request's cache at ``context``: MLA's latent rows, or V4's window, compressed rows and
-    index keys."""
+def cache_bytes(card: ModelCard, context: int, kv: str = "bf16") -> float:
+    """One request's cache at ``context``: MLA's latent rows (in ``kv``, KV_FORMATS), or V4's window,
+    compressed rows and index keys."""
     if card.attention == "mla":
-        return context * card.layers * (card.kv_lora + card.qk_rope) * ACT
+        return context * card.layers * (card.kv_lora + card.qk_rope) * KV_FORMATS[kv]
     total = 0.0
     for ratio in card.compress_ratios:
         total += min(context, card.window) * V4_ROW
@@ -423,7 +428,7 @@ def _tbo_step(s: Shape, dev, prec: dict) -> tuple[list[tuple], int, int]:
 
 def plan_card(card: ModelCard, tp: int, dp: int, ep: int, batch: int, context: int, dev, draft: int = 0,
               dispatch: str = "graph", scheme: str = "all_to_all", precision: str = "fp8", a2a: str = "bf16",
-              overlap: str = "none", experts_per_rank: float = 0.0) -> dict:
+              overlap: str = "none", experts_per_rank: float = 0.0, kv: str = "bf16") -> dict:
     """The first-principles step of ``card`` on profile ``dev``: its time and where it goes along the
     chain (the report keys ``dsv41.plan.calibration.features`` reads), per-card HBM, the layer count.
     ``a2a``: what a dispatch sends (``A2A_FORMATS``); ``overlap``: ``OVERLAPS``; ``experts_per_rank``:
@@ -442,7 +447,10 @@ def plan_card(card: ModelCard, tp: int, dp: int, ep: int, batch: int, context: i
     if overlap != "none" and (scheme != "all_to_all" or batch < 2):
         raise ValueError(f"plan_card: overlap {overlap!r} splits an all_to_all step's requests in two: needs scheme "
                          f"all_to_all and batch >= 2, got {scheme} and batch {batch}")
-    s = Shape(card, tp, dp, ep, batch, 1 + draft, context, scheme, a2a, experts_per_rank)
+    if kv not in KV_FORMATS or (kv != "bf16" and card.attention != "mla"):
+        raise ValueError(f"plan_card: kv in {list(KV_FORMATS)} (a format other than bf16 only for MLA's latent "
+                         f"cache; V4's caches are FP8 already), got {kv!r} for a {card.attention} card")
+    s = Shape(card, tp, dp, ep, batch, 1 + draft, context, scheme, a2a, experts_per_rank, kv)
     prec = PRECISION[precision]
     imbalance = moe_imbalance(s.tokens * card.top_k, ep)
     t = dev.host_step_us + (dev.graph_launch_us if dispatch == "graph" else 0.0)
@@ -478,4 +486,4 @@ def plan_card(card: ModelCard, tp: int, dp: int, ep: int, batch: int, context: i
         weights += sum(n * prec[role] for k in mtp_layer_kernels(held) for role, n in k.weights.items())
     return {"predicted_step_us": t + dev.token_sync_us, "breakdown_us": breakdown,
             "moe_imbalance": imbalance, "layers": card.layers, "kernels": n_kernels,
-            "weights_bytes": weights, "cache_bytes": batch * cache_bytes(card, context)}
+            "weights_bytes": weights, "cache_bytes": batch * cache_bytes(card, context, kv)}
