@@ -70,6 +70,17 @@ def test_a_held_out_row_never_sees_its_own_deployment(data):
         assert set(cal.fitted_on) == {r.deployment for r in rows} - {p.row.deployment}
 
 
+def test_a_deployment_counts_only_with_every_row_within(data):
+    """A deployment is within when all its held-out rows are: 1.0 and 1.31 is out (one row past
+    +30%), a lone 0.75 is in; ratio = (first principles + fitted) / measured."""
+    rows, _ = data
+    r = rows[0]
+    preds = [cb.Prediction(cb.Deployment(**{**r.__dict__, "deployment": d, "measured_ms": 1.0}), fp, 0.0)
+             for d, fp in (("a", 1.0), ("a", 1.31), ("b", 0.75))]
+    assert cb.deployments_within(preds) == (1, 2)
+    assert cb.deployments_within(preds[:1] + preds[2:]) == (2, 2)
+
+
 @pytest.mark.parametrize("model, constants", [("body+layer", {"body": 0.8, "layer": 300.0}),
                                               ("gaps+layer", {"gaps": 2.5, "layer": 120.0}),
                                               ("scale", {"scale": 1.3})])

@@ -306,6 +306,14 @@ def loo_error(rows, planned: dict, model: str) -> tuple[float, int]:
     return rms, sum(within(p.ratio) for p in preds)
 
 
+def deployments_within(preds) -> tuple[int, int]:
+    """Of held-out predictions, how many deployments have every row within ±30%, and how many there are."""
+    ok = {}
+    for p in preds:
+        ok[p.row.deployment] = ok.get(p.row.deployment, True) and within(p.ratio)
+    return sum(ok.values()), len(ok)
+
+
 def within(ratio: float, band: float = 0.3) -> bool:
     return 1 - band <= ratio <= 1 + band
 
