@@ -116,30 +116,27 @@ def test_constants_stay_at_or_above_their_floors(data):
     assert all(v >= cb.TERMS[t][2] for t, v in slow.items())
 
 
+def _refused(tmp_path, text: str, match: str) -> None:
+    """deployments.toml holding ``text`` is refused with a message matching ``match``."""
+    (tmp_path / "d.toml").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        cb.load_deployments(tmp_path / "d.toml")
+
+
 def test_a_bad_row_names_its_field(tmp_path):
-    (tmp_path / "d.toml").write_text('[[row]]\nlabel = "x"\n')
-    with pytest.raises(ValueError, match=r"row\[0\]: missing deployment"):
-        cb.load_deployments(tmp_path / "d.toml")
+    _refused(tmp_path, '[[row]]\nlabel = "x"\n', r"row\[0\]: missing deployment")
     good = cb.DEPLOYMENTS.read_text().split("\n[[row]]\n")[1]
-    (tmp_path / "d.toml").write_text("[[row]]\n" + good.replace("batch = 32", 'batch = "32"'))
-    with pytest.raises(ValueError, match=r"row\[0\]\.batch: must be int"):
-        cb.load_deployments(tmp_path / "d.toml")
-    (tmp_path / "d.toml").write_text("[[row]]\n" + good + 'dispatch = "cuda"\n')
-    with pytest.raises(ValueError, match=r"row\[0\]\.dispatch: must be one of \['graph', 'eager'\]"):
-        cb.load_deployments(tmp_path / "d.toml")
-    (tmp_path / "d.toml").write_text("[[row]]\n" + good.replace('card = "v4-flash"', 'card = "v5"'))
-    with pytest.raises(ValueError, match=r"row\[0\]\.card: must be one of"):
-        cb.load_deployments(tmp_path / "d.toml")
-    (tmp_path / "d.toml").write_text("[[row]]\n" + good.replace('precision = "fp8"\n', ''))
-    with pytest.raises(ValueError, match=r"row\[0\]\.precision: one of"):
-        cb.load_deployments(tmp_path / "d.toml")
+    _refused(tmp_path, "[[row]]\n" + good.replace("batch = 32", 'batch = "32"'), r"row\[0\]\.batch: must be int")
+    _refused(tmp_path, "[[row]]\n" + good + 'dispatch = "cuda"\n',
+             r"row\[0\]\.dispatch: must be one of \['graph', 'eager'\]")
+    _refused(tmp_path, "[[row]]\n" + good.replace('card = "v4-flash"', 'card = "v5"'),
+             r"row\[0\]\.card: must be one of")
+    _refused(tmp_path, "[[row]]\n" + good.replace('precision = "fp8"\n', ''), r"row\[0\]\.precision: one of")
     dp16 = next(r for r in cb.DEPLOYMENTS.read_text().split("\n[[row]]\n")[1:] if "dp = 144" in r and "scheme" not in r)
-    (tmp_path / "d.toml").write_text("[[row]]\n" + dp16 + 'scheme = "all_to_all"\n')
-    with pytest.raises(ValueError, match=r"row\[0\]: scheme and scheme_source go together"):
-        cb.load_deployments(tmp_path / "d.toml")
-    (tmp_path / "d.toml").write_text("[[row]]\n" + dp16 + 'scheme = "all_reduce"\nscheme_source = "x"\n')
-    with pytest.raises(ValueError, match=r"row\[0\]\.scheme: must be one of"):
-        cb.load_deployments(tmp_path / "d.toml")
+    _refused(tmp_path, "[[row]]\n" + dp16 + 'scheme = "all_to_all"\n',
+             r"row\[0\]: scheme and scheme_source go together")
+    _refused(tmp_path, "[[row]]\n" + dp16 + 'scheme = "all_reduce"\nscheme_source = "x"\n',
+             r"row\[0\]\.scheme: must be one of")
 
 
 def test_a_stack_term_is_cited_and_on_a_row_that_has_it(tmp_path):
@@ -149,29 +146,19 @@ def test_a_stack_term_is_cited_and_on_a_row_that_has_it(tmp_path):
     rows = cb.DEPLOYMENTS.read_text().split("\n[[row]]\n")[1:]
     deepseek = next(r for r in rows if 'deployment = "deepseek-h800"' in r)
     bare = "\n".join(line for line in deepseek.splitlines() if not line.startswith("overlap_source"))
-    (tmp_path / "d.toml").write_text("[[row]]\n" + bare + "\n")
-    with pytest.raises(ValueError, match=r"row\[0\]: overlap needs overlap_source"):
-        cb.load_deployments(tmp_path / "d.toml")
+    _refused(tmp_path, "[[row]]\n" + bare + "\n", r"row\[0\]: overlap needs overlap_source")
     bare = "\n".join(line for line in deepseek.splitlines() if not line.startswith("experts_source"))
-    (tmp_path / "d.toml").write_text("[[row]]\n" + bare + "\n")
-    with pytest.raises(ValueError, match=r"row\[0\]\.experts_per_rank"):
-        cb.load_deployments(tmp_path / "d.toml")
+    _refused(tmp_path, "[[row]]\n" + bare + "\n", r"row\[0\]\.experts_per_rank")
     tp_row = next(r for r in rows if 'scheme = "all_reduce"' in r and 'card = "v3"' in r)
-    (tmp_path / "d.toml").write_text("[[row]]\n" + tp_row + 'a2a_format = "fp8"\na2a_source = "x"\n')
-    with pytest.raises(ValueError, match=r"row\[0\]\.a2a_format: one of"):
-        cb.load_deployments(tmp_path / "d.toml")
+    _refused(tmp_path, "[[row]]\n" + tp_row + 'a2a_format = "fp8"\na2a_source = "x"\n', r"row\[0\]\.a2a_format: one of")
     graph_row = next(r for r in rows if 'card = "v41-flash"' in r).replace('scheme = "all_reduce"\n', "")
     graph_row = "\n".join(line for line in graph_row.splitlines() if not line.startswith("scheme_source"))
-    (tmp_path / "d.toml").write_text("[[row]]\n" + graph_row + '\noverlap = "tbo"\noverlap_source = "x"\n')
-    with pytest.raises(ValueError, match=r"row\[0\]\.overlap: one of \['none', 'tbo'\]"):
-        cb.load_deployments(tmp_path / "d.toml")
+    _refused(tmp_path, "[[row]]\n" + graph_row + '\noverlap = "tbo"\noverlap_source = "x"\n',
+             r"row\[0\]\.overlap: one of \['none', 'tbo'\]")
     lambda_row = next(r for r in rows if 'card = "v4-flash"' in r)
-    (tmp_path / "d.toml").write_text("[[row]]\n" + lambda_row + 'kv_format = "fp8"\nkv_source = "x"\n')
-    with pytest.raises(ValueError, match=r"row\[0\]\.kv_format: one of \['bf16', 'fp8'\], on a model-card row with MLA"):
-        cb.load_deployments(tmp_path / "d.toml")
-    (tmp_path / "d.toml").write_text("[[row]]\n" + tp_row + 'kv_format = "fp8"\n')
-    with pytest.raises(ValueError, match=r"row\[0\]\.kv_format"):
-        cb.load_deployments(tmp_path / "d.toml")
+    _refused(tmp_path, "[[row]]\n" + lambda_row + 'kv_format = "fp8"\nkv_source = "x"\n',
+             r"row\[0\]\.kv_format: one of \['bf16', 'fp8'\], on a model-card row with MLA")
+    _refused(tmp_path, "[[row]]\n" + tp_row + 'kv_format = "fp8"\n', r"row\[0\]\.kv_format")
     loaded = {r.deployment: r for r in cb.load_deployments()}
     assert (loaded["deepseek-h800"].overlap, loaded["deepseek-h800"].a2a_format) == ("tbo", "fp8")
 
