@@ -489,3 +489,104 @@ def test_a_lost_card_replays_a_request_that_shared_cached_pages(oracle):
         assert engine.blocks_in_use()[0] == 0
     finally:
         engine.close()
+
+
+# ---- requests arriving together compute their shared prefix once ---------------------------------------
+HEAD = prompt(70, salt=9)                  # shared by A, B, D and (its first 40 tokens) E; nothing cached yet
+TOGETHER = {"A": HEAD + prompt(9, salt=1), "B": HEAD + prompt(12, salt=2), "C": prompt(40, salt=7),
+            "D": HEAD + prompt(9, salt=1), "E": HEAD[:40] + prompt(10, salt=3)}
+# A computes HEAD's spans 0..64; B and D (D is A again, as n > 1 samples are) start after them, E after
+# the span 0..32 it shares (its cut must leave a row: 49 tokens); C shares nothing
+CUTS = {"A": 0, "B": 64, "C": 0, "D": 64, "E": 32}
+
+
+class Recording(Scheduler):
+    """Keeps, per step, the parts the engine ran: (request id, rows fed, the cached prefix it started
+    after, or None for a request already running)."""
+
+    def __init__(self, engine, *a, **kw):
+        super().__init__(engine, *a, **kw)
+        self.steps: list[list[tuple[int, int, int | None]]] = []
+        run = engine.run
+
+        def recorded(parts, phase):
+            out = run(parts, phase)
+            self.steps.append([(p.id, len(p.tokens), len(p.cached or []) if p.start else None) for p in parts])
+            return out
+        engine.run = recorded
+
+
+def solo_answers(oracle, prompts: list[list[int]], sampling) -> list:
+    """Each prompt alone on the engine that caches nothing (memoised)."""
+    out = []
+    for p in prompts:
+        key = (id(oracle), "solo", sampling is None, tuple(p))
+        if key not in _answers:
+            _answers[key] = run(oracle, [p], sampling)[0][0]
+        out.append(_answers[key])
+    return out
+
+
+def check_together(engine, oracle, sampling, budget: int) -> list[list[tuple]]:
+    """TOGETHER submitted at once: the shared spans are computed once (each request starts after
+    CUTS and is fed only the rest of its prompt), every answer equals its solo run; the steps."""
+    names = list(TOGETHER)
+    try:
+        got, sched = run(engine, list(TOGETHER.values()), sampling, budget=budget, cls=Recording)
+    finally:
+        del engine.run                    # the engine's own method again
+    ids = {j.id: n for n, j in zip(names, got)}
+    assert [j.cached for j in got] == [CUTS[n] for n in names]
+    assert sched.prefix_hits == sum(CUTS.values()) and sched.prefix_queries == sum(map(len, TOGETHER.values()))
+    fed = {n: 0 for n in names}
+    for step in sched.steps:
+        for rid, rows, cut in step:
+            fed[ids[rid]] += rows
+            if cut is not None:
+                assert cut == CUTS[ids[rid]], ids[rid]
+    for n, j in zip(names, got):        # its prompt past the cut, then one row per later token
+        assert fed[n] == len(TOGETHER[n]) - CUTS[n] + len(j.made) - 1, n
+    for j, w in zip(got, solo_answers(oracle, list(TOGETHER.values()), sampling)):
+        assert j.made == w.made and torch.equal(j.final_logits, w.final_logits)
+    assert engine.blocks_in_use()[0] == 0
+    return [[ids[rid] for rid, _, cut in step if cut is not None] for step in sched.steps]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_requests_sent_together_compute_their_shared_prefix_once(oracle, mode):
+    """One step's budget holds every prompt: A and C (which shares nothing) start in the first step,
+    the requests sharing A's uncached spans wait for them and start in the next."""
+    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True)
+    started = check_together(engine, oracle, MODES[mode][0], budget=TINY.prefill_max_tokens)
+    assert started[:2] == [["A", "C"], ["B", "D", "E"]]
+
+
+@pytest.mark.timeout(900)
+def test_a_chunked_shared_prefix_is_waited_for_to_its_last_span(oracle):
+    """Chunks of 48 rows: A's first chunk fills the first step and caches span 0..32, its second
+    span 32..64; B and D, cached 0..32 but not 32..64, wait for A's second chunk (C, sharing
+    nothing, takes the room they leave beside it) and start after both spans; E, behind them, starts
+    after the one span it shares when the budget has room again."""
+    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True)
+    started = check_together(engine, oracle, SAMPLED, budget=48)
+    assert started[:4] == [["A"], ["C"], ["B", "D"], ["E"]]
+
+
+@pytest.mark.timeout(900)
+def test_requests_sent_together_share_their_prefix_on_a_graph_layout(oracle):
+    engine = GraphEngine(TINY, Topology(2, 1, 2), EngineConfig(seed=0, executor="sync", max_batch=8,
+                                                               max_context=CTX, prefix_caching=True))
+    try:
+        started = check_together(engine, oracle, SAMPLED, budget=TINY.prefill_max_tokens)
+        assert started[:2] == [["A", "C"], ["B", "D", "E"]]
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_without_prefix_caching_nothing_waits(oracle):
+    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX)
+    got, sched = run(engine, list(TOGETHER.values()), budget=TINY.prefill_max_tokens, cls=Recording)
+    del engine.run
+    assert [cut for _, _, cut in sched.steps[0]] == [0] * 5 and all(j.cached == 0 for j in got)

@@ -148,8 +148,7 @@ def _batch(max_batch: int, budget: int | None, cancel: int | None = None):
     engine, loop = Counting(prefix_caching=True), asyncio.new_event_loop()
     batcher = Batcher(engine, Metrics(), max_batch=max_batch, max_queue=8, budget=budget)
     p = SamplingParams(max_tokens=2)
-    first = Job(PROMPT, p, Stops(p), loop)
-    samples = [first] + [Job(PROMPT, p, Stops(p), loop, choice=i, leader=first) for i in (1, 2, 3)]
+    samples = [Job(PROMPT, p, Stops(p), loop, choice=i) for i in range(4)]
     later = Job(PROMPT[::-1], p, Stops(p), loop)
     try:
         for job in samples + [later]:
@@ -169,9 +168,10 @@ def _batch(max_batch: int, budget: int | None, cancel: int | None = None):
 
 
 @pytest.mark.timeout(300)
-def test_held_samples_keep_their_place_in_the_queue():
-    """One batch slot: a request's later samples, held until its first sample's prompt is cached,
-    run before a request that arrived after them; one whose client hung up while held never runs."""
+def test_waiting_samples_keep_their_place_in_the_queue():
+    """One batch slot: a request's later samples, waiting while its first sample runs, start after
+    its cached prompt before a request that arrived after them; one whose client hung up while
+    waiting never runs."""
     engine, samples, later = _batch(1, None, cancel=2)
     order = ["later" if not c and t == PROMPT[::-1] else len(c) for c, t in engine.started]
     assert order == [0, CUT, CUT, "later"]
@@ -180,9 +180,11 @@ def test_held_samples_keep_their_place_in_the_queue():
 
 @pytest.mark.timeout(300)
 def test_samples_wait_for_the_whole_of_a_chunked_prompt():
-    """A prompt fed in chunks of 40 rows: the later samples start after its last chunk, on every
-    span of it, beside the first sample's decoding."""
+    """A prompt fed in chunks of 40 rows: the later samples (deferred by the scheduler while the
+    first computes the spans they share) start after its last chunk, on every span of it, beside the
+    first sample's decoding; the request after them, sharing nothing, starts in the room they leave."""
     engine, samples, later = _batch(4, 40)
     assert [j.cached for j in samples] == [0, CUT, CUT, CUT]
     assert [len(t) for c, t in engine.started if len(c) == CUT] == [len(PROMPT) - CUT] * 3
     assert all(j.made == samples[0].made for j in samples) and len(later.made) == 2
+    assert ["later" if not c and t == PROMPT[::-1][:len(t)] else len(c) for c, t in engine.started] == [0, "later", CUT, CUT, CUT]

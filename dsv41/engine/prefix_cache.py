@@ -53,11 +53,14 @@ def chain(parent: bytes, tokens: list[int]) -> bytes:
 @dataclass
 class Hit:
     """A cached prefix: its length in tokens, its entries' hashes (oldest first) and the pages a
-    request starting after it holds (compressed pages in order; the window pages by logical page)."""
+    request starting after it holds (compressed pages in order; the window pages by logical page).
+    ahead: (end, hash) of each whole span of the looked-up tokens past the cut, the ones a request
+    fed them registers as its rows reach each end (the scheduler's in-step sharing reads them)."""
     length: int = 0
     hashes: list[bytes] = field(default_factory=list)
     compressed: dict[int, list[int]] = field(default_factory=dict)
     window: dict[int, int] = field(default_factory=dict)
+    ahead: list[tuple[int, bytes]] = field(default_factory=list)
 
     def blocks(self):
         """(pool key, block) of every page the hit holds."""
@@ -87,14 +90,15 @@ class PrefixCache:
 
     # ---- lookups -----------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], limit: int) -> Hit:
-        """The longest cached prefix of tokens no longer than limit (a multiple of the span)."""
+        """The longest cached prefix of tokens no longer than limit (a multiple of the span), and
+        the spans of tokens past it."""
         hit, parent = Hit(), b""
-        for i in range(max(0, limit) // self.span):
-            h = chain(parent, tokens[i * self.span:(i + 1) * self.span])
-            if h not in self.entries:
-                break
-            hit.hashes.append(h)
-            parent = h
+        for i in range(len(tokens) // self.span):
+            parent = chain(parent, tokens[i * self.span:(i + 1) * self.span])
+            if not hit.ahead and (i + 1) * self.span <= limit and parent in self.entries:
+                hit.hashes.append(parent)
+            else:
+                hit.ahead.append(((i + 1) * self.span, parent))
         for h in hit.hashes:
             for key, blocks in self.entries[h].items():
                 if key != "window":

@@ -9,8 +9,21 @@ step that feeds prompt chunks first gives every decoding request its one row, an
 ingesting and newly admitted requests fill the rest of each group's budget; a turn with no prompt
 to feed decodes every running request with the drafter's proposals to verify after it.
 
-Admission asks the engine's block manager, per DP group, whether the step fits before it runs
-(``Engine.needs`` / ``Engine.fits``). When a group's running requests cannot decode in its pools,
+Admission walks the waiting requests in arrival order (preempted ones first) and asks the engine's
+block manager, per DP group, whether the step fits before it runs (``Engine.needs`` /
+``Engine.fits``); the first request that does not fit stops it, so no later arrival overtakes it.
+A new request starts after the longest prefix its DP group has cached (``prefix_cache.py``).
+
+A shared prompt prefix is computed once, also by requests that arrive together (the n samples of
+one request, a system prompt sent by many): a request's spans are registered as each chunk of it
+commits, so a waiting request whose first uncached span is one that a request of the same DP group
+admitted in this step, or still ingesting, is about to compute is *deferred*: skipped in this
+step, keeping its place in the queue. The requests behind it are admitted as usual (one that shares
+nothing is not delayed), and once the span is cached the deferred request is admitted, before any
+later arrival, starting after it; it waits only while a request admitted before it is ingesting the
+prefix they share, which goes on every step (ingesting chunks are fed before admissions). The DP
+groups cache apart and the router places by load: deferral holds within the group a request would
+be placed in, and a request placed in another group computes the prefix there. When a group's running requests cannot decode in its pools,
 the newest request of that group is preempted: its blocks are freed and it waits at the front of
 the queue, to be fed again from its token history (its recompute is chunked as a prompt is) with
 the sampling state it had, so its tokens are those of a run that never preempted it. A request
@@ -98,6 +111,8 @@ class Scheduler:
         # is rebuilt from the last ``window`` rows (prefix_cache.py)
         self.min_feed = engine.cfg.sliding_window if getattr(drafter, "reads_states", False) else 1
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached, first admissions
+        # ingesting request id -> (tokens it is fed in all, the spans past its cut: Hit.ahead)
+        self.publishing: dict[int, tuple[int, list[tuple[int, bytes]]]] = {}
         self.keep_logits, self.fail_fast, self.context = keep_logits, fail_fast, context
         self.on_finish, self.interleave = on_finish, interleave
         self.waiting: collections.deque[Request] = collections.deque()
@@ -159,7 +174,8 @@ class Scheduler:
     def _schedule_chunks(self, decoding: list[Request], ingesting: list[Request]):
         """(items, drafts, probs) of a step that feeds prompt chunks: (req, tokens) per request, decode
         rows first (with their drafts), then the chunks of ingesting requests, then admissions in arrival
-        order, each as far as its group's budget and free blocks take it; None when no chunk fits."""
+        order, each as far as its group's budget and free blocks take it, a request waiting for a span
+        another computes skipped; None when no chunk fits."""
         budget, engine = self.budget, self.engine
         rows: dict[int, int] = collections.defaultdict(int)
         needs: dict[int, list[dict]] = collections.defaultdict(list)
@@ -187,6 +203,7 @@ class Scheduler:
             if room > 0 and take(req, g, req.feed[:room]):
                 chunked = True
         admitted = 0
+        computing = self._computing(ingesting)
         for req in self.waiting:
             if len(self.running) + admitted >= self.max_batch:
                 break
@@ -194,10 +211,15 @@ class Scheduler:
             room = budget - rows[g]
             feed = req.history[:-1] if req.made else req.prompt
             hit = None if self.context or room <= 0 else engine.cached_prefix(g, feed, self.min_feed)
+            if hit is not None and self._defers(hit, len(feed), computing[g]):
+                continue
             skip = hit.length if hit is not None else 0
             if room <= 0 or not take(req, g, feed[skip:skip + room], self.context, hit):
                 break                              # first come, first served: the rest wait behind it
             req.feed, req.prefix = list(feed[skip:]), list(feed[:skip])
+            if hit is not None:
+                self.publishing[req.id] = (len(feed), hit.ahead)
+                computing[g].update(h for _, h in hit.ahead)
             admitted += 1
             chunked = True
         if not chunked:
@@ -207,6 +229,22 @@ class Scheduler:
             drafts = drafts + [[]] * rest
             probs = None if probs is None else probs + [None] * rest
         return items, drafts, probs
+
+    def _computing(self, ingesting: list[Request]) -> dict[int, set[bytes]]:
+        """Per DP group, the hashes of the spans its ingesting requests will register (their rows
+        have not reached the span's end yet); forgets the requests no longer ingesting."""
+        self.publishing = {r.id: self.publishing[r.id] for r in ingesting if r.id in self.publishing}
+        out: dict[int, set[bytes]] = collections.defaultdict(set)
+        for req in ingesting:
+            total, ahead = self.publishing.get(req.id, (0, []))
+            fed = total - len(req.feed)
+            out[self._group(req)].update(h for end, h in ahead if end > fed)
+        return out
+
+    def _defers(self, hit, n: int, computing: set[bytes]) -> bool:
+        """Whether a new request of n tokens to feed waits: the first span past its cached prefix is
+        one it could start after (the cut leaves min_feed rows) and another request computes."""
+        return bool(hit.ahead) and hit.ahead[0][0] <= n - self.min_feed and hit.ahead[0][1] in computing
 
     def _feed(self, items: list[tuple[Request, list[int]]], drafts, probs) -> Turn:
         """One step of prompt chunks (and decode rows): new requests start, the chunks before a

@@ -205,14 +205,12 @@ class Server:
 
     def _submit(self, gen: schema.Generation) -> list[Job]:
         """The request's n samples queued, each its own job, all reporting to one queue; none queued
-        when one does not fit. With prefix caching the samples after the first wait for its prefill
-        and reuse its cached prompt (``batcher``); without, each has its own prefill."""
+        when one does not fit. With prefix caching they share one prefill of the prompt (the
+        scheduler defers the later samples until the first's spans are cached); without, each has
+        its own."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i)
                 for i, p in enumerate(gen.samples())]
-        if self.batcher.prefix_caching:
-            for job in jobs[1:]:
-                job.leader = jobs[0]
         submitted = []
         try:
             for job in jobs:

@@ -8,12 +8,10 @@ preempts the newest request when the cache pools run out, and ends requests thro
 (the server answers 429). A failed step changes nothing in the engine (steps are atomic): its jobs
 get the error and leave, the others carry on.
 
-The n samples of one request share one prefill through the prefix cache: the first sample (the
-*leader*) is queued as any request, and the others are held here until the leader's prompt is fed
-(its spans are cached when that step commits), then queued where they arrived; admitted, each
-finds the prompt's spans cached and feeds only the tail the cache cannot cut (at least the last
-row, whose logits draw its first token). With prefix caching off they are queued at once, each
-with its own prefill.
+The n samples of one request are n jobs queued together; with prefix caching they share one prefill
+as any requests sharing a prompt do: the scheduler admits the first, defers the others until its
+prompt's spans are cached, and each then feeds only the rows the cache cannot cut (at least the
+last, whose logits draw its first token). With prefix caching off each has its own prefill.
 """
 from __future__ import annotations
 
@@ -62,12 +60,6 @@ class Job(Request):
     ended: bool = False           # its end (done or error) was sent: nothing follows it
     _emitting: threading.Lock = field(default_factory=threading.Lock, repr=False)
     choice: int = 0               # its index among the request's samples (n > 1 share one events queue)
-    leader: Job | None = None     # the request's first sample, whose prefill the others wait for
-
-    @property
-    def prefilled(self) -> bool:
-        """Its prompt was fed whole (its spans are cached), or it ended: its samples may go."""
-        return self.finished or self.cancelled or self.ended or (self.running and not self.feed)
 
     @property
     def generated(self) -> int:
@@ -103,7 +95,6 @@ class Batcher:
         self.scheduler = Scheduler(engine, drafter, max_batch, budget, fail_fast=False,
                                    on_finish=self._finished)
         self.incoming: list[Job] = []                 # submitted, not yet seen by the engine thread
-        self.held: list[Job] = []                     # samples waiting for their leader's prefill
         self.cond = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="dsv41-engine-loop", daemon=True)
@@ -115,10 +106,10 @@ class Batcher:
 
     @property
     def waiting(self) -> list:
-        return list(self.scheduler.waiting) + self.held + self.incoming
+        return list(self.scheduler.waiting) + self.incoming
 
     def _queued(self) -> int:
-        return len(self.scheduler.waiting) + len(self.held) + len(self.incoming)
+        return len(self.scheduler.waiting) + len(self.incoming)
 
     def start(self):
         self.thread.start()
@@ -167,21 +158,20 @@ class Batcher:
         sched = self.scheduler
         while True:
             with self.cond:
-                while not self.stopping and not self.incoming and not self.held and not sched.busy:
+                while not self.stopping and not self.incoming and not sched.busy:
                     self.cond.wait()
                 if self.stopping:
                     break
-                self.held += self.incoming
+                for job in self.incoming:
+                    sched.add(job)
                 self.incoming = []
-                self._release()
             before = {job: job.preemptions for job in (*sched.running.values(), *sched.waiting)}
             try:
                 turn = sched.step()
             except Exception:            # the loop itself must not die: every job it holds gets the error
                 log.exception("scheduler turn failed")
-                for job in list(sched.running.values()) + list(sched.waiting) + self.held:
+                for job in list(sched.running.values()) + list(sched.waiting):
                     job.emit("error", error="the engine loop failed")
-                self.held = []
                 sched.release_all()
                 turn = None
             if turn is not None:
@@ -189,20 +179,11 @@ class Batcher:
             # preempted in this turn (a step either admits or decodes: no job both joins and is preempted)
             self.metrics.preemptions.inc(sum(job.preemptions - n for job, n in before.items()))
             self._update_gauges()
-        for job in list(sched.running.values()) + list(sched.waiting) + self.held + self.incoming:
+        for job in list(sched.running.values()) + list(sched.waiting) + self.incoming:
             if not job.ended:                 # not already ended by the drain (finish reason "abort")
                 job.emit("error", error="the server is shutting down")
                 self.metrics.errors.labels("engine").inc()
         sched.release_all()
-
-    def _release(self):
-        """Queue each held job whose leader's prompt is cached (or that has none) where it arrived:
-        before the jobs that came after it, behind the preempted ones (they go first)."""
-        waiting = self.scheduler.waiting
-        for job in [j for j in self.held if j.leader is None or j.leader.prefilled]:
-            self.held.remove(job)
-            at = next((i for i, w in enumerate(waiting) if not w.preemptions and w.id > job.id), len(waiting))
-            waiting.insert(at, job)
 
     def _count(self, turn):
         m = self.metrics
