@@ -502,16 +502,18 @@ CUTS = {"A": 0, "B": 64, "C": 0, "D": 64, "E": 32}
 
 class Recording(Scheduler):
     """Keeps, per step, the parts the engine ran: (request id, rows fed, the cached prefix it started
-    after, or None for a request already running)."""
+    after, or None for a request already running); and the DP group each request started in."""
 
     def __init__(self, engine, *a, **kw):
         super().__init__(engine, *a, **kw)
         self.steps: list[list[tuple[int, int, int | None]]] = []
+        self.groups: dict[int, int] = {}
         run = engine.run
 
         def recorded(parts, phase):
             out = run(parts, phase)
             self.steps.append([(p.id, len(p.tokens), len(p.cached or []) if p.start else None) for p in parts])
+            self.groups.update((p.id, engine.group_of(p.id)) for p in parts if p.start)
             return out
         engine.run = recorded
 
@@ -590,3 +592,27 @@ def test_without_prefix_caching_nothing_waits(oracle):
     got, sched = run(engine, list(TOGETHER.values()), budget=TINY.prefill_max_tokens, cls=Recording)
     del engine.run
     assert [cut for _, _, cut in sched.steps[0]] == [0] * 5 and all(j.cached == 0 for j in got)
+
+
+@pytest.mark.timeout(900)
+def test_dp2_a_request_waits_only_for_a_prefix_its_own_group_computes(oracle):
+    """DP2, A, B and D sent together: A goes to group 0 and B (sharing A's uncached HEAD) to group 1,
+    which caches nothing of it, so B computes HEAD there; D (A again) would go to group 0, where A
+    computes it, so D waits a step and starts after A's spans (the next step places it in group 0,
+    the least loaded group first)."""
+    engine = GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=8,
+                                                               max_context=CTX, prefix_caching=True))
+    names = ["A", "B", "D"]
+    prompts = [TOGETHER[n] for n in names]
+    try:
+        got, sched = run(engine, prompts, SAMPLED, budget=TINY.prefill_max_tokens, cls=Recording)
+        del engine.run
+        assert [j.cached for j in got] == [0, 0, 64]
+        assert [sched.groups[j.id] for j in got] == [0, 1, 0]
+        assert [[rid for rid, _, cut in step if cut is not None] for step in sched.steps[:2]] == \
+            [[got[0].id, got[1].id], [got[2].id]]
+        for j, w in zip(got, solo_answers(oracle, prompts, SAMPLED)):
+            assert j.made == w.made and torch.equal(j.final_logits, w.final_logits)
+        assert engine.blocks_in_use()[0] == 0
+    finally:
+        engine.close()
