@@ -11,23 +11,27 @@ to feed decodes every running request with the drafter's proposals to verify aft
 
 Admission walks the waiting requests in arrival order (preempted ones first) and asks the engine's
 block manager, per DP group, whether the step fits before it runs (``Engine.needs`` /
-``Engine.fits``); the first request that does not fit stops it, so no later arrival overtakes it.
-A new request starts after the longest prefix its DP group has cached (``prefix_cache.py``).
+``Engine.fits``); the first request that does not fit stops it, so no later arrival overtakes a
+request that waits for room. A new request starts after the longest prefix its DP group has cached
+(``prefix_cache.py``).
 
 A shared prompt prefix is computed once, also by requests that arrive together (the n samples of
-one request, a system prompt sent by many): a request's spans are registered as each chunk of it
+one request, a system prompt sent by many). A request's spans are cached as each chunk of it
 commits, so a waiting request whose first uncached span is one that a request of the same DP group
-admitted in this step, or still ingesting, is about to compute is *deferred*: skipped in this
+(admitted in this step, or still ingesting) is about to compute is *deferred*: skipped in this
 step, keeping its place in the queue. The requests behind it are admitted as usual (one that shares
-nothing is not delayed), and once the span is cached the deferred request is admitted, before any
-later arrival, starting after it; it waits only while a request admitted before it is ingesting the
-prefix they share, which goes on every step (ingesting chunks are fed before admissions). The DP
-groups cache apart and the router places by load: deferral holds within the group a request would
-be placed in, and a request placed in another group computes the prefix there. When a group's running requests cannot decode in its pools,
-the newest request of that group is preempted: its blocks are freed and it waits at the front of
-the queue, to be fed again from its token history (its recompute is chunked as a prompt is) with
-the sampling state it had, so its tokens are those of a run that never preempted it. A request
-ends through its ``Stops``; the tokens a step made past that are dropped.
+nothing is not delayed by it); once the span is cached the deferred request is admitted in its
+place, ahead of later arrivals, after the longer cached prefix. It waits only while others ingest
+the spans it would start after (one behind it in its group sharing them is deferred as well), and
+ingesting chunks take a step's room before admissions, so the wait ends when that ingest does. The
+DP groups cache apart and the router places by load, not by prefix: deferral holds within the group
+a request would be placed in, and a request placed in another group computes the prefix there.
+
+When a group's running requests cannot decode in its pools, the newest request of that group is
+preempted: its blocks are freed and it waits at the front of the queue, to be fed again from its
+token history (its recompute is chunked as a prompt is) with the sampling state it had, so its
+tokens are those of a run that never preempted it. A request ends through its ``Stops``; the tokens
+a step made past that are dropped.
 """
 from __future__ import annotations
 
