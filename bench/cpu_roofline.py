@@ -13,7 +13,8 @@ engine decodes): every node's reads and writes (weights in their stored formats,
 summed per node kind and over the step. Bandwidth: a 256 MiB FP32 copy (read + write bytes over time),
 best of 5. Floor: bytes / bandwidth. Measured: one ``python -m dsv41.run`` (``sync``, TP1) that starts
 each request at ``--context`` tokens of drawn history, runs the one-token prompt step, then
-``--steps`` decode steps; the step is their median wall time, a node kind's time the median over
+``--steps`` decode steps; the step is their median wall time (and, steadier on a shared machine, the
+median of the process's CPU time a step, all its threads), a node kind's time the median over
 those steps of its node spans' summed wall time (``--trace``). Per weight value: for each checkpoint
 format, the time of the node kinds that multiply weights of that format only (weights that are most of
 the kind's bytes, and take at least 1% of the step) over the weight values the plan says they
@@ -200,6 +201,7 @@ def main(argv=None) -> int:
     model = {k: getattr(a, k) for k in ("config", "layers", "experts", "engram_rows", "checkpoint")}
     out = {"config": run["config"], "model": model, "batch": a.batch, "context": a.context, "steps": run["step_ms"],
            "bytes": total, "copy_bytes_per_s": bw, "floor_ms": floor_ms, "measured_step_ms": step_ms,
+           "step_cpu_ms": run["step_cpu_ms"], "measured_step_cpu_ms": statistics.median(run["step_cpu_ms"]),
            "ratio": step_ms / floor_ms, "multiply_adds": macs, "multiply_adds_per_s": fma,
            "fma_floor_ms": fma_floor_ms,
            "predicted_step_ms": report["predicted_step_us"] / 1e3,
@@ -211,7 +213,8 @@ def main(argv=None) -> int:
         return 0
     print(f"{out['config']} batch {a.batch} context {a.context}: a decode step moves {total / 1e9:.3f} GB (plan); "
           f"copy {bw / 1e9:.2f} GB/s -> floor {floor_ms:.0f} ms; measured {step_ms:.0f} ms (median of "
-          f"{len(run['step_ms'])}: {', '.join(f'{s:.0f}' for s in run['step_ms'])}) = {out['ratio']:.1f}x the floor; "
+          f"{len(run['step_ms'])}: {', '.join(f'{s:.0f}' for s in run['step_ms'])}; CPU time "
+          f"{out['measured_step_cpu_ms']:.0f} ms) = {out['ratio']:.1f}x the floor; "
           f"the {out['device_profile']} profile predicts {out['predicted_step_ms']:.0f} ms "
           f"({out['predicted_step_ms'] / step_ms - 1:+.0%})")
     print(f"  FMA floor: {macs / 1e9:.2f} G multiply-adds (plan) at {fma / 1e9:.0f} G FP32 FMAs/s ({cores.cores()} "

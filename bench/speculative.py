@@ -5,7 +5,8 @@
 
 Part 1, step cost: the engine prefills ``--batch`` prompts, then runs ``--steps`` decode steps with
 R = 1, 2, 4, 6 rows per request (the last token and R - 1 drafts, all rejected, so every step
-starts at the same position); the figure is the median step's wall time and its ratio to R = 1.
+starts at the same position); the figure is the median step's wall time and its ratio to R = 1
+(``--kinds``: also each node kind's time in those steps, traced).
 Part 2, tokens per second: plain greedy generation of ``--tokens`` tokens per request, then the
 same generation with an oracle drafter (``engine.drafters.OracleDrafter``) proposing ``--drafts``
 tokens a step and forced to an acceptance of 0, 50 and 100% (the accepted drafts are the plain
@@ -45,23 +46,40 @@ from dsv41.engine.scheduler import Scheduler
 from dsv41.telemetry.session import TraceSession
 
 
-def step_ms(engine, prompts, rows: int, steps: int) -> float:
+def step_ms(engine, prompts, rows: int, steps: int, cpu: list | None = None) -> float:
+    """The median decode step's wall time; ``cpu``: gets the median of this process's CPU time a step
+    (all its threads: steadier than the wall time on a shared machine)."""
     out = engine.prefill(prompts)
     rids, last = out.request_ids, out.last
     vocab = engine.cfg.vocab_size
-    times = []
+    times, cpu_times = [], []
     try:
         for _ in range(steps):
             drafts = [[(t + 1 + j) % vocab for j in range(rows - 1)] for t in last] if rows > 1 else None
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = engine.decode(last, rids, drafts)
             times.append((time.perf_counter() - t0) * 1e3)
+            cpu_times.append((time.process_time() - c0) * 1e3)
             # every draft rejected: the next step feeds the model's own token at the next position
             last = out.last
     finally:
         for r in rids:
             engine.release(r)
+    if cpu is not None:
+        cpu.append(statistics.median(cpu_times))
     return statistics.median(times)
+
+
+def kind_ms(records: list[dict]) -> dict[str, float]:
+    """Node kind -> median over the decode steps of its node spans' summed wall time, in ms."""
+    by_step: dict = {}
+    for r in records:
+        a = r["attributes"]
+        if a.get("dsv41.span") == "node" and a["dsv41.phase"] == "decode":
+            step = by_step.setdefault(a["dsv41.step"], {})
+            step[a["dsv41.kernel"]] = step.get(a["dsv41.kernel"], 0.0) + (r["end_ns"] - r["start_ns"]) / 1e6
+    kinds = {k for s in by_step.values() for k in s}
+    return {k: statistics.median(s.get(k, 0.0) for s in by_step.values()) for k in sorted(kinds)}
 
 
 def draft_share(records: list[dict]) -> float:
@@ -140,6 +158,8 @@ def main():
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per request in part 2")
     p.add_argument("--drafts", type=int, default=5)
     p.add_argument("--parts", default="1,2,3", help="which parts to run (comma-separated of 1, 2, 3)")
+    p.add_argument("--kinds", action="store_true", help="part 1 on a graph engine: trace the steps and add each "
+                                                        "node kind's median time a step (kind_ms, by rows)")
     args = p.parse_args()
     parts = {int(x) for x in args.parts.split(",")}
     if not parts <= {1, 2, 3}:
@@ -164,12 +184,21 @@ def main():
     graph = args.executor != "reference"
     try:
         if 1 in parts:
-            base = None
+            base = cpu_base = None
             for rows in (1, 2, 4, 6):
-                ms = step_ms(engine, prompts, rows, args.steps)
-                base = base or ms
-                out["step_ms"][rows] = {"ms": ms, "ratio": ms / base}
-                print(f"rows/request {rows}: {ms:9.1f} ms  x{ms / base:.2f}", flush=True)
+                session = TraceSession(engine) if args.kinds and graph else None
+                cpu = []
+                try:
+                    ms = step_ms(engine, prompts, rows, args.steps, cpu)
+                    if session is not None:
+                        out.setdefault("kind_ms", {})[rows] = kind_ms(session.collect())
+                finally:
+                    if session is not None:
+                        session.close()
+                base, cpu_base = base or ms, cpu_base or cpu[0]
+                out["step_ms"][rows] = {"ms": ms, "ratio": ms / base, "cpu_ms": cpu[0], "cpu_ratio": cpu[0] / cpu_base}
+                print(f"rows/request {rows}: {ms:9.1f} ms  x{ms / base:.2f}  (CPU time {cpu[0]:9.1f} ms  "
+                      f"x{cpu[0] / cpu_base:.2f})", flush=True)
             if cfg.dspark and graph:           # the same steps seeding and drafting DSpark's next block
                 engine.dspark, out["step_ms_dspark"] = True, {}
                 for rows in (1, 6):

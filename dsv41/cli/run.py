@@ -306,6 +306,9 @@ class Steps:
     prefill_ms: float = 0.0
     prefill_steps: int = 0             # steps until every request had its first token (-1 once they all had)
     step_ms: list[float] = field(default_factory=list)
+    # this process's CPU time per decode step, all its threads (on a shared machine a steadier cost than
+    # the wall time; with workers in other processes, only this process's part)
+    step_cpu_ms: list[float] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
     final_logits: torch.Tensor | None = None
     speculative: dict | None = None
@@ -349,7 +352,9 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
                        (f" after {context} drawn" if context else ""))
         try:
             while sched.busy:
+                cpu0 = time.process_time()
                 turn = sched.step()
+                cpu_ms = (time.process_time() - cpu0) * 1e3
                 if turn is None:
                     continue
                 done.stats.append(turn.stats)
@@ -362,6 +367,7 @@ def run_steps(args, engine, prompts: list[list[int]], progress: Progress) -> Ste
                         done.prefill_steps = -1    # every request has its first token
                 else:
                     done.step_ms.append(turn.ms)
+                    done.step_cpu_ms.append(cpu_ms)
                     made = f"  +{sum(map(len, turn.out.tokens))} tokens" if turn.out is not None and \
                         turn.out.proposed else ""
                     progress.done(f"  {turn.phase} {len(done.step_ms):3d} {turn.ms:9.1f} ms  "
@@ -391,7 +397,8 @@ def summary(args, cfg, topo, done: Steps) -> dict:
     result = {
         "graph": args.graph, "config": cfg.name, "executor": args.executor,
         "topology": {"tp": topo.tp, "dp": topo.dp, "ep": topo.ep},
-        "tokens": done.tokens, "step_ms": done.step_ms, "prefill_ms": done.prefill_ms, "context": args.context or 0,
+        "tokens": done.tokens, "step_ms": done.step_ms, "step_cpu_ms": done.step_cpu_ms, "prefill_ms": done.prefill_ms,
+        "context": args.context or 0,
         # the logits each request's last token came from: the only logits that come home
         "last_logits_sha256": logits_sha256(done.final_logits),
     }

@@ -84,6 +84,12 @@ TILE = 32                   # blocks of a K tile (``tiled``): x's tile for 4 row
 # an operand against 5.1 G without, one core, Emerald Rapids; docs/flash-shapes.md)
 WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
 HALF_ROWS = 5
+# except BF16 and FP8 half-sweep passes, which take four weight rows over the whole of K (no K tiles):
+# each load of x then serves four weight rows; an 8-row pass from memory (16,384 x 5,120, one core, CPU
+# time, Zen 4) ran BF16 0.22 against 0.29 ns a value (tiled, two weight rows), FP8 0.19 against 0.22, and
+# a 6-row one 0.18 against 0.23 and 0.15 against 0.17; tiled, four weight rows gained little, and FP4,
+# whose table decode holds registers of its own, ran slower with four (docs/flash-shapes.md)
+WIDE_HALVES = ("bf16", "fp8")
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1); E4M3's BF16 one (the 8-lane
 # decode's) is the value times 2^-120
@@ -704,6 +710,21 @@ def half_sweeps(rows: int, width: int) -> bool:
     return width == 16 and rows >= HALF_ROWS
 
 
+def _wide(fmt: str, rows: int, width: int) -> bool:
+    return half_sweeps(rows, width) and fmt in WIDE_HALVES
+
+
+def weight_rows(fmt: str, rows: int, width: int) -> int:
+    """Weight rows a group of a pass of ``rows`` activation rows takes (``WEIGHT_ROWS``, ``WIDE_HALVES``)."""
+    return 4 if _wide(fmt, rows, width) else WEIGHT_ROWS[16 if width == 16 else 8][rows]
+
+
+def k_tiles(fmt: str, rows: int, width: int, k: int) -> bool:
+    """Whether a pass sweeps K a tile at a time (``tiled``): two or more rows over more than one tile
+    (over one tile the saved accumulators would only cost), except the ``WIDE_HALVES`` passes."""
+    return rows > 1 and k > TILE * BLOCK and not _wide(fmt, rows, width)
+
+
 def stand_in(fmt: str, width: int) -> int:
     """k where the decode's stand-in for a value v (before the block scale) is v 2^-k: E4M3 in FP16 (8),
     or in BF16 where x carries the scales with 8 lanes (120); E2M1 in FP16 (14)."""
@@ -782,20 +803,17 @@ def product(fmt: str, weights: tuple, x: torch.Tensor, out: torch.Tensor, r0: in
     x_row, out_row = x.stride(0) * 4, out.stride(0)
     per_pass = pass_rows(width)
     passes = [(g, min(per_pass, m - g)) for g in range(0, m, per_pass)]
-    # a pass of two or more rows over more than one tile of K sweeps a tile of x at a time from L1
-    # (over one tile, the tiles' saved accumulators would only cost)
-    many = k > TILE * BLOCK
     for c0, c1 in _chunks(r0, r1, k * _BLOCK_BYTES[fmt] // BLOCK, len(passes)):
         for g, rows in passes:
             # weight rows a group at a time, from a multiple of the group (so never across a 32-row block)
-            halves = half_sweeps(rows, width)
-            per = WEIGHT_ROWS[16 if width == 16 else 8][rows]
+            halves, tiles = half_sweeps(rows, width), k_tiles(fmt, rows, width, k)
+            per = weight_rows(fmt, rows, width)
             a = min(c1, -(-c0 // per) * per)
             b = a + (c1 - a) // per * per
             for lo, hi, group in ((c0, a, 1), (a, b, per), (b, c1, 1)):
                 if hi > lo:
-                    kernel(fmt, rows, group, variant, width, model, many and rows > 1, halves)(
-                        *weights, x_at + g * x_row, k, out_at + g * out_row * 4, out_row, k, lo, hi, xs_at)
+                    kernel(fmt, rows, group, variant, width, model, tiles, halves)(
+                        *weights, x_at + g * x_row, x_row // 4, out_at + g * out_row * 4, out_row, k, lo, hi, xs_at)
 
 
 # weight bytes of a chunk that every pass of x's rows runs over before the next chunk
