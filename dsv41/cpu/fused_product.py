@@ -34,8 +34,9 @@ weight value per row is the cost that grows with the batch) and up to four weigh
 (``WEIGHT_ROWS``, as many as the CPU's vector registers hold the accumulators of), so that FMA chains
 overlap and each load of x serves several weight rows. A pass of two or more rows over more than one
 K tile runs a block row of weight rows one tile at a time (``tiled``), so that x's tile is read from
-L1; from ``HALF_ROWS`` rows on with AVX-512 it takes the blocks' columns 0-15 over the tile, then
-16-31, each lane's sum still one chain in block order. With more than one pass, every pass runs over
+L1, except BF16 and FP8 passes with AVX-512, which take four weight rows over the whole of K
+(``WIDE``: measured faster on Zen 4); from ``HALF_ROWS`` rows on with AVX-512 a pass takes the blocks'
+columns 0-15 (over the tile), then 16-31, each lane's sum still one chain in block order. With more than one pass, every pass runs over
 a chunk of the weight rows (``CHUNK_BYTES``) before the next chunk, so that the chunk comes from
 memory once. The weight rows the sweeps reach a few groups on are prefetched in software. Compiled
 code is kept as object files beside this module (``DSV41_KERNEL_CACHE`` moves them), so later
@@ -84,12 +85,13 @@ TILE = 32                   # blocks of a K tile (``tiled``): x's tile for 4 row
 # an operand against 5.1 G without, one core, Emerald Rapids; docs/flash-shapes.md)
 WEIGHT_ROWS = {16: {1: 4, 2: 4, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}, 8: {1: 2, 2: 1, 3: 1, 4: 1}}
 HALF_ROWS = 5
-# except BF16 and FP8 half-sweep passes, which take four weight rows over the whole of K (no K tiles):
-# each load of x then serves four weight rows; an 8-row pass from memory (16,384 x 5,120, one core, CPU
-# time, Zen 4) ran BF16 0.22 against 0.29 ns a value (tiled, two weight rows), FP8 0.19 against 0.22, and
-# a 6-row one 0.18 against 0.23 and 0.15 against 0.17; tiled, four weight rows gained little, and FP4,
-# whose table decode holds registers of its own, ran slower with four (docs/flash-shapes.md)
-WIDE_HALVES = ("bf16", "fp8")
+# except BF16 and FP8 passes of two or more rows with AVX-512, which take four weight rows over the whole
+# of K (no K tiles): each load of x then serves four weight rows. From memory (16,384 x 5,120, one core,
+# CPU time, Zen 4), ns a value, against two weight rows in K tiles: 8 rows BF16 0.22 against 0.29, FP8
+# 0.19 against 0.22; 6 rows 0.18 against 0.23 and 0.15 against 0.17; 4 rows 0.13 against 0.18 and 0.11
+# against 0.12; 3 rows 0.14 against 0.17 and 0.10 against 0.11. Four weight rows in K tiles gained little,
+# and FP4, whose table decode holds registers of its own, ran slower with four (docs/flash-shapes.md).
+WIDE = ("bf16", "fp8")
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the FP16 stand-ins are the value times 2^-8 (E4M3) or 2^-14 (E2M1); E4M3's BF16 one (the 8-lane
 # decode's) is the value times 2^-120
@@ -711,17 +713,17 @@ def half_sweeps(rows: int, width: int) -> bool:
 
 
 def _wide(fmt: str, rows: int, width: int) -> bool:
-    return half_sweeps(rows, width) and fmt in WIDE_HALVES
+    return width == 16 and rows > 1 and fmt in WIDE
 
 
 def weight_rows(fmt: str, rows: int, width: int) -> int:
-    """Weight rows a group of a pass of ``rows`` activation rows takes (``WEIGHT_ROWS``, ``WIDE_HALVES``)."""
+    """Weight rows a group of a pass of ``rows`` activation rows takes (``WEIGHT_ROWS``, ``WIDE``)."""
     return 4 if _wide(fmt, rows, width) else WEIGHT_ROWS[16 if width == 16 else 8][rows]
 
 
 def k_tiles(fmt: str, rows: int, width: int, k: int) -> bool:
     """Whether a pass sweeps K a tile at a time (``tiled``): two or more rows over more than one tile
-    (over one tile the saved accumulators would only cost), except the ``WIDE_HALVES`` passes."""
+    (over one tile the saved accumulators would only cost), except the ``WIDE`` passes."""
     return rows > 1 and k > TILE * BLOCK and not _wide(fmt, rows, width)
 
 
