@@ -35,12 +35,12 @@ weight value per row is the cost that grows with the batch) and up to four weigh
 overlap and each load of x serves several weight rows. A pass of two or more rows over more than one
 K tile runs a block row of weight rows one tile at a time (``tiled``), so that x's tile is read from
 L1, except BF16 and FP8 passes with AVX-512, which take four weight rows over the whole of K
-(``WIDE``: measured faster on Zen 4); from ``HALF_ROWS`` rows on with AVX-512 a pass takes the blocks'
-columns 0-15 (over the tile), then 16-31, each lane's sum still one chain in block order. With more than one pass, every pass runs over
-a chunk of the weight rows (``CHUNK_BYTES``) before the next chunk, so that the chunk comes from
-memory once. The weight rows the sweeps reach a few groups on are prefetched in software. Compiled
-code is kept as object files beside this module (``DSV41_KERNEL_CACHE`` moves them), so later
-processes load it instead of compiling.
+(``WIDE``: measured faster on Zen 4); from ``HALF_ROWS`` rows on with AVX-512 a pass takes the
+blocks' columns 0-15 (over the tile), then 16-31, each lane's sum still one chain in block order.
+With more than one pass, every pass runs over a chunk of the weight rows (``CHUNK_BYTES``) before
+the next chunk, so that the chunk comes from memory once. The weight rows the sweeps reach a few
+groups on are prefetched in software. Compiled code is kept as object files beside this module
+(``DSV41_KERNEL_CACHE`` moves them), so later processes load it instead of compiling.
 """
 from __future__ import annotations
 
