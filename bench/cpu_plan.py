@@ -65,9 +65,10 @@ def planned(checkpoint: str, layout: str, batch: int, context: int) -> dict:
     """The plan's report of the measured decode step, one row per request as the engine decodes (the
     plan's default is the seed's 1 + 5 draft rows)."""
     _, tp, dp = layout.split(":")
-    cfg = dataclasses.replace(open_checkpoint(checkpoint).cfg, decode_rows_per_request=1)
-    return run_plan(cfg, Topology(int(tp), int(dp), int(tp) * int(dp)), batch // int(dp), context + 2,
-                    phase="decode", device="cpu")[0]
+    opened = open_checkpoint(checkpoint)
+    return run_plan(opened.cfg, Topology(int(tp), int(dp), int(tp) * int(dp)), batch // int(dp), context + 2,
+                    phase="decode", device="cpu",
+                    capacity=dataclasses.replace(opened.capacity, decode_rows_per_request=1))[0]
 
 
 def replan(row: dict) -> dict:

@@ -46,6 +46,7 @@ from core_rates import compiled, rate    # bench/core_rates.py, beside this scri
 from cpu_plan import node_us_by_step     # bench/cpu_plan.py, beside this script
 
 from dsv41.config import PRESETS, Topology
+from dsv41.engine.capacity import capacity_of
 from dsv41.cpu import cores
 from dsv41.cpu.fused_product import permute_width
 from dsv41.plan.step import run_plan
@@ -83,8 +84,8 @@ def model_cfg(a):
 def planned(cfg, batch: int, context: int) -> tuple[dict[str, int], dict[str, dict[str, int]], dict, float]:
     """Node kind -> bytes the plan's decode step moves (reads + writes); node kind -> weight values it
     multiplies by checkpoint format; the plan's report; the step's matrix multiply-adds."""
-    cfg = dataclasses.replace(cfg, decode_rows_per_request=1)
-    report, step = run_plan(cfg, Topology(1, 1, 1), batch, context, phase="decode", device="cpu")
+    capacity = dataclasses.replace(capacity_of(cfg), decode_rows_per_request=1)
+    report, step = run_plan(cfg, Topology(1, 1, 1), batch, context, phase="decode", device="cpu", capacity=capacity)
     by_kind: dict[str, int] = defaultdict(int)
     values: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     macs = 0.0

@@ -121,8 +121,8 @@ def main(argv=None) -> int:
         finally:
             e.close()
     from dsv41.plan.step import run_plan
-    plan, _ = run_plan(dataclasses.replace(ckpt.cfg, decode_rows_per_request=1), topo, requests=a.batch // a.dp,
-                       context=context, phase="decode", device="cpu")
+    plan, _ = run_plan(ckpt.cfg, topo, requests=a.batch // a.dp, context=context, phase="decode", device="cpu",
+                       capacity=dataclasses.replace(ckpt.capacity, decode_rows_per_request=1))
     for w in result["workers"]:
         w["plan_transient"] = plan["cards"][w["card"]]["transient_peak_bytes"]
     t, d = result["threads"], result["distributed"]

@@ -35,6 +35,7 @@ from dsv41.checkpoint.headers import without_dspark
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
+from dsv41.engine.capacity import capacity_of
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.request import Request, requests_for
 from dsv41.engine.scheduler import Scheduler
@@ -48,12 +49,13 @@ class Timed(Request):
             self.__dict__.setdefault("times", []).append(time.perf_counter())
 
 
-def make_engine(a, cfg, batch: int, context: int):
+def make_engine(a, cfg, batch: int, context: int, capacity=None):
     context = min(context, cfg.max_position_embeddings)
     if a.executor == "reference":
-        return ReferenceEngine(cfg, seed=0, max_batch=batch, max_context=context)
-    return GraphEngine(cfg, Topology(a.tp, a.dp, a.tp * a.dp), EngineConfig(seed=0, executor=a.executor,
-                                                                            max_batch=batch, max_context=context))
+        return ReferenceEngine(cfg, seed=0, max_batch=batch, max_context=context, capacity=capacity)
+    return GraphEngine(cfg, Topology(a.tp, a.dp, a.tp * a.dp),
+                       EngineConfig(seed=0, executor=a.executor, capacity=capacity, max_batch=batch,
+                                    max_context=context))
 
 
 def prompt(cfg, n: int, salt: int) -> list[int]:
@@ -86,8 +88,9 @@ def percentile(xs: list[float], q: float) -> float:
 def arrival(a, cfg) -> list[dict]:
     # the streams and the long prompt in one DP group: TINY's 8 slots per group raised to hold them
     slots = -(-(a.streams + 1) // a.dp)
-    cfg = replace(cfg, max_batch_per_dp=max(cfg.max_batch_per_dp, slots))
-    engine = make_engine(a, cfg, a.streams + 1, a.long + a.new + 2)
+    capacity = capacity_of(cfg)
+    capacity = replace(capacity, max_batch_per_dp=max(capacity.max_batch_per_dp, slots))
+    engine = make_engine(a, cfg, a.streams + 1, a.long + a.new + 2, capacity)
     rows = []
     try:
         for budget in a.budgets:
@@ -146,7 +149,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     cfg = without_dspark(PRESETS[a.config].reduced(a.layers, a.experts, a.engram_rows))
-    a.budgets = a.budgets or [cfg.prefill_max_tokens]
+    a.budgets = a.budgets or [capacity_of(cfg).prefill_max_tokens]
     out = {"config": cfg.name, "executor": a.executor, "tp": a.tp, "dp": a.dp}
     if "1" in a.parts:
         out["ttft"] = ttft(a, cfg)

@@ -20,10 +20,10 @@ import csv
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 from dsv41.config import FLASH, Topology
+from dsv41.engine.capacity import Capacity
 from dsv41.plan.roofline import profile
 from dsv41.plan.step import run_plan
 
@@ -42,7 +42,7 @@ def points(batch: int, context: int, grid: bool) -> list[tuple[int, int]]:
 
 def plan_point(layout: str, batch: int, context: int, device: str) -> dict:
     topo, dev = LAYOUTS[layout], profile(device)
-    report, _ = run_plan(replace(FLASH, max_batch_per_dp=max(BATCHES)), topo, batch, context, device=device)
+    report, _ = run_plan(FLASH, topo, batch, context, device=device, capacity=Capacity(max_batch_per_dp=max(BATCHES)))
     return row(layout, topo, batch, context, report, dev)
 
 

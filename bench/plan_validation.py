@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 
 from dsv41.config import FLASH
+from dsv41.engine.capacity import Capacity
 from dsv41.plan import calibration as cb
 from dsv41.plan.card_step import plan_card
 from dsv41.plan.cards import CARDS
@@ -38,9 +39,9 @@ def plan_row(m: cb.Deployment) -> dict:
     t0 = time.perf_counter()
     card = CARDS[m.card]
     if card is None:
-        cfg = replace(FLASH, decode_rows_per_request=1 + m.draft, max_batch_per_dp=128)
+        cfg, capacity = FLASH, Capacity(decode_rows_per_request=1 + m.draft, max_batch_per_dp=128)
         r, planned = run_plan(cfg, m.topo, m.batch, m.context, device=m.profile, dispatch=m.dispatch,
-                              scheme=m.scheme)
+                              scheme=m.scheme, capacity=capacity)
         dev, layers, hbm = planned.device, cfg.num_hidden_layers, max(c["total_bytes"] for c in r["cards"])
         extra = {"roofline_us": round(r["roofline_step_us"], 3)}
     else:

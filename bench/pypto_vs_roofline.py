@@ -21,6 +21,7 @@ from collections import defaultdict
 
 from dsv41.cluster.plan import make_plan
 from dsv41.config import PRESETS, Topology
+from dsv41.engine.capacity import capacity_of
 from dsv41.graph.build import REPLICATED, build
 from dsv41.kernels.cost import nbytes
 from dsv41.kernels.device_time import node_sim_us
@@ -59,8 +60,9 @@ def main():
     a = p.parse_args()
     cfg = PRESETS[a.config]
     topo = Topology(4, 2, 8) if a.config == "flash" else Topology(1, 1, 1)
-    requests, per_request = split_rows(a.rows or cfg.decode_max_tokens, cfg.max_batch_per_dp,
-                                       cfg.decode_rows_per_request)
+    capacity = capacity_of(cfg)
+    requests, per_request = split_rows(a.rows or capacity.decode_max_tokens, capacity.max_batch_per_dp,
+                                       capacity.decode_rows_per_request)
     context = a.context or (1 << 20 if a.config == "flash" else 256)
     steps = {g: step_inputs(cfg, requests, per_request, context, "decode") for g in range(topo.dp)}
     graph = build(cfg, topo, steps, REPLICATED, "decode")

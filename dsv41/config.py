@@ -29,8 +29,7 @@ RANGES = {
 # block is the drafts of one step (acceptance falls geometrically: past tens none are kept).
 COUNTS = {
     "n_routed_experts": 65536, "sliding_window": 65536, "index_topk": 65536, "block_size": 65536,
-    "candidate_topk_blocks": 1 << 20, "candidate_block_size": 65536, "max_batch_per_dp": 65536,
-    "decode_rows_per_request": 64, "prefill_max_tokens": 1 << 24, "index_score_leaf": 1 << 24,
+    "candidate_topk_blocks": 1 << 20, "candidate_block_size": 65536, "index_score_leaf": 1 << 24,
 }
 DSPARK_COUNTS = {"dspark_block_size": 64, "dspark_markov_rank": MAX_DIM, "dspark_n_routed_experts": 65536}
 MAX_MTP_LAYERS = 64
@@ -115,12 +114,9 @@ class ModelConfig:
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 0
     dspark_n_activated_experts: int = 0
-    # engine constants (serving ABI, not model math)
+    # cache layout constants (serving ABI, not model math; a deployment's capacity: ``engine.capacity``)
     block_size: int = 128            # paged-cache rows per block
     state_capacity: int = 4          # ratio-2 compressor ring slots per request
-    max_batch_per_dp: int = 32
-    decode_rows_per_request: int = 6  # 1 target + 5 DSpark draft rows
-    prefill_max_tokens: int = 4096   # scheduled prefill rows per DP group
     index_score_budget_bytes: int = 512 * 1024 * 1024
     index_score_leaf: int = 8192       # score rows are padded to a multiple of this width
     mx_group: int = 32
@@ -142,10 +138,6 @@ class ModelConfig:
     @property
     def o_group_in(self) -> int:
         return self.num_attention_heads * self.head_dim // self.o_groups
-
-    @property
-    def decode_max_tokens(self) -> int:
-        return self.max_batch_per_dp * self.decode_rows_per_request
 
     @property
     def dspark(self) -> bool:
@@ -203,11 +195,10 @@ class ModelConfig:
                     "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window", "n_routed_experts",
                     "num_experts_per_tok", "moe_intermediate_size", "index_n_heads", "index_head_dim",
                     "index_topk", "candidate_topk_blocks", "candidate_block_size", "hc_mult",
-                    "hc_sinkhorn_iters", "block_size", "state_capacity", "max_batch_per_dp",
-                    "max_position_embeddings"]
+                    "hc_sinkhorn_iters", "block_size", "state_capacity", "max_position_embeddings"]
         for name in positive + ["engram_vocab_size", "engram_n_heads", "engram_head_dim",
-                                "original_max_position_embeddings", "decode_rows_per_request",
-                                "prefill_max_tokens", "index_score_budget_bytes", "index_score_leaf"]:
+                                "original_max_position_embeddings", "index_score_budget_bytes",
+                                "index_score_leaf"]:
             top = COUNTS.get(name, MAX_DIM)
             need(0 < getattr(self, name) <= top, name, f"must be in [1, {top}], got {getattr(self, name)}")
         # a zero, negative or non-finite eps, theta or factor gives NaN/Inf on every step
@@ -361,7 +352,7 @@ TINY = replace(
     index_head_dim=32, index_topk=8, candidate_topk_blocks=3, candidate_block_size=4,
     max_position_embeddings=4096, original_max_position_embeddings=256, engram_vocab_size=1000,
     engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=512, block_size=16,
-    max_batch_per_dp=8, prefill_max_tokens=512, index_score_budget_bytes=4096, index_score_leaf=64,
+    index_score_budget_bytes=4096, index_score_leaf=64,
     dspark_noise_token_id=500, dspark_markov_rank=32, dspark_n_routed_experts=16,
 ).validate()
 
@@ -371,7 +362,7 @@ SMALL = replace(
     n_routed_experts=16, moe_intermediate_size=128, index_n_heads=8, index_head_dim=64, index_topk=64,
     candidate_topk_blocks=16, candidate_block_size=8, max_position_embeddings=16384,
     original_max_position_embeddings=4096, engram_vocab_size=5000, engram_n_heads=2, engram_head_dim=32,
-    engram_compressed_vocab_size=4096, block_size=64, max_batch_per_dp=16, prefill_max_tokens=2048,
+    engram_compressed_vocab_size=4096, block_size=64,
     index_score_budget_bytes=1 << 20, index_score_leaf=512, n_mtp_layers=0,
 ).validate()
 

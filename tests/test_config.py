@@ -1,9 +1,10 @@
 """Model config (spec 01 §1): FLASH fields, the derived 40-layer schedule, validation, Topology."""
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
-from dsv41.config import FLASH, FULL, PRESETS, REINDEX, REUSE, SMALL, SWA, TINY, Topology
+from dsv41.config import FLASH, FULL, PRESETS, REINDEX, REUSE, SMALL, SWA, TINY, ConfigError, ModelConfig, Topology
+from dsv41.engine.capacity import CAPACITIES, LIMITS, Capacity, capacity_of
 
 # Spec 01 §1 layer table, typed in: layer ratio mode kv_src idx_src
 SCHEDULE = """
@@ -69,14 +70,38 @@ def test_flash_fields():
                 candidate_block_size=8, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, engram_layer_ids=(1, 14),
                 engram_max_ngram_size=4, engram_vocab_size=16000000, engram_n_heads=8, engram_head_dim=256,
                 engram_pad_token_id=2, engram_compressed_vocab_size=99092, kv_source_layer_ids=(2, 8, 14, 20),
-                index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36), block_size=128, state_capacity=4,
-                max_batch_per_dp=32, decode_rows_per_request=6, prefill_max_tokens=4096, mx_group=32)
+                index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36), block_size=128, state_capacity=4, mx_group=32)
     for k, v in want.items():
         assert getattr(FLASH, k) == v, k
     assert FLASH.compress_ratios == (0, 0) + (2,) * 18 + (1,) * 20
     assert (FLASH.nope_head_dim, FLASH.hc_dim, FLASH.mix_hc, FLASH.o_group_in) == (448, 20480, 24, 4096)
-    assert FLASH.decode_max_tokens == 192
     assert PRESETS == {"tiny": TINY, "small": SMALL, "flash": FLASH}
+
+
+def test_the_capacity_contract_is_the_deployments_not_the_models():
+    """The seed's limits per DP group live in ``Capacity``, one per preset; the model has none of them."""
+    names = {f.name for f in fields(ModelConfig)}
+    assert not names & {"max_batch_per_dp", "decode_rows_per_request", "prefill_max_tokens", "decode_max_tokens"}
+    assert not hasattr(FLASH, "decode_max_tokens")
+    flash = CAPACITIES["flash"]
+    assert (flash.max_batch_per_dp, flash.decode_rows_per_request, flash.prefill_max_tokens) == (32, 6, 4096)
+    assert flash.decode_max_tokens == 192 and flash.max_drafts == 5      # 32 requests x (1 target + 5 drafts)
+    assert (CAPACITIES["tiny"].max_batch_per_dp, CAPACITIES["tiny"].prefill_max_tokens) == (8, 512)
+    assert (CAPACITIES["small"].max_batch_per_dp, CAPACITIES["small"].prefill_max_tokens) == (16, 2048)
+    assert set(CAPACITIES) == set(PRESETS)
+    # a reduction runs with its preset's limits; a model of no preset with FLASH's
+    assert capacity_of(FLASH.reduced(layers=4, experts=8)) is CAPACITIES["flash"]
+    assert capacity_of(TINY.reduced(layers=3)) is CAPACITIES["tiny"]
+    assert capacity_of(replace(TINY, name="mine")) is CAPACITIES["flash"]
+
+
+@pytest.mark.parametrize("name, top", sorted(LIMITS.items()))
+def test_capacity_fields_have_a_range_naming_the_field(name, top):
+    for bad in (0, top + 1, True):
+        with pytest.raises(ConfigError) as e:
+            replace(Capacity(), **{name: bad}).validate()
+        assert e.value.field == name and str(e.value) == f"capacity.{name}: must be in [1, {top}], got {bad}"
+    assert getattr(replace(Capacity(), **{name: top}).validate(), name) == top
 
 
 @pytest.mark.parametrize("cfg", [FLASH, TINY, SMALL], ids=["flash", "tiny", "small"])

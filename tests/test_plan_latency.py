@@ -9,6 +9,7 @@ import pytest
 
 from dsv41.cli import run
 from dsv41.config import TINY, Topology
+from dsv41.engine.capacity import CAPACITIES
 from dsv41.graph.graph import Graph
 from dsv41.kernels.kinds import KINDS
 from dsv41.plan.latency import FIXED_TERMS, PARTS, step_latency
@@ -351,7 +352,8 @@ def test_verify_rows_and_acceptance_set_the_tokens_per_step():
     assert expected_tokens(0.0, 5) == 1 and expected_tokens(1.0, 5) == 6
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
     topo = Topology(1, 1, 1)
-    plain, _ = run_plan(replace(TINY, decode_rows_per_request=1), topo, requests=2, context=64)
+    plain, _ = run_plan(TINY, topo, requests=2, context=64,
+                        capacity=replace(CAPACITIES["tiny"], decode_rows_per_request=1))
     spec, _ = run_plan(TINY, topo, requests=2, context=64, acceptance=0.5)
     assert plain["rows_per_dp_group"] == 2 and spec["rows_per_dp_group"] == 12
     assert plain["tokens_per_request_step"] == 1 and spec["tokens_per_request_step"] == expected_tokens(0.5, 5)

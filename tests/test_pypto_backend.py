@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsv41.config import FLASH, TINY
+from dsv41.engine.capacity import CAPACITIES
 from dsv41.kernels.pypto import env as pypto_env
 from dsv41.kernels.pypto.backend import (PYPTO_KERNELS, SimCache, cache_key, check_npu, device_time_us,
                                          node_parts, node_time_us, sim_time_us, verify_kernel)
@@ -110,7 +111,8 @@ def test_unknown_kernel_is_none_and_bad_shapes_raise(tmp_path):
 
 
 def test_node_parts_cover_registered_kernels_and_sum(tmp_path):
-    for cfg, rows, tp in [(TINY, TINY.decode_max_tokens, 1), (FLASH, FLASH.decode_max_tokens, 4)]:
+    for cfg, rows, tp in [(TINY, CAPACITIES["tiny"].decode_max_tokens, 1),
+                          (FLASH, CAPACITIES["flash"].decode_max_tokens, 4)]:
         for node, parts in node_parts(cfg, rows, tp).items():
             for kernel, shapes in parts:
                 PYPTO_KERNELS[kernel].normalize(shapes)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from dsv41.checkpoint.reader import open_checkpoint, read_config
+from dsv41.engine.capacity import CAPACITIES
 from dsv41.cli.write_checkpoint import main
 from dsv41.config import TINY
 from dsv41.weights import checkpoint_specs
@@ -18,8 +19,9 @@ def test_the_writer_writes_a_reduced_model_whose_config_round_trips(tmp_path, ca
     assert main([str(folder), "--config", "tiny", "--layers", "3", "--experts", "8", "--engram-rows", "101",
                  "--shard-mb", "0.5"]) == 0
     want = TINY.reduced(layers=3, experts=8, engram_rows=101)
-    got = read_config(folder)
+    got, capacity = read_config(folder)
     assert got.name == "tiny-L3-E8-R101" == want.name
+    assert capacity == CAPACITIES["tiny"]               # the reduction runs with its preset's limits
     assert got == replace(want, engram_compressed_vocab_size=got.engram_compressed_vocab_size)
     opened = open_checkpoint(folder)                 # every header checked against the reduced model
     assert set(opened.names()) == set(checkpoint_specs(got))

@@ -22,6 +22,7 @@ import pytest
 from dsv41.checkpoint.chat import encode_messages
 from dsv41.checkpoint.text import TextCodec
 from dsv41.config import TINY
+from dsv41.engine.capacity import CAPACITIES
 from dsv41.serving import schema
 from dsv41.serving.reasoning import split_reasoning
 
@@ -47,7 +48,8 @@ class ScriptedEngine(OneGroupEngine):
     """Answers every request with the ids of one text (then EOS): the model stand-in that lets a test
     know the answer the parsers must take apart."""
 
-    cfg = replace(TINY, prefill_max_tokens=4096)     # one step takes any prompt the app lets in
+    cfg = TINY
+    capacity = replace(CAPACITIES["tiny"], prefill_max_tokens=4096)     # one step takes any prompt the app lets in
 
     def __init__(self, codec: TextCodec):
         super().__init__()

@@ -21,6 +21,7 @@ import torch
 
 from dsv41.checkpoint.text import TextCodec
 from dsv41.config import TINY
+from dsv41.engine.capacity import CAPACITIES
 from dsv41.engine.grammar import TokenTable
 from dsv41.ops.sampling import RowDraw, SamplingParams, allowed_tokens, sample_rows
 from dsv41.serving import structured
@@ -336,8 +337,8 @@ class RealInProcess(InProcess):
 
     def __init__(self, codec):
         from dsv41.engine.reference import ReferenceEngine
-        cfg = replace(TINY, prefill_max_tokens=2048)
-        super().__init__(codec, ReferenceEngine(cfg, seed=0, max_batch=4, max_context=1536))
+        capacity = replace(CAPACITIES["tiny"], prefill_max_tokens=2048)
+        super().__init__(codec, ReferenceEngine(TINY, seed=0, max_batch=4, max_context=1536, capacity=capacity))
 
 
 @pytest.fixture(scope="module")

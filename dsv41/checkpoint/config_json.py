@@ -1,11 +1,12 @@
-"""``config.json`` <-> ``ModelConfig``.
+"""``config.json`` <-> ``ModelConfig`` and the deployment's ``Capacity``.
 
 The file follows the released checkpoint: model fields under ``text_config`` with the Hugging Face
 names (``rope_scaling`` holds YaRN, ``engram_pad_id`` the Engram pad, ``compress_ratios`` may carry
 trailing 0s for the draft layers, ``num_nextn_predict_layers`` counts DSpark's stages and the
 ``dspark_*`` keys describe them), plus ``quantization_config``. Engine constants (paged-cache block
-size, batch and score budgets) are not model math and are absent from released files; test
-checkpoints written here keep theirs under a ``dsv41`` section so they run as their preset does.
+size, score budgets, and the capacity: batch and step rows per DP group) are not model math and are
+absent from released files; test checkpoints written here keep theirs under a ``dsv41`` section so
+they run as their preset does. A file without them runs with FLASH's.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import fields, replace
 
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.config import FLASH, ConfigError, ModelConfig
+from dsv41.engine.capacity import Capacity, capacity_of
 from dsv41.ops.engram import engram_table_rows
 
 FILE = "config.json"
@@ -27,8 +29,11 @@ DSPARK = ("n_mtp_layers", "dspark_block_size", "dspark_noise_token_id", "dspark_
 # the official inference code's name for dspark_num_experts_per_tok, read when that one is absent
 ACTIVATED_ALIAS = "dspark_n_activated_experts"
 ROPE_SCALING = ("rope_factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+# the dsv41 section, in the order written: ModelConfig's cache layout, and the Capacity's fields
 ENGINE = ("block_size", "state_capacity", "max_batch_per_dp", "decode_rows_per_request", "prefill_max_tokens",
           "index_score_budget_bytes", "index_score_leaf")
+CAPACITY = tuple(f.name for f in fields(Capacity))
+LAYOUT = tuple(k for k in ENGINE if k not in CAPACITY)
 # released keys this project does not read but whose value the math here assumes
 ASSUMED = {"scoring_func": "sqrtsoftplus", "hidden_act": "silu", "num_key_value_heads": 1, "norm_topk_prob": True,
            "gate_temp": 1.0, "tie_word_embeddings": False, "n_shared_experts": 1}
@@ -36,11 +41,14 @@ QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [32, 32]}
 
 
 def _model_fields() -> list[str]:
-    skip = set(ROPE_SCALING) | set(ENGINE) | set(DSPARK) | {"name", "mx_group", "extra"}
+    skip = set(ROPE_SCALING) | set(LAYOUT) | set(DSPARK) | {"name", "mx_group", "extra"}
     return [f.name for f in fields(ModelConfig) if f.name not in skip]
 
 
-def to_json(cfg: ModelConfig) -> dict:
+def to_json(cfg: ModelConfig, capacity: Capacity | None = None) -> dict:
+    """The file of cfg run with capacity (default: its preset's, ``capacity_of``)."""
+    capacity = capacity or capacity_of(cfg)
+    engine = {k: getattr(capacity if k in CAPACITY else cfg, k) for k in ENGINE}
     text = {RENAMED.get(k, k): getattr(cfg, k) for k in _model_fields()}
     text = {k: list(v) if isinstance(v, tuple) else v for k, v in text.items()}
     text["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.beta_fast,
@@ -55,11 +63,11 @@ def to_json(cfg: ModelConfig) -> dict:
                      for k, v in ((k, getattr(cfg, k)) for k in DSPARK[1:])})
     text.update(ASSUMED)
     return {"model_type": "deepseek_v41", "text_config": text, "quantization_config": dict(QUANTIZATION),
-            "dsv41": {"name": cfg.name, **{k: getattr(cfg, k) for k in ENGINE}}}
+            "dsv41": {"name": cfg.name, **engine}}
 
 
 def _key(field: str) -> str:
-    """Where a ModelConfig field is written in config.json."""
+    """Where a ModelConfig or Capacity field is written in config.json."""
     if field in ENGINE:
         return f"dsv41.{field}"
     if field in ROPE_SCALING:
@@ -154,8 +162,8 @@ def from_json(doc, name: str) -> ModelConfig:
         for key, want in QUANTIZATION.items():
             if quant.get(key) != want:
                 _fail(f"quantization_config.{key}", repr(want), quant.get(key))
-    engine = doc.get("dsv41", {})
-    for key in ENGINE:
+    engine = _engine_section(doc)
+    for key in LAYOUT:
         if key in engine:
             values[key] = _typed(f"dsv41.{key}", engine[key], int)
     try:
@@ -170,3 +178,22 @@ def from_json(doc, name: str) -> ModelConfig:
     if rows is not None and list(rows) != want:
         _fail("text_config.engram_num_embeddings", f"{want} (primes from engram_vocab_size)", rows)
     return cfg
+
+
+def _engine_section(doc) -> dict:
+    engine = doc.get("dsv41", {}) if isinstance(doc, dict) else {}
+    if not isinstance(engine, dict):
+        _fail("dsv41", "a JSON object", type(engine).__name__)
+    return engine
+
+
+def capacity_from_json(doc) -> Capacity:
+    """The validated capacity of the dsv41 section (FLASH's for a key it leaves out); a mistyped or
+    out-of-range key raises CheckpointError naming it."""
+    engine = _engine_section(doc)
+    values = {k: _typed(f"dsv41.{k}", engine[k], int) for k in CAPACITY if k in engine}
+    try:
+        return Capacity(**values).validate()
+    except ConfigError as e:
+        rule = str(e).split(": ", 1)[1]
+        raise CheckpointError(f"{FILE}: {_key(e.field)}: {rule}") from None

@@ -25,6 +25,7 @@ from dsv41.checkpoint.headers import DTYPES, INDEX, check_headers, fail, without
 from dsv41.checkpoint.text import TextCodec
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
+from dsv41.engine.capacity import Capacity, capacity_of
 
 
 # dtype -> (the payload's bits as integers, the magnitude mask, the lowest magnitude that may not appear,
@@ -53,12 +54,13 @@ def _bad_values(t: torch.Tensor) -> tuple[torch.Tensor, str] | None:
 class Checkpoint:
     """Served tensors of one validated folder. Pickles without its open files (workers reopen).
     ``cfg`` is the config served: config.json's, less DSpark when the folder has no ``mtp.*`` tensors
-    (``declared`` keeps config.json's own)."""
+    (``declared`` keeps config.json's own); ``capacity`` the limits it runs with (its ``dsv41`` section)."""
 
     def __init__(self, path: Path, cfg: ModelConfig, files: dict[str, str], token_map: torch.Tensor,
-                 declared: ModelConfig | None = None):
+                 declared: ModelConfig | None = None, capacity: Capacity | None = None):
         self.path, self.cfg, self.files, self.token_map = path, cfg, files, token_map
         self.declared = declared or cfg
+        self.capacity = capacity or capacity_of(cfg)
         self._open: dict[str, object] = {}
         self._maps: dict[str, tuple] = {}
 
@@ -136,8 +138,9 @@ def _map_shard(path: Path):
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), header, 8 + n
 
 
-def read_config(path) -> ModelConfig:
-    """The folder's validated ``config.json`` alone (what sizing a run needs); raises CheckpointError."""
+def read_config(path) -> tuple[ModelConfig, Capacity]:
+    """The folder's validated ``config.json`` alone (what sizing a run needs): the model and the
+    capacity it runs with; raises CheckpointError."""
     path = Path(path)
     cfg_path = folder_file(path, config_json.FILE)
     if not cfg_path.is_file():
@@ -146,13 +149,13 @@ def read_config(path) -> ModelConfig:
         doc = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: expected JSON, found: {e}") from None
-    return config_json.from_json(doc, path.name)
+    return config_json.from_json(doc, path.name), config_json.capacity_from_json(doc)
 
 
 def open_checkpoint(path) -> Checkpoint:
     """Validate a folder in the released layout (spec 03 §8); raises CheckpointError."""
     path = Path(path)
-    declared = read_config(path)
+    declared, capacity = read_config(path)
     files = check_headers(path, declared)
     cfg = declared if any(n.startswith("mtp.") for n in files) else without_dspark(declared)
     codec = TextCodec.load(path)
@@ -163,4 +166,4 @@ def open_checkpoint(path) -> Checkpoint:
     if compressed != cfg.engram_compressed_vocab_size:
         raise CheckpointError(f"{path / 'tokenizer.json'}: expected config.json's engram_compressed_vocab_size="
                               f"{cfg.engram_compressed_vocab_size} compressed token ids, found {compressed}")
-    return Checkpoint(path, cfg, files, token_map, declared)
+    return Checkpoint(path, cfg, files, token_map, declared, capacity)

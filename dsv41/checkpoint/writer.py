@@ -28,6 +28,7 @@ from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
+from dsv41.engine.capacity import Capacity
 from dsv41.outputs import write_output
 from dsv41.weights import draw_checkpoint
 
@@ -116,9 +117,10 @@ def check_target(path: Path) -> None:
         raise OSError(errno.EACCES, "is not writable", str(path))
 
 
-def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0, shard_bytes: int = 1 << 28) -> ModelConfig:
+def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0, shard_bytes: int = 1 << 28,
+                     capacity: Capacity | None = None) -> ModelConfig:
     """Write a test checkpoint folder; returns the config it holds (the preset with the token map's
-    compressed vocabulary). The files go into a new hidden folder beside ``path``, renamed to ``path``
+    compressed vocabulary). capacity: the limits its config.json keeps (default: the preset's). The files go into a new hidden folder beside ``path``, renamed to ``path``
     when complete: a failure (a full disk, Ctrl-C) removes it and leaves nothing that looks like a
     checkpoint. ``path`` must be absent or an empty folder (``check_target``); missing parents are made."""
     if not os.fspath(path):     # Path("") is the current folder
@@ -136,7 +138,7 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0, s
         raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         save_tensors(draw_checkpoint(cfg, seed), work, shard_bytes)
-        write_output(work / config_json.FILE, json.dumps(config_json.to_json(cfg), indent=1))
+        write_output(work / config_json.FILE, json.dumps(config_json.to_json(cfg, capacity), indent=1))
         write_output(work / TOKENIZER, tok.to_str(pretty=True))
         write_output(work / TOKENIZER_CONFIG, json.dumps(
             {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": True, "add_eos_token": False},

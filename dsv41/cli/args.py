@@ -146,28 +146,32 @@ def resolve_model(a, checkpoint=None):
     """The model a command serves, the one place it is decided (run, serve and the checkpoint writer
     call it, so a reduction is never dropped): the opened checkpoint's config, else the --config
     preset with --layers/--experts/--engram-rows applied; a reduction that breaks the schedule is a
-    usage error naming its option."""
+    usage error naming its option. ``a.capacity`` becomes the limits it runs with (``engine.capacity``)."""
+    from dsv41.engine.capacity import capacity_of
     if checkpoint is not None:
+        a.capacity = checkpoint.capacity
         return checkpoint.cfg
     from dsv41.config import PRESETS
     try:
-        return PRESETS[a.config].reduced(a.layers, a.experts, a.engram_rows)
+        cfg = PRESETS[a.config].reduced(a.layers, a.experts, a.engram_rows)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    a.capacity = capacity_of(cfg)
+    return cfg
 
 
 def model_config(a):
     """The model to check against: the --config preset (reduced as asked), or --checkpoint's config.json. With a
     checkpoint the prompts are encoded here (``a.codec``, ``a.prompt_ids``); their count and longest
-    length become --batch and --prompt-len. A file that cannot be read or decoded is a UsageError
-    naming the flag and the file."""
+    length become --batch and --prompt-len; ``a.capacity`` its limits (config.json's ``dsv41`` section).
+    A file that cannot be read or decoded is a UsageError naming the flag and the file."""
     a.codec, a.prompt_ids = None, []
     if a.checkpoint is None:
         return resolve_model(a)
     from dsv41.checkpoint.reader import read_config
     from dsv41.cli.prompts import PromptError, encode_prompts
     try:
-        cfg = read_config(a.checkpoint)
+        cfg, a.capacity = read_config(a.checkpoint)
         if mode(a) != PLAN:
             a.codec, a.prompt_ids = encode_prompts(a.checkpoint, a.prompt, a.prompt_file, a.chat,
                                                    a.allow_special_tokens)
@@ -217,7 +221,7 @@ def _ep(a, cfg):
 
 
 def _batch(a, cfg):
-    cap = cfg.max_batch_per_dp
+    cap = a.capacity.max_batch_per_dp
     if mode(a) == PLAN:
         if a.batch % a.dp or not 1 <= a.batch // a.dp <= cap:
             return (f"must be a multiple of --dp {a.dp} in [{a.dp}, {cap * a.dp}] (requests in total, "
@@ -238,7 +242,7 @@ def _prompt_len(a, cfg):
 
 
 def _max_num_batched_tokens(a, cfg):
-    top = cfg.prefill_max_tokens
+    top = a.capacity.prefill_max_tokens
     if a.max_num_batched_tokens is not None and not 1 <= a.max_num_batched_tokens <= top:
         return (f"must be in [1, {top}] rows per DP group per step {on(a, cfg)} (its prefill capacity, "
                 f"the default), got {a.max_num_batched_tokens}")

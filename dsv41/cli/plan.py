@@ -76,7 +76,7 @@ def _context(a, cfg):
             return (f"must be in [1, {top}] tokens of drawn history with --prompt-len {a.prompt_len} and "
                     f"{new} new tokens {on(a, cfg)} (context limit {cfg.max_position_embeddings}), got {a.context}")
         return None
-    low, top = rows_per_request(cfg, a.batch // a.dp, a.graph), cfg.max_position_embeddings
+    low, top = rows_per_request(a.capacity, a.batch // a.dp, a.graph), cfg.max_position_embeddings
     if not low <= a.context <= top:
         return f"must be in [{low}, {top}] tokens per request {on(a, cfg)}, got {a.context}"
 
@@ -124,10 +124,11 @@ def _per_step(report) -> str:
 
 def plan_report(args, cfg, topo, say) -> dict:
     context = cfg.max_position_embeddings if args.context is None else args.context
+    capacity = args.capacity
     if args.draft_tokens is not None and args.graph == "decode":    # rows per request: 1 + drafts
-        cfg = dataclasses.replace(cfg, decode_rows_per_request=1 + args.draft_tokens)
+        capacity = dataclasses.replace(capacity, decode_rows_per_request=1 + args.draft_tokens)
     report, planned = run_plan(cfg, topo, args.batch // topo.dp, context, args.graph, args.wiring,
-                               args.device_profile, args.dispatch, args.acceptance, args.scheme)
+                               args.device_profile, args.dispatch, args.acceptance, args.scheme, capacity)
     if args.trace:     # files only when asked, as in every other mode
         report["traces"] = write_traces(args.trace, *record_planned(planned, cfg, topo))
     requests = report["requests_per_dp_group"]
@@ -143,10 +144,11 @@ def plan_report(args, cfg, topo, say) -> dict:
         f"(BF16 rows: {report['cache_per_request_bf16_bytes'] / GB:.3f} GB)")
     if args.max_total_tokens is not None:
         per_group = -(-args.max_total_tokens // topo.dp)
-        held = BlockManager(cfg, cfg.max_batch_per_dp, context, per_group).holds(context) * topo.dp
+        per = capacity.max_batch_per_dp
+        held = BlockManager(cfg, per, context, per_group, step_rows=capacity.prefill_max_tokens).holds(context) * topo.dp
         report["max_total_tokens"], report["requests_held"] = args.max_total_tokens, held
         say(f"  cache budget {args.max_total_tokens} tokens ({per_group} per DP group): holds {held} requests of "
-            f"{context} tokens at once ({cfg.max_batch_per_dp} per DP group at most)")
+            f"{context} tokens at once ({per} per DP group at most)")
     say(f"  {report['device_profile']} ({report['dispatch']} dispatch, {report['scheme']}): predicted step "
         f"{report['predicted_step_us'] / 1e3:.2f} ms; {report['tokens_per_s_per_request']:.1f} tokens/s per request, "
         f"{report['tokens_per_s']:.0f} tokens/s in total ({_per_step(report)})")

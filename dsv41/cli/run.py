@@ -249,12 +249,14 @@ def make_engine(args, cfg, topo, progress: Progress, checkpoint=None):
     if args.executor == REFERENCE:
         from dsv41.engine.reference import ReferenceEngine
         return ReferenceEngine(cfg, seed=args.seed, max_batch=args.batch, max_context=context, checkpoint=checkpoint,
-                               cache_tokens=rules.cache_tokens(args), prefix_caching=args.enable_prefix_caching)
+                               cache_tokens=rules.cache_tokens(args), prefix_caching=args.enable_prefix_caching,
+                               capacity=args.capacity)
     from dsv41.cluster.engine import GraphEngine
     from dsv41.cluster.settings import EngineConfig
     startup = Startup(args.connect_timeout, progress.on_workers, progress.on_ready)
     settings = EngineConfig(seed=args.seed, executor=args.executor, granularity=args.granularity, wiring=args.wiring,
-                            max_batch=args.batch, max_context=context, cache_tokens=rules.cache_tokens(args),
+                            capacity=args.capacity, max_batch=args.batch, max_context=context,
+                            cache_tokens=rules.cache_tokens(args),
                             prefix_caching=args.enable_prefix_caching, backend=args.backend, address=args.address,
                             dashboard=args.dashboard, startup=startup)
     return GraphEngine(cfg, topo, settings, checkpoint=checkpoint)

@@ -99,9 +99,9 @@ def _port(a, cfg):
 
 
 def _max_batch(a, cfg):
-    cap = cfg.max_batch_per_dp * groups(a)
-    if not 1 <= a.max_batch <= cap:
-        return f"must be in [1, {cap}] ({cfg.max_batch_per_dp} per DP group {rules.on(a, cfg)}), got {a.max_batch}"
+    per = a.capacity.max_batch_per_dp
+    if not 1 <= a.max_batch <= per * groups(a):
+        return f"must be in [1, {per * groups(a)}] ({per} per DP group {rules.on(a, cfg)}), got {a.max_batch}"
 
 
 def _max_context(a, cfg):
@@ -133,7 +133,7 @@ def _shutdown_timeout(a, cfg):
 def _sizes(a, cfg):
     """The capacity defaults, and the run fields the budget check sizes (a batch of max-context requests)."""
     if a.max_batch is None:
-        a.max_batch = cfg.max_batch_per_dp * groups(a)
+        a.max_batch = a.capacity.max_batch_per_dp * groups(a)
     if a.max_context is None:
         a.max_context = min(DEFAULT_CONTEXT, cfg.max_position_embeddings)
     a.batch, a.prompt_len = a.max_batch, a.max_context - 1

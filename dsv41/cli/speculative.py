@@ -45,10 +45,11 @@ APPLIES = {
 def _draft_tokens(a, cfg):
     if a.draft_tokens is None:
         return None
-    top, low = cfg.decode_rows_per_request - 1, 0 if a.plan else 1
+    top, low = a.capacity.max_drafts, 0 if a.plan else 1
     if not low <= a.draft_tokens <= top:
-        return (f"must be in [{low}, {top}] (a decode step holds {cfg.decode_rows_per_request} rows per request "
-                f"on {cfg.name}), got {a.draft_tokens}")
+        rows = a.capacity.decode_rows_per_request
+        return (f"must be in [{low}, {top}] (a decode step holds {rows} rows per request on {cfg.name}), "
+                f"got {a.draft_tokens}")
 
 
 def _ngram_min(a, cfg):

@@ -38,6 +38,7 @@ from dsv41.cluster.settings import EngineConfig
 from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
+from dsv41.engine.capacity import capacity_of
 from dsv41.engine.context import draw_history, fill_caches
 from dsv41.engine.layout import Part, StepLayout
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
@@ -68,14 +69,15 @@ class GraphEngine(Engine):
         seed, options, cache_tokens, prefix_caching = settings.seed, settings.options, settings.cache_tokens, \
             settings.prefix_caching
         self._graphs: OrderedDict = OrderedDict()   # step shape -> planned graph, least recent first
-        max_batch = settings.max_batch or cfg.max_batch_per_dp * topo.dp
+        self.capacity = capacity = settings.capacity or capacity_of(cfg, checkpoint)
+        max_batch = settings.max_batch or capacity.max_batch_per_dp * topo.dp
         per_group = math.ceil(max_batch / topo.dp)
-        if per_group > cfg.max_batch_per_dp:
-            raise ValueError(f"max_batch: {max_batch} over dp={topo.dp} exceeds {cfg.max_batch_per_dp} requests "
-                             f"per DP group (capacity contract)")
+        if per_group > capacity.max_batch_per_dp:
+            raise ValueError(f"max_batch: {max_batch} over dp={topo.dp} exceeds {capacity.max_batch_per_dp} requests "
+                             f"per DP group (max_batch_per_dp, the capacity contract)")
         max_context = settings.max_context or min(cfg.max_position_embeddings, 1024)
         token_map = None if checkpoint is None else checkpoint.token_map
-        self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens, prefix_caching, g)
+        self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens, prefix_caching, g, capacity)
                        for g in range(topo.dp)]
         self.router = Router(topo.dp)
         self.step_id = 0
@@ -91,7 +93,8 @@ class GraphEngine(Engine):
         self.observers: list[StepObserver] = []
         self.id = uuid.uuid4().hex[:8]
         self.builds: dict[int, str] = {}      # card -> build id of the State this engine expects
-        self._state_args = (seed, per_group, max_context, options, checkpoint, cache_tokens)
+        self._state_args = (seed, per_group, max_context, options, checkpoint, cache_tokens,
+                            capacity.prefill_max_tokens)
         if settings.executor not in LOCAL_EXECUTORS:
             self.runner = DistributedRunner(topo.ep, settings.address, settings.dashboard, settings.startup)
         self._finalizer = weakref.finalize(self, _free_everywhere, self.id, self.runner)
@@ -133,10 +136,10 @@ class GraphEngine(Engine):
     # ---- State ownership ----------------------------------------------------------------------------
     def _install(self, cards: list[int]):
         """Fresh States (same seed, empty caches, a new build id) for these cards, at this generation."""
-        seed, per_group, max_context, options, source, cache_tokens = self._state_args
+        seed, per_group, max_context, options, source, cache_tokens, step_rows = self._state_args
         build_id = uuid.uuid4().hex[:8]
         args = (self.cfg, self.topo, seed, per_group, max_context, options, source, self.id, build_id,
-                self.generation, self.settings.backend, cache_tokens)
+                self.generation, self.settings.backend, cache_tokens, step_rows)
         if self.runner is None:
             _install_here(*args, cards=cards)
         else:
@@ -428,10 +431,10 @@ def _card_bytes(engine: str):
 
 
 def _install_here(cfg, topo, seed, per_group, max_context, options, source, engine, build_id, generation, backend,
-                  cache_tokens, cards):
+                  cache_tokens, step_rows, cards):
     device_time = None if backend == "torch" else partial(node_sim_us, backend=backend)
     registry.install(engine, build_states(cfg, topo, seed, cards, per_group, max_context, options, source, build_id,
-                                          generation, cache_tokens), device_time)
+                                          generation, cache_tokens, step_rows), device_time)
     return_freed_memory()
 
 

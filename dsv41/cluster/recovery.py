@@ -58,10 +58,11 @@ def replay(engine, groups: list[int]) -> tuple[int, int, int]:
     """Rebuild the caches of these DP groups from their requests' token histories, as prefill steps of
     at most prefill_max_tokens rows per group (a longer history in chunks), into fresh host tables
     under the same request ids. Returns the tokens replayed, the requests and the steps."""
-    limit = engine.cfg.prefill_max_tokens
+    limit = engine.capacity.prefill_max_tokens
     tables = engine.tables
     fresh = {g: RequestTable(engine.cfg, tables[g].max_batch, tables[g].max_context, tables[g].token_map,
-                             tables[g].cache_tokens, tables[g].blocks.cache is not None, g) for g in groups}
+                             tables[g].cache_tokens, tables[g].blocks.cache is not None, g, tables[g].capacity)
+             for g in groups}
     work = {g: [Part(rid, req.tokens[i:i + limit], start=i == 0) for rid, req in tables[g].requests.items()
                 for i in range(0, len(req.tokens), limit)] for g in groups}
     tokens = steps = 0

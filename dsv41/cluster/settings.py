@@ -1,7 +1,7 @@
 """A ``GraphEngine``'s settings, in one object checked before anything is built.
 
 The model (``ModelConfig``), the topology and the checkpoint say what runs; these say how: the
-executor and its granularity, the TP wiring, the requests and context the request tables hold,
+executor and its granularity, the TP wiring, the capacity per DP group, the requests and context the request tables hold,
 the tokens their cache pools hold and whether they keep a prefix cache, the cluster to join, the kernel backend, and how long a
 step waits for a lost card's worker.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv41.cluster.connect import Startup
+from dsv41.engine.capacity import Capacity
 from dsv41.graph.build import SHARDED
 from dsv41.kernels.device_time import BACKENDS
 from dsv41.model.options import FULL_PREFILL, Options
@@ -25,7 +26,9 @@ class EngineConfig:
     executor: str = "threads"
     granularity: str = "submission"        # one dask task per submission, or per node
     wiring: str = SHARDED
-    max_batch: int | None = None           # requests at once over all DP groups (default: the config's per group)
+    capacity: Capacity | None = None       # the limits per DP group (default: the checkpoint's or the model's,
+    #                                        ``engine.capacity``)
+    max_batch: int | None = None           # requests at once over all DP groups (default: the capacity's per group)
     max_context: int | None = None         # tokens per request (default: min(context limit, 1024))
     cache_tokens: int | None = None        # what each DP group's compressed pools hold (default: every
     #                                        request at max_context; ``RequestTable``)

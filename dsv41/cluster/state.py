@@ -32,7 +32,7 @@ class CardState:
     options: Options
     build: str = ""
     generation: int = 0                      # steps committed into these caches
-    capacity: tuple = (1, 1, None)           # (max_batch, max_context, cache_tokens) the caches are sized for
+    capacity: tuple = (1, 1, None, None)     # (max_batch, max_context, cache_tokens, step_rows) the caches are sized for
     # DP group -> (step, FP32 logits) its head node made on this card: they stay here until asked for
     logits: dict = field(default_factory=dict)
     draft_logits: dict = field(default_factory=dict)   # DP group -> (step, FP32 [B, block, vocab]) its DSpark head drew from
@@ -49,9 +49,11 @@ class CardState:
 
 def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: int, max_context: int,
                  options: Options = Options(), source=None, build: str = "",
-                 generation: int = 0, cache_tokens: int | None = None) -> dict[int, CardState]:
+                 generation: int = 0, cache_tokens: int | None = None,
+                 step_rows: int | None = None) -> dict[int, CardState]:
     """States of the given cards, each reading its own weight slices from ``source`` (a checkpoint
-    reader, or by default one deterministic draw from ``seed``); cache_tokens: the request table's."""
+    reader, or by default one deterministic draw from ``seed``); cache_tokens and step_rows: the
+    request table's (its pools' sizes, ``BlockManager``)."""
     if cfg.vocab_size % topo.tp:
         raise ValueError(f"Topology.tp={topo.tp}: must divide vocab_size={cfg.vocab_size} (LM-head shards)")
     source = DrawnCheckpoint(cfg, seed) if source is None else source
@@ -59,7 +61,7 @@ def build_states(cfg: ModelConfig, topo: Topology, seed: int, cards, max_batch: 
     tables = {p: precompute_rope_tables(cfg, max_context + (cfg.dspark_block_size if p == PLAIN else 0), p)
               for p in (PLAIN, COMPRESSED)}
     weights = read_cards(source, topo, cards)
-    capacity = (max_batch, max_context, cache_tokens)
+    capacity = (max_batch, max_context, cache_tokens, step_rows)
     return {c: CardState(cfg, topo, c, weights[c], _empty(cfg, *capacity),
                          tables, options, build, generation, capacity) for c in cards}
 
@@ -72,5 +74,7 @@ def renew(st: CardState, build: str, generation: int):
     st.build, st.generation = build, generation
 
 
-def _empty(cfg: ModelConfig, max_batch: int, max_context: int, cache_tokens: int | None) -> StagedTensors:
-    return StagedTensors(empty_caches(cfg, BlockManager(cfg, max_batch, max_context, cache_tokens)))
+def _empty(cfg: ModelConfig, max_batch: int, max_context: int, cache_tokens: int | None,
+           step_rows: int | None) -> StagedTensors:
+    return StagedTensors(empty_caches(cfg, BlockManager(cfg, max_batch, max_context, cache_tokens,
+                                                        step_rows=step_rows)))

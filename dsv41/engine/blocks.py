@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from dsv41.config import ModelConfig
+from dsv41.engine.capacity import capacity_of
 from dsv41.engine.prefix_cache import Hit, PrefixCache
 from dsv41.engine.sequence import Sequence
 
@@ -90,25 +91,29 @@ def _give_back(pools: Pools, key, seq: Sequence, page, blk: int):
         seq.compressed_pages[key].pop()
     _put(pools, key, blk, front=True)
 
-def window_pages(cfg: ModelConfig, max_context: int) -> int:
+def window_pages(cfg: ModelConfig, max_context: int, step_rows: int) -> int:
     """Window pages one request can hold at once. Before a step it holds the pages from its earliest
     window position on; a step of n new tokens adds pages up to its last, so at most
-    ceil((n + window - 1) / block) + 1, with n <= prefill_max_tokens, and never more than its whole
-    context's. A drawn 1M-token history (``start_at``) keeps 34 FLASH pages a layer, not 8,193."""
+    ceil((n + window - 1) / block) + 1, with n <= step_rows (the capacity's ``prefill_max_tokens``),
+    and never more than its whole context's. A drawn 1M-token history (``start_at``) keeps 34 FLASH
+    pages a layer, not 8,193."""
     bs = cfg.block_size
-    return min(math.ceil(max_context / bs), math.ceil((cfg.prefill_max_tokens + cfg.sliding_window - 1) / bs)) + 1
+    return min(math.ceil(max_context / bs), math.ceil((step_rows + cfg.sliding_window - 1) / bs)) + 1
 
 
 class BlockManager:
     def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, cache_tokens: int | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, step_rows: int | None = None):
         """cache_tokens: the tokens the compressed pools hold over all requests (default: every
         request at max_context); fewer makes the scheduler preempt when requests grow.
         prefix_caching: keep the pages of completed prompt spans for later requests (evicted,
-        least recently used first, when a pool has no free block left)."""
+        least recently used first, when a pool has no free block left). step_rows: the rows of the
+        longest step (default: the model's capacity, ``engine.capacity``)."""
         self.cfg = cfg
         bs = cfg.block_size
-        self.window_per_request = window_pages(cfg, max_context)
+        if step_rows is None:
+            step_rows = capacity_of(cfg).prefill_max_tokens
+        self.window_per_request = window_pages(cfg, max_context, step_rows)
         self.window_blocks = max_batch * self.window_per_request
         if cache_tokens is None:
             sizes = lambda r: max_batch * math.ceil(max_context // r / bs + 1)    # noqa: E731

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from dsv41.engine.capacity import Capacity
 from dsv41.engine.layout import Part, StepLayout
 from dsv41.engine.prefix_cache import Hit
 from dsv41.engine.request import new_id, requests_for
@@ -79,6 +80,7 @@ class Engine(ABC):
 
     last_request_ids: list[int]
     last_stats: dict
+    capacity: Capacity          # the limits of a step and a DP group's table (``engine.capacity``)
     taps: tuple = ()            # DSpark target layers whose taps each step hands back (the drafter sets them)
 
     @abstractmethod

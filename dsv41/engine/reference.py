@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import ModelConfig, Topology
+from dsv41.engine.capacity import Capacity, capacity_of
 from dsv41.engine.context import draw_history, fill_caches
 from dsv41.engine.layout import Part
 from dsv41.engine.protocol import Engine, StepCounter, StepOutput
@@ -23,9 +24,11 @@ class ReferenceEngine(Engine):
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, max_batch: int | None = None,
                  max_context: int | None = None, checkpoint=None, options: Options = Options(),
-                 cache_tokens: int | None = None, prefix_caching: bool = False):
-        """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; None draws from seed."""
+                 cache_tokens: int | None = None, prefix_caching: bool = False, capacity: Capacity | None = None):
+        """checkpoint: an opened checkpoint (``dsv41.checkpoint.reader``) holding cfg; None draws from seed.
+        capacity: the limits of its step and table (default: the checkpoint's or the model's)."""
         self.cfg = cfg
+        self.capacity = capacity or capacity_of(cfg, checkpoint)
         self.options = options
         self.seed = seed
         if checkpoint is not None and checkpoint.cfg != cfg:
@@ -35,9 +38,10 @@ class ReferenceEngine(Engine):
         source = DrawnCheckpoint(cfg, seed) if checkpoint is None else checkpoint
         self.weights = read_card(source, Topology(1, 1, 1), 0)
         self.model = Transformer(cfg, self.weights)
-        self.table = RequestTable(cfg, max_batch or cfg.max_batch_per_dp,
+        self.table = RequestTable(cfg, max_batch or self.capacity.max_batch_per_dp,
                                   max_context or min(cfg.max_position_embeddings, 1024),
-                                  None if checkpoint is None else checkpoint.token_map, cache_tokens, prefix_caching)
+                                  None if checkpoint is None else checkpoint.token_map, cache_tokens, prefix_caching,
+                                  capacity=self.capacity)
         self.caches = StagedTensors(empty_caches(cfg, self.table.blocks))
         capacity = self.table.max_context
         self.rope_tables = {p: precompute_rope_tables(cfg, capacity, p) for p in (PLAIN, COMPRESSED)}

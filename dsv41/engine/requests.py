@@ -16,6 +16,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.engine.blocks import BlockManager, Reservation
+from dsv41.engine.capacity import Capacity, capacity_of
 from dsv41.engine.layout import Part, StepLayout
 from dsv41.engine.sequence import GREEDY, Sequence
 from dsv41.ops import metadata as md_ops
@@ -82,16 +83,21 @@ class RequestTable:
     """Sequences and block pools of one DP group (one paged-cache owner), by request id."""
 
     def __init__(self, cfg: ModelConfig, max_batch: int, max_context: int, token_map: torch.Tensor | None = None,
-                 cache_tokens: int | None = None, prefix_caching: bool = False, group: int = 0):
-        if not 1 <= max_batch <= cfg.max_batch_per_dp:
-            raise ValueError(f"max_batch: must be in [1, {cfg.max_batch_per_dp}], got {max_batch}")
+                 cache_tokens: int | None = None, prefix_caching: bool = False, group: int = 0,
+                 capacity: Capacity | None = None):
+        """capacity: the deployment's limits per DP group (default: the model's, ``capacity_of``)."""
+        self.capacity = capacity = capacity or capacity_of(cfg)
+        if not 1 <= max_batch <= capacity.max_batch_per_dp:
+            raise ValueError(f"max_batch: must be in [1, {capacity.max_batch_per_dp}] (max_batch_per_dp), "
+                             f"got {max_batch}")
         if not 1 <= max_context <= cfg.max_position_embeddings:
             raise ValueError(f"max_context: must be in [1, {cfg.max_position_embeddings}], got {max_context}")
         self.cfg, self.max_batch, self.max_context, self.group = cfg, max_batch, max_context, group
         if cache_tokens is not None and not 1 <= cache_tokens <= max_batch * max_context:
             raise ValueError(f"cache_tokens: must be in [1, {max_batch * max_context}], got {cache_tokens}")
         self.cache_tokens = cache_tokens
-        self.blocks = BlockManager(cfg, max_batch, max_context, cache_tokens, prefix_caching)
+        self.blocks = BlockManager(cfg, max_batch, max_context, cache_tokens, prefix_caching,
+                                   capacity.prefill_max_tokens)
         self.requests: dict[int, Sequence] = {}
         self.token_map = default_token_map(cfg) if token_map is None else token_map
 
@@ -123,9 +129,9 @@ class RequestTable:
                 raise ValueError(f"token_ids: must be ints in [0, {cfg.vocab_size - 1}], got {bad[0]!r}")
             if d and (part.start or len(toks) != 1):     # a prefill step may carry decode rows and their drafts
                 raise ValueError("drafts: only a running request's decode row (one new token) verifies drafts")
-            if len(d) > cfg.decode_rows_per_request - 1:
-                raise ValueError(f"drafts: at most {cfg.decode_rows_per_request - 1} per request "
-                                 f"(decode_rows_per_request {cfg.decode_rows_per_request}), got {len(d)}")
+            if len(d) > self.capacity.max_drafts:
+                raise ValueError(f"drafts: at most {self.capacity.max_drafts} per request "
+                                 f"(decode_rows_per_request {self.capacity.decode_rows_per_request}), got {len(d)}")
             if rid in seen:
                 raise ValueError(f"request_ids: request {rid} appears twice in one step")
             seen.add(rid)
@@ -143,7 +149,7 @@ class RequestTable:
                                  f"max_context is {self.max_context}")
         if len(self.requests) + starting > self.max_batch:
             raise ValueError(f"batch: at most {self.max_batch} active requests (capacity contract)")
-        limit = cfg.prefill_max_tokens if phase == "prefill" else cfg.decode_max_tokens
+        limit = self.capacity.step_limit(phase)
         if layout.total > limit:
             raise ValueError(f"batch: {layout.total} token rows exceed the {phase} capacity {limit} per DP group")
 
@@ -225,8 +231,9 @@ class RequestTable:
                 n = len(history)
                 seq = started[rid] = Sequence(rid, list(history), prompt_len=n, group=self.group, from_context=True)
                 self.blocks.take_state(seq, res)
-                for done in range(0, n, self.cfg.prefill_max_tokens):   # in the largest steps the scheduler allows
-                    step = min(self.cfg.prefill_max_tokens, n - done)
+                top = self.capacity.prefill_max_tokens      # in the largest steps the scheduler allows
+                for done in range(0, n, top):
+                    step = min(top, n - done)
                     self.blocks.reserve(seq, step, res)
                     seq.kv_len += step
                     self.blocks.release_stale(seq)

@@ -107,7 +107,7 @@ class Scheduler:
         requests (False: prompts first, decoding waits until no prompt is left to feed)."""
         self.engine, self.drafter = engine, drafter
         self.max_batch = max_batch or engine.max_batch
-        capacity = engine.cfg.prefill_max_tokens
+        capacity = engine.capacity.prefill_max_tokens
         if budget is not None and not 1 <= budget <= capacity:
             raise ValueError(f"max_num_batched_tokens: must be in [1, {capacity}] rows per DP group, got {budget}")
         self.budget = budget or capacity
@@ -325,10 +325,10 @@ class Scheduler:
         from a drafter that gives them, their distributions."""
         if self.drafter is None:
             return None, None
-        cfg, cap = self.engine.cfg, self.engine.max_context
+        cap = self.engine.max_context
         rooms = [max(0, min(req.stops.limit - len(req.stops.tokens) - 1,      # past the limit: wasted rows
                             cap - self.engine.sequence(req.id).kv_len - 1,
-                            cfg.decode_rows_per_request - 1)) for req in requests]
+                            self.engine.capacity.max_drafts)) for req in requests]
         return self.drafter.propose_batch(requests, rooms)
 
     def _short_group(self, requests: list[Request], drafts) -> int | None:

@@ -5,8 +5,9 @@ returns, weights are sized from the checkpoint's formats and caches from the kv_
 bytes. Only the step metadata (block tables, positions) is real, and it is small even at 1M context.
 
 Each DP group serves ``requests`` requests at ``context`` tokens; a decode step gives each request
-``decode_rows_per_request`` rows (1 target + 5 draft: 32 requests -> 192 rows per group, the seed's
-capacity contract), a prefill step splits the group's ``prefill_max_tokens`` rows between them. The
+the capacity's ``decode_rows_per_request`` rows (1 target + 5 draft: 32 requests -> 192 rows per
+group, the seed's capacity contract, ``engine.capacity``), a prefill step splits the group's
+``prefill_max_tokens`` rows between them. The
 per-card HBM is replayed along the simulated timeline, so the Perfetto counter track and the
 reported transient peak follow the same order.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.cluster.plan import make_plan
+from dsv41.engine.capacity import Capacity, capacity_of
 from dsv41.engine.layout import StepLayout
 from dsv41.engine.requests import StepInputs
 from dsv41.graph.build import SHARDED, build, step_outputs
@@ -43,8 +45,8 @@ class CardContext:
         return self.topo.tp_rank(self.card)
 
 
-def rows_per_request(cfg, requests: int, phase: str) -> int:
-    return cfg.decode_rows_per_request if phase == "decode" else cfg.prefill_max_tokens // requests
+def rows_per_request(capacity: Capacity, requests: int, phase: str) -> int:
+    return capacity.decode_rows_per_request if phase == "decode" else capacity.prefill_max_tokens // requests
 
 
 def step_inputs(cfg, requests: int, rows: int, context: int, phase: str) -> StepInputs:
@@ -67,11 +69,11 @@ def step_inputs(cfg, requests: int, rows: int, context: int, phase: str) -> Step
     return StepInputs(layout, torch.zeros(t, dtype=torch.int64), md, hashes, phase, md.logit_row_indices)
 
 
-def check(cfg, requests: int, context: int, phase: str):
-    rows = rows_per_request(cfg, requests, phase)
-    limit = cfg.decode_max_tokens if phase == "decode" else cfg.prefill_max_tokens
-    rules = [(1 <= requests <= cfg.max_batch_per_dp, "batch",
-              f"must be in [1, {cfg.max_batch_per_dp}] requests per DP group, got {requests}"),
+def check(cfg, capacity: Capacity, requests: int, context: int, phase: str):
+    rows = rows_per_request(capacity, requests, phase)
+    limit = capacity.step_limit(phase)
+    rules = [(1 <= requests <= capacity.max_batch_per_dp, "batch",
+              f"must be in [1, {capacity.max_batch_per_dp}] requests per DP group, got {requests}"),
              (rows >= 1 and requests * rows <= limit, "batch", f"{requests} requests do not fit {limit} {phase} rows"),
              (rows <= context <= cfg.max_position_embeddings, "context",
               f"must be in [{rows}, {cfg.max_position_embeddings}], got {context}")]
@@ -139,11 +141,13 @@ def expected_tokens(acceptance: float, drafts: int) -> float:
 
 def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiring: str = SHARDED,
              device: str = "a5", dispatch: str = "graph", acceptance: float = 0.0,
-             scheme: str = "all_to_all") -> tuple[dict, PlannedStep]:
+             scheme: str = "all_to_all", capacity: Capacity | None = None) -> tuple[dict, PlannedStep]:
     """The report of one step and the planned step itself. A decode step's rows per request are
-    1 + drafts (``decode_rows_per_request``); acceptance: each draft's, for the tokens per step;
-    scheme: how the stack hands data between cards (``dsv41.plan.latency.SCHEMES``)."""
-    check(cfg, requests, context, phase)
+    1 + drafts (the capacity's ``decode_rows_per_request``; default capacity: the model's,
+    ``capacity_of``); acceptance: each draft's, for the tokens per step; scheme: how the stack hands
+    data between cards (``dsv41.plan.latency.SCHEMES``)."""
+    capacity = capacity or capacity_of(cfg)
+    check(cfg, capacity, requests, context, phase)
     topo.check(cfg)
     if scheme not in SCHEMES:
         raise ValueError(f"--scheme: must be one of {list(SCHEMES)}, got {scheme!r}")
@@ -151,7 +155,7 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
         raise ValueError(f"--scheme all_reduce: needs one DP group (TP attention, the experts' sums "
                          f"all-reduced over it), got --dp {topo.dp}")
     dev = profile(device)
-    rows = rows_per_request(cfg, requests, phase)
+    rows = rows_per_request(capacity, requests, phase)
     steps = {g: step_inputs(cfg, requests, rows, context, phase) for g in range(topo.dp)}
     # a step with draft rows verifies DSpark's drafts and drafts the next block in the same graph
     dspark = cfg.dspark and phase == "decode" and rows > 1
