@@ -17,6 +17,11 @@ class OneGroupEngine:
     def __init__(self):
         self.last_stats = {}
 
+    @property
+    def host(self):
+        """The stand-in is its own host state: what fits, where, the sequences (``engine.host``)."""
+        return self
+
     def token(self, rid: int) -> int:
         raise NotImplementedError
 

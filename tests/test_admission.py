@@ -22,7 +22,7 @@ class Watched(Scheduler):
     """Checks every preemption against the group's free blocks, counted from its pools."""
 
     def _preempt(self, job, group):
-        table = self.engine.tables[group]
+        table = self.engine.host.tables[group]
         decoding = [j for j in self.running.values() if not j.feed and self._group(j) == group]
         need: dict = {}
         for j in decoding:

@@ -70,7 +70,7 @@ def test_reference_on_the_folder_uses_its_weights_and_token_map(opened, drawn, r
     def whole(w):   # a lookup table decodes the rows looked up: look them all up
         return w[torch.arange(w.shape[0])] if isinstance(w, RowLookup) else w
     assert all(torch.equal(whole(model.weights[k]), want[k]) for k in want)
-    assert model.table.token_map is opened.token_map
+    assert model.host.tables[0].token_map is opened.token_map
 
 
 @pytest.mark.parametrize("layout", [("sync", "2", "1"), ("threads", "1", "2")])

@@ -105,7 +105,7 @@ def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
     rids = list(engine.last_request_ids)
     toks = torch.argmax(logits, -1).tolist()
     before = _snapshot(engine)
-    tables = [(copy.deepcopy(t.requests), list(t.pools.window)) for t in engine.tables]
+    tables = [(copy.deepcopy(t.requests), list(t.pools.window)) for t in engine.host.tables]
     # decode graphs have the prefill graph's keys except for the number of index chunks
     keys = sorted(k for k in engine.last_graph.nodes if "/index#" not in k)
     target = random.Random(3).choice(keys) if where == "random" else where
@@ -116,7 +116,7 @@ def test_failed_step_leaves_state_untouched_and_retry_matches(reference, where):
     finally:
         engine.inject_failure(None)
     assert _same(before, _snapshot(engine))
-    assert [(dict(t.requests), list(t.pools.window)) for t in engine.tables] == tables
+    assert [(dict(t.requests), list(t.pools.window)) for t in engine.host.tables] == tables
     again = engine.decode(toks, rids).logits
     assert torch.argmax(again, -1).tolist() == reference[0][1]
     assert registry.find(engine.id).hooks.fail_at is None

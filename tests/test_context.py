@@ -62,29 +62,29 @@ def test_filled_state_is_what_a_prefill_leaves_and_decodes_finite():
     # the host state equals a real prefill plan of the same histories (but for the flag that says
     # the history was drawn)
     table = RequestTable(CFG, 2, CONTEXT + 8)
-    table.commit(table.plan([Part(r, engine.table.requests[r].tokens, start=True) for r in rids], "prefill"))
+    table.commit(table.plan([Part(r, engine.host.tables[0].requests[r].tokens, start=True) for r in rids], "prefill"))
     for seq in table.requests.values():
         seq.from_context = True
-    assert table.requests == engine.table.requests and table.pools == engine.table.pools
-    assert [engine.table.requests[r].kv_len for r in rids] == [CONTEXT, CONTEXT]
+    assert table.requests == engine.host.tables[0].requests and table.pools == engine.host.tables[0].pools
+    assert [engine.host.tables[0].requests[r].kv_len for r in rids] == [CONTEXT, CONTEXT]
     # every compressed row of each request is written (a drawn row is never all zeros), nothing past them
     for s in CFG.kv_source_layer_ids:
         r = CFG.compress_ratios[s]
         payload, _ = engine.caches.read(cache.compressed(s))
         written = payload.view(-1, CFG.block_size, payload.shape[1]).ne(0).any(-1)
         for rid in rids:
-            pages = engine.table.requests[rid].compressed_pages[r]
+            pages = engine.host.tables[0].requests[rid].compressed_pages[r]
             rows = written[pages].flatten()
             assert rows[: CONTEXT // r].all() and not rows[CONTEXT // r:].any()
     window, _ = engine.caches.read(cache.window(0))
     for rid in rids:
-        pages = engine.table.requests[rid].window_pages
+        pages = engine.host.tables[0].requests[rid].window_pages
         rows = window.view(-1, CFG.block_size, window.shape[1]).float().ne(0).any(-1)[list(pages.values())]
         assert rows.flatten()[: CONTEXT - min(pages) * CFG.block_size].all()
         assert min(pages) * CFG.block_size <= CONTEXT - CFG.sliding_window
     out = engine.decode([1, 2], rids)
     assert torch.isfinite(out.logits).all()
-    assert [engine.table.requests[r].kv_len for r in rids] == [CONTEXT + 1] * 2
+    assert [engine.host.tables[0].requests[r].kv_len for r in rids] == [CONTEXT + 1] * 2
 
 
 def test_a_context_past_the_capacity_is_refused():

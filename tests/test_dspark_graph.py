@@ -130,7 +130,7 @@ def test_a_request_recomputed_after_preemption_drafts_again():
         assert state.drafted is not None
         again = engine.run([Part(rid, history, sampling=state.sampling, start=True)], "prefill").request_ids[0]
         assert again == rid
-        engine.settle(again, state)
+        engine.host.settle(again, state)
         made, _ = golden.drafts()
         tokens, conf, _, _ = graph_drafts(engine, [again])
         assert torch.equal(tokens, made.tokens) and torch.equal(conf, made.confidence)

@@ -291,7 +291,7 @@ def check_cached(engine, oracle, mode: str, prompts=None):
     final logits equal the oracle's, which caches nothing."""
     sampling, drafter = MODES[mode]
     prompts = prompts or variants()
-    warm, _ = run(engine, [BASE] * len(engine.tables), sampling, drafter)    # in every DP group
+    warm, _ = run(engine, [BASE] * len(engine.host.tables), sampling, drafter)    # in every DP group
     histories = [BASE + w.made[:-1] for w in warm]
     got, sched = run(engine, prompts, sampling, drafter)
     want = oracle_answers(oracle, mode, prompts)
@@ -331,13 +331,13 @@ def test_dp2_each_group_reuses_the_prefix_it_computed(oracle):
     try:
         first, _ = run(engine, [BASE, BASE + [1]])
         placed = []
-        spy = engine.router.split
+        spy = engine.host.router.split
 
         def split(parts, loads, group_of):
             out = spy(parts, loads, group_of)
             placed.extend(g for p, (g, _) in zip(parts, out.placed) if p.start)
             return out
-        engine.router.split = split
+        engine.host.router.split = split
         got, _ = run(engine, dp2_prompts(), SAMPLED)
         want = oracle_answers(oracle, "sampled", variants())[:2]
         assert {0, 1} <= set(placed)
@@ -370,7 +370,7 @@ class Censused(Scheduler):
 
     def step(self):
         turn = super().step()
-        for table in self.engine.tables:
+        for table in self.engine.host.tables:
             census(table.blocks, list(table.requests.values()))
         return turn
 
@@ -383,8 +383,8 @@ def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(ora
     on its batch, tests/test_admission.py)."""
     engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, cache_tokens=128, prefix_caching=True)
     evicted = []
-    evict = engine.table.blocks.cache.evict
-    engine.table.blocks.cache.evict = lambda key: evicted.append(key) or evict(key)
+    evict = engine.host.tables[0].blocks.cache.evict
+    engine.host.tables[0].blocks.cache.evict = lambda key: evicted.append(key) or evict(key)
     heads = [prompt(70, salt=s) for s in range(5)]
     prompts = [heads[i // 2 % 5] + prompt(3 + i % 11, salt=40 + i) for i in range(10)]
     got, sched = run(engine, prompts, SAMPLED, cls=Censused, new=12)
@@ -393,7 +393,7 @@ def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(ora
     assert all(torch.equal(g.final_logits, w.final_logits) for g, w in zip(got, want))
     assert sched.victims and evicted and sched.prefix_hits > 0
     assert engine.blocks_in_use()[0] == 0
-    census(engine.table.blocks, [])
+    census(engine.host.tables[0].blocks, [])
 
 
 @pytest.mark.timeout(900)
@@ -401,7 +401,7 @@ def test_a_rejected_draft_after_a_cached_prefix_leaves_the_shared_blocks_as_they
     engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True)
     run(engine, [BASE])
     q = BASE[:77] + prompt(20, salt=3)
-    hit = engine.table.blocks.cache.lookup(q, len(q) - 1)
+    hit = engine.host.tables[0].blocks.cache.lookup(q, len(q) - 1)
     assert hit.length == 64
     bs = TINY.block_size
     shared = {}                                   # cache name -> its rows in the hit's blocks
@@ -513,7 +513,7 @@ class Recording(Scheduler):
         def recorded(parts, phase):
             out = run(parts, phase)
             self.steps.append([(p.id, len(p.tokens), len(p.cached or []) if p.start else None) for p in parts])
-            self.groups.update((p.id, engine.group_of(p.id)) for p in parts if p.start)
+            self.groups.update((p.id, engine.host.group_of(p.id)) for p in parts if p.start)
             return out
         engine.run = recorded
 

@@ -71,7 +71,7 @@ def digest(engine):
 
 
 def host_tables(engine):
-    return [(repr(t.requests), repr(t.pools)) for t in engine.tables]
+    return [(repr(t.requests), repr(t.pools)) for t in engine.host.tables]
 
 
 # ---- one process --------------------------------------------------------------------------------------

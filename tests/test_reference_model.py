@@ -33,13 +33,13 @@ def _clean(model):
 
 
 def _pools(model):
-    p = model.table.pools
+    p = model.host.tables[0].pools
     return sorted(p.window), {r: sorted(v) for r, v in p.compressed.items()}, sorted(p.state)
 
 
 def _snapshot(model):
     caches = {k: tuple(t.clone() for t in v) for k, v in model.caches.committed.items()}
-    t = model.table
+    t = model.host.tables[0]
     return caches, copy.deepcopy(t.requests), copy.deepcopy(t.pools), model.starts, list(model.last_request_ids)
 
 
@@ -52,7 +52,7 @@ def _assert_unchanged(model, snap):
         for a, b in zip(now, ts):
             assert a.dtype == b.dtype and a.shape == b.shape
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
-    t = model.table
+    t = model.host.tables[0]
     assert t.requests == requests and t.pools == pools and model.starts == started
     assert model.last_request_ids == last
 
@@ -112,7 +112,7 @@ def test_request_joining_mid_decode_gets_its_solo_tokens(model):
 
 def test_release_returns_blocks_to_the_pools(model):
     before = _pools(model)
-    blocks = model.table.blocks
+    blocks = model.host.tables[0].blocks
     sizes = (blocks.window_blocks, blocks.compressed_blocks, blocks.state_blocks)
     assert len(before[0]) == sizes[0] and {r: len(v) for r, v in before[1].items()} == sizes[1]
     assert len(before[2]) == sizes[2]
@@ -130,12 +130,12 @@ def test_release_returns_blocks_to_the_pools(model):
 
 
 def test_window_pages_behind_the_window_are_recycled(model):
-    free0 = len(model.table.pools.window)
+    free0 = len(model.host.tables[0].pools.window)
     model.prefill([_tokens(80, 3)])                          # 80 tokens = 5 pages of 16; window 16
     rid = model.last_request_ids[0]
-    held = model.table.requests[rid].window_pages
+    held = model.host.tables[0].requests[rid].window_pages
     assert len(held) <= 2 and max(held) == 4                 # only the pages the next window needs
-    assert len(model.table.pools.window) == free0 - len(held)
+    assert len(model.host.tables[0].pools.window) == free0 - len(held)
     model.release(rid)
 
 

@@ -1,9 +1,9 @@
-"""DP routing (``cluster/routing.py``): where new requests go, and a step split by group and put back."""
+"""DP routing (``engine/routing.py``): where new requests go, and a step split by group and put back."""
 from __future__ import annotations
 
 import random
 
-from dsv41.cluster.routing import Router
+from dsv41.engine.routing import Router
 from dsv41.engine.layout import Part
 
 

@@ -195,7 +195,7 @@ def test_speculative_equals_plain_at_flash_width_and_16k_context():
 def published_rows(engine, rid) -> dict:
     """Request rid's published cache rows by logical position: window rows in its window, every
     compressed and index row, its ring slots; raw bytes."""
-    seq, caches = engine.table.requests[rid], engine.caches
+    seq, caches = engine.host.tables[0].requests[rid], engine.caches
     kv, cfg = seq.kv_len, engine.cfg
     out = {}
 
@@ -220,7 +220,7 @@ def published_rows(engine, rid) -> dict:
 
 def accepted_slots(engine, rid, first: int, end: int) -> dict:
     """Physical slots written by positions [first, end) of request rid, per cache."""
-    seq, cfg = engine.table.requests[rid], engine.cfg
+    seq, cfg = engine.host.tables[0].requests[rid], engine.cfg
     out = {}
     # the backbone's windows and DSpark's stages' (layer ids past the backbone), at the same slots
     for layer in range(cfg.num_hidden_layers + cfg.n_mtp_layers):
@@ -258,12 +258,12 @@ def test_a_rejected_step_publishes_only_its_accepted_rows():
             d = t[made[i]:made[i] + n] + [(t[made[i] + n] + 1) % V]
             drafts.append((d + t[made[i] + n + 1:made[i] + 5])[:5])
         before = snapshot(spec)
-        kv0 = [spec.table.requests[r].kv_len for r in spec_rids]
+        kv0 = [spec.host.tables[0].requests[r].kv_len for r in spec_rids]
         out = spec.decode(lasts, spec_rids, drafts)
         assert out.accepted == list(accept)
         assert out.tokens == [truth[i][made[i]:made[i] + n + 1] for i, n in enumerate(accept)]
         # every byte the step changed belongs to an accepted row's write
-        allowed = [accepted_slots(spec, r, k, spec.table.requests[r].kv_len) for r, k in zip(spec_rids, kv0)]
+        allowed = [accepted_slots(spec, r, k, spec.host.tables[0].requests[r].kv_len) for r, k in zip(spec_rids, kv0)]
         for name, ts in spec.caches.committed.items():
             for t, old in zip(ts, before[name]):
                 changed = (t.view(torch.uint8) != old.view(torch.uint8)).reshape(t.shape[0], -1).any(1)
@@ -271,14 +271,14 @@ def test_a_rejected_step_publishes_only_its_accepted_rows():
                 assert rows <= set().union(*(x[name] for x in allowed)), name
         # the plain engine, a token a step, to the same positions, publishes the same rows
         while True:
-            live = [i for i in range(2) if plain.table.requests[plain_rids[i]].kv_len
-                    < spec.table.requests[spec_rids[i]].kv_len]
+            live = [i for i in range(2) if plain.host.tables[0].requests[plain_rids[i]].kv_len
+                    < spec.host.tables[0].requests[spec_rids[i]].kv_len]
             if not live:
                 break
-            plain.decode([full[i][plain.table.requests[plain_rids[i]].kv_len] for i in live],
+            plain.decode([full[i][plain.host.tables[0].requests[plain_rids[i]].kv_len] for i in live],
                          [plain_rids[i] for i in live])
         for i in range(2):
-            assert plain.table.requests[plain_rids[i]].kv_len == spec.table.requests[spec_rids[i]].kv_len
+            assert plain.host.tables[0].requests[plain_rids[i]].kv_len == spec.host.tables[0].requests[spec_rids[i]].kv_len
             p_rows, s_rows = published_rows(plain, plain_rids[i]), published_rows(spec, spec_rids[i])
             for name in p_rows:
                 for x, y in zip(p_rows[name], s_rows[name]):

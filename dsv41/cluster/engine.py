@@ -8,7 +8,8 @@ already happened) and the host request tables are left as they were.
 Every engine has an id; its cards' States and hooks live under that id (``cluster/registry.py``),
 here or on the dask workers, so engines and runs sharing a process or a scheduler stay apart. A
 step that finds a card's State missing or stale (``StateLost``) is recovered (``cluster/recovery.py``)
-and retried. Requests are placed on DP groups by ``cluster/routing.py``; whoever watches the steps
+and retried. Its requests' host state (per DP group tables, routing) is its ``host``
+(``engine/host.py``): the engine runs the planned step's ``StepInputs``; whoever watches the steps
 (tracing) registers as an observer (``cluster/observers.py``).
 """
 from __future__ import annotations
@@ -32,17 +33,16 @@ from dsv41.cluster.observers import StepObserver
 from dsv41.cluster.plan import Plan, make_plan
 from dsv41.cluster.recovery import recover
 from dsv41.cluster.registry import StateLost
-from dsv41.cluster.routing import Router
 from dsv41.cluster.runtime import NodeError
 from dsv41.cluster.settings import EngineConfig
 from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.capacity import capacity_of
-from dsv41.engine.context import draw_history, fill_caches
-from dsv41.engine.layout import Part, StepLayout
-from dsv41.engine.protocol import Engine, StepCounter, StepOutput
-from dsv41.engine.requests import RequestTable
+from dsv41.engine.context import fill_caches
+from dsv41.engine.host import HostState
+from dsv41.engine.layout import Part
+from dsv41.engine.protocol import Engine, Ran, StepCounter, StepOutput
 from dsv41.graph.build import build, commit_key, dspark_key, feed, head_key, shape, step_outputs
 from dsv41.kernels.device_time import node_sim_us
 from dsv41.model.finite import NonFiniteError
@@ -77,9 +77,8 @@ class GraphEngine(Engine):
                              f"per DP group (max_batch_per_dp, the capacity contract)")
         max_context = settings.max_context or min(cfg.max_position_embeddings, 1024)
         token_map = None if checkpoint is None else checkpoint.token_map
-        self.tables = [RequestTable(cfg, per_group, max_context, token_map, cache_tokens, prefix_caching, g, capacity)
-                       for g in range(topo.dp)]
-        self.router = Router(topo.dp)
+        self.host = HostState(cfg, capacity, topo.dp, per_group, max_context, token_map, cache_tokens, prefix_caching)
+        self.seed = seed
         self.step_id = 0
         self.generation = 0                  # steps committed on every card
         self.last_request_ids: list[int] = []
@@ -89,6 +88,7 @@ class GraphEngine(Engine):
         self._steps = StepCounter()          # numbers the steps StepOutput.logits may ask about
         self._heads: dict[int, int] = {}     # DP group of the last step -> the card holding its logits
         self.recoveries: list[dict] = []     # one record per recovery, oldest first
+        self._recovered: list[dict] = []     # the records of the step running
         self.runner = None
         self.observers: list[StepObserver] = []
         self.id = uuid.uuid4().hex[:8]
@@ -108,30 +108,6 @@ class GraphEngine(Engine):
                 quiet_abandoned_start()      # Ctrl-C / SIGTERM while the States install
             self._finalizer()
             raise
-
-    @property
-    def active(self) -> list[int]:
-        return sorted(rid for t in self.tables for rid in t.requests)
-
-    @property
-    def max_batch(self) -> int:
-        return sum(t.max_batch for t in self.tables)
-
-    @property
-    def max_context(self) -> int:
-        return self.tables[0].max_context
-
-    def sequence(self, rid: int):
-        for table in self.tables:
-            if rid in table.requests:
-                return table.requests[rid]
-        raise ValueError(f"request_ids: unknown or released request {rid}")
-
-    def group_of(self, rid: int) -> int:
-        return self.sequence(rid).group
-
-    def place(self, count: int) -> list[int]:
-        return self.router.place([len(t.requests) for t in self.tables], count)
 
     # ---- State ownership ----------------------------------------------------------------------------
     def _install(self, cards: list[int]):
@@ -172,10 +148,8 @@ class GraphEngine(Engine):
 
     # ---- steps -------------------------------------------------------------------------------------
     def run(self, parts: list[Part], phase: str) -> StepOutput:
-        if not parts:
-            raise ValueError("batch: must contain at least one request, got an empty batch")
-        if not self._finalizer.alive:
-            raise RuntimeError(f"engine {self.id} is closed")
+        """``Engine.run``, retried after recovering lost cards (at most MAX_RECOVERIES times a step)."""
+        self._check_open()
         first = len(self.recoveries)         # this step's recoveries are the records from here on
         lost = None                          # (StateLost, ms the failed attempt ran) to recover first
         for attempt in range(MAX_RECOVERIES + 1):
@@ -183,7 +157,8 @@ class GraphEngine(Engine):
             try:
                 if lost is not None:
                     self._recover(*lost)
-                return self._step(parts, phase, self.recoveries[first:])
+                self._recovered = self.recoveries[first:]
+                return super().run(parts, phase)
             except StateLost as e:           # in the step, or a second loss during the recovery
                 if attempt == MAX_RECOVERIES:
                     raise
@@ -191,52 +166,30 @@ class GraphEngine(Engine):
             except NonFiniteError as e:      # the cards found NaN/Inf: the step is aborted; say which step
                 raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
 
-    def _step(self, parts: list[Part], phase: str, recovered: list[dict]) -> StepOutput:
-        self._check_new([p.id for p in parts if p.start])
-        split = self.router.split(parts, [len(t.requests) for t in self.tables], self.group_of)
-        steps = {}
-        try:
-            for g, share in split.shares.items():
-                steps[g] = self.tables[g].plan([parts[i] for i in share], phase)
-            t0 = time.perf_counter()
-            values, graph, plan = self._execute({g: s.inputs for g, s in steps.items()}, phase)
-        except BaseException:                # nothing of the step stays on the host either
-            for g, s in steps.items():
-                self.tables[g].abort(s)
-            raise
-        heads = {g: values[head_key(g)] for g in steps}
-        for g, s in steps.items():
-            self.tables[g].commit(s, heads[g].tokens)
-            self.starts += len(s.new)
-        layout = StepLayout.of(parts)
-        self.last_request_ids = layout.ids
+    def execute(self, inputs: dict, phase: str) -> Ran:
+        """Build (or reuse), plan and run the step's graph over these DP groups' inputs; each group's
+        head card keeps its logits (``fetch``)."""
+        t0 = time.perf_counter()
+        values, graph, plan = self._execute(inputs, phase)
         self.last_graph = graph
         self.last_stats = {"nodes": len(graph.nodes), "submissions": plan.dask_tasks,
                            "dask_tasks": plan.dask_tasks + len(graph.literals),
                            "wall_ms": (time.perf_counter() - t0) * 1e3, "cards": self.cards,
                            "host_ms": self._host_ms, "graph_reused": self._reused}
-        if recovered:
-            self.last_stats["recovered"] = recovered
+        if self._recovered:
+            self.last_stats["recovered"] = self._recovered
         if self.settings.backend != "torch":
             self.last_stats.update(self._device_summary())
-        self._heads = {g: self.topo.group_cards(g)[0] for g in steps}
-        tokens = split.gather({g: h.tokens for g, h in heads.items()})
-        logprobs = split.gather({g: [None] * len(h.tokens) if h.logprobs is None else h.logprobs
-                                 for g, h in heads.items()})
-        # each request's logit rows within its group's
-        spans = [(grp, steps[grp].layout.logit_span(idx)) for grp, idx in split.placed]
+        self._heads = {g: self.topo.group_cards(g)[0] for g in inputs}
+        heads = {g: values[head_key(g)] for g in inputs}
         step = self.step_id
-        if self.dspark:
-            for rid, drafted in zip(layout.ids, split.gather({g: self._drafts(values[dspark_key(g)]) for g in steps})):
-                self.sequence(rid).drafted = drafted
-        return StepOutput(layout, tokens, self._steps.guard(self._steps.next(), lambda: self._logits(step, spans)),
-                          logprobs if any(x is not None for x in logprobs) else None)
+        drafted = {g: self._drafts(values[dspark_key(g)]) for g in inputs} if self.dspark else None
+        return Ran({g: h.tokens for g, h in heads.items()}, lambda: self._logits(step),
+                   {g: h.logprobs for g, h in heads.items()}, drafted)
 
-    def _check_new(self, rids: list[int]):
-        """Requests to start run nowhere yet (a group's table checks only its own)."""
-        for rid in rids:
-            if any(rid in t.requests for t in self.tables):
-                raise ValueError(f"request_ids: request {rid} is running already")
+    def _check_open(self):
+        if not self._finalizer.alive:
+            raise RuntimeError(f"engine {self.id} is closed")
 
     @staticmethod
     def _drafts(made) -> list[tuple]:
@@ -244,12 +197,12 @@ class GraphEngine(Engine):
         probs = made.probs or [None] * made.tokens.shape[0]
         return [(made.tokens[b], made.confidence[b], probs[b]) for b in range(made.tokens.shape[0])]
 
-    def _logits(self, step: int, spans: list[tuple[int, range]]) -> torch.Tensor:
-        """A step's logit rows from the cards that made them, each request's in batch order."""
+    def _logits(self, step: int) -> dict:
+        """DP group -> the logit rows of a step, from the cards that made them."""
         held = {}
         for found in self._on_every_process(_held_logits, self.id, step, self._heads).values():
             held.update(found)
-        return torch.cat([held[grp][span.start:span.stop] for grp, span in spans])
+        return held
 
     def _execute(self, steps: dict, phase: str):
         """Plan and run one step over these DP groups' inputs; abort everywhere if it fails."""
@@ -327,39 +280,14 @@ class GraphEngine(Engine):
             if isinstance(result, Exception) and not isinstance(result, OSError):
                 raise result
 
-    def blocks_in_use(self) -> tuple[int, int]:
-        used = [t.blocks_in_use() for t in self.tables]
-        return sum(u for u, _ in used), sum(t for _, t in used)
-
     def start_at_context(self, rids: list[int], context: int) -> list[int]:
         """Requests placed as a prefill places them (the least loaded DP group); every card of a group
         fills its replica of the group's caches with the same drawn rows."""
-        if not self._finalizer.alive:
-            raise RuntimeError(f"engine {self.id} is closed")
-        self._check_new(rids)
-        seed = self._state_args[0]
-        keys = dict(zip(rids, range(self.starts, self.starts + len(rids))))
-        histories = {rid: draw_history(self.cfg, seed, k, context) for rid, k in keys.items()}
-        split = self.router.split([Part(rid, [], start=True) for rid in rids], [len(t.requests) for t in self.tables],
-                                  self.group_of)
-        started = {}
-        try:
-            for g, share in split.shares.items():
-                mine = [rids[i] for i in share]
-                started[g] = self.tables[g].start_at(mine, [histories[r] for r in mine])
-            fills = {g: [(keys[r], s.requests[r]) for r in s.rids] for g, s in started.items()}
-            self._on_every_process(_fill_here, self.id, self.cfg, seed, fills)
-        except BaseException:
-            for g, s in started.items():
-                self.tables[g].abort(s)
-            raise
-        for g, s in started.items():
-            self.tables[g].commit(s)
-        self.starts += len(rids)
-        return list(rids)
+        self._check_open()
+        return super().start_at_context(rids, context)
 
-    def release(self, rid: int):
-        self.tables[self.group_of(rid)].release(rid)
+    def fill(self, fills: dict):
+        self._on_every_process(_fill_here, self.id, self.cfg, self.seed, fills)
 
     # ---- tools ------------------------------------------------------------------------------------------
     def observe(self, observer: StepObserver):

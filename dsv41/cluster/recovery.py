@@ -3,7 +3,8 @@
 A card's State is lost when its worker restarted, was replaced or is gone (``StateLost``). The
 engine waits up to its ``recovery_timeout`` for a worker to serve every card, rebuilds the States of
 each DP group that lost a card (weights from the same seed, empty caches) and replays every request
-of those groups as prefill steps of its token history. The replay is exact: the graph is
+of those groups (read from the engine's host state, ``engine/host.py``) as prefill steps of its
+token history. The replay is exact: the graph is
 bit-identical to the reference, and a prefill of a history equals the steps that produced it.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ def recover(engine, err: StateLost, failed_step_ms: float) -> dict:
     lost = lost_cards(engine) or list(err.cards)
     t.append(time.perf_counter())
     groups = sorted({engine.topo.dp_group(c) for c in lost})
-    drawn = sorted(r for g in groups for r, seq in engine.tables[g].requests.items() if seq.from_context)
+    drawn = sorted(r for g in groups for r, seq in engine.host.tables[g].requests.items() if seq.from_context)
     if drawn:
         raise RuntimeError(f"recovery: request(s) {drawn} started at a drawn context (start_at_context); "
                            f"replaying their history would compute caches, not redraw them") from err
@@ -56,10 +57,11 @@ def lost_cards(engine) -> list[int]:
 
 def replay(engine, groups: list[int]) -> tuple[int, int, int]:
     """Rebuild the caches of these DP groups from their requests' token histories, as prefill steps of
-    at most prefill_max_tokens rows per group (a longer history in chunks), into fresh host tables
-    under the same request ids. Returns the tokens replayed, the requests and the steps."""
+    at most prefill_max_tokens rows per group (a longer history in chunks), into fresh tables that
+    replace the groups' tables in the engine's host state, under the same request ids. Returns the
+    tokens replayed, the requests and the steps."""
     limit = engine.capacity.prefill_max_tokens
-    tables = engine.tables
+    tables = engine.host.tables
     fresh = {g: RequestTable(engine.cfg, tables[g].max_batch, tables[g].max_context, tables[g].token_map,
                              tables[g].cache_tokens, tables[g].blocks.cache is not None, g, tables[g].capacity)
              for g in groups}

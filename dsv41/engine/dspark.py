@@ -62,7 +62,7 @@ class GraphDrafts(Drafter):
     def propose_batch(self, jobs, rooms):
         drafts, probs = [], []
         for job, room in zip(jobs, rooms):
-            made = self.engine.sequence(job.id).drafted
+            made = self.engine.host.sequence(job.id).drafted
             n = 0 if made is None else _kept(made[1], min(max(room, 0), self.k), self.confidence)
             drafts.append(made[0][:n].tolist() if n else [])
             probs.append(made[2][:n] if n and made[2] is not None else None)
@@ -96,7 +96,7 @@ class DSparkDrafter(Drafter):
             if phase == "prefill":            # a recompute's later chunks continue its window
                 window = self.windows.get(job.id)
                 if window is None:            # its first rows: past a cached prefix, not at 0
-                    window = DSparkWindow(self.cfg, length=self.engine.sequence(job.id).kv_len - rows)
+                    window = DSparkWindow(self.cfg, length=self.engine.host.sequence(job.id).kv_len - rows)
                 first, kept = window.length, rows
             elif job.id in self.windows:
                 window = self.windows[job.id]
@@ -120,7 +120,7 @@ class DSparkDrafter(Drafter):
         picked = [jobs[i] for i in ready]
         dists: dict[int, list] = {}
         windows = [self.windows[j.id] for j in picked]
-        sample = seeded_sampler([(j.params, self.engine.sequence(j.id).seed, w.length) for j, w in zip(picked, windows)],
+        sample = seeded_sampler([(j.params, self.engine.host.sequence(j.id).seed, w.length) for j, w in zip(picked, windows)],
                                 dists)
         draft = self.model.draft(torch.tensor([j.last for j in picked]), windows, self.tables, sample)
         for b, i in enumerate(ready):

@@ -1,8 +1,10 @@
 """The engine protocol: what the command line, the server and the tests drive.
 
-An engine runs a scheduled step (``run``: one ``engine.layout.Part`` per request: its id, new
-tokens, drafts to verify after them and, for a request the step starts, its ``SamplingParams``)
-and answers it with the tokens every request made, drawn where the logits are (the head)
+An engine executes a planned step (``execute``: each DP group's ``StepInputs``, planned by the
+requests' host state, ``engine.host``). ``run`` is one scheduled step (one ``engine.layout.Part``
+per request: its id, new tokens, drafts to verify after them and, for a request the step starts,
+its ``SamplingParams``): the host plans it, the engine executes it, the host commits the verdict;
+it answers with the tokens every request made, drawn where the logits are (the head)
 from the request's own generator: one per request, or in a verify step the accepted drafts and the
 model's own token after them. The logits themselves stay there; ``StepOutput.logits`` fetches
 them, for the step just run only.
@@ -15,10 +17,13 @@ from typing import Callable
 
 import torch
 
+from dsv41.config import ModelConfig
 from dsv41.engine.capacity import Capacity
+from dsv41.engine.context import draw_history
+from dsv41.engine.host import HostState
 from dsv41.engine.layout import Part, StepLayout
-from dsv41.engine.prefix_cache import Hit
 from dsv41.engine.request import new_id, requests_for
+from dsv41.engine.requests import StepInputs
 from dsv41.engine.scheduler import Scheduler
 from dsv41.engine.sequence import Sequence
 from dsv41.ops.sampling import SamplingParams
@@ -75,20 +80,65 @@ class StaleLogits(RuntimeError):
     """Logits asked for after the engine moved on: they are no longer kept."""
 
 
-class Engine(ABC):
-    """prefill / decode / generate over a subclass's ``step``; ``last_stats`` describes the last step."""
+@dataclass
+class Ran:
+    """What an engine's step returned, per DP group: each request's tokens (in the group's order), their
+    logprobs (None: nobody asked), DSpark's drafted blocks (None: none drafted) and the taps a drafter
+    asked for; ``fetch`` gets every group's logit rows from where the step left them."""
+    tokens: dict[int, list[list[int]]]
+    fetch: Callable[[], dict[int, torch.Tensor]]
+    logprobs: dict[int, list | None]
+    drafted: dict[int, list] | None = None
+    taps: dict[int, list[dict]] | None = None
 
+
+class Engine(ABC):
+    """The executor of a scheduled step (``execute``: each DP group's ``StepInputs`` in, what the
+    step made out) over the caches its ``host`` state's pools index; ``run`` plans a step there,
+    executes it and commits the verdict; ``step``/``prefill``/``decode``/``generate`` are built on
+    it. ``last_stats`` describes the last step."""
+
+    host: HostState             # the requests' host state (``engine.host``): the engine owns no Sequence or table
+    cfg: ModelConfig
+    capacity: Capacity          # the limits of a step and a DP group's table (``engine.capacity``)
+    seed: int                   # drawn contexts (and random weights)
     last_request_ids: list[int]
     last_stats: dict
-    capacity: Capacity          # the limits of a step and a DP group's table (``engine.capacity``)
     taps: tuple = ()            # DSpark target layers whose taps each step hands back (the drafter sets them)
+    starts = 0                  # requests this engine has started: the n-th one started at a context draws key n
 
     @abstractmethod
+    def execute(self, inputs: dict[int, StepInputs], phase: str) -> Ran:
+        """Run one planned step on the cards of these DP groups and publish its kept rows there, or
+        leave every cache as it was and raise."""
+
+    @abstractmethod
+    def fill(self, fills: dict[int, list[tuple[int, Sequence]]]):
+        """Write drawn histories into each DP group's caches: per group, (draw key, sequence)."""
+
     def run(self, parts: list[Part], phase: str) -> StepOutput:
         """Run one scheduled step; it publishes what it made or leaves every request and cache as
         it was. A part's drafts are verified after its new tokens (the step keeps the accepted
         prefix); with their distribution (FP64 [k, vocab]) a sampling request accepts them by the
         speculative-sampling rule (``ops.verify``)."""
+        step = self.host.plan(parts, phase)
+        try:
+            ran = self.execute(step.inputs, phase)
+        except BaseException:
+            self.host.abort(step)
+            raise
+        self.host.commit(step, ran.tokens, ran.drafted)
+        self.starts += step.started
+        self.last_request_ids = step.layout.ids
+        split, spans = step.split, step.spans()
+        logprobs = split.gather({g: [None] * len(ran.tokens[g]) if lp is None else lp for g, lp in ran.logprobs.items()})
+
+        def fetch() -> torch.Tensor:      # each request's logit rows, in batch order
+            held = ran.fetch()
+            return torch.cat([held[g][span.start:span.stop] for g, span in spans])
+        return StepOutput(step.layout, split.gather(ran.tokens), self._steps.guard(self._steps.next(), fetch),
+                          logprobs if any(x is not None for x in logprobs) else None,
+                          None if ran.taps is None else split.gather(ran.taps))
 
     def step(self, batch: list[tuple[int | None, list[int]]], phase: str,
              sampling: list[SamplingParams | None] | None = None,
@@ -98,42 +148,58 @@ class Engine(ABC):
         per pair: sampling, the settings of the request it starts (None: greedy); drafts, tokens
         proposed after its new tokens (decode only); draft_probs, their distribution or None;
         cached, the prefix a starting request reuses from its group's prefix cache (its tokens come
-        first; ``cached_prefix`` finds it) or None."""
+        first; ``host.cached_prefix`` finds it) or None."""
         return self.run(parts_of(batch, sampling, drafts, draft_probs, cached), phase)
 
+    # ---- the host state, read through the engine ----------------------------------------------------
     @property
-    @abstractmethod
     def active(self) -> list[int]:
-        """Live request ids in admission order."""
+        """Live request ids."""
+        return self.host.active
 
     @property
-    @abstractmethod
     def max_batch(self) -> int:
         """Requests the engine holds at once."""
+        return self.host.max_batch
 
-    @abstractmethod
+    @property
+    def max_context(self) -> int:
+        return self.host.max_context
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.host.prefix_caching
+
     def sequence(self, rid: int) -> Sequence:
         """A live request's host state."""
+        return self.host.sequence(rid)
 
-    @abstractmethod
     def release(self, rid: int):
         """Free a finished request's blocks."""
+        self.host.release(rid)
 
-    @abstractmethod
     def blocks_in_use(self) -> tuple[int, int]:
         """(cache blocks held by live requests, blocks in all pools), over every DP group."""
+        return self.host.blocks_in_use()
 
     def close(self):
         """Free what the engine holds (its cards' States, its cluster)."""
 
-    starts = 0                  # requests this engine has started: the n-th one started at a context draws key n
-
-    @abstractmethod
     def start_at_context(self, rids: list[int], context: int) -> list[int]:
         """Start these requests as having read ``context`` tokens, without a step: host state and
         every cache replica as a prefill of that history would leave them, rows drawn from the seed
         and the request's place among the requests this engine started (``engine.context``).
         Returns their ids; nothing runs on the model."""
+        keys = dict(zip(rids, range(self.starts, self.starts + len(rids))))
+        started = self.host.start_at(rids, {r: draw_history(self.cfg, self.seed, k, context) for r, k in keys.items()})
+        try:
+            self.fill({g: [(keys[r], s.requests[r]) for r in s.rids] for g, s in started.items()})
+        except BaseException:
+            self.host.abort_started(started)
+            raise
+        self.host.commit_started(started)
+        self.starts += len(rids)
+        return list(rids)
 
     def prefill(self, prompts: list[list[int]], sampling=None, context: int = 0) -> StepOutput:
         """Start one request per prompt, at positions from ``context``; sampling: one SamplingParams
@@ -163,48 +229,6 @@ class Engine(ABC):
             raise ValueError(f"token_ids: expected one token per request ({len(rids)}), got {len(token_ids)}")
         return self.step([(r, [t]) for r, t in zip(rids, token_ids)], "decode", drafts=drafts,
                          draft_probs=draft_probs)
-
-    # ---- what the scheduler asks before it plans a step ---------------------------------------------
-    tables: list            # one RequestTable per DP group
-
-    def group_of(self, rid: int) -> int:
-        """The DP group a live request runs in."""
-        return 0
-
-    def place(self, count: int) -> list[int]:
-        """The DP groups the next step would give ``count`` new requests (in batch order)."""
-        return [0] * count
-
-    def needs(self, rid: int | None, n_new: int, drawn: int = 0, hit: Hit | None = None, group: int = 0) -> dict:
-        """Blocks per pool a request (None: a new one, holding ``drawn`` tokens of drawn history
-        first, or starting after ``hit``, a cached prefix of DP group ``group``) takes to feed n_new
-        more rows (``BlockManager.needs``)."""
-        if rid is None:
-            if hit is not None and hit.length:
-                return self.tables[group].blocks.needs(None, n_new, hit)
-            blocks = self.tables[0].blocks          # every group's pools have the same sizes
-            return blocks.needs_started(drawn, n_new) if drawn else blocks.needs(None, n_new)
-        return self.tables[self.group_of(rid)].blocks.needs(self.sequence(rid), n_new)
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether the DP groups keep a prefix cache (``prefix_cache.py``)."""
-        return any(t.blocks.cache is not None for t in self.tables)
-
-    def cached_prefix(self, group: int, tokens: list[int], min_feed: int = 1) -> Hit:
-        """The longest prefix of tokens a DP group's prefix cache holds, leaving at least min_feed
-        tokens to feed (empty with prefix caching off). Each group caches what its own pools hold."""
-        cache = self.tables[group].blocks.cache
-        return Hit() if cache is None else cache.lookup(tokens, len(tokens) - min_feed)
-
-    def fits(self, group: int, needs: list[dict]) -> bool:
-        """Whether a DP group's free blocks hold these needs together."""
-        return self.tables[group].blocks.fits(needs)
-
-    def settle(self, rid: int, state: Sequence):
-        """Give a live request the sampling state ``state`` holds: after a chunk of its prompt or of
-        its recompute, whose token is not kept (``Sequence.settle``)."""
-        self.sequence(rid).settle(state)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, sampling=None,
                  decode_text: Callable[[list[int]], str] | None = None, drafter=None) -> list[list[int]]:

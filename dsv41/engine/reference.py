@@ -1,14 +1,15 @@
-"""The reference engine: the blocks composed in one process (``model.Transformer``), paged caches,
-continuous batching; the token is the head's draw from the logits it just made."""
+"""The reference engine: the blocks composed in one process (``model.Transformer``) over one DP
+group's paged caches; the token is the head's draw from the logits it just made. Its requests'
+host state is its ``host`` (``engine.host``)."""
 from __future__ import annotations
 
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import ModelConfig, Topology
 from dsv41.engine.capacity import Capacity, capacity_of
-from dsv41.engine.context import draw_history, fill_caches
-from dsv41.engine.layout import Part
-from dsv41.engine.protocol import Engine, StepCounter, StepOutput
-from dsv41.engine.requests import RequestTable
+from dsv41.engine.context import fill_caches
+from dsv41.engine.host import HostState
+from dsv41.engine.protocol import Engine, Ran, StepCounter
+from dsv41.engine.requests import StepInputs
 from dsv41.model.caches import empty_caches
 from dsv41.model.finite import LOGITS, NonFiniteError, ensure_finite
 from dsv41.model.head import Head
@@ -38,80 +39,36 @@ class ReferenceEngine(Engine):
         source = DrawnCheckpoint(cfg, seed) if checkpoint is None else checkpoint
         self.weights = read_card(source, Topology(1, 1, 1), 0)
         self.model = Transformer(cfg, self.weights)
-        self.table = RequestTable(cfg, max_batch or self.capacity.max_batch_per_dp,
-                                  max_context or min(cfg.max_position_embeddings, 1024),
-                                  None if checkpoint is None else checkpoint.token_map, cache_tokens, prefix_caching,
-                                  capacity=self.capacity)
-        self.caches = StagedTensors(empty_caches(cfg, self.table.blocks))
-        capacity = self.table.max_context
-        self.rope_tables = {p: precompute_rope_tables(cfg, capacity, p) for p in (PLAIN, COMPRESSED)}
+        self.host = HostState(cfg, self.capacity, 1, max_batch or self.capacity.max_batch_per_dp,
+                              max_context or min(cfg.max_position_embeddings, 1024),
+                              None if checkpoint is None else checkpoint.token_map, cache_tokens, prefix_caching)
+        self.caches = StagedTensors(empty_caches(cfg, self.host.tables[0].blocks))
+        self.rope_tables = {p: precompute_rope_tables(cfg, self.max_context, p) for p in (PLAIN, COMPRESSED)}
         self.last_request_ids: list[int] = []
         self.last_stats: dict = {}
         self._steps = StepCounter()
 
-    @property
-    def active(self) -> list[int]:
-        return sorted(self.table.requests)
-
-    @property
-    def max_batch(self) -> int:
-        return self.table.max_batch
-
-    @property
-    def tables(self) -> list:
-        return [self.table]
-
-    @property
-    def max_context(self) -> int:
-        return self.table.max_context
-
     def host_weights(self):
         return self.weights
 
-    def sequence(self, rid: int):
-        return self.table.requests[rid]
-
-    def run(self, parts: list[Part], phase: str) -> StepOutput:
-        planned = self.table.plan(parts, phase)
-        step = planned.inputs
+    def execute(self, inputs: dict[int, StepInputs], phase: str) -> Ran:
+        (step,) = inputs.values()          # one DP group
         try:
             taps = {} if self.taps else None
             logits = ensure_finite(self.model.forward(self.caches, self.rope_tables, step, self.options, taps),
                                    None, LOGITS)
             made = Head.tokens(logits, step)     # made before anything commits, as on a card
         except NonFiniteError as e:
-            self._abort(planned)
+            self.caches.abort()
             raise e.at(self._steps.latest + 1, phase, site_tensors(self.cfg, e.layer, e.site)) from None
         except BaseException:
-            self._abort(planned)
+            self.caches.abort()
             raise
         self.caches.commit(keep_rows=made.keep_rows)
-        self.table.commit(planned, made.tokens)
-        self.starts += len(planned.new)
-        self.last_request_ids = step.rids
         qsl = step.layout.starts
         per_request = None if taps is None else [{L: taps[L][a:b] for L in self.taps} for a, b in zip(qsl, qsl[1:])]
-        return StepOutput(step.layout, made.tokens, self._steps.guard(self._steps.next(), lambda: logits),
-                          made.logprobs, per_request)
+        return Ran({0: made.tokens}, lambda: {0: logits}, {0: made.logprobs},
+                   taps=None if per_request is None else {0: per_request})
 
-    def _abort(self, step):
-        self.caches.abort()
-        self.table.abort(step)
-
-    def start_at_context(self, rids: list[int], context: int) -> list[int]:
-        keys = range(self.starts, self.starts + len(rids))
-        started = self.table.start_at(rids, [draw_history(self.cfg, self.seed, k, context) for k in keys])
-        try:
-            fill_caches(self.cfg, self.seed, [self.caches], [(k, started.requests[r]) for k, r in zip(keys, rids)])
-        except BaseException:
-            self.table.abort(started)
-            raise
-        self.table.commit(started)
-        self.starts += len(rids)
-        return started.rids
-
-    def release(self, rid: int):
-        self.table.release(rid)
-
-    def blocks_in_use(self) -> tuple[int, int]:
-        return self.table.blocks_in_use()
+    def fill(self, fills: dict[int, list]):
+        fill_caches(self.cfg, self.seed, [self.caches], fills[0])

@@ -3,17 +3,18 @@
 Requests wait in arrival order and run while the engine holds them. A request's prompt is fed in
 chunks of at most the step's token budget per DP group (``max_num_batched_tokens``); the last
 chunk's logits give its first token, and the chunks before it draw nothing (the request's sampling
-state is set back after each, ``Engine.settle``), so a chunked prompt makes the tokens of one long
+state is set back after each, ``HostState.settle``), so a chunked prompt makes the tokens of one long
 prefill step. Each turn runs one engine step: with ``interleave`` (the default, as vLLM v1 does) a
 step that feeds prompt chunks first gives every decoding request its one row, and the chunks of
 ingesting and newly admitted requests fill the rest of each group's budget; a turn with no prompt
 to feed decodes every running request with the drafter's proposals to verify after it.
 
-Admission walks the waiting requests in arrival order (preempted ones first) and asks the engine's
-block manager, per DP group, whether the step fits before it runs (``Engine.needs`` /
-``Engine.fits``); the first request that does not fit stops it, so no later arrival overtakes a
-request that waits for room. A new request starts after the longest prefix its DP group has cached
-(``prefix_cache.py``).
+Admission walks the waiting requests in arrival order (preempted ones first) and asks the requests'
+host state (the engine's ``host``, ``HostState.needs``/``fits``: the block managers), per DP group,
+whether the step fits before it runs; the scheduler reads sequences, places and releases requests
+there too, and the engine only runs the steps. The first request that does not fit stops it, so no
+later arrival overtakes a request that waits for room. A new request starts after the longest prefix
+its DP group has cached (``prefix_cache.py``).
 
 A shared prompt prefix is computed once, also by requests that arrive together (the n samples of
 one request, a system prompt sent by many). A request's spans are cached as each chunk of it
@@ -106,7 +107,8 @@ class Scheduler:
         reason, or "error"). interleave: steps that feed prompt chunks also decode the running
         requests (False: prompts first, decoding waits until no prompt is left to feed)."""
         self.engine, self.drafter = engine, drafter
-        self.max_batch = max_batch or engine.max_batch
+        self.host = engine.host                      # the requests' host state: what fits, where, their sequences
+        self.max_batch = max_batch or self.host.max_batch
         capacity = engine.capacity.prefill_max_tokens
         if budget is not None and not 1 <= budget <= capacity:
             raise ValueError(f"max_num_batched_tokens: must be in [1, {capacity}] rows per DP group, got {budget}")
@@ -153,10 +155,10 @@ class Scheduler:
     def step(self) -> Turn | None:
         """Run one engine step (None: nothing could run)."""
         self._drop_cancelled()
-        for req in [j for j in self.waiting if len(j.history) > self.engine.max_context]:
+        for req in [j for j in self.waiting if len(j.history) > self.host.max_context]:
             self.waiting.remove(req)
             self._fail(req, f"prompt: {len(req.prompt)} tokens exceed the context limit "
-                            f"{self.engine.max_context}", ValueError)
+                            f"{self.host.max_context}", ValueError)
         decoding = [j for j in self.running.values() if not j.feed]
         ingesting = [j for j in self.running.values() if j.feed]
         if ingesting or (self.waiting and len(self.running) < self.max_batch):
@@ -173,21 +175,21 @@ class Scheduler:
         return None
 
     def _group(self, req: Request) -> int:
-        return self.engine.group_of(req.id)
+        return self.host.group_of(req.id)
 
     def _schedule_chunks(self, decoding: list[Request], ingesting: list[Request]):
         """(items, drafts, probs) of a step that feeds prompt chunks: (req, tokens) per request, decode
         rows first (with their drafts), then the chunks of ingesting requests, then admissions in arrival
         order, each as far as its group's budget and free blocks take it, a request waiting for a span
         another computes skipped; None when no chunk fits."""
-        budget, engine = self.budget, self.engine
+        budget, host = self.budget, self.host
         rows: dict[int, int] = collections.defaultdict(int)
         needs: dict[int, list[dict]] = collections.defaultdict(list)
         items: list[tuple[Request, list[int]]] = []
 
         def take(req: Request, group: int, tokens: list[int], drawn: int = 0, hit=None) -> bool:
-            need = engine.needs(req.id if req.id in self.running else None, len(tokens), drawn, hit, group)
-            if not engine.fits(group, needs[group] + [need]):
+            need = host.needs(req.id if req.id in self.running else None, len(tokens), drawn, hit, group)
+            if not host.fits(group, needs[group] + [need]):
                 return False
             needs[group].append(need)
             rows[group] += len(tokens)
@@ -211,10 +213,10 @@ class Scheduler:
         for req in self.waiting:
             if len(self.running) + admitted >= self.max_batch:
                 break
-            g = engine.place(admitted + 1)[-1]
+            g = host.place(admitted + 1)[-1]
             room = budget - rows[g]
             feed = req.history[:-1] if req.made else req.prompt
-            hit = None if self.context or room <= 0 else engine.cached_prefix(g, feed, self.min_feed)
+            hit = None if self.context or room <= 0 else host.cached_prefix(g, feed, self.min_feed)
             if hit is not None and self._defers(hit, len(feed), computing[g]):
                 continue
             skip = hit.length if hit is not None else 0
@@ -271,7 +273,7 @@ class Scheduler:
             out = self.engine.run(parts, "prefill")
         except Exception as e:
             for rid in drawn:
-                self.engine.release(rid)
+                self.host.release(rid)
             for req in new:
                 req.feed, req.prefix = [], []
                 self.waiting.remove(req)
@@ -303,9 +305,9 @@ class Scheduler:
             del req.feed[:len(tokens)]
             if req.feed or req.made:               # more to feed, or a recompute done: nothing drawn
                 if req.saved is None:              # the state a prompt's later chunks hold: no draws yet
-                    seq = self.engine.sequence(req.id)
+                    seq = self.host.sequence(req.id)
                     req.saved = Sequence(-1, [], sampling=seq.sampling, seed=seq.seed, prompt_len=len(req.prompt))
-                self.engine.settle(req.id, req.saved)
+                self.host.settle(req.id, req.saved)
             else:
                 deliver.append((i, req))
             if not req.feed:
@@ -325,9 +327,9 @@ class Scheduler:
         from a drafter that gives them, their distributions."""
         if self.drafter is None:
             return None, None
-        cap = self.engine.max_context
+        cap = self.host.max_context
         rooms = [max(0, min(req.stops.limit - len(req.stops.tokens) - 1,      # past the limit: wasted rows
-                            cap - self.engine.sequence(req.id).kv_len - 1,
+                            cap - self.host.sequence(req.id).kv_len - 1,
                             self.engine.capacity.max_drafts)) for req in requests]
         return self.drafter.propose_batch(requests, rooms)
 
@@ -336,8 +338,8 @@ class Scheduler:
         needs: dict[int, list[dict]] = collections.defaultdict(list)
         for i, req in enumerate(requests):
             rows = 1 + (len(drafts[i]) if drafts is not None else 0)
-            needs[self._group(req)].append(self.engine.needs(req.id, rows))
-        return next((g for g, n in sorted(needs.items()) if not self.engine.fits(g, n)), None)
+            needs[self._group(req)].append(self.host.needs(req.id, rows))
+        return next((g for g, n in sorted(needs.items()) if not self.host.fits(g, n)), None)
 
     def _decode(self, requests: list[Request]) -> Turn:
         while True:
@@ -380,11 +382,11 @@ class Scheduler:
     def _preempt(self, req: Request, group: int):
         if self.drafter is not None:
             self.drafter.forget(req)
-        seq = self.engine.sequence(req.id)
+        seq = self.host.sequence(req.id)
         req.saved = Sequence(-1, [], sampling=seq.sampling, seed=seq.seed, drawn=seq.drawn,
                              prompt_len=seq.prompt_len)
         del self.running[req.id]
-        self.engine.release(req.id)
+        self.host.release(req.id)
         req.feed, req.running = [], False
         req.preemptions += 1
         self.victims.append((req, group))
@@ -417,7 +419,7 @@ class Scheduler:
             self.drafter.forget(req)
         if req.id in self.running:
             del self.running[req.id]
-            self.engine.release(req.id)
+            self.host.release(req.id)
         req.finished, req.last, req.feed, req.running = True, None, [], False
 
     def _finish(self, req: Request, reason: str):
