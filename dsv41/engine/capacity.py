@@ -54,8 +54,10 @@ CAPACITIES = {"tiny": Capacity(max_batch_per_dp=8, prefill_max_tokens=512).valid
 
 
 def capacity_of(cfg: ModelConfig, checkpoint=None) -> Capacity:
-    """The capacity a model runs with: an opened checkpoint's (its config.json), else the preset's its
-    name starts with (``tiny``, ``flash-L4-E8``: a reduction keeps its preset's), else FLASH's."""
-    if checkpoint is not None:
-        return checkpoint.capacity
+    """The capacity a model runs with: an opened checkpoint folder's (its config.json), else the
+    preset's its name starts with (``tiny``, ``flash-L4-E8``: a reduction keeps its preset's), else
+    FLASH's. A weight source without limits of its own (drawn weights) runs with the preset's."""
+    held = getattr(checkpoint, "capacity", None)
+    if held is not None:
+        return held
     return CAPACITIES.get(cfg.name.split("-")[0], FLASH_CAPACITY)
