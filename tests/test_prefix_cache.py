@@ -16,6 +16,7 @@ from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.settings import EngineConfig
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.blocks import BlockManager, PoolExhausted, Reservation
+from dsv41.engine.capacity import CAPACITIES
 from dsv41.engine.drafters import NgramDrafter, OracleDrafter
 from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.prefix_cache import span
@@ -560,7 +561,7 @@ def test_requests_sent_together_compute_their_shared_prefix_once(oracle, mode):
     """One step's budget holds every prompt: A and C (which shares nothing) start in the first step,
     the requests sharing A's uncached spans wait for them and start in the next."""
     engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True)
-    started = check_together(engine, oracle, MODES[mode][0], budget=TINY.prefill_max_tokens)
+    started = check_together(engine, oracle, MODES[mode][0], budget=CAPACITIES["tiny"].prefill_max_tokens)
     assert started[:2] == [["A", "C"], ["B", "D", "E"]]
 
 
@@ -580,7 +581,7 @@ def test_requests_sent_together_share_their_prefix_on_a_graph_layout(oracle):
     engine = GraphEngine(TINY, Topology(2, 1, 2), EngineConfig(seed=0, executor="sync", max_batch=8,
                                                                max_context=CTX, prefix_caching=True))
     try:
-        started = check_together(engine, oracle, SAMPLED, budget=TINY.prefill_max_tokens)
+        started = check_together(engine, oracle, SAMPLED, budget=CAPACITIES["tiny"].prefill_max_tokens)
         assert started[:2] == [["A", "C"], ["B", "D", "E"]]
     finally:
         engine.close()
@@ -589,7 +590,7 @@ def test_requests_sent_together_share_their_prefix_on_a_graph_layout(oracle):
 @pytest.mark.timeout(300)
 def test_without_prefix_caching_nothing_waits(oracle):
     engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX)
-    got, sched = run(engine, list(TOGETHER.values()), budget=TINY.prefill_max_tokens, cls=Recording)
+    got, sched = run(engine, list(TOGETHER.values()), budget=CAPACITIES["tiny"].prefill_max_tokens, cls=Recording)
     del engine.run
     assert [cut for _, _, cut in sched.steps[0]] == [0] * 5 and all(j.cached == 0 for j in got)
 
@@ -605,7 +606,7 @@ def test_dp2_a_request_waits_only_for_a_prefix_its_own_group_computes(oracle):
     names = ["A", "B", "D"]
     prompts = [TOGETHER[n] for n in names]
     try:
-        got, sched = run(engine, prompts, SAMPLED, budget=TINY.prefill_max_tokens, cls=Recording)
+        got, sched = run(engine, prompts, SAMPLED, budget=CAPACITIES["tiny"].prefill_max_tokens, cls=Recording)
         del engine.run
         assert [j.cached for j in got] == [0, 0, 64]
         assert [sched.groups[j.id] for j in got] == [0, 1, 0]
