@@ -319,34 +319,34 @@ def test_reference_cached_prefix_equals_the_whole_prompt(oracle, mode):
     check_cached(ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True), oracle, mode)
 
 
-def dp2_prompts():
-    """Two requests per wave, one per DP group (the least loaded group first): the first wave
-    computes BASE's spans in both groups, the second reuses them in both."""
-    return variants()[:2]
-
-
 @pytest.mark.timeout(1200)
 def test_dp2_each_group_reuses_the_prefix_it_computed(oracle):
-    engine = GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=8,
-                                                               max_context=CTX, prefix_caching=True))
+    """DP2, BASE alone (group 0 caches it), then two variants in one step of 24 rows: the first goes
+    to group 0, which caches their prefix; the second would too, but group 0 has no rows left this
+    step, so it goes to the least loaded group, 1, and computes the prefix there. Then two more
+    sharing no more with BASE than that prefix (66 and 40 tokens of it): both groups hold what they
+    share, so they go by load, one per group, and start after it."""
+    engine = dp2_engine()
     try:
-        first, _ = run(engine, [BASE, BASE + [1]])
-        placed = []
-        spy = engine.host.router.split
-
-        def split(parts, loads, group_of):
-            out = spy(parts, loads, group_of)
-            placed.extend(g for p, (g, _) in zip(parts, out.placed) if p.start)
-            return out
-        engine.host.router.split = split
-        got, _ = run(engine, dp2_prompts(), SAMPLED)
-        want = oracle_answers(oracle, "sampled", variants())[:2]
-        assert {0, 1} <= set(placed)
-        for g, w in zip(got, want):
-            assert g.cached == 64 and g.made == w.made and torch.equal(g.final_logits, w.final_logits)
+        run(engine, [BASE])
+        got, sched = run(engine, variants()[:2], SAMPLED, cls=Recording)
+        del engine.run
+        assert [sched.groups[j.id] for j in got] == [0, 1] and [j.cached for j in got] == [64, 0]
+        more, sched = run(engine, [variants()[2], variants()[4]], SAMPLED, cls=Recording)
+        del engine.run
+        assert [sched.groups[j.id] for j in more] == [0, 1] and [j.cached for j in more] == [64, 32]
+        want = oracle_answers(oracle, "sampled", variants())
+        for g, w in zip(got + more, want[:2] + [want[2], want[4]]):
+            assert g.made == w.made and torch.equal(g.final_logits, w.final_logits)
         assert engine.blocks_in_use()[0] == 0
     finally:
         engine.close()
+
+
+def dp2_engine(max_batch: int = 8) -> GraphEngine:
+    """DP2 with prefix caching; max_batch over both groups (each holds half)."""
+    return GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=max_batch,
+                                                             max_context=CTX, prefix_caching=True))
 
 
 LAYOUTS = [("threads", Topology(4, 1, 4), "sharded"), ("threads", Topology(4, 1, 4), "replicated"),
@@ -530,17 +530,19 @@ def solo_answers(oracle, prompts: list[list[int]], sampling) -> list:
     return out
 
 
-def check_together(engine, oracle, sampling, budget: int) -> list[list[tuple]]:
-    """TOGETHER submitted at once: the shared spans are computed once (each request starts after
-    CUTS and is fed only the rest of its prompt), every answer equals its solo run; the steps."""
-    names = list(TOGETHER)
+def check_together(engine, oracle, sampling, budget: int, names=tuple(TOGETHER)):
+    """TOGETHER (the requests named) submitted at once: the shared spans are computed once (each
+    request starts after CUTS and is fed only the rest of its prompt), every answer equals its solo
+    run; per step the names of the requests it started, and the scheduler."""
+    names = list(names)
+    prompts = [TOGETHER[n] for n in names]
     try:
-        got, sched = run(engine, list(TOGETHER.values()), sampling, budget=budget, cls=Recording)
+        got, sched = run(engine, prompts, sampling, budget=budget, cls=Recording)
     finally:
         del engine.run                    # the engine's own method again
     ids = {j.id: n for n, j in zip(names, got)}
     assert [j.cached for j in got] == [CUTS[n] for n in names]
-    assert sched.prefix_hits == sum(CUTS.values()) and sched.prefix_queries == sum(map(len, TOGETHER.values()))
+    assert sched.prefix_hits == sum(CUTS[n] for n in names) and sched.prefix_queries == sum(map(len, prompts))
     fed = {n: 0 for n in names}
     for step in sched.steps:
         for rid, rows, cut in step:
@@ -549,10 +551,10 @@ def check_together(engine, oracle, sampling, budget: int) -> list[list[tuple]]:
                 assert cut == CUTS[ids[rid]], ids[rid]
     for n, j in zip(names, got):        # its prompt past the cut, then one row per later token
         assert fed[n] == len(TOGETHER[n]) - CUTS[n] + len(j.made) - 1, n
-    for j, w in zip(got, solo_answers(oracle, list(TOGETHER.values()), sampling)):
+    for j, w in zip(got, solo_answers(oracle, prompts, sampling)):
         assert j.made == w.made and torch.equal(j.final_logits, w.final_logits)
     assert engine.blocks_in_use()[0] == 0
-    return [[ids[rid] for rid, _, cut in step if cut is not None] for step in sched.steps]
+    return [[ids[rid] for rid, _, cut in step if cut is not None] for step in sched.steps], sched
 
 
 @pytest.mark.timeout(900)
@@ -561,7 +563,7 @@ def test_requests_sent_together_compute_their_shared_prefix_once(oracle, mode):
     """One step's budget holds every prompt: A and C (which shares nothing) start in the first step,
     the requests sharing A's uncached spans wait for them and start in the next."""
     engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True)
-    started = check_together(engine, oracle, MODES[mode][0], budget=CAPACITIES["tiny"].prefill_max_tokens)
+    started, _ = check_together(engine, oracle, MODES[mode][0], budget=CAPACITIES["tiny"].prefill_max_tokens)
     assert started[:2] == [["A", "C"], ["B", "D", "E"]]
 
 
@@ -572,7 +574,7 @@ def test_a_chunked_shared_prefix_is_waited_for_to_its_last_span(oracle):
     nothing, takes the room they leave beside it) and start after both spans; E, behind them, starts
     after the one span it shares when the budget has room again."""
     engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True)
-    started = check_together(engine, oracle, SAMPLED, budget=48)
+    started, _ = check_together(engine, oracle, SAMPLED, budget=48)
     assert started[:4] == [["A"], ["C"], ["B", "D"], ["E"]]
 
 
@@ -581,7 +583,7 @@ def test_requests_sent_together_share_their_prefix_on_a_graph_layout(oracle):
     engine = GraphEngine(TINY, Topology(2, 1, 2), EngineConfig(seed=0, executor="sync", max_batch=8,
                                                                max_context=CTX, prefix_caching=True))
     try:
-        started = check_together(engine, oracle, SAMPLED, budget=CAPACITIES["tiny"].prefill_max_tokens)
+        started, _ = check_together(engine, oracle, SAMPLED, budget=CAPACITIES["tiny"].prefill_max_tokens)
         assert started[:2] == [["A", "C"], ["B", "D", "E"]]
     finally:
         engine.close()
@@ -596,24 +598,60 @@ def test_without_prefix_caching_nothing_waits(oracle):
 
 
 @pytest.mark.timeout(900)
-def test_dp2_a_request_waits_only_for_a_prefix_its_own_group_computes(oracle):
-    """DP2, A, B and D sent together: A goes to group 0 and B (sharing A's uncached HEAD) to group 1,
-    which caches nothing of it, so B computes HEAD there; D (A again) would go to group 0, where A
-    computes it, so D waits a step and starts after A's spans (the next step places it in group 0,
-    the least loaded group first)."""
-    engine = GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=8,
-                                                               max_context=CTX, prefix_caching=True))
-    names = ["A", "B", "D"]
-    prompts = [TOGETHER[n] for n in names]
+def test_dp2_requests_sharing_a_prefix_go_to_one_group_and_compute_it_once(oracle):
+    """DP2, A, B, C and D sent together: A goes to group 0 (the least loaded); B and D share A's
+    uncached HEAD, which group 0 is computing, so they go there too (cache-aware placement) and wait
+    a step for A's spans; C shares nothing and goes to the least loaded group, 1. HEAD is fed once
+    (check_together counts every request's rows: its prompt past its cut, then its decode rows)."""
+    engine = dp2_engine()
     try:
-        got, sched = run(engine, prompts, SAMPLED, budget=CAPACITIES["tiny"].prefill_max_tokens, cls=Recording)
+        started, sched = check_together(engine, oracle, SAMPLED, budget=CAPACITIES["tiny"].prefill_max_tokens,
+                                        names="ABCD")
+        assert started[:2] == [["A", "C"], ["B", "D"]]
+        assert sorted(sched.groups.values()) == [0, 0, 0, 1]
+        assert [g for _, g in sorted(sched.groups.items())] == [0, 0, 1, 0]      # ids in arrival order
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(900)
+def test_dp2_a_request_goes_to_the_group_caching_its_prefix_within_the_load_bound(oracle):
+    """C then A on a fresh DP2 engine: C goes to group 0, A to group 1, which caches HEAD's spans
+    (0..64) when A finishes. B (HEAD and more) alone then goes to group 1, not to the least loaded
+    group 0 it would have gone to by load, and starts after those 64 tokens. Then four prompts on
+    HEAD sent together: the first three go to group 1 (loads 0/0, 0/1, 0/2: at most max_batch // 4
+    = 2 more than group 0, 8 requests per group); the fourth would make group 1 three ahead, so it
+    goes to group 0, which computes HEAD itself. Every answer equals its solo run."""
+    engine = dp2_engine(max_batch=16)
+    quad = [HEAD + prompt(8 + k, salt=20 + k) for k in range(4)]
+    try:
+        warm, sched = run(engine, [TOGETHER["C"], TOGETHER["A"]], SAMPLED, cls=Recording)
         del engine.run
-        assert [j.cached for j in got] == [0, 0, 64]
-        assert [sched.groups[j.id] for j in got] == [0, 1, 0]
-        assert [[rid for rid, _, cut in step if cut is not None] for step in sched.steps[:2]] == \
-            [[got[0].id, got[1].id], [got[2].id]]
-        for j, w in zip(got, solo_answers(oracle, prompts, SAMPLED)):
+        assert [sched.groups[j.id] for j in warm] == [0, 1]
+        got, sched = run(engine, [TOGETHER["B"]], SAMPLED, cls=Recording)
+        del engine.run
+        assert sched.groups[got[0].id] == 1 and got[0].cached == 64
+        four, sched = run(engine, quad, SAMPLED, budget=CAPACITIES["tiny"].prefill_max_tokens, cls=Recording)
+        del engine.run
+        assert [sched.groups[j.id] for j in four] == [1, 1, 1, 0]
+        assert [j.cached for j in four] == [64, 64, 64, 0]
+        assert [n for _, n, cut in sched.steps[0]] == [len(p) - c for p, c in zip(quad, [64, 64, 64, 0])]
+        for j, w in zip(warm + got + four, solo_answers(oracle, [TOGETHER["C"], TOGETHER["A"], TOGETHER["B"]] + quad,
+                                                        SAMPLED)):
             assert j.made == w.made and torch.equal(j.final_logits, w.final_logits)
         assert engine.blocks_in_use()[0] == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(900)
+def test_dp2_without_prefix_caching_places_by_load_alone(oracle):
+    """Caching off: no request prefers a group; TOGETHER alternates over the groups, group 0 first."""
+    engine = GraphEngine(TINY, Topology(1, 2, 2), EngineConfig(seed=0, executor="threads", max_batch=8,
+                                                               max_context=CTX))
+    try:
+        got, sched = run(engine, list(TOGETHER.values()), budget=CAPACITIES["tiny"].prefill_max_tokens, cls=Recording)
+        del engine.run
+        assert [sched.groups[j.id] for j in got] == [0, 1, 0, 1, 0] and all(j.cached == 0 for j in got)
     finally:
         engine.close()

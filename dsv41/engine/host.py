@@ -1,13 +1,13 @@
 """The host state of an engine's requests, in one owner: per DP group its ``RequestTable``
 (sequences, block pools, prefix cache), and which group each request runs in (``routing``).
 
-The scheduler asks it what fits (``needs``/``fits``, ``cached_prefix``, ``place``), a step is
-planned here into each group's device inputs (``plan``: ``Scheduled``), the engine runs those
-(``Engine.execute``: ``StepInputs`` in, tokens out) and the verdict is committed here (``commit``),
-or the step's reservations given back (``abort``). As in nano-vllm and vLLM v1, the block manager
-and the sequences live on the scheduler's side; the engine holds the caches its pools index, so an
-engine and its host state are made together, one for one (``Engine.host``). Recovery replays a lost
-group from its table here.
+The scheduler asks it what fits and where a new request goes (``needs``/``fits``,
+``cached_prefix``, ``place``), a step is planned here into each group's device inputs (``plan``:
+``Scheduled``), the engine runs those (``Engine.execute``: ``StepInputs`` in, tokens out) and the
+verdict is committed here (``commit``), or the step's reservations given back (``abort``). As in
+nano-vllm and vLLM v1, the block manager and the sequences live on the scheduler's side; the engine
+holds the caches its pools index, so an engine and its host state are made together, one for one
+(``Engine.host``). Recovery replays a lost group from its table here.
 """
 from __future__ import annotations
 
@@ -86,9 +86,12 @@ class HostState:
         """The DP group a live request runs in."""
         return self.sequence(rid).group
 
-    def place(self, count: int) -> list[int]:
-        """The DP groups the next step would give ``count`` new requests (in batch order)."""
-        return self.router.place(self._loads(), count)
+    def place(self, cached: list[int], placed: list[int]) -> int:
+        """The DP group for a new request, given per group the prompt tokens it would start after
+        there (``cached_prefix``, or spans a request of that group is computing) and the new requests
+        placed there before it in this step (``Router.choose``; the step's parts then carry it)."""
+        loads = [n + k for n, k in zip(self._loads(), placed)]
+        return self.router.choose(loads, cached, min(t.max_batch for t in self.tables))
 
     def blocks_in_use(self) -> tuple[int, int]:
         """(cache blocks held by live requests, blocks in all pools), over every DP group."""
@@ -122,9 +125,9 @@ class HostState:
 
     # ---- a step ----------------------------------------------------------------------------------
     def plan(self, parts: list[Part], phase: str) -> Scheduled:
-        """The step over the DP groups: a starting part goes to the least loaded group, a running one
-        stays in its own; each group's table checks and reserves its share. Nothing is reserved if
-        any group refuses."""
+        """The step over the DP groups: a starting part goes to its ``group`` (the scheduler's
+        ``place``) or else to the least loaded group, a running one stays in its own; each group's
+        table checks and reserves its share. Nothing is reserved if any group refuses."""
         if not parts:
             raise ValueError("batch: must contain at least one request, got an empty batch")
         self._check_new([p.id for p in parts if p.start])

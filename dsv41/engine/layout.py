@@ -29,6 +29,8 @@ class Part:
     start: bool = False                         # the step starts this request under its id
     cached: list[int] | None = None             # a starting request's prefix its group's prefix cache holds:
     #                                             it shares those pages and feeds only its tokens after them
+    group: int | None = None                    # the DP group a starting request goes to (the scheduler's
+    #                                             cache-aware choice, ``Router.choose``); None: the least loaded
 
 
 class StepLayout:

@@ -14,7 +14,7 @@ host state (the engine's ``host``, ``HostState.needs``/``fits``: the block manag
 whether the step fits before it runs; the scheduler reads sequences, places and releases requests
 there too, and the engine only runs the steps. The first request that does not fit stops it, so no
 later arrival overtakes a request that waits for room. A new request starts after the longest prefix
-its DP group has cached (``prefix_cache.py``).
+its DP group has cached (``prefix_cache.py``; which group: below).
 
 A shared prompt prefix is computed once, also by requests that arrive together (the n samples of
 one request, a system prompt sent by many). A request's spans are cached as each chunk of it
@@ -24,9 +24,16 @@ step, keeping its place in the queue. The requests behind it are admitted as usu
 nothing is not delayed by it); once the span is cached the deferred request is admitted in its
 place, ahead of later arrivals, after the longer cached prefix. It waits only while others ingest
 the spans it would start after (one behind it in its group sharing them is deferred as well), and
-ingesting chunks take a step's room before admissions, so the wait ends when that ingest does. The
-DP groups cache apart and the router places by load, not by prefix: deferral holds within the group
-a request would be placed in, and a request placed in another group computes the prefix there.
+ingesting chunks take a step's room before admissions, so the wait ends when that ingest does.
+
+The DP groups cache apart, so a new request is placed by its prefix (cache-aware placement,
+``HostState.place``/``Router.choose``): in the group where the prompt tokens it would start after
+(cached there, or spans a request of that group is computing) are the most, unless that group is
+full or more than ``max(1, max_batch // 4)`` requests ahead of the least loaded group; then, and on
+a tie or with nothing shared, the least loaded group, as before. There it is deferred as above; if
+the group has no rows or blocks left for it in this step it starts in the least loaded group instead,
+computing its prefix there. The group chosen here travels with the step (``Part.group``), so the
+engine plans the request where it was admitted.
 
 When a group's running requests cannot decode in its pools, the newest request of that group is
 preempted: its blocks are freed and it waits at the front of the queue, to be fed again from its
@@ -178,10 +185,11 @@ class Scheduler:
         return self.host.group_of(req.id)
 
     def _schedule_chunks(self, decoding: list[Request], ingesting: list[Request]):
-        """(items, drafts, probs) of a step that feeds prompt chunks: (req, tokens) per request, decode
-        rows first (with their drafts), then the chunks of ingesting requests, then admissions in arrival
-        order, each as far as its group's budget and free blocks take it, a request waiting for a span
-        another computes skipped; None when no chunk fits."""
+        """(items, drafts, probs, placed) of a step that feeds prompt chunks: (req, tokens) per request,
+        decode rows first (with their drafts), then the chunks of ingesting requests, then admissions
+        in arrival order, each in the DP group ``HostState.place`` picks (placed: request id -> group)
+        as far as that group's budget and free blocks take it, a request waiting for a span another
+        computes skipped; None when no chunk fits."""
         budget, host = self.budget, self.host
         rows: dict[int, int] = collections.defaultdict(int)
         needs: dict[int, list[dict]] = collections.defaultdict(list)
@@ -208,25 +216,39 @@ class Scheduler:
             room = budget - rows[g]
             if room > 0 and take(req, g, req.feed[:room]):
                 chunked = True
-        admitted = 0
+        placed: dict[int, int] = {}              # admitted request id -> its DP group
+        per_group = [0] * len(host.tables)
         computing = self._computing(ingesting)
         for req in self.waiting:
-            if len(self.running) + admitted >= self.max_batch:
+            if len(self.running) + len(placed) >= self.max_batch:
                 break
-            g = host.place(admitted + 1)[-1]
-            room = budget - rows[g]
             feed = req.history[:-1] if req.made else req.prompt
-            hit = None if self.context or room <= 0 else host.cached_prefix(g, feed, self.min_feed)
-            if hit is not None and self._defers(hit, len(feed), computing[g]):
-                continue
-            skip = hit.length if hit is not None else 0
-            if room <= 0 or not take(req, g, feed[skip:skip + room], self.context, hit):
+            hits = [None if self.context else host.cached_prefix(g, feed, self.min_feed)
+                    for g in range(len(host.tables))]
+            reach = [0 if h is None else self._reach(h, len(feed), computing[g]) for g, h in enumerate(hits)]
+            best = host.place(reach, per_group)
+            least = host.place([0] * len(reach), per_group)       # no prefix anywhere: by load alone
+            outcome = None
+            for g in dict.fromkeys([best, least]):     # the preferred group; short of room, the least loaded
+                hit = hits[g]
+                if hit is not None and self._defers(hit, len(feed), computing[g]):
+                    outcome = "wait"               # for the span a request of group g computes
+                    break
+                skip = hit.length if hit is not None else 0
+                room = budget - rows[g]
+                if room > 0 and take(req, g, feed[skip:skip + room], self.context, hit):
+                    outcome = "start"
+                    break
+            if outcome is None:
                 break                              # first come, first served: the rest wait behind it
+            if outcome == "wait":
+                continue
             req.feed, req.prefix = list(feed[skip:]), list(feed[:skip])
             if hit is not None:
                 self.publishing[req.id] = (len(feed), hit.ahead)
                 computing[g].update(h for _, h in hit.ahead)
-            admitted += 1
+            placed[req.id] = g
+            per_group[g] += 1
             chunked = True
         if not chunked:
             return None
@@ -234,7 +256,7 @@ class Scheduler:
         if drafts is not None:
             drafts = drafts + [[]] * rest
             probs = None if probs is None else probs + [None] * rest
-        return items, drafts, probs
+        return items, drafts, probs, placed
 
     def _computing(self, ingesting: list[Request]) -> dict[int, set[bytes]]:
         """Per DP group, the hashes of the spans its ingesting requests will register (their rows
@@ -252,8 +274,19 @@ class Scheduler:
         one it could start after (the cut leaves min_feed rows) and another request computes."""
         return bool(hit.ahead) and hit.ahead[0][0] <= n - self.min_feed and hit.ahead[0][1] in computing
 
-    def _feed(self, items: list[tuple[Request, list[int]]], drafts, probs) -> Turn:
-        """One step of prompt chunks (and decode rows): new requests start, the chunks before a
+    def _reach(self, hit, n: int, computing: set[bytes]) -> int:
+        """The prompt tokens a new request of n tokens to feed would start after in a DP group: the
+        group's cached prefix, and past it the spans the group's requests are computing."""
+        end = hit.length
+        for stop, h in hit.ahead:
+            if stop > n - self.min_feed or h not in computing:
+                break
+            end = stop
+        return end
+
+    def _feed(self, items: list[tuple[Request, list[int]]], drafts, probs, placed: dict[int, int]) -> Turn:
+        """One step of prompt chunks (and decode rows): new requests start in the DP groups placed
+        (request id -> group, ``_schedule_chunks``), the chunks before a
         request's last draw nothing, its last one makes its first token (a recomputed request's
         newest token is known already: that one is dropped)."""
         new = [req for req, _ in items if req.id not in self.running]
@@ -269,7 +302,7 @@ class Scheduler:
                 start = req in new and not self.context
                 parts.append(Part(req.id, tokens, drafts[i] if drafts else [], probs[i] if probs else None,
                                   self._params(req) if start else None, start,
-                                  req.prefix if start and req.prefix else None))
+                                  req.prefix if start and req.prefix else None, placed[req.id] if start else None))
             out = self.engine.run(parts, "prefill")
         except Exception as e:
             for rid in drawn:
