@@ -37,8 +37,10 @@ class OneGroupEngine:
     def group_of(self, rid):
         return 0
 
-    def place(self, count):
-        return [0] * count
+    dp = 1
+
+    def place(self, cached, placed):
+        return 0
 
     def needs(self, rid, n_new, drawn=0, hit=None, group=0):
         return {"rows": n_new}

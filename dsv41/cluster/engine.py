@@ -280,11 +280,11 @@ class GraphEngine(Engine):
             if isinstance(result, Exception) and not isinstance(result, OSError):
                 raise result
 
-    def start_at_context(self, rids: list[int], context: int) -> list[int]:
-        """Requests placed as a prefill places them (the least loaded DP group); every card of a group
-        fills its replica of the group's caches with the same drawn rows."""
+    def start_at_context(self, rids: list[int], context: int, groups: dict[int, int] | None = None) -> list[int]:
+        """Requests placed as a prefill places them (``groups``, else the least loaded DP group);
+        every card of a group fills its replica of the group's caches with the same drawn rows."""
         self._check_open()
-        return super().start_at_context(rids, context)
+        return super().start_at_context(rids, context, groups)
 
     def fill(self, fills: dict):
         self._on_every_process(_fill_here, self.id, self.cfg, self.seed, fills)

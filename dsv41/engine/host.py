@@ -64,6 +64,11 @@ class HostState:
         return sorted(rid for t in self.tables for rid in t.requests)
 
     @property
+    def dp(self) -> int:
+        """The DP groups."""
+        return len(self.tables)
+
+    @property
     def max_batch(self) -> int:
         return sum(t.max_batch for t in self.tables)
 
@@ -155,12 +160,15 @@ class HostState:
         for g, planned in step.groups.items():
             self.tables[g].abort(planned)
 
-    def start_at(self, rids: list[int], histories: dict[int, list[int]]) -> dict[int, Started]:
-        """Requests placed as a prefill places them, planned as having read these histories (no
-        step): per group, what to fill into its cards' caches, then ``commit_started`` or
+    def start_at(self, rids: list[int], histories: dict[int, list[int]],
+                 groups: dict[int, int] | None = None) -> dict[int, Started]:
+        """Requests placed as a prefill places them (in ``groups``: request id -> DP group, the
+        scheduler's ``place``; else the least loaded group), planned as having read these histories
+        (no step): per group, what to fill into its cards' caches, then ``commit_started`` or
         ``abort_started``."""
         self._check_new(rids)
-        split = self.router.split([Part(rid, [], start=True) for rid in rids], self._loads(), self.group_of)
+        split = self.router.split([Part(rid, [], start=True, group=(groups or {}).get(rid)) for rid in rids],
+                                  self._loads(), self.group_of)
         started: dict[int, Started] = {}
         try:
             for g, share in split.shares.items():

@@ -185,13 +185,15 @@ class Engine(ABC):
     def close(self):
         """Free what the engine holds (its cards' States, its cluster)."""
 
-    def start_at_context(self, rids: list[int], context: int) -> list[int]:
+    def start_at_context(self, rids: list[int], context: int, groups: dict[int, int] | None = None) -> list[int]:
         """Start these requests as having read ``context`` tokens, without a step: host state and
         every cache replica as a prefill of that history would leave them, rows drawn from the seed
-        and the request's place among the requests this engine started (``engine.context``).
+        and the request's place among the requests this engine started (``engine.context``); in
+        the DP groups ``groups`` gives (request id -> group; default: as a prefill places them).
         Returns their ids; nothing runs on the model."""
         keys = dict(zip(rids, range(self.starts, self.starts + len(rids))))
-        started = self.host.start_at(rids, {r: draw_history(self.cfg, self.seed, k, context) for r, k in keys.items()})
+        started = self.host.start_at(rids, {r: draw_history(self.cfg, self.seed, k, context) for r, k in keys.items()},
+                                     groups)
         try:
             self.fill({g: [(keys[r], s.requests[r]) for r in s.rids] for g, s in started.items()})
         except BaseException:

@@ -217,14 +217,14 @@ class Scheduler:
             if room > 0 and take(req, g, req.feed[:room]):
                 chunked = True
         placed: dict[int, int] = {}              # admitted request id -> its DP group
-        per_group = [0] * len(host.tables)
+        per_group = [0] * host.dp
         computing = self._computing(ingesting)
         for req in self.waiting:
             if len(self.running) + len(placed) >= self.max_batch:
                 break
             feed = req.history[:-1] if req.made else req.prompt
             hits = [None if self.context else host.cached_prefix(g, feed, self.min_feed)
-                    for g in range(len(host.tables))]
+                    for g in range(host.dp)]
             reach = [0 if h is None else self._reach(h, len(feed), computing[g]) for g, h in enumerate(hits)]
             best = host.place(reach, per_group)
             least = host.place([0] * len(reach), per_group)       # no prefix anywhere: by load alone
@@ -296,7 +296,7 @@ class Scheduler:
         drawn = []
         try:
             if self.context and new:
-                drawn = self.engine.start_at_context([r.id for r in new], self.context)
+                drawn = self.engine.start_at_context([r.id for r in new], self.context, placed)
             parts = []
             for i, (req, tokens) in enumerate(items):
                 start = req in new and not self.context
