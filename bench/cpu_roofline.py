@@ -46,7 +46,7 @@ from core_rates import compiled, rate    # bench/core_rates.py, beside this scri
 from cpu_plan import node_us_by_step     # bench/cpu_plan.py, beside this script
 
 from dsv41.config import PRESETS, Topology
-from dsv41.engine.capacity import capacity_of
+from dsv41.capacity import capacity_of
 from dsv41.cpu import cores
 from dsv41.cpu.fused_product import permute_width
 from dsv41.plan.step import run_plan

@@ -35,7 +35,7 @@ from dsv41.checkpoint.headers import without_dspark
 from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.settings import EngineConfig
 from dsv41.config import PRESETS, Topology
-from dsv41.engine.capacity import capacity_of
+from dsv41.capacity import capacity_of
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.request import Request, requests_for
 from dsv41.engine.scheduler import Scheduler

@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from dsv41.config import FLASH, Topology
-from dsv41.engine.capacity import Capacity
+from dsv41.capacity import Capacity
 from dsv41.plan.roofline import profile
 from dsv41.plan.step import run_plan
 

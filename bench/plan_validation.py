@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 
 from dsv41.config import FLASH
-from dsv41.engine.capacity import Capacity
+from dsv41.capacity import Capacity
 from dsv41.plan import calibration as cb
 from dsv41.plan.card_step import plan_card
 from dsv41.plan.cards import CARDS

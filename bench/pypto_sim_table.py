@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.config import FLASH, TINY  # noqa: E402
-from dsv41.engine.capacity import CAPACITIES  # noqa: E402
+from dsv41.capacity import CAPACITIES  # noqa: E402
 from dsv41.kernels.pypto.backend import SimCache, node_parts, sim_time_us  # noqa: E402
 
 SETS = {"TINY": (TINY, CAPACITIES["tiny"].decode_max_tokens, 1, 1),

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 from dsv41.cluster.plan import make_plan
 from dsv41.config import PRESETS, Topology
-from dsv41.engine.capacity import capacity_of
+from dsv41.capacity import capacity_of
 from dsv41.graph.build import REPLICATED, build
 from dsv41.kernels.cost import nbytes
 from dsv41.kernels.device_time import node_sim_us

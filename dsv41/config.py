@@ -114,7 +114,7 @@ class ModelConfig:
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 0
     dspark_n_activated_experts: int = 0
-    # cache layout constants (serving ABI, not model math; a deployment's capacity: ``engine.capacity``)
+    # cache layout constants (serving ABI, not model math; a deployment's capacity: ``dsv41.capacity``)
     block_size: int = 128            # paged-cache rows per block
     state_capacity: int = 4          # ratio-2 compressor ring slots per request
     index_score_budget_bytes: int = 512 * 1024 * 1024

@@ -3,7 +3,7 @@ the scheduler and the server ask of an engine besides its tokens; a test subclas
 tokens it needs (``token``) and, where it tests capacity, its own ``fits``."""
 from __future__ import annotations
 
-from dsv41.engine.capacity import CAPACITIES
+from dsv41.capacity import CAPACITIES
 from dsv41.engine.layout import StepLayout
 from dsv41.engine.prefix_cache import Hit
 from dsv41.engine.protocol import StepOutput

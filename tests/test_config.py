@@ -4,7 +4,7 @@ from dataclasses import fields, replace
 import pytest
 
 from dsv41.config import FLASH, FULL, PRESETS, REINDEX, REUSE, SMALL, SWA, TINY, ConfigError, ModelConfig, Topology
-from dsv41.engine.capacity import CAPACITIES, LIMITS, Capacity, capacity_of
+from dsv41.capacity import CAPACITIES, LIMITS, Capacity, capacity_of
 
 # Spec 01 §1 layer table, typed in: layer ratio mode kv_src idx_src
 SCHEDULE = """

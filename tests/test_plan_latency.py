@@ -9,7 +9,7 @@ import pytest
 
 from dsv41.cli import run
 from dsv41.config import TINY, Topology
-from dsv41.engine.capacity import CAPACITIES
+from dsv41.capacity import CAPACITIES
 from dsv41.graph.graph import Graph
 from dsv41.kernels.kinds import KINDS
 from dsv41.plan.latency import FIXED_TERMS, PARTS, step_latency

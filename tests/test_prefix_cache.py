@@ -16,7 +16,7 @@ from dsv41.cluster.engine import GraphEngine
 from dsv41.cluster.settings import EngineConfig
 from dsv41.config import FLASH, TINY, Topology
 from dsv41.engine.blocks import BlockManager, PoolExhausted, Reservation
-from dsv41.engine.capacity import CAPACITIES
+from dsv41.capacity import CAPACITIES
 from dsv41.engine.drafters import NgramDrafter, OracleDrafter
 from dsv41.engine.dspark import dspark_drafter
 from dsv41.engine.prefix_cache import span

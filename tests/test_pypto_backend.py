@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv41.config import FLASH, TINY
-from dsv41.engine.capacity import CAPACITIES
+from dsv41.capacity import CAPACITIES
 from dsv41.kernels.pypto import env as pypto_env
 from dsv41.kernels.pypto.backend import (PYPTO_KERNELS, SimCache, cache_key, check_npu, device_time_us,
                                          node_parts, node_time_us, sim_time_us, verify_kernel)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from dsv41.checkpoint.reader import open_checkpoint, read_config
-from dsv41.engine.capacity import CAPACITIES
+from dsv41.capacity import CAPACITIES
 from dsv41.cli.write_checkpoint import main
 from dsv41.config import TINY
 from dsv41.weights import checkpoint_specs

@@ -22,7 +22,7 @@ import pytest
 from dsv41.checkpoint.chat import encode_messages
 from dsv41.checkpoint.text import TextCodec
 from dsv41.config import TINY
-from dsv41.engine.capacity import CAPACITIES
+from dsv41.capacity import CAPACITIES
 from dsv41.serving import schema
 from dsv41.serving.reasoning import split_reasoning
 

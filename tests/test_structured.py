@@ -21,7 +21,7 @@ import torch
 
 from dsv41.checkpoint.text import TextCodec
 from dsv41.config import TINY
-from dsv41.engine.capacity import CAPACITIES
+from dsv41.capacity import CAPACITIES
 from dsv41.engine.grammar import TokenTable
 from dsv41.ops.sampling import RowDraw, SamplingParams, allowed_tokens, sample_rows
 from dsv41.serving import structured

@@ -7,7 +7,7 @@ import random
 
 from dsv41.config import FLASH, TINY
 from dsv41.engine.blocks import window_pages
-from dsv41.engine.capacity import capacity_of
+from dsv41.capacity import capacity_of
 from dsv41.engine.protocol import parts_of
 from dsv41.engine.requests import RequestTable
 

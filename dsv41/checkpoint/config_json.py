@@ -15,7 +15,7 @@ from dataclasses import fields, replace
 
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.config import FLASH, ConfigError, ModelConfig
-from dsv41.engine.capacity import Capacity, capacity_of
+from dsv41.capacity import Capacity, capacity_of
 from dsv41.ops.engram import engram_table_rows
 
 FILE = "config.json"

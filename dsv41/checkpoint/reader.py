@@ -25,7 +25,7 @@ from dsv41.checkpoint.headers import DTYPES, INDEX, check_headers, fail, without
 from dsv41.checkpoint.text import TextCodec
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
-from dsv41.engine.capacity import Capacity, capacity_of
+from dsv41.capacity import Capacity, capacity_of
 
 
 # dtype -> (the payload's bits as integers, the magnitude mask, the lowest magnitude that may not appear,

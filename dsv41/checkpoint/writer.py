@@ -28,7 +28,7 @@ from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
-from dsv41.engine.capacity import Capacity
+from dsv41.capacity import Capacity
 from dsv41.outputs import write_output
 from dsv41.weights import draw_checkpoint
 

@@ -146,8 +146,8 @@ def resolve_model(a, checkpoint=None):
     """The model a command serves, the one place it is decided (run, serve and the checkpoint writer
     call it, so a reduction is never dropped): the opened checkpoint's config, else the --config
     preset with --layers/--experts/--engram-rows applied; a reduction that breaks the schedule is a
-    usage error naming its option. ``a.capacity`` becomes the limits it runs with (``engine.capacity``)."""
-    from dsv41.engine.capacity import capacity_of
+    usage error naming its option. ``a.capacity`` becomes the limits it runs with (``dsv41.capacity``)."""
+    from dsv41.capacity import capacity_of
     if checkpoint is not None:
         a.capacity = checkpoint.capacity
         return checkpoint.cfg

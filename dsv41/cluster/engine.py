@@ -38,7 +38,7 @@ from dsv41.cluster.settings import EngineConfig
 from dsv41.checkpoint.shards import card_bytes, return_freed_memory
 from dsv41.cluster.state import build_states, renew
 from dsv41.config import ModelConfig, Topology
-from dsv41.engine.capacity import capacity_of
+from dsv41.capacity import capacity_of
 from dsv41.engine.context import fill_caches
 from dsv41.engine.host import HostState
 from dsv41.engine.layout import Part

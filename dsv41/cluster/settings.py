@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv41.cluster.connect import Startup
-from dsv41.engine.capacity import Capacity
+from dsv41.capacity import Capacity
 from dsv41.graph.build import SHARDED
 from dsv41.kernels.device_time import BACKENDS
 from dsv41.model.options import FULL_PREFILL, Options
@@ -27,7 +27,7 @@ class EngineConfig:
     granularity: str = "submission"        # one dask task per submission, or per node
     wiring: str = SHARDED
     capacity: Capacity | None = None       # the limits per DP group (default: the checkpoint's or the model's,
-    #                                        ``engine.capacity``)
+    #                                        ``dsv41.capacity``)
     max_batch: int | None = None           # requests at once over all DP groups (default: the capacity's per group)
     max_context: int | None = None         # tokens per request (default: min(context limit, 1024))
     cache_tokens: int | None = None        # what each DP group's compressed pools hold (default: every

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from dsv41.config import ModelConfig
-from dsv41.engine.capacity import capacity_of
+from dsv41.capacity import capacity_of
 from dsv41.engine.prefix_cache import Hit, PrefixCache
 from dsv41.engine.sequence import Sequence
 
@@ -108,7 +108,7 @@ class BlockManager:
         request at max_context); fewer makes the scheduler preempt when requests grow.
         prefix_caching: keep the pages of completed prompt spans for later requests (evicted,
         least recently used first, when a pool has no free block left). step_rows: the rows of the
-        longest step (default: the model's capacity, ``engine.capacity``)."""
+        longest step (default: the model's capacity, ``dsv41.capacity``)."""
         self.cfg = cfg
         bs = cfg.block_size
         if step_rows is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.engine.capacity import Capacity
+from dsv41.capacity import Capacity
 from dsv41.engine.layout import Part, StepLayout
 from dsv41.engine.prefix_cache import Hit
 from dsv41.engine.requests import Planned, RequestTable, Started, StepInputs

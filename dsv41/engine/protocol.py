@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from dsv41.config import ModelConfig
-from dsv41.engine.capacity import Capacity
+from dsv41.capacity import Capacity
 from dsv41.engine.context import draw_history
 from dsv41.engine.host import HostState
 from dsv41.engine.layout import Part, StepLayout
@@ -100,7 +100,7 @@ class Engine(ABC):
 
     host: HostState             # the requests' host state (``engine.host``): the engine owns no Sequence or table
     cfg: ModelConfig
-    capacity: Capacity          # the limits of a step and a DP group's table (``engine.capacity``)
+    capacity: Capacity          # the limits of a step and a DP group's table (``dsv41.capacity``)
     seed: int                   # drawn contexts (and random weights)
     last_request_ids: list[int]
     last_stats: dict

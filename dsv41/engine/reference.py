@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dsv41.checkpoint.shards import DrawnCheckpoint, read_card
 from dsv41.config import ModelConfig, Topology
-from dsv41.engine.capacity import Capacity, capacity_of
+from dsv41.capacity import Capacity, capacity_of
 from dsv41.engine.context import fill_caches
 from dsv41.engine.host import HostState
 from dsv41.engine.protocol import Engine, Ran, StepCounter

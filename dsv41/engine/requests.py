@@ -16,7 +16,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.engine.blocks import BlockManager, Reservation
-from dsv41.engine.capacity import Capacity, capacity_of
+from dsv41.capacity import Capacity, capacity_of
 from dsv41.engine.layout import Part, StepLayout
 from dsv41.engine.sequence import GREEDY, Sequence
 from dsv41.ops import metadata as md_ops

@@ -6,7 +6,7 @@ bytes. Only the step metadata (block tables, positions) is real, and it is small
 
 Each DP group serves ``requests`` requests at ``context`` tokens; a decode step gives each request
 the capacity's ``decode_rows_per_request`` rows (1 target + 5 draft: 32 requests -> 192 rows per
-group, the seed's capacity contract, ``engine.capacity``), a prefill step splits the group's
+group, the seed's capacity contract, ``dsv41.capacity``), a prefill step splits the group's
 ``prefill_max_tokens`` rows between them. The
 per-card HBM is replayed along the simulated timeline, so the Perfetto counter track and the
 reported transient peak follow the same order.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.cluster.plan import make_plan
-from dsv41.engine.capacity import Capacity, capacity_of
+from dsv41.capacity import Capacity, capacity_of
 from dsv41.engine.layout import StepLayout
 from dsv41.engine.requests import StepInputs
 from dsv41.graph.build import SHARDED, build, step_outputs
