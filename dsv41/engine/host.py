@@ -2,7 +2,7 @@
 (sequences, block pools, prefix cache), and which group each request runs in (``routing``).
 
 The scheduler asks it what fits and where a new request goes (``needs``/``fits``,
-``cached_prefix``, ``place``), a step is planned here into each group's device inputs (``plan``:
+``cached_prefixes``, ``place``), a step is planned here into each group's device inputs (``plan``:
 ``Scheduled``), the engine runs those (``Engine.execute``: ``StepInputs`` in, tokens out) and the
 verdict is committed here (``commit``), or the step's reservations given back (``abort``). As in
 nano-vllm and vLLM v1, the block manager and the sequences live on the scheduler's side; the engine
@@ -18,7 +18,7 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.capacity import Capacity
 from dsv41.engine.layout import Part, StepLayout
-from dsv41.engine.prefix_cache import Hit
+from dsv41.engine.prefix_cache import Hit, span_hashes
 from dsv41.engine.requests import Planned, RequestTable, Started, StepInputs
 from dsv41.engine.routing import Router, Split
 from dsv41.engine.sequence import Sequence
@@ -93,7 +93,7 @@ class HostState:
 
     def place(self, cached: list[int], placed: list[int]) -> int:
         """The DP group for a new request, given per group the prompt tokens it would start after
-        there (``cached_prefix``, or spans a request of that group is computing) and the new requests
+        there (``cached_prefixes``, or spans a request of that group is computing) and the new requests
         placed there before it in this step (``Router.choose``; the step's parts then carry it)."""
         loads = [n + k for n, k in zip(self._loads(), placed)]
         return self.router.choose(loads, cached, min(t.max_batch for t in self.tables))
@@ -122,11 +122,15 @@ class HostState:
         """Whether a DP group's free blocks hold these needs together."""
         return self.tables[group].blocks.fits(needs)
 
-    def cached_prefix(self, group: int, tokens: list[int], min_feed: int = 1) -> Hit:
-        """The longest prefix of tokens a DP group's prefix cache holds, leaving at least min_feed
-        tokens to feed (empty with prefix caching off). Each group caches what its own pools hold."""
-        cache = self.tables[group].blocks.cache
-        return Hit() if cache is None else cache.lookup(tokens, len(tokens) - min_feed)
+    def cached_prefixes(self, tokens: list[int], min_feed: int = 1) -> list[Hit]:
+        """Per DP group, the longest prefix of tokens its prefix cache holds, leaving at least
+        min_feed tokens to feed (empty with prefix caching off). Each group caches what its own pools
+        hold; the tokens are hashed once for all of them."""
+        caches = [t.blocks.cache for t in self.tables]
+        if caches[0] is None:
+            return [Hit() for _ in caches]
+        hashes = span_hashes(tokens, caches[0].span)
+        return [c.lookup(tokens, len(tokens) - min_feed, hashes) for c in caches]
 
     # ---- a step ----------------------------------------------------------------------------------
     def plan(self, parts: list[Part], phase: str) -> Scheduled:

@@ -50,6 +50,15 @@ def chain(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + array.array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def span_hashes(tokens: list[int], size: int) -> list[bytes]:
+    """The chained hash of each whole span of ``size`` tokens (the same in every DP group's cache)."""
+    out, parent = [], b""
+    for i in range(len(tokens) // size):
+        parent = chain(parent, tokens[i * size:(i + 1) * size])
+        out.append(parent)
+    return out
+
+
 @dataclass
 class Hit:
     """A cached prefix: its length in tokens, its entries' hashes (oldest first) and the pages a
@@ -89,12 +98,11 @@ class PrefixCache:
         return out
 
     # ---- lookups -----------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], limit: int) -> Hit:
+    def lookup(self, tokens: list[int], limit: int, hashes: list[bytes] | None = None) -> Hit:
         """The longest cached prefix of tokens no longer than limit (a multiple of the span), and
-        the spans of tokens past it."""
-        hit, parent = Hit(), b""
-        for i in range(len(tokens) // self.span):
-            parent = chain(parent, tokens[i * self.span:(i + 1) * self.span])
+        the spans of tokens past it; hashes: the tokens' ``span_hashes``, when already computed."""
+        hit = Hit()
+        for i, parent in enumerate(span_hashes(tokens, self.span) if hashes is None else hashes):
             if not hit.ahead and (i + 1) * self.span <= limit and parent in self.entries:
                 hit.hashes.append(parent)
             else:

@@ -148,7 +148,7 @@ class Engine(ABC):
         per pair: sampling, the settings of the request it starts (None: greedy); drafts, tokens
         proposed after its new tokens (decode only); draft_probs, their distribution or None;
         cached, the prefix a starting request reuses from its group's prefix cache (its tokens come
-        first; ``host.cached_prefix`` finds it) or None."""
+        first; ``host.cached_prefixes`` finds it) or None."""
         return self.run(parts_of(batch, sampling, drafts, draft_probs, cached), phase)
 
     # ---- the host state, read through the engine ----------------------------------------------------

@@ -223,8 +223,7 @@ class Scheduler:
             if len(self.running) + len(placed) >= self.max_batch:
                 break
             feed = req.history[:-1] if req.made else req.prompt
-            hits = [None if self.context else host.cached_prefix(g, feed, self.min_feed)
-                    for g in range(host.dp)]
+            hits = [None] * host.dp if self.context else host.cached_prefixes(feed, self.min_feed)
             reach = [0 if h is None else self._reach(h, len(feed), computing[g]) for g, h in enumerate(hits)]
             best = host.place(reach, per_group)
             least = host.place([0] * len(reach), per_group)       # no prefix anywhere: by load alone
