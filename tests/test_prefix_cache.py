@@ -286,22 +286,38 @@ def oracle_answers(oracle, mode: str, prompts: list[list[int]]) -> list:
     return _answers[key]
 
 
-def check_cached(engine, oracle, mode: str, prompts=None):
-    """BASE first (once per DP group: each group caches what it computed), then every variant (one
-    batch, chunks of 24 rows beside decode rows) on the caching engine; each variant's tokens and
-    final logits equal the oracle's, which caches nothing."""
+def check_cached(engine, oracle, mode: str, computed: dict[int, list[list[int]]] | None = None):
+    """BASE once per DP group, then every variant (one batch, chunks of 24 rows beside decode rows) on
+    the caching engine; each variant starts after the longest prefix, in whole spans, it shares with
+    what its own DP group computed before it started (``computed``: per group, the histories this
+    engine ran to their end in earlier calls, updated here; and the prompts of variants that started
+    earlier in that group: cache-aware placement decides which group), and its tokens and final
+    logits equal the oracle's, which caches nothing."""
     sampling, drafter = MODES[mode]
-    prompts = prompts or variants()
-    warm, _ = run(engine, [BASE] * len(engine.host.tables), sampling, drafter)    # in every DP group
-    histories = [BASE + w.made[:-1] for w in warm]
-    got, sched = run(engine, prompts, sampling, drafter)
+    prompts = variants()
+    computed = {} if computed is None else computed
+    try:
+        warm, first = run(engine, [BASE] * len(engine.host.tables), sampling, drafter, cls=Recording)
+        del engine.run
+        got, sched = run(engine, prompts, sampling, drafter, cls=Recording)
+    finally:
+        engine.__dict__.pop("run", None)          # the engine's own method again
+    for w in warm:
+        computed.setdefault(first.groups[w.id], []).append(BASE + w.made[:-1])
+    started = {rid: s for s, step in enumerate(sched.steps) for rid, _, cut in step if cut is not None}
     want = oracle_answers(oracle, mode, prompts)
     min_feed = TINY.sliding_window if drafter is dspark_drafter else 1
     for g, w, p in zip(got, want, prompts):
-        assert g.cached == expected_cut(p, histories, min_feed) > 0
+        group = sched.groups[g.id]
+        before = computed.get(group, []) + [q for o, q in zip(got, prompts)
+                                            if sched.groups[o.id] == group and started[o.id] < started[g.id]]
+        assert g.cached == expected_cut(p, before, min_feed)
         assert g.made == w.made
         assert torch.equal(g.final_logits, w.final_logits)
-    assert sched.prefix_hits == sum(g.cached for g in got) and sched.prefix_queries == sum(map(len, prompts))
+    for g, p in zip(got, prompts):
+        computed.setdefault(sched.groups[g.id], []).append(p + g.made[:-1])
+    assert sched.prefix_hits == sum(g.cached for g in got) > 0
+    assert sched.prefix_queries == sum(map(len, prompts))
     if drafter is not None:
         assert sched.spec.drafted > 0
     assert engine.blocks_in_use()[0] == 0
@@ -360,8 +376,9 @@ def test_every_layout_cached_prefix_equals_the_whole_prompt(executor, topo, wiri
     engine = GraphEngine(TINY, topo, EngineConfig(seed=0, executor=executor, wiring=wiring, max_batch=8,
                                                   max_context=CTX, prefix_caching=True))
     try:
+        computed: dict[int, list[list[int]]] = {}
         for mode in MODES:
-            check_cached(engine, oracle, mode)
+            check_cached(engine, oracle, mode, computed)
     finally:
         engine.close()
 
