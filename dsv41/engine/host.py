@@ -91,12 +91,13 @@ class HostState:
         """The DP group a live request runs in."""
         return self.sequence(rid).group
 
-    def place(self, cached: list[int], placed: list[int]) -> int:
-        """The DP group for a new request, given per group the prompt tokens it would start after
-        there (``cached_prefixes``, or spans a request of that group is computing) and the new requests
-        placed there before it in this step (``Router.choose``; the step's parts then carry it)."""
+    def place(self, cached: list[int], placed: list[int]) -> tuple[int, int]:
+        """(the DP group for a new request, the least loaded group: where it goes if the first has no
+        room this step), given per group the prompt tokens it would start after there
+        (``cached_prefixes``, or spans a request of that group is computing) and the new requests placed
+        there before it in this step (``Router.choose``; the step's parts then carry the group)."""
         loads = [n + k for n, k in zip(self._loads(), placed)]
-        return self.router.choose(loads, cached, min(t.max_batch for t in self.tables))
+        return self.router.choose(loads, cached, min(t.max_batch for t in self.tables)), self.router.least(loads)
 
     def blocks_in_use(self) -> tuple[int, int]:
         """(cache blocks held by live requests, blocks in all pools), over every DP group."""

@@ -225,8 +225,7 @@ class Scheduler:
             feed = req.history[:-1] if req.made else req.prompt
             hits = [None] * host.dp if self.context else host.cached_prefixes(feed, self.min_feed)
             reach = [0 if h is None else self._reach(h, len(feed), computing[g]) for g, h in enumerate(hits)]
-            best = host.place(reach, per_group)
-            least = host.place([0] * len(reach), per_group)       # no prefix anywhere: by load alone
+            best, least = host.place(reach, per_group)
             outcome = None
             for g in dict.fromkeys([best, least]):     # the preferred group; short of room, the least loaded
                 hit = hits[g]
