@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             print(f"vdpbf16ps, {2 * width} BF16 pairs into {width} FP32 lanes, register operands, "
                   f"{registers(width, pairs=True)}")
     else:
-        print("vdpbf16ps: skipped, this CPU does not report avx512bf16 and avx512vl")
+        print("vdpbf16ps: skipped, this CPU does not report both avx512bf16 and avx512vl")
     # x's rows as a product's pass of 8 rows reads them: FLASH's K are multiples of 1024 floats
     per_row = {row: rate(compiled(True, 8, row), a.repeats, row=row) for row in (5120, 5120 + 16)}
     print(f"one core, {ROWS} chains each loading from its own row of x, the multiplier from a ninth: "
