@@ -40,7 +40,7 @@ class OneGroupEngine:
     dp = 1
 
     def place(self, cached, placed):
-        return 0
+        return 0, 0
 
     def needs(self, rid, n_new, drawn=0, hit=None, group=0):
         return {"rows": n_new}
