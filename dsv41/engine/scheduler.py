@@ -229,8 +229,8 @@ class Scheduler:
             outcome = None
             for g in dict.fromkeys([best, least]):     # the preferred group; short of room, the least loaded
                 hit = hits[g]
-                if hit is not None and self._defers(hit, len(feed), computing[g]):
-                    outcome = "wait"               # for the span a request of group g computes
+                if hit is not None and reach[g] > hit.length:
+                    outcome = "wait"               # for the spans a request of group g computes past its cut
                     break
                 skip = hit.length if hit is not None else 0
                 room = budget - rows[g]
@@ -267,14 +267,10 @@ class Scheduler:
             out[self._group(req)].update(h for end, h in ahead if end > fed)
         return out
 
-    def _defers(self, hit, n: int, computing: set[bytes]) -> bool:
-        """Whether a new request of n tokens to feed waits: the first span past its cached prefix is
-        one it could start after (the cut leaves min_feed rows) and another request computes."""
-        return bool(hit.ahead) and hit.ahead[0][0] <= n - self.min_feed and hit.ahead[0][1] in computing
-
     def _reach(self, hit, n: int, computing: set[bytes]) -> int:
         """The prompt tokens a new request of n tokens to feed would start after in a DP group: the
-        group's cached prefix, and past it the spans the group's requests are computing."""
+        group's cached prefix, and past it the spans the group's requests are computing (each one it
+        could start after: the cut leaves min_feed rows). Past the cached prefix: the request waits."""
         end = hit.length
         for stop, h in hit.ahead:
             if stop > n - self.min_feed or h not in computing:
