@@ -20,6 +20,14 @@ So the span is the least common multiple of the compressed pages' token spans, r
 back one window: 2 x block_size for V4.1 (32 tokens on TINY, 256 on FLASH). Nothing is recomputed
 or copied at a cut and nothing is written into a shared page.
 
+A row's bits also depend on its request's prompt length where that is shorter than the window: the
+attention lists min(prompt, window) window slots on a prompt's rows and the whole window after
+(``ops.metadata``), and rounds per 64-slot tile of that list. So the hash chain of a prompt shorter
+than the window starts from its length (``root``): its spans (all past its prompt, since a span
+reaches back a window) are found only by a request with the same prompt length, its own recompute
+after preemption, and never by a longer prompt, whose one-step prefill lists the whole window on
+those rows. Prompts of a window or more share one chain.
+
 A cached *entry* is one span of a prefix, keyed by a chain hash of the tokens up to its end (as
 vLLM's block hashes): its compressed pages and the window pages a cut at its end reads. Blocks are
 reference counted by the requests holding them; a block nobody holds stays in its pool's LRU with
@@ -45,14 +53,20 @@ def span(cfg: ModelConfig) -> int:
     return unit * max(1, math.ceil((cfg.sliding_window - 1) / unit))
 
 
+def root(cfg: ModelConfig, prompt_len: int) -> bytes:
+    """The hash chain's start for a request with a prompt of prompt_len tokens (module docstring)."""
+    return b"" if prompt_len >= cfg.sliding_window else b"prompt %d" % prompt_len
+
+
 def chain(parent: bytes, tokens: list[int]) -> bytes:
     """The hash of a span given the hash of the prefix before it."""
     return hashlib.blake2b(parent + array.array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-def span_hashes(tokens: list[int], size: int) -> list[bytes]:
-    """The chained hash of each whole span of ``size`` tokens (the same in every DP group's cache)."""
-    out, parent = [], b""
+def span_hashes(tokens: list[int], size: int, start: bytes = b"") -> list[bytes]:
+    """The chained hash of each whole span of ``size`` tokens from ``start`` (``root``; the same in
+    every DP group's cache)."""
+    out, parent = [], start
     for i in range(len(tokens) // size):
         parent = chain(parent, tokens[i * size:(i + 1) * size])
         out.append(parent)
@@ -98,11 +112,15 @@ class PrefixCache:
         return out
 
     # ---- lookups -----------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], limit: int, hashes: list[bytes] | None = None) -> Hit:
+    def lookup(self, tokens: list[int], limit: int, prompt_len: int | None = None,
+               hashes: list[bytes] | None = None) -> Hit:
         """The longest cached prefix of tokens no longer than limit (a multiple of the span), and
-        the spans of tokens past it; hashes: the tokens' ``span_hashes``, when already computed."""
+        the spans of tokens past it, for a request whose prompt has prompt_len tokens (None: the
+        tokens are its prompt); hashes: the tokens' ``span_hashes``, when already computed."""
+        if hashes is None:
+            hashes = span_hashes(tokens, self.span, root(self.cfg, len(tokens) if prompt_len is None else prompt_len))
         hit = Hit()
-        for i, parent in enumerate(span_hashes(tokens, self.span) if hashes is None else hashes):
+        for i, parent in enumerate(hashes):
             if not hit.ahead and (i + 1) * self.span <= limit and parent in self.entries:
                 hit.hashes.append(parent)
             else:
@@ -175,7 +193,8 @@ class PrefixCache:
         a span already cached (computed twice) keeps the first copy, seq's own stays its own."""
         while (len(seq.hashes) + 1) * self.span <= seq.kv_len:
             i = len(seq.hashes)
-            h = chain(seq.hashes[-1] if i else b"", seq.tokens[i * self.span:(i + 1) * self.span])
+            h = chain(seq.hashes[-1] if i else root(self.cfg, seq.prompt_len),
+                      seq.tokens[i * self.span:(i + 1) * self.span])
             seq.hashes.append(h)
             if h in self.entries:
                 continue

@@ -22,7 +22,7 @@ class Sequence:
     sampling: SamplingParams = GREEDY
     seed: int = 0                           # the request's generator: draw n is seeded by (seed, n)
     drawn: int = 0                          # draws made so far (temperature > 0 tokens draw once each)
-    prompt_len: int = 0                     # tokens of the first step (the rest were generated)
+    prompt_len: int = 0                     # tokens of its prompt (the rest were generated)
     matcher: object = None                  # its grammar's state (made from sampling.grammar)
     group: int = 0                          # the DP group whose table and caches hold it
     # started at a drawn context: no history to recompute from, nothing to cache (not host state a

@@ -62,7 +62,9 @@ def step_inputs(cfg, requests: int, rows: int, context: int, phase: str) -> Step
     states = {s: torch.arange(requests, dtype=torch.int32).reshape(requests, 1)
               for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2}
     qsl = torch.arange(requests + 1, dtype=torch.int32) * rows
-    md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states)
+    prompt = context if phase == "prefill" else kv        # a prefill's rows end its prompt; decode rows follow it
+    md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states,
+                      torch.full((requests,), prompt, dtype=torch.int32))
     t = requests * rows
     hashes = {layer: torch.zeros(t, cfg.engram_ids_per_token, dtype=torch.int64) for layer in cfg.engram_layer_ids}
     layout = StepLayout(list(range(requests)), [rows] * requests, [[] for _ in range(requests)], [None] * requests)
