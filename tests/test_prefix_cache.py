@@ -28,6 +28,7 @@ from dsv41.model.caches import cache_names
 from dsv41.ops import kv_cache
 from dsv41.ops.sampling import SamplingParams
 from dsv41.serving import schema
+from test_chunked_window import W64
 
 V = TINY.vocab_size
 G = span(TINY)
@@ -53,9 +54,10 @@ def feed(bm: BlockManager, seq: Sequence, tokens: list[int], drafts: int = 0, ke
 
 
 def start(bm: BlockManager, rid: int, tokens: list[int], limit: int | None = None) -> tuple[Sequence, int]:
-    """A new sequence over tokens' longest cached prefix (at most limit tokens), fed the rest."""
+    """A new sequence over tokens' longest cached prefix (at most limit tokens), fed the rest: its
+    prompt is all of them."""
     res = Reservation()
-    seq = Sequence(rid, [])
+    seq = Sequence(rid, [], prompt_len=len(tokens))
     hit = bm.cache.lookup(tokens, len(tokens) - 1 if limit is None else limit)
     try:
         bm.take_state(seq, res)
@@ -137,6 +139,28 @@ def test_the_cut_leaves_a_row_to_feed_and_a_miss_is_a_miss():
     assert bm.cache.lookup([toks[0] ^ 1] + toks[1:], 63).length == 0
     assert bm.cache.lookup(toks, 31).length == 0
     bm.free(a)
+
+
+def test_a_prompt_shorter_than_the_window_keys_its_spans_by_its_length():
+    """A 10-token prompt (window 16) decodes to 40 tokens: its span 0..32 holds rows computed with a
+    10-slot window list (``ops.metadata``), so only a request with a 10-token prompt (its recompute)
+    finds it; a prompt of 16 or more, whose one-step prefill lists the whole window, does not. Prompts
+    of a window or more share one chain."""
+    bm = BlockManager(TINY, 4, 256, prefix_caching=True)
+    a, _ = start(bm, 0, prompt(10))
+    for t in prompt(30, salt=1):
+        feed(bm, a, [t])
+    history = a.tokens + [1]
+    assert len(a.hashes) == 1 and a.kv_len == 40
+    assert bm.cache.lookup(history, 40).length == 0
+    assert bm.cache.lookup(history, 40, prompt_len=15).length == 0
+    assert bm.cache.lookup(history, 40, prompt_len=10).length == 32
+    b, _ = start(bm, 1, prompt(40, salt=2))
+    again = prompt(40, salt=2) + [1]
+    assert [bm.cache.lookup(again, 40, prompt_len=n).length for n in (16, 41, 200, 10)] == [32, 32, 32, 0]
+    bm.free(a)
+    bm.free(b)
+    census(bm, [])
 
 
 def test_eviction_takes_the_least_recently_used_block_nobody_holds():
@@ -262,11 +286,12 @@ def run(engine, prompts, sampling=None, drafter=None, budget=24, cls=Scheduler, 
     return jobs, sched
 
 
-def expected_cut(prompt_: list[int], before: list[list[int]], min_feed: int = 1) -> int:
-    """The longest prefix shared with a history computed before, in whole spans, leaving min_feed."""
+def expected_cut(prompt_: list[int], before: list[list[int]], min_feed: int = 1, size: int = G) -> int:
+    """The longest prefix shared with a history computed before, in whole spans of size, leaving
+    min_feed (every prompt here is a window or longer: one hash chain)."""
     common = max((next((i for i, (a, b) in enumerate(zip(prompt_, h)) if a != b), min(len(prompt_), len(h)))
                   for h in before), default=0)
-    return min(common, len(prompt_) - min_feed) // G * G
+    return min(common, len(prompt_) - min_feed) // size * size
 
 
 MODES = {"greedy": (None, None), "sampled": (SAMPLED, None), "ngram": (None, lambda e: NgramDrafter(3)),
@@ -306,12 +331,14 @@ def check_cached(engine, oracle, mode: str, computed: dict[int, list[list[int]]]
         computed.setdefault(first.groups[w.id], []).append(BASE + w.made[:-1])
     started = {rid: s for s, step in enumerate(sched.steps) for rid, _, cut in step if cut is not None}
     want = oracle_answers(oracle, mode, prompts)
-    min_feed = TINY.sliding_window if drafter is dspark_drafter else 1
+    cfg = engine.cfg
+    assert min(map(len, prompts + [BASE])) >= cfg.sliding_window
+    min_feed = cfg.sliding_window if drafter is dspark_drafter else 1
     for g, w, p in zip(got, want, prompts):
         group = sched.groups[g.id]
         before = computed.get(group, []) + [q for o, q in zip(got, prompts)
                                             if sched.groups[o.id] == group and started[o.id] < started[g.id]]
-        assert g.cached == expected_cut(p, before, min_feed)
+        assert g.cached == expected_cut(p, before, min_feed, span(cfg))
         assert g.made == w.made
         assert torch.equal(g.final_logits, w.final_logits)
     for g, p in zip(got, prompts):
@@ -324,15 +351,32 @@ def check_cached(engine, oracle, mode: str, computed: dict[int, list[list[int]]]
     engine.taps, engine.dspark = (), False
 
 
+_oracles: dict = {}
+
+
+def oracle_of(cfg):
+    """The engine caching nothing whose answers the caching one's equal, one per config."""
+    if cfg not in _oracles:
+        _oracles[cfg] = ReferenceEngine(cfg, seed=0, max_batch=8, max_context=CTX)
+    return _oracles[cfg]
+
+
 @pytest.fixture(scope="module")
 def oracle():
-    return ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX)
+    return oracle_of(TINY)
+
+
+# window 16 (TINY's: window and Top-K in one 64-slot tile) and 64 (+ Top-K 16: two tiles, where the
+# window list's width moves the compressed slots between tiles, tests/test_chunked_window.py)
+WINDOWS = ([pytest.param(TINY, m, id=f"w16-{m}") for m in MODES]
+           + [pytest.param(W64, m, id=f"w64-{m}", marks=() if m == "greedy" else pytest.mark.slow) for m in MODES])
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("mode", list(MODES))
-def test_reference_cached_prefix_equals_the_whole_prompt(oracle, mode):
-    check_cached(ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True), oracle, mode)
+@pytest.mark.parametrize("cfg,mode", WINDOWS)
+def test_reference_cached_prefix_equals_the_whole_prompt(cfg, mode):
+    check_cached(ReferenceEngine(cfg, seed=0, max_batch=8, max_context=CTX, prefix_caching=True), oracle_of(cfg),
+                 mode)
 
 
 @pytest.mark.timeout(1200)
@@ -393,13 +437,15 @@ class Censused(Scheduler):
         return turn
 
 
-@pytest.mark.timeout(1800)
-def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(oracle):
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("cfg", [pytest.param(TINY, id="w16"), pytest.param(W64, id="w64", marks=pytest.mark.slow)])
+def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(cfg):
     """10 requests, two by two over five 70-token prefixes, in pools of 128 tokens: cached blocks are
     evicted, requests are preempted and recomputed (from cached spans where they survive). Oracle:
     the same batch with room for every request and nothing cached (a request's tokens do not depend
     on its batch, tests/test_admission.py)."""
-    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, cache_tokens=128, prefix_caching=True)
+    oracle = oracle_of(cfg)
+    engine = ReferenceEngine(cfg, seed=0, max_batch=8, max_context=CTX, cache_tokens=128, prefix_caching=True)
     evicted = []
     evict = engine.host.tables[0].blocks.cache.evict
     engine.host.tables[0].blocks.cache.evict = lambda key: evicted.append(key) or evict(key)
