@@ -79,23 +79,26 @@ def generate(engine, prompts, sampling, budgets=(), new=NEW, **kw):
 _oracle: dict = {}
 
 
-def one_step(prompts, sampling, new=NEW):
-    """Each prompt alone, prefilled in one step, on a reference engine caching nothing (memoised)."""
-    if "engine" not in _oracle:
-        _oracle["engine"] = ReferenceEngine(W64, seed=0, max_batch=4, max_context=CTX)
+def one_step(prompts, sampling, new=NEW, oracle=None):
+    """Each prompt alone, prefilled in one step, on a reference engine caching nothing (default: one
+    at window 64; memoised)."""
+    if oracle is None:
+        if W64 not in _oracle:
+            _oracle[W64] = ReferenceEngine(W64, seed=0, max_batch=4, max_context=CTX)
+        oracle = _oracle[W64]
     out = []
     for p, s in zip(prompts, sampling):
-        key = (tuple(p), s is None, new)
+        key = (id(oracle), tuple(p), s is None, new)
         if key not in _oracle:
-            (job,), sched = generate(_oracle["engine"], [p], [s], new=new)
+            (job,), sched = generate(oracle, [p], [s], new=new)
             assert [n for _, n, _ in sched.fed[0]] == [len(p)]
             _oracle[key] = (job.made, job.final_logits)
         out.append(_oracle[key])
     return out
 
 
-def assert_one_step(jobs, prompts, sampling, new=NEW):
-    for job, (made, logits) in zip(jobs, one_step(prompts, sampling, new)):
+def assert_one_step(jobs, prompts, sampling, new=NEW, oracle=None):
+    for job, (made, logits) in zip(jobs, one_step(prompts, sampling, new, oracle)):
         assert job.made == made
         assert torch.equal(job.final_logits, logits)
 
@@ -182,5 +185,34 @@ def test_threads_tp2_dp2_first_chunks_equal_one_step():
             check_first_chunks(engine, k)
         jobs, _ = generate(engine, [SHORT, LONG], [SEEDED, None], budgets=[13] * 12)
         assert_one_step(jobs, [SHORT, LONG], [SEEDED, None])
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_flash_width_first_chunks_equal_one_step():
+    """FLASH width (``--layers 4 --experts 8``: window 128, Top-K 512, 640-slot lists over ten tiles),
+    300 and 110 tokens: the first steps feed k rows of the first, then its rest beside k rows of the
+    second (at most its 110), then the second's rest; k = 1, 63, 64, 65, 101 (the issue's failing
+    case: a first chunk of 101 rows of a 1,200-token prompt)."""
+    from dsv41.checkpoint.headers import without_dspark
+    from dsv41.config import FLASH
+    from test_flash_shapes import _HeldDraw
+    cfg = without_dspark(FLASH.reduced(layers=4, experts=8, engram_rows=4099))
+    assert cfg.sliding_window == 128 and [spec.kind for spec in cfg.layers] == ["swa", "swa", "c2a_full", "c2a_reuse"]
+    source, long, short = _HeldDraw(cfg), prompt(300, 7), prompt(110, 8)
+    oracle = ReferenceEngine(cfg, max_batch=2, max_context=CTX, checkpoint=source)
+    try:                                     # every answer first (memoised): one engine at a time
+        one_step([long, short] * 2, [None, None, SEEDED, SEEDED], oracle=oracle)
+    finally:
+        oracle.close()
+    engine = ReferenceEngine(cfg, max_batch=2, max_context=CTX, checkpoint=source)
+    try:
+        for i, k in enumerate((1, 63, 64, 65, 101)):
+            sampling = [None, SEEDED] if i % 2 else [SEEDED, None]
+            jobs, sched = generate(engine, [long, short], sampling, budgets=[k, 300])
+            assert [sched.chunks(j.id, len(p))[0] for j, p in zip(jobs, [long, short])] == [(0, k), (0, min(k, 110))]
+            assert_one_step(jobs, [long, short], sampling, oracle=oracle)
     finally:
         engine.close()
