@@ -176,6 +176,31 @@ def test_reference_preemption_recomputes_as_the_one_step_prefill():
     assert_one_step(jobs, prompts, sampling)
 
 
+@pytest.mark.timeout(900)
+def test_a_lost_card_replays_a_short_prompt_as_the_one_step_prefill():
+    """A card loses its State after a 45-token prompt's first decode step: recovery replays its
+    history (its prompt and a generated row) in one step, the prompt's rows listing 45 window slots
+    and the generated row the window, and its tokens and final logits are the one-step prefill's."""
+    from dsv41.cluster import registry
+    engine = GraphEngine(W64, Topology(1, 1, 1), EngineConfig(seed=0, executor="threads", max_batch=4,
+                                                              max_context=CTX))
+
+    class Losing(Planned):
+        def step(self):
+            turn = super().step()
+            if not engine.recoveries and any(len(j.made) == 2 for j in self.running.values()):
+                registry.find(engine.id).states.pop(0)
+            return turn
+    try:
+        (job,) = requests_for([SHORT], [SEEDED], NEW, None)
+        Losing(engine).run([job])
+        engine.__dict__.pop("run", None)
+        assert engine.recoveries
+        assert_one_step([job], [SHORT], [SEEDED])
+    finally:
+        engine.close()
+
+
 @pytest.mark.timeout(1800)
 def test_threads_tp2_dp2_first_chunks_equal_one_step():
     engine = GraphEngine(W64, Topology(2, 2, 4), EngineConfig(seed=0, executor="threads", max_batch=4,
