@@ -288,7 +288,7 @@ def run(engine, prompts, sampling=None, drafter=None, budget=24, cls=Scheduler, 
 
 def expected_cut(prompt_: list[int], before: list[list[int]], min_feed: int = 1, size: int = G) -> int:
     """The longest prefix shared with a history computed before, in whole spans of size, leaving
-    min_feed (every prompt here is a window or longer: one hash chain)."""
+    min_feed (histories of one hash chain: check_cached)."""
     common = max((next((i for i, (a, b) in enumerate(zip(prompt_, h)) if a != b), min(len(prompt_), len(h)))
                   for h in before), default=0)
     return min(common, len(prompt_) - min_feed) // size * size
@@ -332,7 +332,8 @@ def check_cached(engine, oracle, mode: str, computed: dict[int, list[list[int]]]
     started = {rid: s for s, step in enumerate(sched.steps) for rid, _, cut in step if cut is not None}
     want = oracle_answers(oracle, mode, prompts)
     cfg = engine.cfg
-    assert min(map(len, prompts + [BASE])) >= cfg.sliding_window
+    # one hash chain: a prompt shorter than the window (keyed apart) with its answer ends before a span
+    assert all(len(p) >= cfg.sliding_window or len(p) + NEW <= span(cfg) for p in prompts + [BASE])
     min_feed = cfg.sliding_window if drafter is dspark_drafter else 1
     for g, w, p in zip(got, want, prompts):
         group = sched.groups[g.id]
