@@ -311,13 +311,14 @@ def chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool]:
 
 
 def _truncated(body: dict, prompt: list[int], limits: Limits) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the server takes, the
+    context less the row the answer's first token needs, as vLLM's max_model_len - 1)."""
     k = _int(body, "truncate_prompt_tokens", None, -1, limits.max_context)
     if k is None:
         return prompt
     if k == 0:
         raise bad(f"expected -1 or an integer in [1, {limits.max_context}], found 0", "truncate_prompt_tokens")
-    return prompt[-(limits.max_context if k == -1 else k):]
+    return prompt[-(limits.max_prompt if k == -1 else k):]
 
 
 def _grammar(body: dict, chat: bool, codec, compiler, thinking: bool):

@@ -173,11 +173,50 @@ def _parameter(variant, dsml: str, name: str, schema: dict) -> str:
         elif isinstance(schema.get("pattern"), str):    # matched whole: a subset of what the search allows
             value = "/" + schema["pattern"].replace("/", "\\/") + "/"
         else:
-            low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-            value = f"/[^<]{{{low},{'' if high is None else int(high)}}}/"   # "<" begins the closing tag
+            low, high = schema.get("minLength", 0), schema.get("maxLength")
+            value = f"/[^<]{{{low},{'' if high is None else high}}}/"   # "<" begins the closing tag
         return f"{tag('true')} {value} {close}"
     sub = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else {"x-guidance": JSON_OPTIONS}
     return f"{tag('false')} %json {json.dumps(sub)} {close}"
+
+
+def _parameters(params, where: str) -> dict:
+    """A function's parameters held to what the call's grammar reads of them, as a response_format
+    schema is held to its type (a 400 naming the field, never a failure of the server's own): an
+    object schema (or none), its properties schemas, its required a list of their names, a string
+    property's length bounds non-negative integers, its enum a list and its pattern a string (the
+    rest of each schema llguidance compiles, and refuses with its message)."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise Refused(where, f"expected a JSON schema (an object), found {_shown(params)}")
+    props = params.get("properties", {})
+    if not isinstance(props, dict):
+        raise Refused(f"{where}.properties", f"expected an object of property schemas, found {_shown(props)}")
+    required = params.get("required", [])
+    if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise Refused(f"{where}.required", f"expected a list of property names, found {_shown(required)}")
+    for name, schema in props.items():
+        at = f"{where}.properties.{name}"
+        if not isinstance(schema, (dict, bool)):
+            raise Refused(at, f"expected a JSON schema (an object), found {_shown(schema)}")
+        if not isinstance(schema, dict):
+            continue
+        for key in ("minLength", "maxLength"):
+            value = schema.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise Refused(f"{at}.{key}", f"expected a non-negative integer, found {_shown(value)}")
+        if "maxLength" in schema and schema["maxLength"] < schema.get("minLength", 0):
+            raise Refused(f"{at}.maxLength", f"{schema['maxLength']} is below minLength {schema['minLength']}")
+        for key, kind in (("enum", list), ("pattern", str)):
+            if key in schema and not isinstance(schema[key], kind):
+                raise Refused(f"{at}.{key}", f"expected a {kind.__name__}, found {_shown(schema[key])}")
+    return params
+
+
+def _shown(value) -> str:
+    """A refused value: a number, true/false/null as written, anything longer by its type alone."""
+    return json.dumps(value) if value is None or isinstance(value, (bool, int, float)) else type(value).__name__
 
 
 def tool_grammar(tools: list, choice, chat_format: str, dsml_id: int) -> tuple[str, str]:
@@ -190,10 +229,10 @@ def tool_grammar(tools: list, choice, chat_format: str, dsml_id: int) -> tuple[s
                                      "chat format has none")
     variant = VARIANTS[chat_format]
     functions = {}
-    for tool in tools or []:
+    for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            functions[fn["name"]] = fn.get("parameters") or {}
+            functions[fn["name"]] = _parameters(fn.get("parameters"), f"tools[{i}].function.parameters")
     if not functions:
         raise Refused("tool_choice", "forcing a call needs tools")
     if choice != "required":
