@@ -43,7 +43,8 @@ SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
                                   "--max-body-bytes", "--served-model-name", "--read-timeout",
                                   "--shutdown-timeout", "--metrics-names", "--max-num-batched-tokens",
-                                  "--max-total-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching"),
+                                  "--max-total-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                                  "--require-cache-salt"),
                                  (RUN, None)),
                  "--chat-format": (RUN, ("needs --checkpoint (chats need its tokenizer)", lambda a: a.checkpoint)),
                  "--dashboard": (DIST, None)}     # the server runs until stopped: no --hold
@@ -63,6 +64,10 @@ def build_parser() -> rules.Parser:
                         "model's limit)")
     run.add_budget_arguments(g)
     run.add_prefix_caching_argument(g, True)
+    g.add_argument("--require-cache-salt", action="store_true",
+                   help="refuse a request without vLLM's cache_salt (400): for a server several tenants share, "
+                        "each sending its own salt, so that no tenant's prompt shares cached spans with "
+                        "another's (whose cached_tokens would tell it what the other sent)")
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot; one more is answered 429 (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -293,7 +298,8 @@ def serve(args, signals: Signals) -> int:
     name = args.served_model_name or (cfg.name if ckpt is None else os.path.basename(os.path.abspath(args.checkpoint)))
     # a prompt of any length up to the context is fed in chunks: max_model_len is what is enforced
     limits = Limits(max_context=args.max_context, max_prompt=args.max_context - 1,
-                    vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes)
+                    vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes,
+                    require_cache_salt=args.require_cache_salt)
     metrics = Metrics(args.metrics_names, name, args.max_context)
     batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, args.max_num_batched_tokens,
                       speculative.drafter(args, engine))

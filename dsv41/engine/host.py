@@ -123,14 +123,15 @@ class HostState:
         """Whether a DP group's free blocks hold these needs together."""
         return self.tables[group].blocks.fits(needs)
 
-    def cached_prefixes(self, tokens: list[int], min_feed: int = 1) -> list[Hit]:
-        """Per DP group, the longest prefix of tokens its prefix cache holds, leaving at least
-        min_feed tokens to feed (empty with prefix caching off). Each group caches what its own pools
-        hold; the tokens are hashed once for all of them."""
+    def cached_prefixes(self, tokens: list[int], min_feed: int = 1, root: bytes = b"") -> list[Hit]:
+        """Per DP group, the longest prefix of tokens its prefix cache holds under the chain root
+        ``root`` (a cache salt's, ``prefix_cache.root``), leaving at least min_feed tokens to feed
+        (empty with prefix caching off). Each group caches what its own pools hold; the tokens are
+        hashed once for all of them."""
         caches = [t.blocks.cache for t in self.tables]
         if caches[0] is None:
             return [Hit() for _ in caches]
-        hashes = span_hashes(tokens, caches[0].span)
+        hashes = span_hashes(tokens, caches[0].span, root)
         return [c.lookup(tokens, len(tokens) - min_feed, hashes) for c in caches]
 
     # ---- a step ----------------------------------------------------------------------------------

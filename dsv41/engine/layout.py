@@ -31,6 +31,8 @@ class Part:
     #                                             it shares those pages and feeds only its tokens after them
     group: int | None = None                    # the DP group a starting request goes to (the scheduler's
     #                                             cache-aware choice, ``Router.choose``); None: the least loaded
+    cache_root: bytes = b""                     # a starting request's prefix-cache root (its salt's,
+    #                                             ``prefix_cache.root``): it shares only spans hashed from it
 
 
 class StepLayout:

@@ -46,13 +46,23 @@ def span(cfg: ModelConfig) -> int:
 
 
 def chain(parent: bytes, tokens: list[int]) -> bytes:
-    """The hash of a span given the hash of the prefix before it."""
+    """The hash of a span given the hash of the prefix before it (the first span's parent: the root)."""
     return hashlib.blake2b(parent + array.array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-def span_hashes(tokens: list[int], size: int) -> list[bytes]:
-    """The chained hash of each whole span of ``size`` tokens (the same in every DP group's cache)."""
-    out, parent = [], b""
+def root(salt: str | None) -> bytes:
+    """The parent of a prompt's first span: b"" unsalted, else a hash of vLLM's ``cache_salt`` (its own
+    domain, so no salt's root is a span's hash). Every span hash chains from it, so prompts under two
+    salts never share a span, and under one salt share as unsalted ones do."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"dsv41-cache-salt").digest()
+
+
+def span_hashes(tokens: list[int], size: int, parent: bytes = b"") -> list[bytes]:
+    """The chained hash of each whole span of ``size`` tokens (the same in every DP group's cache),
+    from the root ``parent``."""
+    out = []
     for i in range(len(tokens) // size):
         parent = chain(parent, tokens[i * size:(i + 1) * size])
         out.append(parent)
@@ -98,11 +108,12 @@ class PrefixCache:
         return out
 
     # ---- lookups -----------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], limit: int, hashes: list[bytes] | None = None) -> Hit:
+    def lookup(self, tokens: list[int], limit: int, hashes: list[bytes] | None = None, root: bytes = b"") -> Hit:
         """The longest cached prefix of tokens no longer than limit (a multiple of the span), and
-        the spans of tokens past it; hashes: the tokens' ``span_hashes``, when already computed."""
+        the spans of tokens past it; hashes: the tokens' ``span_hashes`` from ``root``, when already
+        computed."""
         hit = Hit()
-        for i, parent in enumerate(span_hashes(tokens, self.span) if hashes is None else hashes):
+        for i, parent in enumerate(span_hashes(tokens, self.span, root) if hashes is None else hashes):
             if not hit.ahead and (i + 1) * self.span <= limit and parent in self.entries:
                 hit.hashes.append(parent)
             else:
@@ -175,7 +186,7 @@ class PrefixCache:
         a span already cached (computed twice) keeps the first copy, seq's own stays its own."""
         while (len(seq.hashes) + 1) * self.span <= seq.kv_len:
             i = len(seq.hashes)
-            h = chain(seq.hashes[-1] if i else b"", seq.tokens[i * self.span:(i + 1) * self.span])
+            h = chain(seq.hashes[-1] if i else seq.cache_root, seq.tokens[i * self.span:(i + 1) * self.span])
             seq.hashes.append(h)
             if h in self.entries:
                 continue

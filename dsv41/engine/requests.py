@@ -170,9 +170,9 @@ class RequestTable:
                 params, c = part.sampling or GREEDY, part.cached or []
                 seed = RequestGenerator(params.seed).seed if not params.greedy else 0
                 seq = Sequence(part.id, list(c), sampling=params, seed=seed, prompt_len=len(c) + len(part.tokens),
-                               group=self.group)
+                               group=self.group, cache_root=part.cache_root)
                 if c:
-                    hit = self.blocks.cache.lookup(c, len(c))
+                    hit = self.blocks.cache.lookup(c, len(c), root=part.cache_root)
                     if hit.length != len(c):
                         raise ValueError(f"cached: {len(c)} tokens asked, {hit.length} of them cached")
                     self.blocks.attach(seq, hit, res)

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from dsv41.engine import prefix_cache
 from dsv41.ops.sampling import SamplingParams
 from dsv41.ops.stopping import Stops
 from dsv41.serving import schema, structured
@@ -209,8 +210,9 @@ class Server:
         scheduler defers the later samples until the first's spans are cached); without, each has
         its own."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i)
-                for i, p in enumerate(gen.samples())]
+        cache_root = prefix_cache.root(gen.cache_salt)
+        jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i,
+                    cache_root=cache_root) for i, p in enumerate(gen.samples())]
         submitted = []
         try:
             for job in jobs:

@@ -26,7 +26,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "include_stop_str_in_output")
 # vLLM's own fields (its extra sampling, tokenizer and structured-output parameters)
 VLLM_FIELDS = ("skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "priority",
-               "response_format", "structured_outputs", *structured.GUIDED)
+               "response_format", "structured_outputs", *structured.GUIDED, "cache_salt")
 _BOTH = ("model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", *SAMPLING_FIELDS,
          *VLLM_FIELDS)
 SERVED = {
@@ -77,6 +77,7 @@ class Limits:
     max_prompt: int
     vocab_size: int
     max_body_bytes: int
+    require_cache_salt: bool = False   # every request names its tenant's cache_salt (--require-cache-salt)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Generation:
     n: int = 1                     # samples, each its own request (sample i seeded seed + i, as vLLM)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None  # vLLM's: its prompt shares cached spans only with prompts of the same salt
 
     def samples(self) -> list[SamplingParams]:
         """The settings of each of the n samples."""
@@ -401,7 +403,22 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
         raise bad(message, field.split("[")[0]) from None
     stream = _flag(body, "stream")
     return Generation(prompt, params, stream, _include_usage(body, stream), chat, top, thinking, tool_calls, n,
-                      _flag(body, "skip_special_tokens", True), _flag(body, "spaces_between_special_tokens", True))
+                      _flag(body, "skip_special_tokens", True), _flag(body, "spaces_between_special_tokens", True),
+                      _cache_salt(body, limits.require_cache_salt))
+
+
+def _cache_salt(body: dict, required: bool) -> str | None:
+    """vLLM's cache_salt: a non-empty string (as vLLM checks it), mixed into the prompt's first span
+    hash (``prefix_cache.root``); a server that isolates tenants requires one."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        if required:
+            raise bad("required by this server (--require-cache-salt): send your tenant's own salt, so that "
+                      "no other tenant's prompt shares your cached prefix", "cache_salt")
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise bad(f"expected a non-empty string, found {shown(salt)}", "cache_salt")
+    return salt
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
