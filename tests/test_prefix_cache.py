@@ -458,6 +458,12 @@ def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(ora
     assert [g.made for g in got] == [w.made for w in want]
     assert all(torch.equal(g.final_logits, w.final_logits) for g, w in zip(got, want))
     assert sched.victims and evicted and sched.prefix_hits > 0
+    # a recompute is not a new request: each prompt is looked up, and its cached part counted, once
+    # (at its first admission), whatever its readmissions find cached
+    assert {v.id for v, _ in sched.victims} & {g.id for g in got if g.preemptions}
+    assert sched.prefix_queries == sum(map(len, prompts))
+    assert sched.prefix_hits == sum(g.cached for g in got)
+    assert all(g.cached < len(g.prompt) for g in got)
     assert engine.blocks_in_use()[0] == 0
     census(engine.host.tables[0].blocks, [])
 

@@ -95,6 +95,7 @@ class Generation:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None  # vLLM's: its prompt shares cached spans only with prompts of the same salt
+    constraint: tuple | None = None  # structured output: (field, kind, text) to compile (``constrained``)
 
     def samples(self) -> list[SamplingParams]:
         """The settings of each of the n samples."""
@@ -323,8 +324,9 @@ def _truncated(body: dict, prompt: list[int], limits: Limits) -> list[int]:
     return prompt[-(limits.max_prompt if k == -1 else k):]
 
 
-def _grammar(body: dict, chat: bool, codec, compiler, thinking: bool):
-    """The request's structured output compiled (``serving.structured``), None without one."""
+def _constraint(body: dict, chat: bool, codec, thinking: bool) -> tuple[str, str, str] | None:
+    """The request's structured output, (field, kind, text) within the bounds a constraint is held to
+    (``serving.structured``), None without one; ``constrained`` compiles it."""
     try:
         spec = structured.requested(body)
         choice = body.get("tool_choice") if chat else None
@@ -338,20 +340,31 @@ def _grammar(body: dict, chat: bool, codec, compiler, thinking: bool):
         if spec is None:
             return None
         field, kind, text = spec
-        if codec is None or compiler is None:
+        if codec is None:
             raise structured.Refused(field, "structured output needs the checkpoint's tokenizer (this server was "
                                             "started without --checkpoint)")
         if thinking:
             raise structured.Refused(field, "structured output in thinking mode is not served (the grammar would "
                                             "constrain the reasoning too); set chat_template_kwargs.thinking false")
-        return compiler.grammar(kind, text, field)
+        return structured.bounded(field, kind, text)
     except structured.Refused as e:
         raise bad(e.message, e.field) from None
 
 
-def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> Generation:
-    """A request body checked against the served engine; raises ApiError naming the field.
-    compiler: structured outputs' grammars (``structured.Compiler``; None: none served)."""
+def constrained(gen: Generation, compiler) -> Generation:
+    """gen with its constraint compiled (``structured.Compiler``) into its sampling settings: the
+    costly part of a check, run after every other (the server runs it on the compile threads)."""
+    field, kind, text = gen.constraint
+    try:
+        gen.params = replace(gen.params, grammar=compiler.grammar(kind, text, field))
+    except structured.Refused as e:
+        raise bad(e.message, e.field) from None
+    return gen
+
+
+def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
+    """A request body checked against the served engine; raises ApiError naming the field. A
+    structured output's constraint is checked and left to compile (``constrained``)."""
     check_fields(body, chat)
     thinking = tool_calls = False
     if chat:
@@ -359,7 +372,6 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
     else:
         prompt = completion_prompt(body, codec, limits)
     prompt = _truncated(body, prompt, limits)
-    grammar = _grammar(body, chat, codec, compiler, thinking)
     where = "messages" if chat else "prompt"
     if len(prompt) > limits.max_prompt:
         raise bad(f"{len(prompt)} tokens is longer than the {limits.max_prompt} this server takes (max_model_len "
@@ -397,14 +409,14 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
         params = SamplingParams(**fields, stop=() if stop is None else stop, max_tokens=max_tokens,
                                 logprobs=top or 0, logprob=top is not None,
                                 logit_bias=_logit_bias(body, limits.vocab_size),
-                                eos_token_id=None if codec is None else codec.eos_id, grammar=grammar)
+                                eos_token_id=None if codec is None else codec.eos_id)
     except ValueError as e:
         field, _, message = str(e).partition(": ")
         raise bad(message, field.split("[")[0]) from None
     stream = _flag(body, "stream")
     return Generation(prompt, params, stream, _include_usage(body, stream), chat, top, thinking, tool_calls, n,
                       _flag(body, "skip_special_tokens", True), _flag(body, "spaces_between_special_tokens", True),
-                      _cache_salt(body, limits.require_cache_salt))
+                      _cache_salt(body, limits.require_cache_salt), _constraint(body, chat, codec, thinking))
 
 
 def _cache_salt(body: dict, required: bool) -> str | None:
