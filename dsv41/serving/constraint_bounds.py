@@ -55,9 +55,14 @@ def within(depth: int) -> None:
 def text_depth(text: str) -> int:
     """The nesting of JSON text's arrays and objects, its strings skipped (before json.loads, whose
     reader recurses)."""
-    depth = deepest = 0
-    quoted = escaped = False
-    for ch in text:
+    return max((depth for _, depth in _brackets(text)), default=0)
+
+
+def _brackets(text: str, start: int = 0):
+    """(index, depth after it) of each bracket of JSON text from start on, its strings skipped."""
+    depth, quoted, escaped = 0, False, False
+    for j in range(start, len(text)):
+        ch = text[j]
         if quoted:
             if escaped:
                 escaped = False
@@ -69,10 +74,10 @@ def text_depth(text: str) -> int:
             quoted = True
         elif ch in "[{":
             depth += 1
-            deepest = max(deepest, depth)
+            yield j, depth
         elif ch in "]}":
             depth -= 1
-    return deepest
+            yield j, depth
 
 
 def schema_depth(text: str) -> int:
@@ -235,22 +240,4 @@ def _closing(text: str, i: int, close: str) -> int:
 
 def _json_end(text: str, i: int) -> int:
     """The index after the JSON object opening at i (strings skipped)."""
-    depth, quoted, escaped = 0, False, False
-    for j in range(i, len(text)):
-        ch = text[j]
-        if quoted:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
-            quoted = True
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return len(text)
+    return next((j + 1 for j, depth in _brackets(text, i) if depth == 0), len(text))
