@@ -149,6 +149,7 @@ DEEP = [
     ("nested text", {"guided_json": '{"anyOf": [' * 2500 + '{"type": "integer"}' + "]}" * 2500}, "guided_json"),
     ("lark chain", {"guided_grammar": lark_chain(3000)}, "guided_grammar"),
     ("gbnf chain", {"guided_grammar": gbnf_chain(1000)}, "guided_grammar"),
+    ("lark %json chain", {"guided_grammar": "start: %json " + json.dumps(ref_chain(1500))}, "guided_grammar"),
     ("regex groups", {"guided_regex": "(" * 300 + "a" + ")" * 300}, "guided_regex"),
     ("tool chain", deep_tool(1500), "tool_choice"),
 ]
