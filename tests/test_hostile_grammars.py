@@ -84,6 +84,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.timeout(300)   # compiles in processes it starts (each waited for, or killed at its budget)
 @pytest.mark.parametrize("parameters,param", MALFORMED, ids=[p for _, p in MALFORMED])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}],
                          ids=["required", "named"])
@@ -167,6 +168,7 @@ def test_a_constraint_past_the_depth_bound_is_refused_before_it_compiles(codec, 
     assert f"over the limit of {constraint_bounds.MAX_DEPTH} levels" in e.value.message
 
 
+@pytest.mark.timeout(300)   # compiles in processes it starts (each waited for, or killed at its budget)
 def test_the_bounds_measure_what_the_compiler_descends(codec, compiler):
     """Depth counted through $ref (a recursive schema's step back counts once), rule chains, groups
     and %json; size in bytes. Real constraints pass, and compile."""
@@ -185,6 +187,7 @@ def test_the_bounds_measure_what_the_compiler_descends(codec, compiler):
     assert f"over the limit of {constraint_bounds.MAX_BYTES} bytes" in message
 
 
+@pytest.mark.timeout(300)   # compiles in processes it starts (each waited for, or killed at its budget)
 def test_a_compile_that_crashes_or_runs_past_its_budget_costs_its_request_alone(codec, compiler):
     """A schema deep through $anchor references passes the bounds and overflows the stack of the
     process that compiles it first: that process dies (SIGSEGV), the request is a 400 naming the
