@@ -24,7 +24,7 @@ MATRIX = [
     ("--prompt-len 5000", "--prompt-len", ["[1, 4095]", "context limit 4096", "chunks"]),
     ("--max-num-batched-tokens 513", "--max-num-batched-tokens", ["[1, 512]", "per DP group"]),
     ("--max-num-batched-tokens 0", "--max-num-batched-tokens", ["[1, 512]"]),
-    ("--max-total-tokens 1", "--max-total-tokens", ["[2, 228]", "DP group"]),
+    ("--max-total-tokens 1", "--max-total-tokens", ["[34, 228]", "one request of 57 tokens", "DP group"]),
     ("--new-tokens 100000", "--new-tokens", ["[0, 4047]"]),
     ("--tp 3", "--tp", ["one of 1, 2, 4"]),
     ("--tp 8", "--tp", ["one of 1, 2, 4", "tiny"]),

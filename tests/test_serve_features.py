@@ -274,6 +274,7 @@ VLLM_SERVED = {
     "chat_template_kwargs": "test_serve_features.py::test_thinking_prompt_and_reasoning_effort_reach_the_encoder",
     "add_generation_prompt": "test_serve_features.py::test_thinking_prompt_and_reasoning_effort_reach_the_encoder",
     "continue_final_message": "false only",
+    "cache_salt": "test_prefix_cache.py::test_tenants_with_their_own_cache_salt_never_share_a_cached_prefix",
 }
 
 

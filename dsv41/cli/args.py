@@ -259,11 +259,14 @@ def _max_total_tokens(a, cfg):
         return None
     if mode(a) == PLAN:
         return None if a.max_total_tokens >= 1 else f"must be >= 1 tokens, got {a.max_total_tokens}"
-    g = groups(a)
-    top = g * per_group(a) * max_context(a)
-    if not g <= a.max_total_tokens <= top:
-        return (f"must be in [{g}, {top}] tokens in the cache pools ({per_group(a)} request(s) per DP group x "
-                f"{max_context(a)} tokens each x {g} DP group(s), the default), got {a.max_total_tokens}")
+    from dsv41.engine.blocks import least_cache_tokens
+    g, context = groups(a), max_context(a)
+    top = g * per_group(a) * context
+    low = g * least_cache_tokens(cfg, per_group(a), context, a.capacity.prefill_max_tokens)
+    if not low <= a.max_total_tokens <= top:
+        return (f"must be in [{low}, {top}] tokens in the cache pools (at least one request of {context} tokens "
+                f"per DP group; at most {per_group(a)} request(s) per DP group x {context} tokens each x {g} "
+                f"DP group(s), the default), got {a.max_total_tokens}")
 
 
 def _new_tokens(a, cfg):

@@ -34,6 +34,8 @@ class Part:
     prompt_len: int | None = None               # a starting request's whole prompt (its later chunks included;
     #                                             a recompute's rows past it are generated tokens); None: its
     #                                             cached prefix and tokens are the whole prompt
+    cache_root: bytes = b""                     # a starting request's cache salt's root (``prefix_cache.root``):
+    #                                             it shares only spans hashed from it
 
 
 class StepLayout:

@@ -18,6 +18,7 @@ from dsv41.config import ModelConfig
 from dsv41.engine.blocks import BlockManager, Reservation
 from dsv41.capacity import Capacity, capacity_of
 from dsv41.engine.layout import Part, StepLayout
+from dsv41.engine.prefix_cache import chain_start
 from dsv41.engine.sequence import GREEDY, Sequence
 from dsv41.ops import metadata as md_ops
 from dsv41.ops.engram import default_token_map, hash_ids
@@ -174,9 +175,10 @@ class RequestTable:
                 params, c = part.sampling or GREEDY, part.cached or []
                 seed = RequestGenerator(params.seed).seed if not params.greedy else 0
                 prompt = len(c) + len(part.tokens) if part.prompt_len is None else part.prompt_len
-                seq = Sequence(part.id, list(c), sampling=params, seed=seed, prompt_len=prompt, group=self.group)
+                seq = Sequence(part.id, list(c), sampling=params, seed=seed, prompt_len=prompt, group=self.group,
+                               cache_root=part.cache_root)
                 if c:
-                    hit = self.blocks.cache.lookup(c, len(c), prompt)
+                    hit = self.blocks.cache.lookup(c, len(c), root=chain_start(self.cfg, prompt, part.cache_root))
                     if hit.length != len(c):
                         raise ValueError(f"cached: {len(c)} tokens asked, {hit.length} of them cached")
                     self.blocks.attach(seq, hit, res)

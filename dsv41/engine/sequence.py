@@ -29,6 +29,7 @@ class Sequence:
     # prefill of the same history would differ in)
     from_context: bool = field(default=False, compare=False)
     hashes: list = field(default_factory=list, compare=False)  # chain hashes of its completed prefix-cache spans
+    cache_root: bytes = b""                 # their root: its cache salt's (prefix_cache.root), b"" unsalted
     drafted: tuple | None = field(default=None, compare=False)  # DSpark's block of its last step: (tokens, confidences, probs)
 
     def __post_init__(self):

@@ -26,7 +26,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "include_stop_str_in_output")
 # vLLM's own fields (its extra sampling, tokenizer and structured-output parameters)
 VLLM_FIELDS = ("skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "priority",
-               "response_format", "structured_outputs", *structured.GUIDED)
+               "response_format", "structured_outputs", *structured.GUIDED, "cache_salt")
 _BOTH = ("model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", *SAMPLING_FIELDS,
          *VLLM_FIELDS)
 SERVED = {
@@ -77,6 +77,7 @@ class Limits:
     max_prompt: int
     vocab_size: int
     max_body_bytes: int
+    require_cache_salt: bool = False   # every request names its tenant's cache_salt (--require-cache-salt)
 
 
 @dataclass
@@ -93,6 +94,8 @@ class Generation:
     n: int = 1                     # samples, each its own request (sample i seeded seed + i, as vLLM)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None  # vLLM's: its prompt shares cached spans only with prompts of the same salt
+    constraint: tuple | None = None  # structured output: (field, kind, text) to compile (``constrained``)
 
     def samples(self) -> list[SamplingParams]:
         """The settings of each of the n samples."""
@@ -311,17 +314,19 @@ def chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool]:
 
 
 def _truncated(body: dict, prompt: list[int], limits: Limits) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the server takes, the
+    context less the row the answer's first token needs, as vLLM's max_model_len - 1)."""
     k = _int(body, "truncate_prompt_tokens", None, -1, limits.max_context)
     if k is None:
         return prompt
     if k == 0:
         raise bad(f"expected -1 or an integer in [1, {limits.max_context}], found 0", "truncate_prompt_tokens")
-    return prompt[-(limits.max_context if k == -1 else k):]
+    return prompt[-(limits.max_prompt if k == -1 else k):]
 
 
-def _grammar(body: dict, chat: bool, codec, compiler, thinking: bool):
-    """The request's structured output compiled (``serving.structured``), None without one."""
+def _constraint(body: dict, chat: bool, codec, thinking: bool) -> tuple[str, str, str] | None:
+    """The request's structured output, (field, kind, text) within the bounds a constraint is held to
+    (``serving.structured``), None without one; ``constrained`` compiles it."""
     try:
         spec = structured.requested(body)
         choice = body.get("tool_choice") if chat else None
@@ -335,20 +340,31 @@ def _grammar(body: dict, chat: bool, codec, compiler, thinking: bool):
         if spec is None:
             return None
         field, kind, text = spec
-        if codec is None or compiler is None:
+        if codec is None:
             raise structured.Refused(field, "structured output needs the checkpoint's tokenizer (this server was "
                                             "started without --checkpoint)")
         if thinking:
             raise structured.Refused(field, "structured output in thinking mode is not served (the grammar would "
                                             "constrain the reasoning too); set chat_template_kwargs.thinking false")
-        return compiler.grammar(kind, text, field)
+        return structured.bounded(field, kind, text)
     except structured.Refused as e:
         raise bad(e.message, e.field) from None
 
 
-def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> Generation:
-    """A request body checked against the served engine; raises ApiError naming the field.
-    compiler: structured outputs' grammars (``structured.Compiler``; None: none served)."""
+def constrained(gen: Generation, compiler) -> Generation:
+    """gen with its constraint compiled (``structured.Compiler``) into its sampling settings: the
+    costly part of a check, run after every other (the server runs it on the compile threads)."""
+    field, kind, text = gen.constraint
+    try:
+        gen.params = replace(gen.params, grammar=compiler.grammar(kind, text, field))
+    except structured.Refused as e:
+        raise bad(e.message, e.field) from None
+    return gen
+
+
+def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
+    """A request body checked against the served engine; raises ApiError naming the field. A
+    structured output's constraint is checked and left to compile (``constrained``)."""
     check_fields(body, chat)
     thinking = tool_calls = False
     if chat:
@@ -356,7 +372,6 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
     else:
         prompt = completion_prompt(body, codec, limits)
     prompt = _truncated(body, prompt, limits)
-    grammar = _grammar(body, chat, codec, compiler, thinking)
     where = "messages" if chat else "prompt"
     if len(prompt) > limits.max_prompt:
         raise bad(f"{len(prompt)} tokens is longer than the {limits.max_prompt} this server takes (max_model_len "
@@ -394,13 +409,28 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
         params = SamplingParams(**fields, stop=() if stop is None else stop, max_tokens=max_tokens,
                                 logprobs=top or 0, logprob=top is not None,
                                 logit_bias=_logit_bias(body, limits.vocab_size),
-                                eos_token_id=None if codec is None else codec.eos_id, grammar=grammar)
+                                eos_token_id=None if codec is None else codec.eos_id)
     except ValueError as e:
         field, _, message = str(e).partition(": ")
         raise bad(message, field.split("[")[0]) from None
     stream = _flag(body, "stream")
     return Generation(prompt, params, stream, _include_usage(body, stream), chat, top, thinking, tool_calls, n,
-                      _flag(body, "skip_special_tokens", True), _flag(body, "spaces_between_special_tokens", True))
+                      _flag(body, "skip_special_tokens", True), _flag(body, "spaces_between_special_tokens", True),
+                      _cache_salt(body, limits.require_cache_salt), _constraint(body, chat, codec, thinking))
+
+
+def _cache_salt(body: dict, required: bool) -> str | None:
+    """vLLM's cache_salt: a non-empty string (as vLLM checks it), mixed into the prompt's first span
+    hash (``prefix_cache.root``); a server that isolates tenants requires one."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        if required:
+            raise bad("required by this server (--require-cache-salt): send your tenant's own salt, so that "
+                      "no other tenant's prompt shares your cached prefix", "cache_salt")
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise bad(f"expected a non-empty string, found {shown(salt)}", "cache_salt")
+    return salt
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
