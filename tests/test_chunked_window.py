@@ -123,13 +123,13 @@ def test_the_lists_span_two_tiles():
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("k", [1, 13, 50, 63, 64, 65])
+@pytest.mark.parametrize("k", [1, 63] + [pytest.param(k, marks=pytest.mark.slow) for k in (13, 50, 64, 65)])
 def test_reference_first_chunks_of_every_width_equal_one_step(reference, k):
     check_first_chunks(reference, k)
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("budget", [13, 30])
+@pytest.mark.parametrize("budget", [13, pytest.param(30, marks=pytest.mark.slow)])
 def test_reference_a_prompt_shorter_than_the_window_in_chunks_equals_one_step(reference, budget):
     """45 tokens (shorter than the window) in chunks of the budget, then 130 beside its last chunk
     (a first chunk of 7 or 15 rows): the 45-token prompt lists 45 window slots in every chunk."""
@@ -203,13 +203,25 @@ def test_a_lost_card_replays_a_short_prompt_as_the_one_step_prefill():
 
 @pytest.mark.timeout(1800)
 def test_threads_tp2_dp2_first_chunks_equal_one_step():
+    """A first chunk of 63 rows of 130 and 300 tokens, and 45 tokens in chunks of 13."""
     engine = GraphEngine(W64, Topology(2, 2, 4), EngineConfig(seed=0, executor="threads", max_batch=4,
                                                               max_context=CTX))
     try:
-        for k in (1, 63):
-            check_first_chunks(engine, k)
+        check_first_chunks(engine, 63)
         jobs, _ = generate(engine, [SHORT, LONG], [SEEDED, None], budgets=[13] * 12)
         assert_one_step(jobs, [SHORT, LONG], [SEEDED, None])
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_threads_tp2_dp2_every_first_chunk_equals_one_step():
+    engine = GraphEngine(W64, Topology(2, 2, 4), EngineConfig(seed=0, executor="threads", max_batch=4,
+                                                              max_context=CTX))
+    try:
+        for k in (1, 13, 50, 64, 65):
+            check_first_chunks(engine, k)
     finally:
         engine.close()
 
