@@ -35,7 +35,38 @@ class UsageError(Exception):
     """A bad command line; the message starts with the flag it is about."""
 
 
+INTEGER = re.compile(r"-?[0-9]+")
+# a decimal number in ASCII, or float()'s words for the values a range check then names (nan, inf)
+DECIMAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|-?(nan|inf|infinity)", re.IGNORECASE)
+
+
+def ascii_int(text: str) -> int:
+    """An integer written in ASCII digits: int() also takes other scripts' digits ('٣'), '1_0' and
+    surrounding blanks, none of which a command line means as a number."""
+    if not INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (expected ASCII digits 0-9, "
+                                         "optionally after a minus sign)")
+    return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """A number written in ASCII (digits, one point, an exponent), as ``ascii_int`` for int."""
+    if not DECIMAL.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r} (expected a decimal number in ASCII "
+                                         "digits, e.g. 0.5 or 1e-3)")
+    return float(text)
+
+
 class Parser(argparse.ArgumentParser):
+    """Every dsv41 command's parser: one-line errors, no abbreviated flags (``--exec`` is not
+    ``--executor``: a prefix that later became ambiguous would change meaning), and every ``type=int``
+    or ``type=float`` argument parsed by ``ascii_int`` / ``ascii_float``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.register("type", int, ascii_int)
+        self.register("type", float, ascii_float)
+
     def error(self, message):
         """One line and exit status 2 (argparse prints the whole usage first, which buries the line)."""
         self.exit(2, f"{self.prog}: error: {message}\n")
