@@ -98,6 +98,8 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--config": (ALL, ("does not apply with --checkpoint: its config.json is the config",
                        lambda a: a.checkpoint is None)),
     "--checkpoint": (ALL, None),
+    "--no-verify-checksums": (RUN, ("needs --checkpoint (it skips hashing the checkpoint's tensors)",
+                                    lambda a: a.checkpoint is not None)),
     "--layers": (ALL, ("does not apply with --checkpoint: its config.json says what was reduced",
                        lambda a: a.checkpoint is None)),
     "--experts": (ALL, ("does not apply with --checkpoint: its config.json says what was reduced",
@@ -218,6 +220,16 @@ def model_config(a):
     if a.prompt_ids:
         a.batch, a.prompt_len = len(a.prompt_ids), max(map(len, a.prompt_ids))
     return cfg
+
+
+def warn_unverified(prog: str, a, ckpt) -> None:
+    """One line on stderr when a checkpoint is served whose index lists no SHA-256 per tensor (the
+    released one's, written by Hugging Face tools, has none): it is served, its tensors checked for
+    shape, dtype and values as read but not for being the bytes that were written."""
+    if a.verify_checksums and not ckpt.digests_listed:
+        print(f"{prog}: warning: --checkpoint: {os.path.join(a.checkpoint, 'model.safetensors.index.json')} lists "
+              "no sha256 per tensor, so damaged bytes that are still valid values cannot be told apart "
+              "(python -m dsv41.checkpoint.write lists them)", file=sys.stderr)
 
 
 def unreadable(e: OSError) -> str:
