@@ -200,8 +200,8 @@ def _in_place(path: Path, parent: int, name: str, folder: int) -> None:
     try:
         now = open_path(path.parent)
     except OSError as e:
-        raise OSError(errno.ESTALE, f"{path.parent} was replaced while the checkpoint was written ({e.strerror}); "
-                      "nothing was put in place", str(path)) from None
+        raise OSError(errno.ESTALE, f"{path.parent} was replaced while the checkpoint was written ({e.filename}: "
+                      f"{e.strerror}); nothing was put in place", str(path)) from None
     try:
         moved = not same_file(os.fstat(now), os.fstat(parent))
     finally:
