@@ -141,6 +141,10 @@ def open_append(path):
     try:
         fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                      dir_fd=folder)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a symbolic link; nothing is appended through a link", str(path)) from None
+        raise
     finally:
         os.close(folder)
     return os.fdopen(fd, "ab", buffering=0)

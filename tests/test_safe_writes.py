@@ -385,3 +385,76 @@ def test_a_signal_mid_write_leaves_nothing(tmp_path, signum, status, word):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+# ---- issue 60: the PyPTO worker's log and the simulated-times cache's lock, opened to append ------------
+
+def _links(tmp_path, path: Path) -> list[tuple[Path, Path, bytes | None]]:
+    """(link, target, target's bytes or None) for a link at ``path`` to an existing victim file, then one
+    to a name nobody has made (O_CREAT through it would make that file)."""
+    victim, kept = _victim(tmp_path)
+    return [(path, victim, kept), (path, tmp_path / "made-through-a-link", None)]
+
+
+def _unchanged(target: Path, kept: bytes | None) -> None:
+    if kept is None:
+        assert not os.path.lexists(target)
+    else:
+        assert target.read_bytes() == kept
+
+
+def _refusal(call) -> int | None:
+    """The errno of the OSError ``call()`` raises (None when it raises none or another error)."""
+    try:
+        call()
+    except OSError as e:
+        return e.errno
+    except RuntimeError:        # the stand-in worker start: the log was opened
+        return None
+    return None
+
+
+def test_the_sim_cache_lock_is_never_opened_through_a_link(tmp_path):
+    from dsv41.kernels.pypto.sim import SimCache
+    cache = SimCache(tmp_path / "cache" / "sim_times.json")
+    for link, target, kept in _links(tmp_path, tmp_path / "cache" / "sim_times.lock"):
+        link.parent.mkdir(exist_ok=True)
+        link.symlink_to(target)
+        refused = _refusal(lambda: cache.put("k", {"us": 1.0, "error": None}))
+        _unchanged(target, kept)
+        assert refused == errno.ELOOP
+        assert not (tmp_path / "cache" / "sim_times.json").exists()     # nothing merged without the lock
+        link.unlink()
+
+
+def test_the_pypto_worker_log_is_never_opened_through_a_link_by_its_starter(tmp_path, monkeypatch):
+    from dsv41.kernels.pypto import sim
+
+    def starting(argv, stdout, **kwargs):     # what the worker would print, then no worker at all
+        stdout.write(b"worker output\n")
+        raise RuntimeError("no worker in this test")
+
+    monkeypatch.setattr(sim.subprocess, "Popen", starting)
+    root = tmp_path / "run"
+    root.mkdir()
+    for link, target, kept in _links(tmp_path, root / "worker-sim.log"):
+        link.symlink_to(target)
+        refused = _refusal(lambda: sim.PyptoWorker("sim", root)._start())
+        _unchanged(target, kept)
+        assert refused == errno.ELOOP
+        link.unlink()
+
+
+@pytest.mark.timeout(300)
+def test_the_pypto_worker_never_logs_through_a_link(tmp_path):
+    """The worker itself reopens its log for fds 1 and 2: a link there is refused before either points at it."""
+    root = tmp_path / "run"
+    root.mkdir()
+    for link, target, kept in _links(tmp_path, root / "worker-sim.log"):
+        link.symlink_to(target)
+        r = subprocess.run([sys.executable, "-c", f"from dsv41.kernels.pypto import worker; "
+                            f"worker.main(None, 'sim', {str(root)!r})"], capture_output=True, text=True, timeout=240,
+                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL)
+        _unchanged(target, kept)
+        assert r.returncode == 1 and "is a symbolic link" in r.stderr, r.stderr[-2000:]
+        link.unlink()
