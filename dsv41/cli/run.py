@@ -61,7 +61,7 @@ def add_model_arguments(p) -> None:
                    help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
     p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                    help="with --checkpoint: skip hashing every tensor against the SHA-256 its index lists "
-                        "(a start-up read of the whole folder, ~0.5 GB/s here)")
+                        "(a start-up read of the whole folder: 0.4-0.5 GB/s on a 2-core machine, docs/checkpoints.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
                    help="threads (default) was the fastest in most measured runs; on a quiet machine try sync "
