@@ -27,10 +27,16 @@ def open_folder(path) -> int:
     """A handle on ``path`` as a real folder: a symlink raises OSError(ELOOP), a file ENOTDIR."""
     try:
         return os.open(path, _DIR_FLAGS)
-    except OSError as e:     # O_DIRECTORY | O_NOFOLLOW on a symlink: ENOTDIR on Linux, ELOOP elsewhere
-        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
-            raise OSError(errno.ELOOP, "is a symbolic link; nothing is written through a link", str(path)) from None
+    except OSError as e:
+        _refuse_symlink(e, path)
         raise
+
+
+def _refuse_symlink(e: OSError, path) -> None:
+    """OSError(ELOOP) naming ``path`` when opening it as a folder failed because it is a symlink
+    (O_DIRECTORY | O_NOFOLLOW on one: ENOTDIR on Linux, ELOOP elsewhere)."""
+    if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+        raise OSError(errno.ELOOP, "is a symbolic link; nothing is written through a link", str(path)) from None
 
 
 def open_path(path, make: bool = False) -> int:
@@ -44,17 +50,20 @@ def open_path(path, make: bool = False) -> int:
     try:
         for part in Path(path).parts[1:]:
             at = os.path.join(at, part)
+            unmade = None
             if make:
                 try:
                     os.mkdir(part, dir_fd=fd)
                 except FileExistsError:
                     pass
+                except OSError as e:     # said below if the folder is not there to open
+                    unmade = e
             try:
                 child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except OSError as e:     # O_DIRECTORY | O_NOFOLLOW on a symlink: ENOTDIR on Linux, ELOOP elsewhere
-                if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(at):
-                    raise OSError(errno.ELOOP, "is a symbolic link; nothing is written through a link", at) from None
-                raise OSError(e.errno, e.strerror, at) from None
+            except OSError as e:
+                _refuse_symlink(e, at)
+                why = unmade or e
+                raise OSError(why.errno, why.strerror, at) from None
             os.close(fd)
             fd = child
     except BaseException:

@@ -181,7 +181,7 @@ def _write_in_place(cfg, tok, path: Path, parent: int, seed: int, shard_bytes: i
         try:
             _in_place(path, parent, path.name, folder)
         except OSError:     # swapped between the check and the rename: take ours back out of the way
-            if same_file(os.stat(path.name, dir_fd=parent, follow_symlinks=False), os.fstat(folder)):
+            if _holds(parent, path.name, folder):
                 os.rename(path.name, work, src_dir_fd=parent, dst_dir_fd=parent)
             raise
     except BaseException as e:
@@ -209,11 +209,7 @@ def _in_place(path: Path, parent: int, name: str, folder: int) -> None:
     if moved:
         raise OSError(errno.ESTALE, f"{path.parent} was replaced by another folder while the checkpoint was "
                       "written; nothing was put in place", str(path))
-    try:
-        ours = same_file(os.stat(name, dir_fd=parent, follow_symlinks=False), os.fstat(folder))
-    except FileNotFoundError:
-        ours = False
-    if not ours:
+    if not _holds(parent, name, folder):
         raise OSError(errno.ESTALE, f"the work folder {path.parent / name} was replaced (by a link or another "
                       "folder) while the checkpoint was written; nothing was put in place", str(path))
 
@@ -230,9 +226,17 @@ def _discard(parent: int, work: str, folder: int) -> None:
             except OSError:
                 pass        # not a file of ours (a folder planted in it): left as it is
         try:
-            if same_file(os.stat(work, dir_fd=parent, follow_symlinks=False), os.fstat(folder)):
+            if _holds(parent, work, folder):
                 os.rmdir(work, dir_fd=parent)
         except OSError:
             pass
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _holds(parent: int, name: str, folder: int) -> bool:
+    """Whether ``name`` in the folder ``parent`` is the folder ``folder`` (not a link, not another)."""
+    try:
+        return same_file(os.stat(name, dir_fd=parent, follow_symlinks=False), os.fstat(folder))
+    except FileNotFoundError:
+        return False
