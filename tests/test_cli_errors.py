@@ -85,6 +85,7 @@ MATRIX = [
     ("--check --plan", "--check", ["--plan"]),
     # checkpoint serving: the flags that come with it
     ("--prompt hi", "--prompt", ["needs --checkpoint"]),
+    ("--no-verify-checksums", "--no-verify-checksums", ["needs --checkpoint"]),
     ("--prompt-file p.txt", "--prompt-file", ["needs --checkpoint"]),
     ("--chat", "--chat", ["needs --prompt or --prompt-file"]),
     ("--checkpoint ck --config tiny", "--config", ["does not apply with --checkpoint", "config.json"]),
@@ -180,6 +181,7 @@ def test_every_flag_has_a_row():
     ("--temperature 1", "unrecognized arguments: --temperature"),     # per request, not per server
     ("--speculative ngram --draft-tokens 9", "--draft-tokens: must be in [1, 5]"),
     ("--ngram-min 2", "--ngram-min: needs --speculative ngram"),
+    ("--no-verify-checksums", "--no-verify-checksums: needs --checkpoint"),
 ])
 def test_serve_flags_are_checked_before_the_engine_is_built(capsys, line, message):
     from dsv41.cli import serve
