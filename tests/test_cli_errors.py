@@ -293,7 +293,8 @@ def test_an_error_past_the_checks_is_one_line_and_stops_tracing(capsys, monkeypa
 
 def _entry(name):
     from dsv41.cli import replay, serve, write_checkpoint
-    return {"run": run.main, "serve": serve.main, "checkpoint.write": write_checkpoint.main, "replay": replay.main}[name]
+    return {"run": run.main, "serve": serve.main, "checkpoint.write": write_checkpoint.main,
+            "replay": replay.main}[name]
 
 
 # (entry point, its command line, the line's start after "error: ") for every python -m dsv41.* command
@@ -331,8 +332,9 @@ def test_numbers_are_ascii_digits_and_flags_are_never_abbreviated(capsys, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("line", ["--batch 3", "--batch -0", "--seed 007", "--executor distributed --connect-timeout 1e1",
-                                  "--executor distributed --connect-timeout .5", "--temperature 0.5"])
+@pytest.mark.parametrize("line", ["--batch 3", "--batch -0", "--seed 007", "--temperature 0.5",
+                                  "--executor distributed --connect-timeout 1e1",
+                                  "--executor distributed --connect-timeout .5"])
 def test_ascii_numbers_still_parse(line):
     a = run.build_parser().parse_args(line.split())
     flag, text = line.split()[-2:]

@@ -2,10 +2,12 @@
 
 Every tensor the config implies must be listed in ``model.safetensors.index.json``, present in
 its shard's header with its exact shape and dtype, and lie inside the shard's bytes; nothing
-unexpected may be listed, and a shard may hold only tensors the index lists in it. Every shard the index names must resolve inside the folder (no absolute
-path, no ``..``, no symlink that leads out), and each shard's header must describe its data region
-exactly: entries are objects, ``__metadata__`` maps strings to strings, and the data offsets tile
-the region with no gap, no overlap and nothing after the last tensor (safetensors' own rule).
+unexpected may be listed, and a shard may hold only tensors the index lists in it. Every shard
+the index names must resolve inside the folder (no absolute path, no ``..``, no symlink that leads
+out), and each shard's header must describe its data region exactly: entries are objects,
+``__metadata__`` maps strings to strings, and the data offsets tile the region with no gap, no
+overlap and nothing after the last tensor (safetensors' own rule). The index's SHA-256 table
+(``checksums``), when it has one, must list every served tensor and nothing the map does not.
 Tensors of parts this project does not serve (the image-token gate bias, draft layers numbered
 past the backbone, the vision modules, ``hc_head``) are recognised and skipped. DSpark's stages
 (``mtp.S.*``) are validated like any tensor when the config declares DSpark and the index lists

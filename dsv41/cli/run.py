@@ -102,8 +102,9 @@ def add_prefix_caching_argument(p, default: bool):
                         "(default: %s)" % ("on" if default else "off"))
 
 
-MODEL_FLAGS = ("--config", "--layers", "--experts", "--engram-rows", "--checkpoint", "--no-verify-checksums", "--seed", "--executor", "--tp",
-               "--dp", "--ep", "--granularity", "--backend", "--wiring", "--address", "--connect-timeout", "--debug", "--help")
+MODEL_FLAGS = ("--config", "--layers", "--experts", "--engram-rows", "--checkpoint", "--no-verify-checksums", "--seed",
+               "--executor", "--tp", "--dp", "--ep", "--granularity", "--backend", "--wiring", "--address",
+               "--connect-timeout", "--debug", "--help")
 
 
 def build_parser() -> rules.Parser:
