@@ -200,7 +200,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 class Signals:
     """How the command meets SIGINT and SIGTERM, from its first line to its last. While it starts
-    (arguments, tokenizer, engine) a signal interrupts it (``KeyboardInterrupt``, run's
+    (arguments, tokenizer, engine) a signal interrupts it (``KeyboardInterrupt``, interrupt's
     ``Terminated`` for SIGTERM) and is remembered, so that whatever the interruption broke on its
     way out (an import cut in half fails later with another error) still ends in one line and the
     signal's status. Once the server is built, a signal only asks it to stop (``serving``: uvicorn's
@@ -218,7 +218,7 @@ class Signals:
 
     def _interrupt(self, signum, frame):
         self.received = self.received or signum
-        raise run.Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        raise interrupt.Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
     def serving(self, server) -> None:
         self._set(server.handle_exit)
@@ -292,9 +292,10 @@ def serve(args, signals: Signals) -> int:
     if args.checkpoint is not None:
         from dsv41.checkpoint.reader import open_checkpoint
         try:
-            ckpt = open_checkpoint(args.checkpoint)
+            ckpt = open_checkpoint(args.checkpoint, args.verify_checksums)
         except OSError as e:        # a file of the folder that cannot be read (permissions)
             raise CheckpointError(rules.unreadable(e)) from e
+        rules.warn_unverified(PROG, args, ckpt)
         if args.speculative == "dspark":
             ckpt.require_dspark()            # a CheckpointError: one line, exit 2
     cfg = rules.resolve_model(args, ckpt)
