@@ -15,7 +15,7 @@ from dsv41.cli.modes import ALL, GRAPH_OR_PLAN, PLAN
 from dsv41.cli.trace import tracing_on
 from dsv41.engine.blocks import BlockManager
 from dsv41.plan.calibration import calibrated
-from dsv41.plan.explain import calibration_lines, explain_lines, sensitivity
+from dsv41.plan.explain import calibration_lines, explain_lines, operator_lines, sensitivity
 from dsv41.plan.latency import DISPATCH, PARTS, SCHEMES
 from dsv41.plan.profiles import PROFILES
 from dsv41.plan.roofline import profile
@@ -160,6 +160,8 @@ def plan_report(args, cfg, topo, say) -> dict:
             say(line)
     say(f"  critical path (ms): {_parts(report['breakdown_us'])}")
     if args.explain:
+        for line in operator_lines(report["operators"], report["critical_path_us_by_kernel"]):
+            say(line)
         rows = sensitivity(planned)
         for line in explain_lines(rows, report["predicted_step_us"]):
             say(line)

@@ -60,6 +60,9 @@ class DeviceProfile:
     # read the stored formats (every accelerator profile) has none; this CPU decodes each value to FP32 per use
     weight_use_ns: dict = field(default_factory=dict)
     shared_cores: int = 0      # the cards are threads or processes sharing this many host cores (0: own devices)
+    # node kind -> operators.Operator: measured latencies by shape and the fit between them; a kind
+    # without one is priced by the roofline above
+    operators: dict = field(default_factory=dict)
 
     @property
     def link_bytes_per_s(self) -> float:
