@@ -190,7 +190,7 @@ def _parts(step_us: float, b: dict, layers: int) -> dict[str, float]:
 def load_planned(path: Path = PLANNED) -> dict[str, dict[str, float]]:
     """Row label -> its planned step's features, as ``bench/plan_validation.py --features`` wrote them."""
     rows = json.loads(Path(path).read_text())["rows"]
-    return {k: {**r, **_parts(r["step_us"], r["critical_path_us"], int(r["layers"]))} for k, r in rows.items()}
+    return {k: {**_parts(r["step_us"], r["critical_path_us"], int(r["layers"])), **r} for k, r in rows.items()}
 
 
 @dataclass(frozen=True)
