@@ -26,7 +26,7 @@ from dsv41.plan.operators import Point, fit_all
 from dsv41.plan.primitives import AlphaBeta, ByRanks
 from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
 
-_US = (0.0, 1e5)
+_US = (0.0, 1e7)      # up to 10 s: a CPU step on a loaded 2-core machine takes seconds
 _SCALARS = {                       # field -> (low, high, integer)
     "hbm_bytes": (1e9, 1e13, False), "hbm_bytes_per_s": (1e10, 1e14, False), "cards_per_node": (1, 1024, True),
     "launch_us": (*_US, False), "host_launch_us": (*_US, False), "graph_launch_us": (*_US, False),
