@@ -13,9 +13,13 @@ step), traced, on the ``sync`` executor at TP1. For each node kind the step's no
 gives those nodes: node count, bytes, FLOPs, decoded weight values. ``--out`` writes them as the
 operator points of a profile file based on ``cpu`` (``--device-profile FILE`` loads it;
 ``dsv41.plan.operators`` fits each kind), with the host's time a step outside the node spans (the
-step's wall time less its node spans, median) as ``host_step_us``; the per-kernel launch, graph
+step's time less its node spans, median) as ``host_step_us``; the per-kernel launch, graph
 replay and token sync are inside the spans or that host time, so they are 0. ``--check`` measures
 the shapes and prints the measured step against the plan's with that profile file.
+
+Times are this process's CPU time by default (``--clock cpu``: each step's node spans scaled by
+the step's CPU time over its wall time; on a machine whose cores other jobs share, the wall clock
+measures them too), or the wall clock (``--clock wall``).
 
 The default profile shapes (1:4096:1 4:4096:1 2:8192:3 1:8192:1) differ from the validation shapes
 above in batch, context and rows, so the check is out of sample.
@@ -52,20 +56,22 @@ def shape(text: str) -> tuple[int, int, int]:
     return batch, context, rows
 
 
-def measure(engine, batch: int, context: int, rows: int, steps: int) -> dict:
-    """Per decode step: wall µs, and node kind -> summed node-span µs."""
+def measure(engine, batch: int, context: int, rows: int, steps: int, clock: str = "cpu") -> dict:
+    """Medians over the decode steps: the step's µs, its node spans' and the rest (host), and node kind
+    -> summed node-span µs; on the wall clock or this process's CPU time (``clock``)."""
     vocab = engine.cfg.vocab_size
     engine.dspark = bool(engine.cfg.dspark and rows > 1)
     out = engine.prefill([[1] for _ in range(batch)], context=context)
     rids, last = out.request_ids, out.last
     session = TraceSession(engine)
-    walls = []
+    walls, cpus = [], []
     try:
         for _ in range(steps):
             drafts = [[(t + 1 + j) % vocab for j in range(rows - 1)] for t in last] if rows > 1 else None
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = engine.decode(last, rids, drafts)
             walls.append((time.perf_counter() - t0) * 1e6)
+            cpus.append((time.process_time() - c0) * 1e6)
             last = out.last
         records = session.collect()
     finally:
@@ -77,12 +83,16 @@ def measure(engine, batch: int, context: int, rows: int, steps: int) -> dict:
         a = r["attributes"]
         if a.get("dsv41.span") == "node" and a["dsv41.phase"] == "decode":
             by_step[a["dsv41.step"]][a["dsv41.kernel"]] += (r["end_ns"] - r["start_ns"]) / 1e3
-    steps_ = [by_step[s] for s in sorted(by_step)]
+    # on CPU time (``cpu``): each step's spans scaled by its CPU time over its wall time, what the
+    # step costs this process's one thread whatever else the shared cores run
+    scale = [c / w for c, w in zip(cpus, walls)] if clock == "cpu" else [1.0] * len(walls)
+    steps_ = [{k: v * f for k, v in by_step[s].items()} for s, f in zip(sorted(by_step), scale)]
     kinds = {k for s in steps_ for k in s}
     spans = {k: statistics.median(s.get(k, 0.0) for s in steps_) for k in sorted(kinds)}
     nodes = [sum(s.values()) for s in steps_]
-    return {"wall_us": statistics.median(walls), "nodes_us": statistics.median(nodes),
-            "host_us": statistics.median(w - n for w, n in zip(walls, nodes)), "kinds_us": spans}
+    totals = cpus if clock == "cpu" else walls
+    return {"wall_us": statistics.median(totals), "nodes_us": statistics.median(nodes),
+            "host_us": statistics.median(w - n for w, n in zip(totals, nodes)), "kinds_us": spans}
 
 
 def planned(cfg, capacity, batch: int, context: int, rows: int, device: str = "cpu") -> tuple[dict, dict]:
@@ -111,6 +121,9 @@ def main(argv=None) -> int:
     what.add_argument("--check", metavar="FILE.json", help="measure the shapes and compare the plan with this profile")
     p.add_argument("--shapes", type=shape, nargs="+", default=None, metavar="B:N:R")
     p.add_argument("--steps", type=int, default=3, help="decode steps measured per shape (the median is used)")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="time steps by this process's CPU time (default: steadier when other jobs share the "
+                        "cores) or by the wall clock")
     a = p.parse_args(argv)
     shapes = a.shapes or [shape(s) for s in DEFAULT_SHAPES]
     torch.set_num_threads(1)
@@ -124,13 +137,13 @@ def main(argv=None) -> int:
     try:
         for batch, context, rows in shapes:
             load = load_line()
-            m = measure(engine, batch, context, rows, a.steps)
-            label = f"FLASH-width {cfg.name}, batch {batch}, context {context}, {rows} row(s) per request"
+            m = measure(engine, batch, context, rows, a.steps, a.clock)
+            label = f"{cfg.name}, batch {batch}, context {context}, {rows} row(s) per request"
             if a.out:
                 _, feats = planned(cfg, ckpt.capacity, batch, context, rows)
                 hosts.append(m["host_us"])
                 src = (f"bench/cpu_profile.py --checkpoint {a.checkpoint}: node spans of {a.steps} decode steps "
-                       f"(median), sync executor, TP1, {load}")
+                       f"(median, {a.clock} clock), sync executor, TP1, {load}")
                 for kind, us in m["kinds_us"].items():
                     if us > 0 and kind in feats:
                         points[kind].append({**feats[kind], "us": us, "shape": label, "source": src})
