@@ -4,7 +4,8 @@
     python bench/cpu_profile.py --checkpoint /tmp/flash-L4-E8 --check cpu-profile.json \
         --shapes 1:16384:1 8:16384:1 1:16384:6
 
-A shape is ``batch:context:rows``: ``batch`` requests started at ``context`` tokens of drawn history
+A shape is ``batch:context:rows``; ``rows`` 0 is a prefill step of ``batch`` prompts of ``context``
+tokens (no history). Otherwise ``batch`` requests started at ``context`` tokens of drawn history
 (``Engine.prefill(..., context=N)`` after a one-token prompt), then ``--steps`` decode steps of
 ``rows`` rows per request (the last token and ``rows - 1`` drafts, all rejected, so every step starts
 at the same position; with drafts the step also runs DSpark's nodes, as the plan plans a verify
@@ -51,8 +52,8 @@ def shape(text: str) -> tuple[int, int, int]:
         batch, context, rows = (int(x) for x in text.split(":"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be batch:context:rows, got {text!r}") from None
-    if batch < 1 or context < 1 or not 1 <= rows <= 6:
-        raise argparse.ArgumentTypeError(f"batch >= 1, context >= 1, rows in [1, 6]; got {text!r}")
+    if batch < 1 or context < 1 or not 0 <= rows <= 6:
+        raise argparse.ArgumentTypeError(f"batch >= 1, context >= 1, rows in [0, 6] (0: a prefill); got {text!r}")
     return batch, context, rows
 
 
@@ -61,6 +62,8 @@ def measure(engine, batch: int, context: int, rows: int, steps: int, clock: str 
     -> summed node-span µs; on the wall clock or this process's CPU time (``clock``)."""
     vocab = engine.cfg.vocab_size
     engine.dspark = bool(engine.cfg.dspark and rows > 1)
+    if rows == 0:
+        return _prefills(engine, batch, context, steps, clock)
     out = engine.prefill([[1] for _ in range(batch)], context=context)
     rids, last = out.request_ids, out.last
     session = TraceSession(engine)
@@ -78,10 +81,32 @@ def measure(engine, batch: int, context: int, rows: int, steps: int, clock: str 
         session.close()
         for r in rids:
             engine.release(r)
+    return _medians(records, "decode", walls, cpus, clock)
+
+
+def _prefills(engine, batch: int, length: int, steps: int, clock: str) -> dict:
+    """``steps`` prefills of ``batch`` prompts of ``length`` tokens, each released after its step."""
+    session = TraceSession(engine)
+    walls, cpus = [], []
+    try:
+        for i in range(steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = engine.prefill([[(i + j) % engine.cfg.vocab_size] * length for j in range(batch)])
+            walls.append((time.perf_counter() - t0) * 1e6)
+            cpus.append((time.process_time() - c0) * 1e6)
+            for r in out.request_ids:
+                engine.release(r)
+        records = session.collect()
+    finally:
+        session.close()
+    return _medians(records, "prefill", walls, cpus, clock)
+
+
+def _medians(records, phase: str, walls: list, cpus: list, clock: str) -> dict:
     by_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in records:
         a = r["attributes"]
-        if a.get("dsv41.span") == "node" and a["dsv41.phase"] == "decode":
+        if a.get("dsv41.span") == "node" and a["dsv41.phase"] == phase:
             by_step[a["dsv41.step"]][a["dsv41.kernel"]] += (r["end_ns"] - r["start_ns"]) / 1e3
     # on CPU time (``cpu``): each step's spans scaled by its CPU time over its wall time, what the
     # step costs this process's one thread whatever else the shared cores run
@@ -97,8 +122,12 @@ def measure(engine, batch: int, context: int, rows: int, steps: int, clock: str 
 
 def planned(cfg, capacity, batch: int, context: int, rows: int, device: str = "cpu") -> tuple[dict, dict]:
     """(the plan's report of the step, node kind -> {calls, bytes, flops, values})."""
-    cap = dataclasses.replace(capacity, decode_rows_per_request=rows, max_batch_per_dp=max(batch, capacity.max_batch_per_dp))
-    report, step = run_plan(cfg, Topology(1, 1, 1), batch, context + 2, "decode", device=device, capacity=cap)
+    cap = dataclasses.replace(capacity, decode_rows_per_request=max(rows, 1), prefill_max_tokens=batch * context,
+                              max_batch_per_dp=max(batch, capacity.max_batch_per_dp))
+    if rows == 0:       # a prefill of batch prompts of context tokens
+        report, step = run_plan(cfg, Topology(1, 1, 1), batch, context, "prefill", device=device, capacity=cap)
+    else:
+        report, step = run_plan(cfg, Topology(1, 1, 1), batch, context + 2, "decode", device=device, capacity=cap)
     feats: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(("calls", "bytes", "flops", "values"), 0.0))
     for key, c in step.costs.items():
         f = feats[step.plan.graph.nodes[key].kernel]
@@ -138,7 +167,8 @@ def main(argv=None) -> int:
         for batch, context, rows in shapes:
             load = load_line()
             m = measure(engine, batch, context, rows, a.steps, a.clock)
-            label = f"{cfg.name}, batch {batch}, context {context}, {rows} row(s) per request"
+            label = (f"{cfg.name}, batch {batch}, context {context}, {rows} row(s) per request" if rows else
+                     f"{cfg.name}, prefill of {batch} prompts of {context} tokens")
             if a.out:
                 _, feats = planned(cfg, ckpt.capacity, batch, context, rows)
                 hosts.append(m["host_us"])
