@@ -24,14 +24,17 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
+import torch
 
 from dsv41.engine.drafters import Drafter
 from dsv41.engine.host import HostState
 from dsv41.engine.protocol import Engine, Ran, StepCounter
 from dsv41.engine.request import Request
+from dsv41.engine.requests import StepInputs
 from dsv41.engine.scheduler import Scheduler
 from dsv41.ops.sampling import SamplingParams
 from dsv41.ops.stopping import Stops
@@ -61,6 +64,10 @@ class SimulatedEngine(Engine):
         self.cfg, self.capacity, self.seed, self.price = cfg, capacity, seed, price
         self.host = HostState(cfg, capacity, dp, max_batch or capacity.max_batch_per_dp,
                               max_context or cfg.max_position_embeddings, None, cache_tokens, prefix_caching)
+        for table in self.host.tables:
+            # the tables still plan, reserve and commit every step's blocks; only the device inputs
+            # (metadata tensors, Engram hash ids: most of a step's host time) are not built
+            table._inputs = _layout_only
         self.acceptance = acceptance
         self.draws = random.Random(seed)
         self.clock_us = 0.0
@@ -92,6 +99,12 @@ class SimulatedEngine(Engine):
 
     def fill(self, fills):
         """Drawn histories hold no values here: their blocks are all the simulation needs."""
+
+
+def _layout_only(seqs, parts, layout, phase: str) -> StepInputs:
+    """A step's inputs as the simulated executor reads them: the layout and each request's cache length."""
+    kv = torch.tensor([s.kv_len for s in seqs], dtype=torch.int32)
+    return StepInputs(layout, None, SimpleNamespace(kv_seq_lens=kv), {}, phase, None)
 
 
 class PlaceholderDrafter(Drafter):
