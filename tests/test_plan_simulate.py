@@ -12,7 +12,9 @@ from dsv41.config import TINY
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.request import requests_for
 from dsv41.engine.scheduler import Scheduler
-from dsv41.plan.simulate import PlaceholderDrafter, SimulatedEngine, Workload, report_lines, simulate
+from dsv41.plan.simulate import (PlaceholderDrafter, SimulatedEngine, Workload, record_simulated, report_lines,
+                                   simulate)
+from dsv41.telemetry.export import write_perfetto
 
 CAP = CAPACITIES["tiny"]
 
@@ -141,3 +143,31 @@ def test_bad_workload_is_refused_naming_the_flag(field, value, flag):
     kw = {"num_prompts": 2, "input_len": 4, "output_len": 2, field: value}
     with pytest.raises(ValueError, match=f"^{flag}: must be"):
         Workload(**kw).check()
+
+
+class _Nearest:
+    """A pricer's planned step, as ``record_simulated`` reads it."""
+    device = "a5"
+
+    def nearest(self, phase, rows):
+        return {"critical_path_us_by_kernel": {"moe.experts": 3.0, "attn.q_proj": 1.0},
+                "cards": [{"card": 0, "total_bytes": 10, "weights_bytes": 7, "cache_bytes": 2}]}
+
+
+def test_the_simulated_run_is_written_as_step_and_node_spans(tmp_path):
+    eng = SimulatedEngine(TINY, CAP, _linear, max_context=256)
+    simulate(eng, Workload(2, 16, 3))
+    records = record_simulated(eng, _Nearest(), {"service.name": "dsv41"})
+    steps = [r for r in records if r["attributes"]["dsv41.span"] == "step"]
+    nodes = [r for r in records if r["attributes"]["dsv41.span"] == "node"]
+    assert [(r["end_ns"] - r["start_ns"]) / 1e3 for r in steps] == pytest.approx([s.us for s in eng.steps])
+    assert [r["attributes"]["dsv41.rows"] for r in steps] == [sum(s.rows) for s in eng.steps]
+    assert all(r["attributes"]["dsv41.simulated"] for r in records)
+    first = [r for r in nodes if r["attributes"]["dsv41.step"] == 1]
+    # the step's time split 3:1 between the planned step's kinds on its critical path, with its HBM
+    assert [r["attributes"]["dsv41.device.sim_us"] for r in first] == pytest.approx([0.75 * eng.steps[0].us,
+                                                                                      0.25 * eng.steps[0].us])
+    assert {(r["attributes"]["dsv41.hbm.live_bytes"], r["attributes"]["dsv41.hbm.peak_bytes"]) for r in nodes} \
+        == {(9, 10)}
+    assert len(write_perfetto(records, tmp_path / "sim.perfetto.json").read_text()) > 0     # opens as a run's
+    assert (steps[1]["start_ns"] - steps[0]["start_ns"]) / 1e3 == pytest.approx(eng.steps[1].start_us)

@@ -22,7 +22,7 @@ from dsv41.plan.profiles import PROFILES
 from dsv41.plan.roofline import profile
 from dsv41.plan.step import rows_per_request, run_plan
 from dsv41.telemetry.export import write_traces
-from dsv41.telemetry.session import DEFAULT_PROFILE
+from dsv41.telemetry.session import DEFAULT_PROFILE, resource_attributes
 from dsv41.telemetry.simulated import record_planned
 
 
@@ -223,7 +223,14 @@ def simulate_command(args, cfg, topo, say) -> dict:
     seconds = time.perf_counter() - t0
     for line in report_lines(metrics):
         say(line)
+    traces = None
+    if args.trace:      # files only when asked, as in every other mode
+        from dsv41.plan.simulate import record_simulated
+        resource = resource_attributes(cfg, topo, "simulated", args.device_profile)
+        traces = write_traces(args.trace, record_simulated(engine, price, resource), resource)
+        say(f"  simulated run: {traces['perfetto']}")
     say(f"  {len(engine.steps)} steps simulated in {seconds:.1f} s ({len(price.anchors)} planned steps priced them; "
         f"profile {args.device_profile}, {drafts} drafts at acceptance {args.acceptance:g})")
     return {**metrics, "steps": len(engine.steps), "device_profile": args.device_profile, "drafts": drafts,
-            "acceptance": args.acceptance, "planned_steps": len(price.anchors), "simulated_in_s": seconds}
+            "acceptance": args.acceptance, "planned_steps": len(price.anchors), "simulated_in_s": seconds,
+            **({"traces": traces} if traces else {})}
