@@ -27,6 +27,7 @@ from dsv41.kernels.cost import nbytes
 from dsv41.kernels.kinds import KINDS
 from dsv41.ops import metadata as md_ops
 from dsv41.plan.latency import SCHEMES, StepLatency, step_latency
+from dsv41.plan.operators import coverage
 from dsv41.plan.primitives import moe_imbalance
 from dsv41.plan.roofline import node_us, profile, simulate
 from dsv41.plan.sizing import card_values, card_weights, node_cost, request_cache_bytes, weights_by_kind
@@ -206,5 +207,6 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
         "roofline_step_us": max(end for _, end in roofline.values()),
         "floor_us": max(moved.values()) / dev.hbm_bytes_per_s * 1e6,
         "critical_path_us_by_kernel": dict(on_path.most_common()),
+        "operators": coverage((n.kernel for n in graph.nodes.values()), dev),
     }
     return report, PlannedStep(plan, costs, latency, live_at, dev, dispatch, imbalance, scheme)
