@@ -168,6 +168,13 @@ def _sweep_ir(name: str, rows: int, weight_rows: int, width: int, tails: bool) -
                         f.do(f"store {v} {f.let(f'load {v}, ptr {saved[key]}, align 4')}, ptr {slot}")
 
                     def block(b: str) -> None:
+                        if g < 2:
+                            # x's next K tile, a line of each block for each of the first two groups
+                            # (then L1 holds it when its sweeps start: its first reads came from L3)
+                            ahead = f.let(f"add i64 {f.let(f'mul i64 {b}, 32')}, {K_TILE * 32 + 16 * g}")
+                            for xt in xts:
+                                f.do(f"call void @llvm.prefetch.p0(ptr {f.let(f'getelementptr float, ptr {xt}, i64 {ahead}')}, "
+                                     "i32 0, i32 3, i32 1)")
                         xc = f.let(f"add i64 {f.let(f'mul i64 {b}, 32')}, {g * n_lanes}")
                         xs = [f.let(f"load {v}, ptr {f.let(f'getelementptr float, ptr {xt}, i64 {xc}')}, align 4")
                               for xt in xts]
@@ -253,7 +260,8 @@ def kernel_ir(fmt: str, width: int, rest: int) -> str:
                   "ptr noalias %panel, ptr noalias %state) {",
                   [*parts, f"declare <{n_lanes} x float> @llvm.fma.v{n_lanes}f32(<{n_lanes} x float>, "
                    f"<{n_lanes} x float>, <{n_lanes} x float>)",
-                   "declare float @llvm.fma.f32(float, float, float)"])
+                   "declare float @llvm.fma.f32(float, float, float)",
+                   "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"])
 
 
 _compile_lock = threading.Lock()
