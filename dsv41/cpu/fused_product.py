@@ -694,16 +694,11 @@ def _object_code(ir: str, model: str | None) -> bytes:
 def _compile(fmt: str, rows: int, weight_rows: int, variant: str, width: int, model: str | None, tiled: bool,
              halves: bool):
     """(the kernel's ctypes function, the engine that owns its code)."""
-    return compile_ir(kernel_ir(fmt, rows, weight_rows, variant, width, TILE if tiled else 0, halves), model, _ARGS)
-
-
-def compile_ir(ir: str, model: str | None, args: tuple):
-    """(IR's ``product`` as a ctypes function of ``args``, the engine that owns its code), the object
-    code from the cache folder where an earlier process left it."""
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _machine())
-    engine.add_object_file(llvm.ObjectFileRef.from_data(_object_code(ir, model)))
+    engine.add_object_file(llvm.ObjectFileRef.from_data(
+        _object_code(kernel_ir(fmt, rows, weight_rows, variant, width, TILE if tiled else 0, halves), model)))
     engine.finalize_object()
-    return ctypes.CFUNCTYPE(None, *args)(engine.get_function_address("product")), engine
+    return ctypes.CFUNCTYPE(None, *_ARGS)(engine.get_function_address("product")), engine
 
 
 def pass_rows(width: int | None = None) -> int:

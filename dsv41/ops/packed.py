@@ -19,7 +19,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from dsv41.cpu import cores, fused_product as fused, tiled_product as tiled
+from dsv41.cpu import cores, fused_product as fused
 from dsv41.ops.quant import block_mxfp8_decode64, expert_mxfp4_decode64
 
 # largest E8M0 code for which the format's largest value times 2^(s-127) is a finite FP32 (448 for
@@ -100,18 +100,8 @@ class PackedMatrix:
         """The kernel's FP32 results x @ self[r0:r1]^T on this thread, with the given decode ``variant``
         (None: the fastest exact one) and code for CPU ``model`` (``fused_product.product``)."""
         out = torch.full((x.shape[0], self.shape[0]), torch.nan)
-        self._product(_x32(x), out, r0, r1, variant, model)
+        fused.product(self.fmt, self.stored, _x32(x), out, r0, r1, variant, model, self.codes)
         return out.numpy()[:, r0:r1]
-
-    def _product(self, x32: torch.Tensor, out: torch.Tensor, r0: int, r1: int, variant: str | None,
-                 model: str | None = None) -> None:
-        """out[:, r0:r1] by the tiled product from ``tiled.MIN_ROWS`` rows of x (a weight row decoded
-        once for all of them; its decode is its own, so ``variant`` is the fused passes'), else the
-        fused passes: the same bits."""
-        if x32.shape[0] >= tiled.MIN_ROWS:
-            tiled.product(self.fmt, self.stored, x32, out, r0, r1, model)
-        else:
-            fused.product(self.fmt, self.stored, x32, out, r0, r1, variant, model, self.codes)
 
     def work(self, x: torch.Tensor) -> int:
         """Weight values times passes of x's rows: what a product with x costs."""
@@ -125,12 +115,13 @@ class PackedMatrix:
         m, n = x.shape[0], self.shape[0]
         x32 = _x32(x)
         out = torch.empty(m, n)
+        args = (self.fmt, self.stored, x32, out)
         work = self.work(x)
-        variant = None if m >= tiled.MIN_ROWS else fused.pick_variant(self.fmt, x32, self.codes, work)
+        variant = fused.pick_variant(self.fmt, x32, self.codes, work)
         if not split or work < _SPLIT_VALUES:
-            self._product(x32, out, 0, n, variant)
+            fused.product(*args, 0, n, variant)
         else:
-            cores.run_shares(lambda lo, hi: self._product(x32, out, lo, hi, variant), cores.bounds(n, min(cores.cores(), n)))
+            cores.run_shares(lambda lo, hi: fused.product(*args, lo, hi, variant), cores.bounds(n, min(cores.cores(), n)))
         return out
 
 
