@@ -191,7 +191,8 @@ class Server:
             self.metrics.requests.labels(endpoint, "500").inc()
             return JSONResponse(ApiError(500, "internal error while checking the request", kind="server_error").body(),
                                 status_code=500)
-        answer = Answer(self, jobs, gen, chat)
+        # vLLM's order: the X-Request-Id header, the body's request_id, else a random id
+        answer = Answer(self, jobs, gen, chat, request.headers.get("x-request-id") or gen.request_id)
         self.live.update(jobs)
         if gen.stream:
             self.metrics.requests.labels(endpoint, "200").inc()
@@ -287,10 +288,13 @@ class Answer:
     """One request's answer built from the engine loop's events: whole, or as server-sent events;
     with n > 1 one choice per sample (``Event.choice``), streamed as their tokens come."""
 
-    def __init__(self, server: Server, jobs: list[Job], gen: schema.Generation, chat: bool):
+    def __init__(self, server: Server, jobs: list[Job], gen: schema.Generation, chat: bool,
+                 request_id: str | None = None):
         self.server, self.jobs, self.gen, self.chat = server, jobs, gen, chat
         self.events_in = jobs[0].events               # every sample's events
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex[:24])
+        self.counted = [0] * len(jobs)                # per choice, tokens its events brought so far
+        self.counted_out = [False] * len(jobs)        # per choice, whether a chunk of it went out
         self.logprobs: list[list] = [[] for _ in jobs]   # per choice, (token, (logprob, top)) per token
         self.parsed = [ChatAnswer(gen.thinking, gen.tool_calls) if chat else None for _ in jobs]
         self.finish: dict[int, str] = {}              # choice -> its finish reason, once done
@@ -301,14 +305,16 @@ class Answer:
         return await asyncio.get_running_loop().run_in_executor(self.server.answers, fn, *args)
 
     def _take(self, event):
+        self.counted[event.choice] += 1
         if self.gen.top_logprobs is not None and event.logprob is not None:
             self.logprobs[event.choice].append((event.token, event.logprob))
 
     def _logprobs(self, entries):
         if self.gen.top_logprobs is None:
             return None
-        codec = self.server.codec
-        return schema.chat_logprobs(entries, codec) if self.chat else schema.completion_logprobs(entries, codec)
+        codec, as_ids = self.server.codec, self.gen.tokens_as_ids
+        return schema.chat_logprobs(entries, codec, as_ids) if self.chat else \
+            schema.completion_logprobs(entries, codec, as_ids)
 
     def _usage(self) -> dict:
         # the choices share the prompt: its cached part is the first choice's (the others' may differ
@@ -316,15 +322,27 @@ class Answer:
         cached = self.jobs[0].cached if self.server.batcher.prefix_caching else None
         return schema.usage(len(self.gen.prompt), sum(j.generated for j in self.jobs), cached)
 
+    def _stop_reason(self, i: int, finish: str):
+        """vLLM's stop_reason: the stop token id or stop string that ended choice i (None: EOS,
+        the token limit, an abort)."""
+        return self.jobs[i].stops.reason if finish != "abort" else None
+
     def _choice(self, i: int) -> dict:
         job = self.jobs[i]
-        c = {"index": i, "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
+        c = {"index": i, "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i],
+             "stop_reason": self._stop_reason(i, self.finish[i])}
         if self.chat:
             c["message"] = self.parsed[i].message(job.stops.text)
+            if self.gen.echo:
+                c["message"]["content"] = self.gen.echo + (c["message"]["content"] or "")
             c["finish_reason"] = self.parsed[i].finish_reason(self.finish[i])
         else:
             c["text"] = job.stops.text
-        if self.server.codec is None:
+        if self.gen.token_ids:
+            c["token_ids"] = list(job.made)            # vLLM's: every token made, a stop token included
+            if not self.chat:
+                c["prompt_token_ids"] = self.gen.prompt
+        elif self.server.codec is None:
             c["token_ids"] = job.stops.tokens          # no tokenizer: the answer is token ids
         return c
 
@@ -356,6 +374,8 @@ class Answer:
                                        self.server.model)
                 body["choices"] = [await self._off_loop(self._choice, i) for i in range(len(self.jobs))]
                 body["usage"] = self._usage()
+                if self.gen.token_ids and self.chat:
+                    body["prompt_token_ids"] = self.gen.prompt
                 return 200, body
 
     async def events(self):
@@ -363,8 +383,9 @@ class Answer:
         try:
             if self.chat:
                 for i in range(len(self.jobs)):
-                    yield self._sse(kind, {"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None})
+                    first = {"prompt_token_ids": self.gen.prompt} if self.gen.token_ids else {}
+                    yield self._sse(kind, {"index": i, "delta": {"role": "assistant", "content": self.gen.echo},
+                                           "logprobs": None, "finish_reason": None, "stop_reason": None}, **first)
             while True:
                 event = await self.events_in.get()
                 self.server.outcome(event)
@@ -374,10 +395,10 @@ class Answer:
                     break
                 if event.kind == "token":
                     self._take(event)
-                    tokens = [event.token] if event.kept else []
+                    tokens = [event.token] if event.kept or self.gen.token_ids else []
                     entries = self.logprobs[i][-1:] if event.logprob is not None else []
                     fields = await self._fields(i, event.text)
-                    if not fields and self.server.codec is not None and not entries:
+                    if not fields and self.server.codec is not None and not entries and not self.gen.token_ids:
                         continue
                     yield self._sse(kind, self._delta(i, fields, tokens, entries, None))
                     continue
@@ -385,7 +406,7 @@ class Answer:
                 if rest:
                     yield self._sse(kind, self._delta(i, rest, [], [], None))
                 finish = self.parsed[i].finish_reason(event.finish) if self.chat else event.finish
-                yield self._sse(kind, self._delta(i, {}, [], [], finish))
+                yield self._sse(kind, self._delta(i, {}, [], [], finish, self._stop_reason(i, event.finish)))
                 self.finish[i] = finish
                 if len(self.finish) < len(self.jobs):
                     continue
@@ -409,17 +430,24 @@ class Answer:
         parsed = self.parsed[i]
         return await self._off_loop(parsed.feed, text) if parsed.parsing else parsed.feed(text)
 
-    def _delta(self, i: int, fields: dict, tokens: list[int], entries, finish) -> dict:
-        c = {"index": i, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish}
+    def _delta(self, i: int, fields: dict, tokens: list[int], entries, finish, stop_reason=None) -> dict:
+        c = {"index": i, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish,
+             "stop_reason": stop_reason}
         if self.chat:
             c["delta"] = fields
         else:
             c["text"] = fields.get("text", "")
-        if self.server.codec is None:
+            if self.gen.token_ids and not self.counted_out[i]:     # vLLM: the prompt's ids in a choice's first chunk
+                c["prompt_token_ids"] = self.gen.prompt
+        if self.server.codec is None or self.gen.token_ids:
             c["token_ids"] = tokens
+        self.counted_out[i] = True
         return c
 
-    def _sse(self, kind: str, choice: dict) -> str:
+    def _sse(self, kind: str, choice: dict, **extra) -> str:
         body = schema.envelope(kind, self.id, self.server.model)
         body["choices"] = [choice]
+        body.update(extra)
+        if self.gen.continuous_usage:    # vLLM's continuous_usage_stats: this choice's tokens so far
+            body["usage"] = schema.usage(len(self.gen.prompt), self.counted[choice["index"]])
         return f"data: {json.dumps(body)}\n\n"
