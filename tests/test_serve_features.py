@@ -73,14 +73,15 @@ class ScriptedEngine(OneGroupEngine):
 class InProcess:
     """The app over an engine (a scripted one unless given), served by uvicorn on a thread of this process."""
 
-    def __init__(self, codec: TextCodec, engine=None):
-        """engine: the model (default: a ScriptedEngine)."""
+    def __init__(self, codec: TextCodec, engine=None, drafter=None, max_batch: int = 4):
+        """engine: the model (default: a ScriptedEngine); drafter: speculative steps (None: plain)."""
         from dsv41.serving.app import Server
         from dsv41.serving.batcher import Batcher
         from dsv41.serving.metrics import Metrics
         self.engine = engine or ScriptedEngine(codec)
         metrics = Metrics()
-        self.batcher = Batcher(self.engine, metrics, max_batch=4, max_queue=4, budget=None)
+        self.batcher = Batcher(self.engine, metrics, max_batch=max_batch, max_queue=max_batch, budget=None,
+                               drafter=drafter)
         self.batcher.start()
         limits = schema.Limits(max_context=4096, max_prompt=4000, vocab_size=TINY.vocab_size, max_body_bytes=1 << 20)
         sock = bound_socket()              # bound until uvicorn serves it: no other program can take the port

@@ -335,10 +335,12 @@ class RealInProcess(InProcess):
     """The app over the reference engine with TINY's weights and room for the tool prompt (~760
     tokens of TINY's tokenizer; the command line's TINY prefills 512 rows a step)."""
 
-    def __init__(self, codec):
+    def __init__(self, codec, drafter=None, max_batch: int = 4):
+        """drafter(engine): the speculative drafter over the engine (None: plain decode steps)."""
         from dsv41.engine.reference import ReferenceEngine
         capacity = replace(CAPACITIES["tiny"], prefill_max_tokens=2048)
-        super().__init__(codec, ReferenceEngine(TINY, seed=0, max_batch=4, max_context=1536, capacity=capacity))
+        engine = ReferenceEngine(TINY, seed=0, max_batch=max_batch, max_context=1536, capacity=capacity)
+        super().__init__(codec, engine, None if drafter is None else drafter(engine), max_batch)
 
 
 @pytest.fixture(scope="module")

@@ -124,12 +124,12 @@ class Constraint:
     bad_words: token sequences whose last token is banned where the output ends in the others;
     eos: the token a row that allows nothing else draws."""
     vocab: int
-    eos: int | None = None
     grammar: Grammar | None = None
     reasoning_end: int | None = None
     budget: int | None = None
     allowed: tuple[int, ...] | None = None
     bad_words: tuple[tuple[int, ...], ...] = ()
+    eos: int | None = None
 
     def matcher(self) -> "Rows":
         return Rows(self)

@@ -1,5 +1,6 @@
 """The HTTP endpoints (Starlette): ``/v1/completions`` and ``/v1/chat/completions`` (server-sent
-events with ``"stream": true``), ``/v1/models``, ``/health`` and ``/metrics``.
+events with ``"stream": true``), ``/v1/models`` (and one model's card), ``/health`` and ``/metrics``,
+and vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping``.
 
 A request is read (up to the body limit, within the read timeout), checked (``schema.generation``)
 and only then queued for the engine loop (``batcher.Batcher``); its handler turns the loop's events
@@ -15,6 +16,7 @@ has passed, and while the engine's last step failed.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import uuid
@@ -29,7 +31,7 @@ from starlette.routing import Route
 
 from dsv41.ops.sampling import SamplingParams
 from dsv41.ops.stopping import Stops
-from dsv41.serving import schema, structured
+from dsv41.serving import schema, structured, tokens
 from dsv41.serving.batcher import Batcher, Job, QueueFull
 from dsv41.serving.chat_answer import ChatAnswer
 from dsv41.serving.metrics import Metrics
@@ -40,6 +42,10 @@ CHECK_WORKERS = 2  # threads that parse and tokenize request bodies (the GIL is 
 CHECK_BACKLOG = 64  # bodies waiting for those threads; one more is answered 429 (each may hold a MiB)
 ANSWER_WORKERS = 2  # threads that parse answers (reasoning, tool calls) and build whole answers' bodies
 PROBE_TOKEN = 0    # the start-up probe's one-token prompt (every vocabulary has id 0)
+try:
+    VERSION = importlib.metadata.version("dsv41")
+except importlib.metadata.PackageNotFoundError:    # run from a checkout that was never installed
+    VERSION = "0+unknown"
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,11 @@ class Server:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/ping", self.ping, methods=["GET", "POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
         ], exception_handlers={HTTPException: self.http_error, Exception: self.server_error},
@@ -153,11 +164,65 @@ class Server:
     async def metrics_text(self, request: Request):
         return Response(self.metrics.text(), media_type=self.metrics.content_type)
 
+    def _card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "dsv41",
+                "max_model_len": self.limits.max_context}
+
     async def models(self, request: Request):
         self.metrics.requests.labels("/v1/models", "200").inc()
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 0, "owned_by": "dsv41",
-             "max_model_len": self.limits.max_context}]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request):
+        """OpenAI's model retrieval: the served model's card, 404 for any other name."""
+        name = request.path_params["model"]
+        if name != self.model:
+            return self._refusal("/v1/models/{model}", ApiError(
+                404, f"model: {schema.shown(name)} is not served here; the model is {self.model!r}", "model",
+                code="model_not_found"))
+        self.metrics.requests.labels("/v1/models/{model}", "200").inc()
+        return JSONResponse(self._card())
+
+    async def version(self, request: Request):
+        self.metrics.requests.labels("/version", "200").inc()
+        return JSONResponse({"version": VERSION})
+
+    async def ping(self, request: Request):
+        """vLLM's (SageMaker's) liveness probe: /health's status, no body."""
+        ok = self.fault is None and self.probed
+        self.metrics.requests.labels("/ping", "200" if ok else "503").inc()
+        return Response(status_code=200 if ok else 503)
+
+    async def tokenize(self, request: Request):
+        return await self._utility(request, "/tokenize", tokens.tokenize)
+
+    async def detokenize(self, request: Request):
+        return await self._utility(request, "/detokenize", tokens.detokenize)
+
+    async def _utility(self, request: Request, endpoint: str, answer):
+        """A body read and checked as the generation endpoints' are, answered by ``answer(body,
+        codec, limits)`` on the check threads (a large chat tokenizes there, off the event loop)."""
+        def work(raw: bytes) -> dict:
+            body = schema.parse_body(raw, self.limits)
+            schema.check_model(body, self.model)
+            return answer(body, self.codec, self.limits)
+        try:
+            out = await self._on_check_threads(work, await self._read(request))
+        except (ApiError, QueueFull) as e:
+            return self._refusal(endpoint, e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return JSONResponse(out)
+
+    def _refusal(self, endpoint: str, e: ApiError | QueueFull) -> JSONResponse:
+        """A request refused (its error counted): a 4xx naming the field, 429 for a full queue, 503."""
+        if isinstance(e, QueueFull):
+            self.metrics.errors.labels("queue_full").inc()
+            e = ApiError(429, str(e), kind="rate_limit_error", code="queue_full")
+        else:
+            self.metrics.errors.labels("bad_request" if e.status < 429 else "server").inc()
+        self.metrics.requests.labels(endpoint, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
 
     # ---- generation ------------------------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -174,15 +239,8 @@ class Server:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
             jobs = self._submit(gen)
-        except ApiError as e:
-            self.metrics.errors.labels("bad_request" if e.status < 429 else "server").inc()
-            self.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status)
-        except QueueFull as e:
-            self.metrics.errors.labels("queue_full").inc()
-            self.metrics.requests.labels(endpoint, "429").inc()
-            return JSONResponse(ApiError(429, str(e), kind="rate_limit_error", code="queue_full").body(),
-                                status_code=429)
+        except (ApiError, QueueFull) as e:
+            return self._refusal(endpoint, e)
         except ClientDisconnect:
             return Response(status_code=499)
         except Exception:                 # the server's own fault; a client's body never lands here
@@ -234,12 +292,16 @@ class Server:
         return self.codec.decode_answer if gen.thinking or gen.tool_calls else self.codec.decode
 
     async def _checked(self, raw: bytes, chat: bool) -> schema.Generation:
-        """The body parsed, checked and tokenized on the check threads, at most CHECK_BACKLOG at once."""
+        """The body parsed, checked and tokenized on the check threads."""
+        return await self._on_check_threads(self._check, raw, chat)
+
+    async def _on_check_threads(self, fn, *args):
+        """fn(*args) on the check threads, at most CHECK_BACKLOG waiting at once."""
         if self.checking >= CHECK_BACKLOG:
             raise QueueFull(f"{self.checking} request bodies are waiting to be checked; retry later")
         self.checking += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.checks, self._check, raw, chat)
+            return await asyncio.get_running_loop().run_in_executor(self.checks, fn, *args)
         finally:
             self.checking -= 1
 
