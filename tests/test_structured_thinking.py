@@ -180,7 +180,7 @@ def _check(server, answers, codec):
             model="scripted", messages=[{"role": "user", "content": "Go."}], max_tokens=BUDGET + 1, temperature=0,
             extra_body={"chat_template_kwargs": {"thinking": True}, "thinking_token_budget": BUDGET,
                         "return_token_ids": True})
-        assert free.choices[0].message.reasoning_content == plain_answers[case, "greedy", False]["reasoning"]
+        assert free.choices[0].message.reasoning_content == answers[case, "greedy", False]["reasoning"]
         made = free.model_dump()["choices"][0]["token_ids"]
         assert codec.tokenizer.token_to_id(END_THINK) in made[:BUDGET + 1]
     assert server.batcher.engine.blocks_in_use()[0] == 0

@@ -268,7 +268,7 @@ class Server:
         scheduler defers the later samples until the first's spans are cached); without, each has
         its own."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i)
+        jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i, samples=gen.n)
                 for i, p in enumerate(gen.samples())]
         submitted = []
         try:
