@@ -348,7 +348,7 @@ REFUSED_CHAT = {
     "response_format": {"type": "structural_tag"}, "modalities": ["text", "audio"], "store": True,
     "parallel_tool_calls": False, "tool_choice": {"type": "function", "function": {"name": "not_offered"}},
     "n": schema.MAX_N + 1, "continue_final_message": True,
-    "reasoning_effort": "medium", "frobnicate": 1,
+    "reasoning_effort": "medium", "frobnicate": 1, "use_beam_search": True, "prompt_logprobs": 0,
 }
 SERVED_COMPLETIONS = {"prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                       "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -377,6 +377,8 @@ def test_every_openai_field_is_served_or_refused():
 SAMPLING_TEST = "test_serve.py::test_vllm_sampling_fields_change_the_answer_as_vllm_documents"
 FIELDS_TEST = "test_structured.py::test_vllm_fields_change_the_answer_as_vllm_documents"
 GUIDED_TEST = "test_structured.py::test_guided_fields_constrain_the_answer"
+TOKEN_TEST = "test_structured.py::test_vllm_token_fields_change_the_answer"
+ANSWER_TEST = "test_serve_features.py::test_vllm_answer_fields"
 VLLM_SERVED = {
     "top_k": SAMPLING_TEST, "min_p": SAMPLING_TEST, "repetition_penalty": SAMPLING_TEST,
     "min_tokens": SAMPLING_TEST + " (stop ids), " + FIELDS_TEST + " (EOS)",
@@ -389,6 +391,12 @@ VLLM_SERVED = {
     "chat_template_kwargs": "test_serve_features.py::test_thinking_prompt_and_reasoning_effort_reach_the_encoder",
     "add_generation_prompt": "test_serve_features.py::test_thinking_prompt_and_reasoning_effort_reach_the_encoder",
     "continue_final_message": "false only",
+    "request_id": ANSWER_TEST, "return_token_ids": ANSWER_TEST, "add_special_tokens": ANSWER_TEST,
+    "enable_thinking": ANSWER_TEST, "bad_words": TOKEN_TEST, "allowed_token_ids": TOKEN_TEST,
+    "return_tokens_as_token_ids": TOKEN_TEST,
+    "use_beam_search": TOKEN_TEST + " (false only: beam search is not served)",
+    "prompt_logprobs": TOKEN_TEST + " (null only: the head computes no prompt rows' logits)",
+    "thinking_token_budget": "test_structured_thinking.py::test_masks_start_where_the_reasoning_ends_inside_a_verify_step",
 }
 
 

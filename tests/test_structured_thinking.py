@@ -110,7 +110,7 @@ def plain(codec):
 
 
 def _client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=900)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3000)
 
 
 CASES = {   # constraint: (the request's fields, what checks an answer's content or calls)
@@ -199,7 +199,7 @@ def plain_answers(plain):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3600)
 def test_json_regex_and_forced_tools_with_thinking_on(plain, plain_answers, codec):
     _check(plain, plain_answers, codec)
 
@@ -208,7 +208,7 @@ DRAFTERS = {"ngram": lambda engine: NgramDrafter(4, 1, 3), "dspark": dspark_draf
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(5400)
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_thinking_answers_with_drafts_equal_the_plain_ones(codec, plain_answers, drafter):
     """Drafts crossing </think> in a verify step: greedy answers equal the plain server's (and seeded
