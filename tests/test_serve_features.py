@@ -99,6 +99,12 @@ class InProcess:
         self.thread.join(timeout=30)
         self.batcher.stop()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
 
 @pytest.fixture(scope="module")
 def scripted(tiny_checkpoint):

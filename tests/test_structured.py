@@ -394,11 +394,8 @@ class RealInProcess(InProcess):
 
 @pytest.fixture(scope="module")
 def tool_server(codec):
-    s = RealInProcess(codec)
-    try:
+    with RealInProcess(codec) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.mark.timeout(900)

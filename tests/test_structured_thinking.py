@@ -102,11 +102,8 @@ def _server(codec, drafter=None):
 
 @pytest.fixture(scope="module")
 def plain(codec):
-    s = _server(codec)
-    try:
+    with _server(codec) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _client(server):
@@ -214,11 +211,8 @@ def test_thinking_answers_with_drafts_equal_the_plain_ones(codec, plain_answers,
     """Drafts crossing </think> in a verify step: greedy answers equal the plain server's (and seeded
     ones with n-gram drafts; DSpark's seeded drafts follow the speculative-sampling rule, the same
     law but not the same tokens: validated instead)."""
-    server = _server(codec, DRAFTERS[drafter])
-    try:
+    with _server(codec, DRAFTERS[drafter]) as server:
         answers = _answers(server)
-    finally:
-        server.stop()
     for key, answer in answers.items():
         _valid(key[0], answer)
         if key[1] == "greedy" or drafter == "ngram":
