@@ -7,7 +7,7 @@ every request as served.
 The clients pull torch, transformers and datasets; install them in a virtual environment of their
 own (they only speak HTTP to the server), then point ``--clients`` at its ``bin``:
 
-    python -m venv /tmp/clients && /tmp/clients/bin/pip install guidellm lm-eval
+    python -m venv /tmp/clients && /tmp/clients/bin/pip install guidellm "lm-eval[api]"
     python -m dsv41.serve --executor reference --checkpoint CKPT --served-model-name tiny \\
         --max-context 256 --port 8471 &
     python bench/real_clients.py --url http://127.0.0.1:8471 --model tiny --processor CKPT \\
@@ -45,15 +45,19 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def guidellm(url: str, model: str, clients: Path, processor: str, folder: Path, timeout: float = 1800) -> dict:
-    """guidellm's synchronous benchmark of GUIDELLM_REQUESTS synthetic requests (16 prompt tokens,
-    4 output tokens, counted with the checkpoint's tokenizer); its report's request totals."""
+    """guidellm's synchronous benchmark (guidellm 0.8's ``run``) of GUIDELLM_REQUESTS synthetic requests
+    (16 prompt tokens, 4 output tokens, counted with the checkpoint's tokenizer); its report's
+    request totals."""
     report = folder / "guidellm.json"
-    _run([str(clients / "guidellm"), "benchmark", "--target", url, "--model", model, "--processor", processor,
-          "--profile", "synchronous", "--max-requests", str(GUIDELLM_REQUESTS),
-          "--data", "prompt_tokens=16,output_tokens=4", "--output-path", str(report)], timeout)
+    _run([str(clients / "guidellm"), "run", "--backend", f"kind=openai_http,target={url},model={model}",
+          "--profile", "kind=synchronous", "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
+          "--tokenizer", f"kind=huggingface_auto,model={processor}",
+          "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=4",
+          "--output", f"kind=json,path={report}", "--disable-console-interactive"], timeout)
     benchmark = json.loads(report.read_text())["benchmarks"][0]
     totals = benchmark["metrics"]["request_totals"]
-    if totals["successful"] != GUIDELLM_REQUESTS or totals["errored"] != 0:
+    if totals["successful"] != GUIDELLM_REQUESTS or totals["errored"] != 0 or \
+            benchmark["metrics"]["output_token_count"]["successful"]["total_sum"] != 4 * GUIDELLM_REQUESTS:
         raise RuntimeError(f"guidellm: {totals}")
     return totals
 
@@ -64,7 +68,10 @@ def lm_eval(url: str, model: str, clients: Path, chat: bool, folder: Path, timeo
     kind, path = ("local-chat-completions", "/v1/chat/completions") if chat else ("local-completions",
                                                                                 "/v1/completions")
     out = folder / kind
-    args = f"model={model},base_url={url}{path},num_concurrent=2,max_retries=1,tokenized_requests=False"
+    # tokenizer_backend None: lm-eval would load the model's tokenizer from the hub, which is not needed
+    # to generate (it only checks context lengths, which the server checks anyway)
+    args = (f"model={model},base_url={url}{path},num_concurrent=2,max_retries=1,tokenized_requests=False,"
+            "tokenizer_backend=None")
     _run([str(clients / "lm_eval"), "--model", kind, "--model_args", args, "--tasks", TASK,
           "--include_path", str(TASK_DIR), "--output_path", str(out), "--log_samples",
           *(["--apply_chat_template"] if chat else [])], timeout)

@@ -19,7 +19,7 @@ def _clients() -> Path:
     where = os.environ.get("DSV41_CLIENTS") or (shutil.which("lm_eval") and str(Path(shutil.which("lm_eval")).parent))
     if not where or not all((Path(where) / tool).exists() for tool in ("guidellm", "lm_eval")):
         pytest.fail("guidellm and lm_eval not found: python -m venv /tmp/clients && /tmp/clients/bin/pip install "
-                    "guidellm lm-eval, then DSV41_CLIENTS=/tmp/clients/bin")
+                    "guidellm \"lm-eval[api]\", then DSV41_CLIENTS=/tmp/clients/bin")
     return Path(where)
 
 
