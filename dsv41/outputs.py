@@ -27,10 +27,53 @@ def open_folder(path) -> int:
     """A handle on ``path`` as a real folder: a symlink raises OSError(ELOOP), a file ENOTDIR."""
     try:
         return os.open(path, _DIR_FLAGS)
-    except OSError as e:     # O_DIRECTORY | O_NOFOLLOW on a symlink: ENOTDIR on Linux, ELOOP elsewhere
-        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
-            raise OSError(errno.ELOOP, "is a symbolic link; nothing is written through a link", str(path)) from None
+    except OSError as e:
+        _refuse_symlink(e, path)
         raise
+
+
+def _refuse_symlink(e: OSError, path) -> None:
+    """OSError(ELOOP) naming ``path`` when opening it as a folder failed because it is a symlink
+    (O_DIRECTORY | O_NOFOLLOW on one: ENOTDIR on Linux, ELOOP elsewhere)."""
+    if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+        raise OSError(errno.ELOOP, "is a symbolic link; nothing is written through a link", str(path)) from None
+
+
+def open_path(path, make: bool = False) -> int:
+    """A handle on the folder ``path`` reached one component at a time from ``/``, each opened with
+    ``O_NOFOLLOW | O_DIRECTORY`` relative to the one before, so no component of it is a link (a symlink
+    anywhere on the way raises OSError(ELOOP) naming it); make: missing folders are made on the way,
+    each relative to the handle above it."""
+    path = os.path.abspath(path)
+    fd = os.open("/", _DIR_FLAGS)
+    at = "/"
+    try:
+        for part in Path(path).parts[1:]:
+            at = os.path.join(at, part)
+            unmade = None
+            if make:
+                try:
+                    os.mkdir(part, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                except OSError as e:     # said below if the folder is not there to open
+                    unmade = e
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                _refuse_symlink(e, at)
+                why = unmade or e
+                raise OSError(why.errno, why.strerror, at) from None
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def refuse_link(name: str, folder: int, shown) -> None:
@@ -48,10 +91,11 @@ class Output:
     """``with open_output(path) as f``: ``f`` writes a temporary file beside ``path``, renamed over it when
     the block ends without an exception and removed otherwise."""
 
-    def __init__(self, path, binary: bool, mode: int):
+    def __init__(self, path, binary: bool, mode: int, dir_fd: int | None):
         path = Path(path)
         self.name = path.name
-        self.folder = open_folder(path.parent)
+        # a folder handle of the caller's is borrowed (a duplicate of it closed here)
+        self.folder = open_folder(path.parent) if dir_fd is None else os.dup(dir_fd)
         try:
             refuse_link(self.name, self.folder, path)
             self.tmp = f".{self.name}.{secrets.token_hex(6)}.tmp"
@@ -86,14 +130,15 @@ class Output:
             pass
 
 
-def open_output(path, binary: bool = False, mode: int = 0o644) -> Output:
+def open_output(path, binary: bool = False, mode: int = 0o644, dir_fd: int | None = None) -> Output:
     """``path`` written as a plain file (see the module's docstring); a symlink at it, or a symlinked or
-    missing folder, raises OSError before anything is written."""
-    return Output(path, binary, mode)
+    missing folder, raises OSError before anything is written. dir_fd: ``path`` is a name in the folder
+    this handle holds open (as for ``os.open``), so the file lands there whatever its path now leads to."""
+    return Output(path, binary, mode, dir_fd)
 
 
-def write_output(path, data: str | bytes, mode: int = 0o644) -> None:
-    with open_output(path, isinstance(data, bytes), mode) as f:
+def write_output(path, data: str | bytes, mode: int = 0o644, dir_fd: int | None = None) -> None:
+    with open_output(path, isinstance(data, bytes), mode, dir_fd) as f:
         f.write(data)
 
 
@@ -105,6 +150,10 @@ def open_append(path):
     try:
         fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                      dir_fd=folder)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a symbolic link; nothing is appended through a link", str(path)) from None
+        raise
     finally:
         os.close(folder)
     return os.fdopen(fd, "ab", buffering=0)

@@ -1,7 +1,6 @@
 """Attention ops (spec 02): projections, compressor, index query/scores, Top-K, candidate blocks,
 score chunking, paged caches, sparse attention and the grouped output projection."""
 import math
-import types
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from dsv41.ops.attention import slot_list, sparse_attention
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows, score_chunks,
                                topk_positions)
-from dsv41.ops.metadata import lower, window_list_width
+from dsv41.ops.metadata import lower
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials, tree_sum
 from dsv41.ops.projections import dense_linear, kv_proj, mx_linear, q_proj
 from dsv41.ops.rope import COMPRESSED, gather_rope_rows, precompute_rope_tables
@@ -104,7 +103,7 @@ def _md_three_requests(state_rows):
                  torch.tensor([[0], [1], [2]], dtype=I32),
                  {**{s: torch.tensor([[0], [1], [2]], dtype=I32) for s in (2, 8, 14)},
                   20: torch.tensor([[3], [4], [5]], dtype=I32)},
-                 {s: torch.tensor(state_rows, dtype=I32) for s in (2, 8, 14)})
+                 {s: torch.tensor(state_rows, dtype=I32) for s in (2, 8, 14)}, torch.tensor([7, 9, 4], dtype=I32))
 
 
 @pytest.fixture(scope="module")
@@ -752,12 +751,3 @@ def test_slot_list_moves_compressed_slots_behind_a_short_window():
     assert torch.equal(keys[1], torch.cat([win[1], cmp[1]]))
     with pytest.raises(ValueError, match="win_width"):
         slot_list(win, torch.ones(2, w, dtype=torch.bool), cmp, cv, torch.tensor([4, 6]))
-
-
-def test_window_list_width_prefill_and_decode():
-    # request 0: fresh 5-token prompt (< window 16), request 1: fresh 20-token prompt, request 2: decode
-    lens, kv = torch.tensor([5, 20, 1]), torch.tensor([0, 0, 30])
-    t = torch.repeat_interleave(torch.arange(3), lens)
-    md = types.SimpleNamespace(token_to_req_indices=t, kv_seq_lens=kv, query_lens=lens,
-                               window_indices=torch.zeros(26, 16))
-    assert window_list_width(md).tolist() == [5] * 5 + [16] * 20 + [16]

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from dsv41.checkpoint import config_json
 from dsv41.checkpoint.errors import CheckpointError
@@ -26,6 +24,7 @@ from dsv41.cli.run import parse_args
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.model.finite import NonFiniteError
 from dsv41.weights import site_tensors
+from checkpoint_edits import fill
 
 REPO = Path(__file__).resolve().parents[1]
 ERROR = "python -m dsv41.run: error: --checkpoint: "
@@ -54,14 +53,6 @@ def _copy(src, dst):
     return dst
 
 
-def _fill(folder, name, value):
-    """Set every value of one tensor (finite in the file: the value checks pass it)."""
-    file = json.loads((folder / INDEX).read_text())["weight_map"][name]
-    tensors = load_file(str(folder / file))
-    tensors[name] = torch.full_like(tensors[name], value)
-    save_file(tensors, str(folder / file))
-
-
 def _edit_json(path, edit):
     doc = json.loads(path.read_text())
     edit(doc)
@@ -88,7 +79,7 @@ def outside(tiny_checkpoint, tmp_path_factory):
 def overflowing(tiny_checkpoint, tmp_path_factory):
     """head.weight 3e38 everywhere: finite BF16, Inf logits once a row's sum overflows."""
     folder = _copy(tiny_checkpoint, tmp_path_factory.mktemp("overflow") / "ck")
-    _fill(folder, "head.weight", 3e38)
+    fill(folder, "head.weight", 3e38)
     return folder
 
 
@@ -96,7 +87,7 @@ def overflowing(tiny_checkpoint, tmp_path_factory):
 def nan_layer(tiny_checkpoint, tmp_path_factory):
     """layers.3.attn_norm.weight 3e38: layer 3's attention site hands on NaN in the prefill."""
     folder = _copy(tiny_checkpoint, tmp_path_factory.mktemp("nan_layer") / "ck")
-    _fill(folder, "layers.3.attn_norm.weight", 3e38)
+    fill(folder, "layers.3.attn_norm.weight", 3e38)
     return folder
 
 
@@ -200,7 +191,7 @@ def test_a_dspark_overflow_names_the_stage_not_a_layer_past_the_last(tiny_checkp
     """mtp.0.attn_norm.weight 3e38: DSpark's stage 0 (official layer id 40 of the 40-layer TINY) hands
     on NaN; it was reported as "layer 40" of a 40-layer model, with no tensors to look at."""
     folder = _copy(tiny_checkpoint, tmp_path / "ck")
-    _fill(folder, "mtp.0.attn_norm.weight", 3e38)
+    fill(folder, "mtp.0.attn_norm.weight", 3e38)
     line = _refused(_cli("--checkpoint", str(folder), "--executor", "reference", *RUN, "--speculative", "dspark"),
                     "non-finite values first in the residual stream after DSpark stage 0 (layer id 40)'s attention site")
     assert "layer 40'" not in line

@@ -23,6 +23,7 @@ from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.request import requests_for
 from dsv41.engine.scheduler import Scheduler
 from dsv41.ops.sampling import SamplingParams
+from test_chunked_window import W64
 from test_speculative import graph_engine
 
 V = TINY.vocab_size
@@ -70,17 +71,28 @@ def generate(engine, prompts, budget=None, sampling=None, drafter=None):
     return [j.made for j in jobs], torch.stack([j.final_logits for j in jobs])
 
 
+_references: dict = {}
+
+
+def reference_of(cfg):
+    if cfg not in _references:
+        _references[cfg] = ReferenceEngine(cfg, seed=0, max_batch=4, max_context=CTX)
+    return _references[cfg]
+
+
 @pytest.fixture(scope="module")
 def oracle():
-    """(budget, sampled) -> one-step prefill runs on the reference engine, made once."""
-    ref = ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
-    made = {}
+    """(budget, sampled, dspark, config) -> one-step prefill runs on a reference engine, made once."""
+    made, refs = {}, {}
 
-    def get(budget, sampled=False, dspark=False):
+    def get(budget, sampled=False, dspark=False, cfg=TINY):
         """dspark: with the reference's DSpark drafter (a sampling request's tokens follow its drafts'
         distribution, so its oracle drafts too; the graph's drafts are the reference's)."""
-        key = (budget, sampled, dspark)
+        key = (budget, sampled, dspark, cfg)
         if key not in made:
+            if cfg not in refs:
+                refs[cfg] = ReferenceEngine(cfg, seed=0, max_batch=4, max_context=CTX)
+            ref = refs[cfg]
             rec = Recorder(ref)
             made[key] = generate(ref, prompts(budget), sampling=SAMPLED if sampled else None,
                                  drafter=dspark_drafter(ref) if dspark else None)
@@ -98,7 +110,7 @@ def check_chunked(engine, oracle, budget, sampled=False, drafter=None):
     finally:
         rec.undo()
     dspark = sampled and drafter is not None and not isinstance(drafter, NgramDrafter)
-    want = oracle(budget, sampled, dspark)
+    want = oracle(budget, sampled, dspark, engine.cfg)
     assert got[0] == want[0]
     assert torch.equal(got[1], want[1])
     cuts = rec.boundaries()
@@ -117,23 +129,39 @@ def check_chunked(engine, oracle, budget, sampled=False, drafter=None):
 
 @pytest.fixture(scope="module")
 def reference():
-    return ReferenceEngine(TINY, seed=0, max_batch=4, max_context=CTX)
+    return reference_of(TINY)
 
 
-@pytest.mark.parametrize("budget", [17, 16])
-def test_reference_chunked_prefill_equals_one_step_greedy(reference, oracle, budget):
-    check_chunked(reference, oracle, budget)
+# TINY's window 16 (window and Top-K in one 64-slot tile, where the list's width changes no bit) and
+# 64 + Top-K 16 (two tiles: a width taken from the chunk, not the prompt, moves compressed slots
+# between tiles, tests/test_chunked_window.py); window 64 with budget 17 in the default run
+WINDOWS = [pytest.param(TINY, id="w16"), pytest.param(W64, id="w64", marks=pytest.mark.slow)]
+GREEDY = [pytest.param(17, TINY, id="17-w16"), pytest.param(16, TINY, id="16-w16"), pytest.param(17, W64, id="17-w64"),
+          pytest.param(16, W64, id="16-w64", marks=pytest.mark.slow)]
 
 
-def test_reference_chunked_prefill_equals_one_step_sampled(reference, oracle):
-    check_chunked(reference, oracle, 17, sampled=True)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("budget,cfg", GREEDY)
+def test_reference_chunked_prefill_equals_one_step_greedy(oracle, budget, cfg):
+    check_chunked(reference_of(cfg), oracle, budget)
 
 
-def test_reference_chunked_prefill_with_ngram_drafts(reference, oracle):
-    check_chunked(reference, oracle, 16, drafter=NgramDrafter(3))
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("cfg", WINDOWS)
+def test_reference_chunked_prefill_equals_one_step_sampled(oracle, cfg):
+    check_chunked(reference_of(cfg), oracle, 17, sampled=True)
 
 
-def test_reference_chunked_prefill_with_dspark_drafts(reference, oracle):
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("cfg", WINDOWS)
+def test_reference_chunked_prefill_with_ngram_drafts(oracle, cfg):
+    check_chunked(reference_of(cfg), oracle, 16, drafter=NgramDrafter(3))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("cfg", WINDOWS)
+def test_reference_chunked_prefill_with_dspark_drafts(oracle, cfg):
+    reference = reference_of(cfg)
     check_chunked(reference, oracle, 17, drafter=dspark_drafter(reference))
     reference.taps = ()
 
@@ -160,9 +188,10 @@ def test_a_step_of_the_same_rows_and_more_requests_gets_its_own_dspark_graph():
             engine.release(r)
 
 
-@pytest.mark.timeout(900)
-def test_threads_tp2_dp2_chunked_prefill_equals_one_step(oracle):
-    with graph_engine(max_context=CTX) as engine:
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("cfg", WINDOWS)
+def test_threads_tp2_dp2_chunked_prefill_equals_one_step(oracle, cfg):
+    with graph_engine(max_context=CTX, cfg=cfg) as engine:
         check_chunked(engine, oracle, 17)
         check_chunked(engine, oracle, 16, sampled=True)
 

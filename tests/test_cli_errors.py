@@ -24,7 +24,7 @@ MATRIX = [
     ("--prompt-len 5000", "--prompt-len", ["[1, 4095]", "context limit 4096", "chunks"]),
     ("--max-num-batched-tokens 513", "--max-num-batched-tokens", ["[1, 512]", "per DP group"]),
     ("--max-num-batched-tokens 0", "--max-num-batched-tokens", ["[1, 512]"]),
-    ("--max-total-tokens 1", "--max-total-tokens", ["[2, 228]", "DP group"]),
+    ("--max-total-tokens 1", "--max-total-tokens", ["[34, 228]", "one request of 57 tokens", "DP group"]),
     ("--new-tokens 100000", "--new-tokens", ["[0, 4047]"]),
     ("--tp 3", "--tp", ["one of 1, 2, 4"]),
     ("--tp 8", "--tp", ["one of 1, 2, 4", "tiny"]),
@@ -85,6 +85,7 @@ MATRIX = [
     ("--check --plan", "--check", ["--plan"]),
     # checkpoint serving: the flags that come with it
     ("--prompt hi", "--prompt", ["needs --checkpoint"]),
+    ("--no-verify-checksums", "--no-verify-checksums", ["needs --checkpoint"]),
     ("--prompt-file p.txt", "--prompt-file", ["needs --checkpoint"]),
     ("--chat", "--chat", ["needs --prompt or --prompt-file"]),
     ("--checkpoint ck --config tiny", "--config", ["does not apply with --checkpoint", "config.json"]),
@@ -180,6 +181,7 @@ def test_every_flag_has_a_row():
     ("--temperature 1", "unrecognized arguments: --temperature"),     # per request, not per server
     ("--speculative ngram --draft-tokens 9", "--draft-tokens: must be in [1, 5]"),
     ("--ngram-min 2", "--ngram-min: needs --speculative ngram"),
+    ("--no-verify-checksums", "--no-verify-checksums: needs --checkpoint"),
 ])
 def test_serve_flags_are_checked_before_the_engine_is_built(capsys, line, message):
     from dsv41.cli import serve
@@ -285,3 +287,62 @@ def test_an_error_past_the_checks_is_one_line_and_stops_tracing(capsys, monkeypa
     assert err == ("python -m dsv41.run: error: ValueError: token_ids: must be ints in [0, 511], got 512 "
                    "(--debug shows the traceback)")
     assert all(registry.find(e).hooks.tracer is None for e in registry.engines())
+
+
+# ---- numbers are ASCII digits, flags are never abbreviated (issue 60, item 8) ---------------------------
+
+def _entry(name):
+    from dsv41.cli import replay, serve, write_checkpoint
+    return {"run": run.main, "serve": serve.main, "checkpoint.write": write_checkpoint.main,
+            "replay": replay.main}[name]
+
+
+# (entry point, its command line, the line's start after "error: ") for every python -m dsv41.* command
+NOT_NUMBERS_OR_ABBREVIATED = [
+    ("run", "--batch ٣", "argument --batch: invalid int value: '٣' (expected ASCII digits 0-9"),
+    ("run", "--batch 1_0", "argument --batch: invalid int value: '1_0'"),
+    ("run", "--batch ３", "argument --batch: invalid int value: '３'"),           # a full-width digit
+    ("run", "--tp 2\u00a0", "argument --tp: invalid int value: '2\\xa0'"),       # int() strips blanks
+    ("run", "--executor distributed --connect-timeout ١٠", "argument --connect-timeout: invalid float value: '١٠'"),
+    ("run", "--executor distributed --connect-timeout 1_0", "argument --connect-timeout: invalid float value"),
+    ("run", "--temperature 0.5_0", "argument --temperature: invalid float value"),
+    ("run", "--exec sync", "unrecognized arguments: --exec sync"),
+    ("run", "--new 3", "unrecognized arguments: --new 3"),
+    ("serve", "--max-queue ٣", "argument --max-queue: invalid int value: '٣'"),
+    ("serve", "--read-timeout 1_0", "argument --read-timeout: invalid float value: '1_0'"),
+    ("serve", "--max-q 3", "unrecognized arguments: --max-q 3"),
+    ("checkpoint.write", "ck --seed ٣", "argument --seed: invalid int value: '٣'"),
+    ("checkpoint.write", "ck --shard-mb 1_0", "argument --shard-mb: invalid float value: '1_0'"),
+    ("checkpoint.write", "ck --shard 1", "unrecognized arguments: --shard 1"),
+    ("replay", "x.pt --re", "unrecognized arguments: --re"),
+]
+
+
+@pytest.mark.parametrize("entry, line, words", NOT_NUMBERS_OR_ABBREVIATED,
+                         ids=[f"{e}:{line}" for e, line, _ in NOT_NUMBERS_OR_ABBREVIATED])
+def test_numbers_are_ascii_digits_and_flags_are_never_abbreviated(capsys, monkeypatch, tmp_path, entry, line, words):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        _entry(entry)(line.split(" "))
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    assert lines[0].startswith(f"python -m dsv41.{entry}: error: {words}"), lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("line", ["--batch 3", "--batch -0", "--seed 007", "--temperature 0.5",
+                                  "--executor distributed --connect-timeout 1e1",
+                                  "--executor distributed --connect-timeout .5"])
+def test_ascii_numbers_still_parse(line):
+    a = run.build_parser().parse_args(line.split())
+    flag, text = line.split()[-2:]
+    assert getattr(a, flag[2:].replace("-", "_")) == (int(text) if flag in ("--batch", "--seed") else float(text))
+
+
+def test_an_empty_prompt_is_refused(capsys, monkeypatch, tmp_path, tiny_checkpoint):
+    monkeypatch.chdir(tmp_path)
+    msg = _error_line(capsys, ["--checkpoint", str(tiny_checkpoint), "--prompt", "hi", "--prompt", ""])
+    assert msg == PROG + "--prompt: prompt 1 is empty; give the text to continue"
+    assert list(tmp_path.iterdir()) == []

@@ -14,6 +14,7 @@ from dsv41.checkpoint.reader import open_checkpoint
 from dsv41.config import FLASH, TINY
 from dsv41.run import main
 from dsv41.weights import checkpoint_specs, init_checkpoint
+from checkpoint_edits import reseal
 
 
 def _mtp(names):
@@ -49,6 +50,7 @@ def _strip_mtp(folder):
             save_file(kept, str(folder / file))
     index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.startswith("mtp.")}
     (folder / INDEX).write_text(json.dumps(index))
+    reseal(folder)      # a folder written without DSpark lists no digests for it
 
 
 def _logits_sha(capsys, folder):

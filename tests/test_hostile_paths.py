@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from dsv41.checkpoint import config_json
 from dsv41.checkpoint.errors import CheckpointError
@@ -22,6 +21,7 @@ from dsv41.cli import run
 from dsv41.model.finite import LOGITS, ConstantLogitsError, NonFiniteError, ensure_finite
 from dsv41.outputs import open_output
 from dsv41.telemetry.export import write_traces
+from checkpoint_edits import fill
 
 REPO = Path(__file__).resolve().parents[1]
 PROG = "python -m dsv41.run: error: "
@@ -151,10 +151,7 @@ def test_a_constant_logits_row_stops_the_step_like_a_nan_one():
 def test_a_head_that_cannot_tell_tokens_apart_is_refused(tmp_path, tiny_checkpoint, value):
     folder = tmp_path / "ck"
     shutil.copytree(tiny_checkpoint, folder)
-    file = json.loads((folder / INDEX).read_text())["weight_map"]["head.weight"]
-    tensors = load_file(str(folder / file))
-    tensors["head.weight"] = torch.full_like(tensors["head.weight"], value)
-    save_file(tensors, str(folder / file), metadata={"format": "pt"})
+    fill(folder, "head.weight", value)
     r = _cli("--checkpoint", str(folder), *RUN)
     line = _one_line(r)
     assert "the logits cannot tell tokens apart" in line and "head.weight" in line, line

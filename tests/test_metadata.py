@@ -21,6 +21,7 @@ def _inputs(**over):
         compressed_block_tables={**{s: torch.tensor([[4, -1], [2, 6]], dtype=I32) for s in R2},
                                  R1: torch.tensor([[1, 8, -1], [0, 3, 5]], dtype=I32)},
         state_block_tables={s: torch.tensor([[1], [0]], dtype=I32) for s in R2},
+        prompt_lens=torch.tensor([19, 30], dtype=I32),
     )
     d.update(over)
     return d
@@ -42,7 +43,7 @@ def test_request_level_fields():
     assert L(md.kv_seq_lens) == [0, 37]
     assert md.num_tokens == 20 and md.num_requests == 2
     for f in ("query_start_loc", "query_lens", "logit_row_indices", "kv_seq_lens", "token_to_req_indices",
-              "position_ids", "window_lens", "window_indices"):
+              "position_ids", "window_lens", "window_indices", "window_list_widths"):
         assert getattr(md, f).dtype == I32, f
     assert md.window_slots.dtype == torch.int64
 
@@ -66,6 +67,25 @@ def test_window_indices_ascending_truncated_and_paged():
     assert L(w[15]) == list(range(80, 96))
     assert L(w[18]) == list(range(83, 96)) + [144, 145, 146]       # positions 3..18, across blocks 5 -> 9
     assert L(w[19]) == list(range(54, 64)) + list(range(112, 118))  # positions 22..37, blocks 3 -> 7
+
+
+def test_window_list_widths_come_from_the_whole_prompt():
+    """min(prompt, window) window slots on a prompt's rows, the window (16) on generated rows, whatever
+    rows the step holds: request 0 is the hand-worked 19-token prompt, request 1 decodes at 37."""
+    md = _lower()
+    assert L(md.window_list_widths) == [16] * 19 + [16]
+    # the same 19 rows as the chunk 0..18 of a 12-token prompt's recompute (positions 12.. generated),
+    # then as a chunk of a 40-token prompt: the step's rows never size the list
+    assert L(_lower(prompt_lens=torch.tensor([12, 30], dtype=I32)).window_list_widths) == [12] * 12 + [16] * 8
+    assert L(_lower(prompt_lens=torch.tensor([40, 30], dtype=I32)).window_list_widths) == [16] * 20
+    # a 7-row chunk of a 10-token prompt after 3 rows (a cached prefix or an earlier chunk), and a
+    # 5-token prompt in one step: 10 and 5, as their one-step prefills list
+    md = lower(TINY, torch.tensor([0, 7, 12], dtype=I32), torch.tensor([3, 0], dtype=I32),
+               torch.tensor([[2], [3]], dtype=I32),
+               {**{s: torch.tensor([[0], [1]], dtype=I32) for s in R2}, R1: torch.tensor([[4], [5]], dtype=I32)},
+               {s: torch.tensor([[0], [1]], dtype=I32) for s in R2}, torch.tensor([10, 5], dtype=I32))
+    assert L(md.position_ids) == list(range(3, 10)) + list(range(5))
+    assert L(md.window_list_widths) == [10] * 7 + [5] * 5
 
 
 def test_ratio2_source_fields():
@@ -111,7 +131,7 @@ def test_empty_request_gets_logit_row_minus_one():
     md = lower(TINY, torch.tensor([0, 3, 3], dtype=I32), torch.tensor([0, 5], dtype=I32),
                torch.tensor([[2], [-1]], dtype=I32),
                {**{s: torch.tensor([[0], [-1]], dtype=I32) for s in R2}, R1: torch.tensor([[1], [-1]], dtype=I32)},
-               {s: torch.tensor([[0], [1]], dtype=I32) for s in R2})
+               {s: torch.tensor([[0], [1]], dtype=I32) for s in R2}, torch.tensor([3, 5], dtype=I32))
     assert L(md.query_lens) == [3, 0]
     assert L(md.logit_row_indices) == [2, -1]
     assert L(md.token_to_req_indices) == [0, 0, 0]
@@ -123,6 +143,12 @@ def _raises(field, **over):
     with pytest.raises(ValueError) as e:
         _lower(**over)
     assert field in str(e.value), str(e.value)
+
+
+def test_prompt_lens_errors():
+    _raises("prompt_lens", prompt_lens=torch.tensor([19], dtype=I32))
+    _raises("prompt_lens", prompt_lens=torch.tensor([19, -1], dtype=I32))
+    _raises("prompt_lens", prompt_lens=torch.tensor([19.0, 30.0]))
 
 
 def test_query_start_loc_errors():

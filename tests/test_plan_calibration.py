@@ -82,8 +82,8 @@ def test_a_deployment_counts_only_with_every_row_within(data):
 
 
 @pytest.mark.parametrize("model, constants", [("body+layer", {"body": 0.8, "layer": 300.0}),
-                                              ("gaps+layer", {"gaps": 2.5, "layer": 120.0}),
-                                              ("scale", {"scale": 1.3})])
+                                              ("launch+sync", {"launch": 2.5, "sync": 0.4}),
+                                              ("body+host", {"body": 0.3, "host": 900.0})])
 def test_synthetic_measurements_recover_known_constants(data, model, constants):
     """Measurements made from known constants are fitted back exactly without noise, and within a
     few percent with 2% log-normal noise over 400 rows (here within 2.2%: body and layer trade against each other)."""
@@ -97,23 +97,33 @@ def test_synthetic_measurements_recover_known_constants(data, model, constants):
         label = f"{r.label} #{i}"
         step = rng.uniform(5e3, 40e3)
         body = step * rng.uniform(0.2, 0.8)
-        many_planned[label] = {"step_us": step, "body_us": body, "fixed_us": step - body,
-                               "layers": float(rng.choice([40, 61]))}
+        launch = (step - body) * rng.uniform(0.2, 0.8)
+        many_planned[label] = {"step_us": step, "body_us": body, "fixed_us": step - body, "launch_us": launch,
+                               "sync_us": step - body - launch, "steps": 1.0, "layers": float(rng.choice([40, 61]))}
         many_rows.append(cb.Deployment(**{**r.__dict__, "label": label, "deployment": label}))
     noisy = cb.fit(cb.synthetic(many_rows, many_planned, model, constants, 0.02, seed=2), many_planned, model)
     assert noisy.constants == pytest.approx(constants, rel=0.05)
 
 
 def test_constants_stay_at_or_above_their_floors(data):
-    """A stack measured at half the first-principles step: the step's scale halves, but the
-    per-layer overhead (floor 0) cannot go negative to get there."""
+    """A stack measured at a tenth of the first-principles step: the terms that add (per step, per
+    layer: floor 0) cannot go negative to get there, the multiplicative ones stop at a tenth of their part."""
     rows, planned = data
-    fast = [cb.Deployment(**{**r.__dict__, "measured_ms": 0.5 * planned[r.label]["step_us"] / 1e3 / r.accepted})
+    fast = [cb.Deployment(**{**r.__dict__, "measured_ms": 0.1 * planned[r.label]["step_us"] / 1e3 / r.accepted})
             for r in rows]
-    assert cb.fit(fast, planned, "scale").constants["scale"] == pytest.approx(-0.5, abs=1e-9)
     assert cb.fit(fast, planned, "layer").constants == {"layer": 0.0}
-    slow = cb.fit(fast, planned, "body+gaps+layer").constants
-    assert all(v >= cb.TERMS[t][2] for t, v in slow.items())
+    assert cb.fit(fast, planned, "host").constants == {"host": 0.0}
+    slow = cb.fit(fast, planned, "body+launch+sync").constants
+    assert all(v >= cb.TERMS[t][2] - 1e-12 for t, v in slow.items())
+    assert min(slow.values()) == pytest.approx(-0.9)
+
+
+def test_no_term_scales_the_whole_step():
+    """Every fitted term names one part of the step or a count (its physical cause), none the whole step."""
+    for term, (feature, unit, _, cause) in cb.TERMS.items():
+        assert feature != "step_us" and cause
+        assert feature in {"body_us", "launch_us", "sync_us", "steps", "layers"}
+    assert all(set(terms) <= set(cb.TERMS) for terms in cb.MODELS.values())
 
 
 def _refused(tmp_path, text: str, match: str) -> None:

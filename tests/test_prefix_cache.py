@@ -19,7 +19,7 @@ from dsv41.engine.blocks import BlockManager, PoolExhausted, Reservation
 from dsv41.capacity import CAPACITIES
 from dsv41.engine.drafters import NgramDrafter, OracleDrafter
 from dsv41.engine.dspark import dspark_drafter
-from dsv41.engine.prefix_cache import span
+from dsv41.engine.prefix_cache import chain_start, root, span, span_hashes
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.request import requests_for
 from dsv41.engine.scheduler import Scheduler
@@ -28,6 +28,7 @@ from dsv41.model.caches import cache_names
 from dsv41.ops import kv_cache
 from dsv41.ops.sampling import SamplingParams
 from dsv41.serving import schema
+from test_chunked_window import W64
 
 V = TINY.vocab_size
 G = span(TINY)
@@ -52,11 +53,14 @@ def feed(bm: BlockManager, seq: Sequence, tokens: list[int], drafts: int = 0, ke
     return res
 
 
-def start(bm: BlockManager, rid: int, tokens: list[int], limit: int | None = None) -> tuple[Sequence, int]:
-    """A new sequence over tokens' longest cached prefix (at most limit tokens), fed the rest."""
+def start(bm: BlockManager, rid: int, tokens: list[int], limit: int | None = None,
+          salt: str | None = None) -> tuple[Sequence, int]:
+    """A new sequence over tokens' longest cached prefix (at most limit tokens) under its cache salt,
+    fed the rest: its prompt is all of them."""
     res = Reservation()
-    seq = Sequence(rid, [])
-    hit = bm.cache.lookup(tokens, len(tokens) - 1 if limit is None else limit)
+    seq = Sequence(rid, [], prompt_len=len(tokens), cache_root=root(salt))
+    hit = bm.cache.lookup(tokens, len(tokens) - 1 if limit is None else limit,
+                          root=chain_start(TINY, len(tokens), seq.cache_root))
     try:
         bm.take_state(seq, res)
         if hit.length:
@@ -137,6 +141,74 @@ def test_the_cut_leaves_a_row_to_feed_and_a_miss_is_a_miss():
     assert bm.cache.lookup([toks[0] ^ 1] + toks[1:], 63).length == 0
     assert bm.cache.lookup(toks, 31).length == 0
     bm.free(a)
+
+
+def test_a_prompt_shorter_than_the_window_keys_its_spans_by_its_length():
+    """A 10-token prompt (window 16) decodes to 40 tokens: its span 0..32 holds rows computed with a
+    10-slot window list (``ops.metadata``), so only a request with a 10-token prompt (its recompute)
+    finds it; a prompt of 16 or more, whose one-step prefill lists the whole window, does not. Prompts
+    of a window or more share one chain."""
+    bm = BlockManager(TINY, 4, 256, prefix_caching=True)
+    a, _ = start(bm, 0, prompt(10))
+    for t in prompt(30, salt=1):
+        feed(bm, a, [t])
+    history = a.tokens + [1]
+    assert len(a.hashes) == 1 and a.kv_len == 40
+    assert bm.cache.lookup(history, 40).length == 0
+    assert bm.cache.lookup(history, 40, root=chain_start(TINY, 15)).length == 0
+    assert bm.cache.lookup(history, 40, root=chain_start(TINY, 10)).length == 32
+    b, _ = start(bm, 1, prompt(40, salt=2))
+    again = prompt(40, salt=2) + [1]
+    assert [bm.cache.lookup(again, 40, root=chain_start(TINY, n)).length for n in (16, 41, 200, 10)] == [32, 32, 32, 0]
+    bm.free(a)
+    bm.free(b)
+    census(bm, [])
+
+
+def test_a_span_is_keyed_by_the_prefix_before_it_not_by_its_own_tokens():
+    """A prompt of two equal spans, sent again, gets its own four ratio-1 pages, not span 0's pages
+    twice; a prompt sharing a later span with a computed one but not the span before it starts from
+    nothing, and sent again gets its own pages for that span, not the other prompt's (whose rows
+    were computed after other tokens)."""
+    bm = BlockManager(TINY, 8, 256, prefix_caching=True)
+    x = prompt(G, salt=1)
+    a, _ = start(bm, 0, x + x + [5])
+    b, cached = start(bm, 1, x + x + [6])
+    assert cached == 2 * G
+    assert b.compressed_pages[1][:4] == a.compressed_pages[1][:4] and len(set(a.compressed_pages[1][:4])) == 4
+    census(bm, [a, b])
+    y, z = prompt(G, salt=2), prompt(G, salt=3)
+    c, _ = start(bm, 2, y + x + [5])
+    d, cached = start(bm, 3, z + x + [5])
+    assert cached == 0, "a later span shared, the one before it not: no hit"
+    e, cached = start(bm, 4, z + x + [6])
+    assert cached == 2 * G and e.compressed_pages[1][:4] == d.compressed_pages[1][:4]
+    assert not set(d.compressed_pages[1]) & set(c.compressed_pages[1])
+    census(bm, [a, b, c, d, e])
+    assert len(set(span_hashes(x + x, G))) == 2 and span_hashes(y + x, G)[1] != span_hashes(z + x, G)[1]
+    for s in (a, b, c, d, e):
+        bm.free(s)
+    census(bm, [])
+
+
+def test_two_cache_salts_never_share_a_span_and_one_salt_does():
+    """vLLM's cache_salt is the root of a prompt's span chain: the same tokens under another salt
+    (or none) are a miss, under the same salt a hit."""
+    assert root(None) == b"" and root("a") != root("b") and len(root("")) == 16
+    toks = prompt(70)
+    assert not set(span_hashes(toks, G, root("a"))) & set(span_hashes(toks, G, root("b")) + span_hashes(toks, G))
+    bm = BlockManager(TINY, 4, 256, prefix_caching=True)
+    a, _ = start(bm, 0, toks, salt="tenant-a")
+    b, cached_b = start(bm, 1, toks, salt="tenant-b")
+    c, cached_c = start(bm, 2, toks)
+    d, cached_d = start(bm, 3, toks, salt="tenant-a")
+    assert (cached_b, cached_c, cached_d) == (0, 0, 64)
+    assert d.compressed_pages[1][:4] == a.compressed_pages[1][:4]
+    assert not set(b.compressed_pages[1]) & set(a.compressed_pages[1])
+    census(bm, [a, b, c, d])
+    for s in (a, b, c, d):
+        bm.free(s)
+    census(bm, [])
 
 
 def test_eviction_takes_the_least_recently_used_block_nobody_holds():
@@ -262,11 +334,12 @@ def run(engine, prompts, sampling=None, drafter=None, budget=24, cls=Scheduler, 
     return jobs, sched
 
 
-def expected_cut(prompt_: list[int], before: list[list[int]], min_feed: int = 1) -> int:
-    """The longest prefix shared with a history computed before, in whole spans, leaving min_feed."""
+def expected_cut(prompt_: list[int], before: list[list[int]], min_feed: int = 1, size: int = G) -> int:
+    """The longest prefix shared with a history computed before, in whole spans of size, leaving
+    min_feed (histories of one hash chain: check_cached)."""
     common = max((next((i for i, (a, b) in enumerate(zip(prompt_, h)) if a != b), min(len(prompt_), len(h)))
                   for h in before), default=0)
-    return min(common, len(prompt_) - min_feed) // G * G
+    return min(common, len(prompt_) - min_feed) // size * size
 
 
 MODES = {"greedy": (None, None), "sampled": (SAMPLED, None), "ngram": (None, lambda e: NgramDrafter(3)),
@@ -306,12 +379,15 @@ def check_cached(engine, oracle, mode: str, computed: dict[int, list[list[int]]]
         computed.setdefault(first.groups[w.id], []).append(BASE + w.made[:-1])
     started = {rid: s for s, step in enumerate(sched.steps) for rid, _, cut in step if cut is not None}
     want = oracle_answers(oracle, mode, prompts)
-    min_feed = TINY.sliding_window if drafter is dspark_drafter else 1
+    cfg = engine.cfg
+    # one hash chain: a prompt shorter than the window (keyed apart) with its answer ends before a span
+    assert all(len(p) >= cfg.sliding_window or len(p) + NEW <= span(cfg) for p in prompts + [BASE])
+    min_feed = cfg.sliding_window if drafter is dspark_drafter else 1
     for g, w, p in zip(got, want, prompts):
         group = sched.groups[g.id]
         before = computed.get(group, []) + [q for o, q in zip(got, prompts)
                                             if sched.groups[o.id] == group and started[o.id] < started[g.id]]
-        assert g.cached == expected_cut(p, before, min_feed)
+        assert g.cached == expected_cut(p, before, min_feed, span(cfg))
         assert g.made == w.made
         assert torch.equal(g.final_logits, w.final_logits)
     for g, p in zip(got, prompts):
@@ -324,15 +400,34 @@ def check_cached(engine, oracle, mode: str, computed: dict[int, list[list[int]]]
     engine.taps, engine.dspark = (), False
 
 
+_oracles: dict = {}
+
+
+def oracle_of(cfg):
+    """The engine caching nothing whose answers the caching one's equal, one per config."""
+    if cfg not in _oracles:
+        _oracles[cfg] = ReferenceEngine(cfg, seed=0, max_batch=8, max_context=CTX)
+    return _oracles[cfg]
+
+
 @pytest.fixture(scope="module")
 def oracle():
-    return ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX)
+    return oracle_of(TINY)
+
+
+# window 16 (TINY's: window and Top-K in one 64-slot tile) and, under -m slow (12 min of this loaded
+# machine for greedy alone), 64 (+ Top-K 16: two tiles, where the window list's width moves the
+# compressed slots between tiles; a cached start at window 64 runs by default in
+# tests/test_chunked_window.py)
+WINDOWS = ([pytest.param(TINY, m, id=f"w16-{m}") for m in MODES]
+           + [pytest.param(W64, m, id=f"w64-{m}", marks=pytest.mark.slow) for m in MODES])
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("mode", list(MODES))
-def test_reference_cached_prefix_equals_the_whole_prompt(oracle, mode):
-    check_cached(ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, prefix_caching=True), oracle, mode)
+@pytest.mark.parametrize("cfg,mode", WINDOWS)
+def test_reference_cached_prefix_equals_the_whole_prompt(cfg, mode):
+    check_cached(ReferenceEngine(cfg, seed=0, max_batch=8, max_context=CTX, prefix_caching=True), oracle_of(cfg),
+                 mode)
 
 
 @pytest.mark.timeout(1200)
@@ -393,13 +488,15 @@ class Censused(Scheduler):
         return turn
 
 
-@pytest.mark.timeout(1800)
-def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(oracle):
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("cfg", [pytest.param(TINY, id="w16"), pytest.param(W64, id="w64", marks=pytest.mark.slow)])
+def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(cfg):
     """10 requests, two by two over five 70-token prefixes, in pools of 128 tokens: cached blocks are
     evicted, requests are preempted and recomputed (from cached spans where they survive). Oracle:
     the same batch with room for every request and nothing cached (a request's tokens do not depend
     on its batch, tests/test_admission.py)."""
-    engine = ReferenceEngine(TINY, seed=0, max_batch=8, max_context=CTX, cache_tokens=128, prefix_caching=True)
+    oracle = oracle_of(cfg)
+    engine = ReferenceEngine(cfg, seed=0, max_batch=8, max_context=CTX, cache_tokens=128, prefix_caching=True)
     evicted = []
     evict = engine.host.tables[0].blocks.cache.evict
     engine.host.tables[0].blocks.cache.evict = lambda key: evicted.append(key) or evict(key)
@@ -410,6 +507,12 @@ def test_shared_prefixes_under_eviction_and_preemption_equal_their_solo_runs(ora
     assert [g.made for g in got] == [w.made for w in want]
     assert all(torch.equal(g.final_logits, w.final_logits) for g, w in zip(got, want))
     assert sched.victims and evicted and sched.prefix_hits > 0
+    # a recompute is not a new request: each prompt is looked up, and its cached part counted, once
+    # (at its first admission), whatever its readmissions find cached
+    assert {v.id for v, _ in sched.victims} & {g.id for g in got if g.preemptions}
+    assert sched.prefix_queries == sum(map(len, prompts))
+    assert sched.prefix_hits == sum(g.cached for g in got)
+    assert all(g.cached < len(g.prompt) for g in got)
     assert engine.blocks_in_use()[0] == 0
     census(engine.host.tables[0].blocks, [])
 
@@ -480,6 +583,32 @@ def test_the_server_reports_cached_prompt_tokens_in_usage_and_metrics(oracle):
     assert _value(m, "vllm:prefix_cache_queries_total", **on) == len(first) + len(again) + len(other) + probe
     assert _value(m, "vllm:prefix_cache_hits_total", **on) == 96 + 64
     assert schema.usage(5, 2) == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}   # caching off
+
+
+@pytest.mark.timeout(900)
+def test_tenants_with_their_own_cache_salt_never_share_a_cached_prefix():
+    """A server run with --require-cache-salt: a request without vLLM's cache_salt (or with one that
+    is not a non-empty string) is a 400 naming it; the same prompt under another tenant's salt finds
+    nothing cached (cached_tokens 0: it learns nothing of what the other sent), under its own salt
+    again the whole spans it computed before; the answers are the same tokens."""
+    httpx = pytest.importorskip("httpx")
+    from test_serve_hostile import Served
+    server = Served("--max-context", str(CTX), "--require-cache-salt")
+    p = BASE + prompt(9, salt=2)
+    try:
+        body = {"prompt": p, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        for salt in (None, 5, "", ["a"]):
+            status, r = server.post("/v1/completions", {**body, **({} if salt is None else {"cache_salt": salt})})
+            assert (status, r["error"]["param"]) == (400, "cache_salt"), r
+        answers = []
+        for salt in ("alice", "bob", "alice", "bob", "carol"):
+            status, r = server.post("/v1/completions", {**body, "cache_salt": salt})
+            assert status == 200, r
+            answers.append((r["choices"][0]["token_ids"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    finally:
+        server.stop()
+    assert [cached for _, cached in answers] == [0, 0, 96, 96, 0]
+    assert len({tuple(ids) for ids, _ in answers}) == 1
 
 
 @pytest.mark.timeout(900)

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from dsv41.graph.export import write_graph
 from dsv41.outputs import open_output, write_output
 from dsv41.plan.sizing import checkpoint_bytes
 from dsv41.telemetry.export import write_traces
+from processes import as_a_terminal_starts_it
 
 REPO = Path(__file__).resolve().parents[1]
 ERROR = "python -m dsv41.checkpoint.write: error: "
@@ -233,3 +235,228 @@ def test_a_read_only_output_folder_is_one_line(tmp_path):
         folder.chmod(0o755)
         folder.rmdir()
         base.rmdir()
+
+
+# ---- issue 60, items 4 and 7: folders swapped mid-run, and SIGTERM mid-write ----------------------------
+
+WRITTEN_NAMES = ["model-00001.safetensors", "model-00001-of-00004.safetensors", "config.json", INDEX, TOKENIZER,
+                 TOKENIZER_CONFIG]
+
+
+def _snapshot(root: Path) -> dict:
+    """Every entry under ``root`` (links not followed): its bytes, a link's target, or a folder mark."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            out[rel] = ("link", os.readlink(p)) if p.is_symlink() else ("dir",) if p.is_dir() else p.read_bytes()
+    return out
+
+
+def _victim_folder(tmp_path) -> Path:
+    """A folder of files named as the writer names its own, each holding bytes of its own."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in WRITTEN_NAMES:
+        (victim / name).write_bytes(f"{name}: keep these bytes\n".encode())
+    return victim
+
+
+def _swap_after(monkeypatch, when: str, swap) -> None:
+    """Run ``swap()`` once the writer has written its first file ("first": a shard) or its last
+    ("last": tokenizer_config.json, just before it puts the folder in place)."""
+    real, done = writer.write_output, []
+
+    def writing(name, *args, **kwargs):
+        real(name, *args, **kwargs)
+        if not done and (when == "first" or Path(name).name == TOKENIZER_CONFIG):
+            done.append(name)
+            swap()
+
+    monkeypatch.setattr(writer, "write_output", writing)
+
+
+def _work(parent: Path) -> Path:
+    return next(p for p in parent.iterdir() if p.name.startswith(".ck.partial-"))
+
+
+def _no_checkpoint_anywhere(root: Path) -> None:
+    """No ``ck``, and no index outside the victim folder (whose bytes the snapshot checks)."""
+    for dirpath, dirs, files in os.walk(root):      # links are not followed
+        assert "ck" not in dirs + files, (dirpath, dirs, files)
+        assert INDEX not in files or Path(dirpath).name == "victim", (dirpath, files)
+
+
+@pytest.mark.parametrize("when", ["first", "last"])
+def test_the_work_folder_swapped_for_a_link_mid_run_writes_nothing_through_it(tmp_path, capsys, monkeypatch, when):
+    victim = _victim_folder(tmp_path)
+    kept = _snapshot(victim)
+    parent = tmp_path / "out"
+    parent.mkdir()
+
+    def swap():     # the writer's own folder moved aside, a link to the victim in its place
+        work = _work(parent)
+        work.rename(tmp_path / "moved")
+        work.symlink_to(victim, target_is_directory=True)
+
+    _swap_after(monkeypatch, when, swap)
+    line = _refused(capsys, [str(parent / "ck"), *SMALL])
+    assert line.startswith(f"path: cannot write {parent / 'ck'}: the work folder {parent}/.ck.partial-") and \
+        line.endswith("was replaced (by a link or another folder) while the checkpoint was written; "
+                      "nothing was put in place"), line
+    assert _snapshot(victim) == kept
+    assert os.listdir(tmp_path / "moved") == []       # what it wrote there removed, through its handle
+    assert [p.is_symlink() for p in parent.iterdir()] == [True]     # the planted link alone, as planted
+    _no_checkpoint_anywhere(tmp_path)
+
+
+@pytest.mark.parametrize("swap_for", ["a link to where it was moved", "a link to a victim folder", "another folder"])
+def test_the_parent_folder_swapped_mid_run_is_refused(tmp_path, capsys, monkeypatch, swap_for):
+    victim = _victim_folder(tmp_path)
+    kept = _snapshot(victim)
+    parent, moved = tmp_path / "out", tmp_path / "moved"
+    parent.mkdir()
+
+    def swap():
+        parent.rename(moved)
+        if swap_for == "another folder":
+            parent.mkdir()
+        else:
+            parent.symlink_to(moved if swap_for.endswith("moved") else victim, target_is_directory=True)
+
+    _swap_after(monkeypatch, "last", swap)
+    line = _refused(capsys, [str(parent / "ck"), *SMALL])
+    why = ("by another folder" if swap_for == "another folder"
+           else f"while the checkpoint was written ({parent}: is a symbolic link")
+    assert line.startswith(f"path: cannot write {parent / 'ck'}: {parent} was replaced {why}") and \
+        line.endswith("nothing was put in place"), line
+    assert _snapshot(victim) == kept
+    assert os.listdir(moved) == []          # the work folder removed from where its parent went
+    if swap_for == "another folder":
+        assert os.listdir(parent) == []
+    _no_checkpoint_anywhere(tmp_path)
+
+
+def test_a_symlink_among_the_parents_is_refused(tmp_path, capsys):
+    victim = _victim_folder(tmp_path)
+    kept = _snapshot(victim)
+    (tmp_path / "via").symlink_to(victim, target_is_directory=True)
+    line = _refused(capsys, [str(tmp_path / "via" / "sub" / "ck"), *SMALL])
+    assert line == f"path: cannot write {tmp_path / 'via'}: is a symbolic link; nothing is written through a link"
+    assert _snapshot(victim) == kept
+
+
+# the writer's command, paused (blocked reading its stdin) once its first shard is written
+PAUSED_WRITER = """
+import sys
+from pathlib import Path
+from dsv41.checkpoint import writer
+from dsv41.cli.write_checkpoint import main
+
+real = writer.write_output
+
+def writing(name, *args, **kwargs):
+    real(name, *args, **kwargs)
+    if Path(name).name.startswith("model-"):
+        print("shard written", flush=True)
+        sys.stdin.read()
+
+writer.write_output = writing
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("signum,status,word", [
+    (signal.SIGTERM, 143, "terminated"),
+    pytest.param(signal.SIGINT, 130, "interrupted", marks=pytest.mark.slow)])     # SIGINT was clean before
+def test_a_signal_mid_write_leaves_nothing(tmp_path, signum, status, word):
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-c", PAUSED_WRITER, str(out / "ck"), *SMALL], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=as_a_terminal_starts_it)
+    try:
+        assert p.stdout.readline() == "shard written\n", p.stderr.read()
+        assert [q.name for q in out.iterdir()][0].startswith(".ck.partial-")      # mid-write: the work is there
+        p.send_signal(signum)
+        p.wait(120)
+        assert (p.returncode, p.stderr.read()) == (status, f"python -m dsv41.checkpoint.write: {word}\n")
+        assert os.listdir(out) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+# ---- issue 60: the PyPTO worker's log and the simulated-times cache's lock, opened to append ------------
+
+def _links(tmp_path, path: Path) -> list[tuple[Path, Path, bytes | None]]:
+    """(link, target, target's bytes or None) for a link at ``path`` to an existing victim file, then one
+    to a name nobody has made (O_CREAT through it would make that file)."""
+    victim, kept = _victim(tmp_path)
+    return [(path, victim, kept), (path, tmp_path / "made-through-a-link", None)]
+
+
+def _unchanged(target: Path, kept: bytes | None) -> None:
+    if kept is None:
+        assert not os.path.lexists(target)
+    else:
+        assert target.read_bytes() == kept
+
+
+def _refusal(call) -> int | None:
+    """The errno of the OSError ``call()`` raises (None when it raises none or another error)."""
+    try:
+        call()
+    except OSError as e:
+        return e.errno
+    except RuntimeError:        # the stand-in worker start: the log was opened
+        return None
+    return None
+
+
+def test_the_sim_cache_lock_is_never_opened_through_a_link(tmp_path):
+    from dsv41.kernels.pypto.sim import SimCache
+    cache = SimCache(tmp_path / "cache" / "sim_times.json")
+    for link, target, kept in _links(tmp_path, tmp_path / "cache" / "sim_times.lock"):
+        link.parent.mkdir(exist_ok=True)
+        link.symlink_to(target)
+        refused = _refusal(lambda: cache.put("k", {"us": 1.0, "error": None}))
+        _unchanged(target, kept)
+        assert refused == errno.ELOOP
+        assert not (tmp_path / "cache" / "sim_times.json").exists()     # nothing merged without the lock
+        link.unlink()
+
+
+def test_the_pypto_worker_log_is_never_opened_through_a_link_by_its_starter(tmp_path, monkeypatch):
+    from dsv41.kernels.pypto import sim
+
+    def starting(argv, stdout, **kwargs):     # what the worker would print, then no worker at all
+        stdout.write(b"worker output\n")
+        raise RuntimeError("no worker in this test")
+
+    monkeypatch.setattr(sim.subprocess, "Popen", starting)
+    root = tmp_path / "run"
+    root.mkdir()
+    for link, target, kept in _links(tmp_path, root / "worker-sim.log"):
+        link.symlink_to(target)
+        refused = _refusal(lambda: sim.PyptoWorker("sim", root)._start())
+        _unchanged(target, kept)
+        assert refused == errno.ELOOP
+        link.unlink()
+
+
+@pytest.mark.timeout(300)
+def test_the_pypto_worker_never_logs_through_a_link(tmp_path):
+    """The worker itself reopens its log for fds 1 and 2: a link there is refused before either points at it."""
+    root = tmp_path / "run"
+    root.mkdir()
+    for link, target, kept in _links(tmp_path, root / "worker-sim.log"):
+        link.symlink_to(target)
+        r = subprocess.run([sys.executable, "-c", f"from dsv41.kernels.pypto import worker; "
+                            f"worker.main(None, 'sim', {str(root)!r})"], capture_output=True, text=True, timeout=240,
+                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL)
+        _unchanged(target, kept)
+        assert r.returncode == 1 and "is a symbolic link" in r.stderr, r.stderr[-2000:]
+        link.unlink()

@@ -403,6 +403,7 @@ VLLM_SERVED = {
     "use_beam_search": TOKEN_TEST + " (false only: beam search is not served)",
     "prompt_logprobs": TOKEN_TEST + " (null only: the head computes no prompt rows' logits)",
     "thinking_token_budget": "test_structured_thinking.py::test_masks_start_where_the_reasoning_ends_inside_a_verify_step",
+    "cache_salt": "test_prefix_cache.py::test_tenants_with_their_own_cache_salt_never_share_a_cached_prefix",
 }
 
 

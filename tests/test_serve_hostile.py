@@ -16,15 +16,13 @@ import threading
 import time
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
 from dsv41.checkpoint.chat import ASSISTANT, BOS, EOS, USER
 from ports import listening_port
+from checkpoint_edits import fill
 
 httpx = pytest.importorskip("httpx")
 
@@ -441,13 +439,6 @@ def test_a_stopping_server_ends_every_stream_with_a_final_event_and_done(sig, si
         server.stop()
 
 
-def _fill(folder, name, value):
-    file = json.loads((folder / INDEX).read_text())["weight_map"][name]
-    tensors = load_file(str(folder / file))
-    tensors[name] = torch.full_like(tensors[name], value)
-    save_file(tensors, str(folder / file), metadata={"format": "pt"})
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("value,words", [(3e38, "non-finite"), (0.0, "cannot tell tokens apart"),
                                          (1e-38, "cannot tell tokens apart")])
@@ -455,7 +446,7 @@ def test_health_is_not_ready_when_the_model_cannot_serve(tiny_checkpoint, tmp_pa
     import shutil
     folder = tmp_path / "broken"
     shutil.copytree(tiny_checkpoint, folder)
-    _fill(folder, "head.weight", value)
+    fill(folder, "head.weight", value)
     server = Served("--checkpoint", str(folder), ready=False)
     try:
         r = httpx.get(server.url + "/health")

@@ -126,9 +126,9 @@ LAYOUTS = [("sync", Topology(1, 1, 1), "sharded"), ("threads", Topology(2, 2, 4)
 
 
 @contextmanager
-def graph_engine(executor="threads", topo=Topology(2, 2, 4), wiring="sharded", max_context=CTX):
-    engine = GraphEngine(TINY, topo, EngineConfig(seed=0, executor=executor, wiring=wiring, max_batch=4,
-                                                  max_context=max_context))
+def graph_engine(executor="threads", topo=Topology(2, 2, 4), wiring="sharded", max_context=CTX, cfg=TINY):
+    engine = GraphEngine(cfg, topo, EngineConfig(seed=0, executor=executor, wiring=wiring, max_batch=4,
+                                                 max_context=max_context))
     try:
         yield engine
     finally:

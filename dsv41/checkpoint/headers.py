@@ -2,10 +2,12 @@
 
 Every tensor the config implies must be listed in ``model.safetensors.index.json``, present in
 its shard's header with its exact shape and dtype, and lie inside the shard's bytes; nothing
-unexpected may be listed. Every shard the index names must resolve inside the folder (no absolute
-path, no ``..``, no symlink that leads out), and each shard's header must describe its data region
-exactly: entries are objects, ``__metadata__`` maps strings to strings, and the data offsets tile
-the region with no gap, no overlap and nothing after the last tensor (safetensors' own rule).
+unexpected may be listed, and a shard may hold only tensors the index lists in it. Every shard
+the index names must resolve inside the folder (no absolute path, no ``..``, no symlink that leads
+out), and each shard's header must describe its data region exactly: entries are objects,
+``__metadata__`` maps strings to strings, and the data offsets tile the region with no gap, no
+overlap and nothing after the last tensor (safetensors' own rule). The index's SHA-256 table
+(``checksums``), when it has one, must list every served tensor and nothing the map does not.
 Tensors of parts this project does not serve (the image-token gate bias, draft layers numbered
 past the backbone, the vision modules, ``hc_head``) are recognised and skipped. DSpark's stages
 (``mtp.S.*``) are validated like any tensor when the config declares DSpark and the index lists
@@ -17,10 +19,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from dsv41.checkpoint import checksums
 from dsv41.checkpoint.confine import folder_file, outside
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.config import ModelConfig
@@ -55,12 +59,14 @@ def dspark_listed(weight_map: dict, cfg: ModelConfig) -> bool:
     return cfg.dspark and any(n.startswith("mtp.") and not _DSPARK_UNREAD.match(n) for n in weight_map)
 
 
-def read_index(folder: Path) -> dict[str, str]:
+def read_index(folder: Path) -> tuple[dict[str, str], dict[str, str] | None]:
+    """(the weight_map, the per-tensor SHA-256 table or None when the index has none: ``checksums``)."""
     path = folder_file(folder, INDEX)
     if not path.is_file():
         fail(path, None, "the checkpoint index", "no file")
     try:
-        weight_map = json.loads(path.read_text()).get("weight_map")
+        doc = json.loads(path.read_text())
+        weight_map = doc.get("weight_map")
     except (json.JSONDecodeError, AttributeError) as e:
         fail(path, None, "a JSON object with a weight_map", f"unreadable JSON ({e})")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -70,7 +76,7 @@ def read_index(folder: Path) -> dict[str, str]:
         why = outside(root, file)
         if why is not None:
             fail(INDEX, name, "a shard file inside the checkpoint folder", f"{file!r}, {why}")
-    return weight_map
+    return weight_map, checksums.table(doc, partial(fail, INDEX))
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -134,11 +140,12 @@ def _check_coverage(file: str, header: dict, data_bytes: int) -> None:
              f"{data_bytes - at} more bytes after it")
 
 
-def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
-    """Tensor name -> shard file of every tensor served, in layout order, after checking them all.
-    With DSpark in ``cfg`` but no ``mtp.*`` tensor listed, the backbone's alone (served without DSpark);
-    with some listed, every one the config implies must be there."""
-    weight_map = read_index(folder)
+def check_headers(folder: Path, cfg: ModelConfig) -> tuple[dict[str, str], dict[str, str] | None]:
+    """(tensor name -> shard file of every tensor served, in layout order, after checking them all; the
+    index's SHA-256 per tensor, or None). With DSpark in ``cfg`` but no ``mtp.*`` tensor listed, the
+    backbone's alone (served without DSpark); with some listed, every one the config implies must be
+    there. A shard holding a tensor the index does not list is refused (bytes nobody accounts for)."""
+    weight_map, digests = read_index(folder)
     specs = checkpoint_specs(cfg if dspark_listed(weight_map, cfg) else without_dspark(cfg))
     for name in specs:
         if name not in weight_map:
@@ -147,6 +154,8 @@ def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
     for name in weight_map:
         if name not in specs and not out_of_scope(name, cfg):
             fail(weight_map[name], name, "no such tensor (the config does not imply it)", "an unexpected tensor")
+    if digests is not None:
+        checksums.check_listed(digests, weight_map, served, partial(fail, INDEX))
     by_file: dict[str, list[str]] = {}
     for name, file in served.items():
         by_file.setdefault(file, []).append(name)
@@ -155,6 +164,9 @@ def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
         if not path.is_file():
             fail(file, names[0], f"shard file {file} on disk (listed in {INDEX})", "no file")
         header, data_bytes = read_header(path)
+        for name in header:
+            if weight_map.get(name) != file:
+                fail(file, name, f"only tensors {INDEX} lists in this shard", "a tensor it does not list here")
         for name in names:
             shape, dtype = specs[name]
             entry = header.get(name)
@@ -168,7 +180,7 @@ def check_headers(folder: Path, cfg: ModelConfig) -> dict[str, str]:
             want = torch.Size(shape).numel() * dtype.itemsize
             if end - begin != want:
                 fail(file, name, f"{want} data bytes", f"{end - begin}")
-    return served
+    return served, digests
 
 
 def without_dspark(cfg: ModelConfig) -> ModelConfig:

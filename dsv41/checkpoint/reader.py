@@ -1,8 +1,9 @@
 """A checkpoint folder opened for serving: validated config, tensors read slice by slice.
 
-``open_checkpoint`` checks ``config.json``, the index and every shard header, and builds the
-Engram token map from ``tokenizer.json`` (its size must be the config's compressed vocabulary),
-before anything is served. ``get`` serves a whole tensor or a block of its leading rows straight
+``open_checkpoint`` checks ``config.json``, the index and every shard header, builds the
+Engram token map from ``tokenizer.json`` (its size must be the config's compressed vocabulary)
+and, when the index lists a SHA-256 per tensor (``checksums``), hashes every served tensor's bytes
+against it, before anything is served. ``get`` serves a whole tensor or a block of its leading rows straight
 from the shard's memory map (pages of the file, which the OS may drop and read again: a checkpoint
 larger than free memory still serves), any other slice as a copy read through
 ``safe_open(...).get_slice``, and checks its values as read: BF16/FP32 finite, FP8 E4M3 payload
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dsv41.checkpoint import config_json
+from dsv41.checkpoint import checksums, config_json
 from dsv41.checkpoint.confine import folder_file
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.checkpoint.headers import DTYPES, INDEX, check_headers, fail, without_dspark
@@ -63,6 +64,7 @@ class Checkpoint:
         self.capacity = capacity or capacity_of(cfg)
         self._open: dict[str, object] = {}
         self._maps: dict[str, tuple] = {}
+        self.digests_listed = False
 
     @property
     def has_dspark(self) -> bool:
@@ -104,14 +106,28 @@ class Checkpoint:
         return t
 
 
+    def verify(self, digests: dict[str, str]) -> None:
+        """Every served tensor's stored bytes against its listed SHA-256 (one read of each shard);
+        the first that differs raises CheckpointError naming it."""
+        for name, file in self.files.items():
+            mapped, header, start = self._shard(file)
+            begin, end = header[name]["data_offsets"]
+            found = checksums.digest(memoryview(mapped)[start + begin:start + end])
+            if found != digests[name]:
+                fail(file, name, f"bytes whose sha256 is {digests[name][:16]}... as {INDEX} lists",
+                     f"{found[:16]}... (damaged, or another tensor's bytes)")
+
+    def _shard(self, file: str) -> tuple:
+        if file not in self._maps:
+            self._maps[file] = _map_shard(self.path / file)
+        return self._maps[file]
+
     def _mapped(self, file: str, name: str, index: tuple) -> torch.Tensor | None:
         """The rows [a, b) (or all) of a tensor as a view of the shard's map, None for other slices."""
         rows = index[0] if len(index) == 1 and isinstance(index[0], slice) and index[0].step is None else None
         if index != () and rows is None:
             return None
-        if file not in self._maps:
-            self._maps[file] = _map_shard(self.path / file)
-        mapped, header, start = self._maps[file]
+        mapped, header, start = self._shard(file)
         entry = header[name]
         dtype, shape = TORCH_DTYPES[entry["dtype"]], list(entry["shape"])
         begin, end = entry["data_offsets"]
@@ -152,11 +168,13 @@ def read_config(path) -> tuple[ModelConfig, Capacity]:
     return config_json.from_json(doc, path.name), config_json.capacity_from_json(doc)
 
 
-def open_checkpoint(path) -> Checkpoint:
-    """Validate a folder in the released layout (spec 03 §8); raises CheckpointError."""
+def open_checkpoint(path, verify: bool = True) -> Checkpoint:
+    """Validate a folder in the released layout (spec 03 §8); raises CheckpointError. verify: hash every
+    served tensor against the index's SHA-256 table (``checksums``) when it has one; ``digests_listed``
+    on the result says whether it had."""
     path = Path(path)
     declared, capacity = read_config(path)
-    files = check_headers(path, declared)
+    files, digests = check_headers(path, declared)
     cfg = declared if any(n.startswith("mtp.") for n in files) else without_dspark(declared)
     codec = TextCodec.load(path)
     try:
@@ -166,4 +184,8 @@ def open_checkpoint(path) -> Checkpoint:
     if compressed != cfg.engram_compressed_vocab_size:
         raise CheckpointError(f"{path / 'tokenizer.json'}: expected config.json's engram_compressed_vocab_size="
                               f"{cfg.engram_compressed_vocab_size} compressed token ids, found {compressed}")
-    return Checkpoint(path, cfg, files, token_map, declared, capacity)
+    ckpt = Checkpoint(path, cfg, files, token_map, declared, capacity)
+    ckpt.digests_listed = digests is not None
+    if verify and digests is not None:
+        ckpt.verify(digests)
+    return ckpt

@@ -15,21 +15,21 @@ import errno
 import json
 import os
 import secrets
-import shutil
+import signal
 import stat
 from dataclasses import replace
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsv41.checkpoint import config_json
+from dsv41.checkpoint import checksums, config_json
 from dsv41.checkpoint.chat import BOS, CONTROLS, EOS
 from dsv41.checkpoint.headers import INDEX
 from dsv41.checkpoint.text import TOKENIZER, TOKENIZER_CONFIG
 from dsv41.checkpoint.token_map import build_token_map
 from dsv41.config import ModelConfig
 from dsv41.capacity import Capacity
-from dsv41.outputs import write_output
+from dsv41.outputs import open_path, same_file, write_output
 from dsv41.weights import draw_checkpoint
 
 PAD = "<｜▁pad▁｜>"
@@ -70,16 +70,19 @@ def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Tokenizer:
     return tok
 
 
-def save_tensors(tensors, path: Path, shard_bytes: int):
-    """Sharded safetensors from (name, tensor) pairs, written as each shard fills (a new shard when
-    the next tensor would pass shard_bytes, so only one shard is held), then the index."""
+def save_tensors(tensors, folder: int, shard_bytes: int):
+    """Sharded safetensors from (name, tensor) pairs into the open ``folder``, written as each shard fills
+    (a new shard when the next tensor would pass shard_bytes, so only one shard is held), then the
+    index with each tensor's SHA-256 as stored (``checksums``)."""
     from safetensors.torch import save
 
-    shards, cur, size, total = [], {}, 0, 0
+    shards, cur, size, total, digests = [], {}, 0, 0, {}
 
     def flush():
         fname = f"model-{len(shards) + 1:05d}.safetensors"
-        write_output(path / fname, save(cur))
+        data = save(cur)
+        digests.update(checksums.shard_digests(data))
+        write_output(fname, data, dir_fd=folder)
         shards.append((fname, list(cur)))
 
     for name, t in tensors:
@@ -94,16 +97,19 @@ def save_tensors(tensors, path: Path, shard_bytes: int):
     weight_map = {}
     for i, (fname, names) in enumerate(shards):     # the released names: model-0000i-of-0000n
         final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(path / fname, path / final)      # inside the writer's own new folder
+        os.replace(fname, final, src_dir_fd=folder, dst_dir_fd=folder)
         weight_map.update(dict.fromkeys(names, final))
-    write_output(path / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    write_output(INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map,
+                                    checksums.KEY: {n: digests[n] for n in weight_map}}, indent=1), dir_fd=folder)
 
 
-def check_target(path: Path) -> None:
+def check_target(path: Path, folder: int | None = None) -> None:
     """OSError unless ``path`` is free for a new checkpoint: absent, or an empty writable real folder
-    (an existing checkpoint is never written over: its files could be links planted to anywhere)."""
+    (an existing checkpoint is never written over: its files could be links planted to anywhere).
+    folder: a handle on ``path``'s parent, where its name is looked up (the one the writer holds)."""
+    name = path.name if folder is not None else path
     try:
-        st = os.stat(path, follow_symlinks=False)
+        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
     except FileNotFoundError:
         return
     if stat.S_ISLNK(st.st_mode):
@@ -111,43 +117,126 @@ def check_target(path: Path) -> None:
                       str(path))
     if not stat.S_ISDIR(st.st_mode):
         raise OSError(errno.ENOTDIR, "exists and is not a folder", str(path))
-    if any(os.scandir(path)):
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+    try:
+        full = any(os.scandir(fd))
+    finally:
+        os.close(fd)
+    if full:
         raise OSError(errno.ENOTEMPTY, "is not empty; give a new or empty folder (nothing is written over)", str(path))
-    if not os.access(path, os.W_OK | os.X_OK):
+    if not os.access(name, os.W_OK | os.X_OK, dir_fd=folder):
         raise OSError(errno.EACCES, "is not writable", str(path))
 
 
 def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0, shard_bytes: int = 1 << 28,
                      capacity: Capacity | None = None) -> ModelConfig:
     """Write a test checkpoint folder; returns the config it holds (the preset with the token map's
-    compressed vocabulary). capacity: the limits its config.json keeps (default: the preset's). The files go into a new hidden folder beside ``path``, renamed to ``path``
-    when complete: a failure (a full disk, Ctrl-C) removes it and leaves nothing that looks like a
-    checkpoint. ``path`` must be absent or an empty folder (``check_target``); missing parents are made."""
+    compressed vocabulary). capacity: the limits its config.json keeps (default: the preset's).
+
+    The files go into a new hidden folder beside ``path``, renamed to ``path`` when complete: a failure
+    (a full disk, Ctrl-C, SIGTERM) removes it and leaves nothing that looks like a checkpoint. ``path``
+    must be absent or an empty folder (``check_target``); missing parents are made. No path is followed
+    twice: the parent is opened once, component by component without following a link
+    (``outputs.open_path``), and held for the whole run, as is the hidden folder; every file is created
+    and renamed relative to those handles, so a folder swapped for another or for a link mid-run
+    receives nothing. Before and after the final rename the handles must still be what the paths name
+    (``_in_place``); a swap is refused (OSError, nothing put in place, the work removed)."""
     if not os.fspath(path):     # Path("") is the current folder
         raise OSError(errno.ENOENT, "is empty; give the folder to write", "path")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    check_target(path)
-    tok = train_tokenizer(cfg.vocab_size)
-    _, compressed = build_token_map(tok, cfg.vocab_size, cfg.engram_pad_token_id)
-    cfg = replace(cfg, engram_compressed_vocab_size=compressed).validate()
-    work = path.parent / f".{path.name}.partial-{secrets.token_hex(6)}"
+    target = Path(os.path.abspath(path))
     try:
-        work.mkdir()        # exclusive: an existing name (or a link planted there) fails
+        parent = open_path(target.parent, make=True)
+        try:
+            check_target(target, parent)
+            tok = train_tokenizer(cfg.vocab_size)
+            _, compressed = build_token_map(tok, cfg.vocab_size, cfg.engram_pad_token_id)
+            cfg = replace(cfg, engram_compressed_vocab_size=compressed).validate()
+            _write_in_place(cfg, tok, target, parent, seed, shard_bytes, capacity)
+        finally:
+            os.close(parent)
+    except OSError as e:
+        if e.filename == str(target):       # named as the caller named it
+            raise OSError(e.errno, e.strerror, os.fspath(path)) from e
+        raise
+    return cfg
+
+
+def _write_in_place(cfg, tok, path: Path, parent: int, seed: int, shard_bytes: int, capacity) -> None:
+    work = f".{path.name}.partial-{secrets.token_hex(6)}"
+    try:
+        os.mkdir(work, 0o755, dir_fd=parent)    # exclusive: an existing name (or a link planted there) fails
+        folder = os.open(work, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from e
     try:
-        save_tensors(draw_checkpoint(cfg, seed), work, shard_bytes)
-        write_output(work / config_json.FILE, json.dumps(config_json.to_json(cfg, capacity), indent=1))
-        write_output(work / TOKENIZER, tok.to_str(pretty=True))
-        write_output(work / TOKENIZER_CONFIG, json.dumps(
+        save_tensors(draw_checkpoint(cfg, seed), folder, shard_bytes)
+        write_output(config_json.FILE, json.dumps(config_json.to_json(cfg, capacity), indent=1), dir_fd=folder)
+        write_output(TOKENIZER, tok.to_str(pretty=True), dir_fd=folder)
+        write_output(TOKENIZER_CONFIG, json.dumps(
             {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": True, "add_eos_token": False},
-            indent=1))
-        check_target(path)  # still free (the rename would replace an empty folder, or fail on a full one)
-        os.rename(work, path)
+            indent=1), dir_fd=folder)
+        _in_place(path, parent, work, folder)
+        check_target(path, parent)  # still free (the rename would replace an empty folder, or fail on a full one)
+        os.rename(work, path.name, src_dir_fd=parent, dst_dir_fd=parent)
+        try:
+            _in_place(path, parent, path.name, folder)
+        except OSError:     # swapped between the check and the rename: take ours back out of the way
+            if _holds(parent, path.name, folder):
+                os.rename(path.name, work, src_dir_fd=parent, dst_dir_fd=parent)
+            raise
     except BaseException as e:
-        shutil.rmtree(work, ignore_errors=True)
+        _discard(parent, work, folder)
         if isinstance(e, OSError) and e.filename != str(path):     # the hidden folder's names mean nothing
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
-    return cfg
+    finally:
+        os.close(folder)
+
+
+def _in_place(path: Path, parent: int, name: str, folder: int) -> None:
+    """OSError(ESTALE) unless ``path``'s parent, walked again from ``/``, is still the folder held open and
+    ``name`` in it is still the work folder held open: a folder swapped mid-run (for another, or for a
+    link) would put the checkpoint somewhere else than ``path``, or a link at it."""
+    try:
+        now = open_path(path.parent)
+    except OSError as e:
+        raise OSError(errno.ESTALE, f"{path.parent} was replaced while the checkpoint was written ({e.filename}: "
+                      f"{e.strerror}); nothing was put in place", str(path)) from None
+    try:
+        moved = not same_file(os.fstat(now), os.fstat(parent))
+    finally:
+        os.close(now)
+    if moved:
+        raise OSError(errno.ESTALE, f"{path.parent} was replaced by another folder while the checkpoint was "
+                      "written; nothing was put in place", str(path))
+    if not _holds(parent, name, folder):
+        raise OSError(errno.ESTALE, f"the work folder {path.parent / name} was replaced (by a link or another "
+                      "folder) while the checkpoint was written; nothing was put in place", str(path))
+
+
+def _discard(parent: int, work: str, folder: int) -> None:
+    """Remove what the run wrote, through the handles: the files in the work folder (wherever it is now),
+    then the folder itself when ``work`` in the held parent is still it. SIGINT and SIGTERM wait until
+    it is done, so a second signal cannot leave half of it behind."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        for name in os.listdir(folder):
+            try:
+                os.unlink(name, dir_fd=folder)
+            except OSError:
+                pass        # not a file of ours (a folder planted in it): left as it is
+        try:
+            if _holds(parent, work, folder):
+                os.rmdir(work, dir_fd=parent)
+        except OSError:
+            pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _holds(parent: int, name: str, folder: int) -> bool:
+    """Whether ``name`` in the folder ``parent`` is the folder ``folder`` (not a link, not another)."""
+    try:
+        return same_file(os.stat(name, dir_fd=parent, follow_symlinks=False), os.fstat(folder))
+    except FileNotFoundError:
+        return False

@@ -35,7 +35,38 @@ class UsageError(Exception):
     """A bad command line; the message starts with the flag it is about."""
 
 
+INTEGER = re.compile(r"-?[0-9]+")
+# a decimal number in ASCII, or float()'s words for the values a range check then names (nan, inf)
+DECIMAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|-?(nan|inf|infinity)", re.IGNORECASE)
+
+
+def ascii_int(text: str) -> int:
+    """An integer written in ASCII digits: int() also takes other scripts' digits ('٣'), '1_0' and
+    surrounding blanks, none of which a command line means as a number."""
+    if not INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (expected ASCII digits 0-9, "
+                                         "optionally after a minus sign)")
+    return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """A number written in ASCII (digits, one point, an exponent), as ``ascii_int`` for int."""
+    if not DECIMAL.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r} (expected a decimal number in ASCII "
+                                         "digits, e.g. 0.5 or 1e-3)")
+    return float(text)
+
+
 class Parser(argparse.ArgumentParser):
+    """Every dsv41 command's parser: one-line errors, no abbreviated flags (``--exec`` is not
+    ``--executor``: a prefix that later became ambiguous would change meaning), and every ``type=int``
+    or ``type=float`` argument parsed by ``ascii_int`` / ``ascii_float``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.register("type", int, ascii_int)
+        self.register("type", float, ascii_float)
+
     def error(self, message):
         """One line and exit status 2 (argparse prints the whole usage first, which buries the line)."""
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -67,6 +98,8 @@ APPLIES: dict[str, tuple[frozenset, Rule]] = {
     "--config": (ALL, ("does not apply with --checkpoint: its config.json is the config",
                        lambda a: a.checkpoint is None)),
     "--checkpoint": (ALL, None),
+    "--no-verify-checksums": (RUN, ("needs --checkpoint (it skips hashing the checkpoint's tensors)",
+                                    lambda a: a.checkpoint is not None)),
     "--layers": (ALL, ("does not apply with --checkpoint: its config.json says what was reduced",
                        lambda a: a.checkpoint is None)),
     "--experts": (ALL, ("does not apply with --checkpoint: its config.json says what was reduced",
@@ -189,6 +222,16 @@ def model_config(a):
     return cfg
 
 
+def warn_unverified(prog: str, a, ckpt) -> None:
+    """One line on stderr when a checkpoint is served whose index lists no SHA-256 per tensor (the
+    released one's, written by Hugging Face tools, has none): it is served, its tensors checked for
+    shape, dtype and values as read but not for being the bytes that were written."""
+    if a.verify_checksums and not ckpt.digests_listed:
+        print(f"{prog}: warning: --checkpoint: {os.path.join(a.checkpoint, 'model.safetensors.index.json')} lists "
+              "no sha256 per tensor, so damaged bytes that are still valid values cannot be told apart "
+              "(python -m dsv41.checkpoint.write lists them)", file=sys.stderr)
+
+
 def unreadable(e: OSError) -> str:
     """An OSError as 'FILE: cannot read (reason)'."""
     return f"{e.filename}: cannot read ({e.strerror or e})" if e.filename else f"cannot read ({e.strerror or e})"
@@ -259,11 +302,14 @@ def _max_total_tokens(a, cfg):
         return None
     if mode(a) == PLAN:
         return None if a.max_total_tokens >= 1 else f"must be >= 1 tokens, got {a.max_total_tokens}"
-    g = groups(a)
-    top = g * per_group(a) * max_context(a)
-    if not g <= a.max_total_tokens <= top:
-        return (f"must be in [{g}, {top}] tokens in the cache pools ({per_group(a)} request(s) per DP group x "
-                f"{max_context(a)} tokens each x {g} DP group(s), the default), got {a.max_total_tokens}")
+    from dsv41.engine.blocks import least_cache_tokens
+    g, context = groups(a), max_context(a)
+    top = g * per_group(a) * context
+    low = g * least_cache_tokens(cfg, per_group(a), context, a.capacity.prefill_max_tokens)
+    if not low <= a.max_total_tokens <= top:
+        return (f"must be in [{low}, {top}] tokens in the cache pools (at least one request of {context} tokens "
+                f"per DP group; at most {per_group(a)} request(s) per DP group x {context} tokens each x {g} "
+                f"DP group(s), the default), got {a.max_total_tokens}")
 
 
 def _new_tokens(a, cfg):

@@ -23,6 +23,25 @@ def command() -> str | None:
     return None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is so that it closes what it started, as Ctrl-C does."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def stopped(prog: str, e: KeyboardInterrupt, leave: bool) -> int:
+    """The one line of a command a Ctrl-C or SIGTERM ended, and its status (130, 143, as a shell reports
+    a process the signal ended); leave: exit now (``exit_now``: the process is the command's)."""
+    terminated = isinstance(e, Terminated)
+    print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+    status = 143 if terminated else 130
+    if leave:
+        exit_now(status)
+    return status
+
+
 def exit_now(status: int) -> None:
     """Exit after the atexit handlers (multiprocessing's among them: children joined, semaphores
     released), without the interpreter's module teardown, which took 2.5 s of the 5 s a signal may

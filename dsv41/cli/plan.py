@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 from dsv41.cli.args import on
 from dsv41.cli.modes import ALL, GRAPH_OR_PLAN, PLAN
 from dsv41.cli.trace import tracing_on
 from dsv41.engine.blocks import BlockManager
 from dsv41.plan.calibration import calibrated
-from dsv41.plan.explain import calibration_lines, explain_lines, sensitivity
+from dsv41.plan.explain import calibration_lines, explain_lines, operator_lines, sensitivity
 from dsv41.plan.latency import DISPATCH, PARTS, SCHEMES
 from dsv41.plan.profiles import PROFILES
 from dsv41.plan.roofline import profile
 from dsv41.plan.step import rows_per_request, run_plan
 from dsv41.telemetry.export import write_traces
-from dsv41.telemetry.session import DEFAULT_PROFILE
+from dsv41.telemetry.session import DEFAULT_PROFILE, resource_attributes
 from dsv41.telemetry.simulated import record_planned
 
 
@@ -45,6 +46,21 @@ def add_arguments(g):
                         "step: 1 + A + ... + A^drafts; default 0: one token per request per step)")
     g.add_argument("--dispatch", choices=DISPATCH, default="graph",
                    help="--plan: graph (one captured graph replay per step, default) or eager (one host issue per kernel)")
+    g.add_argument("--simulate", action="store_true",
+                   help="--plan: a serving run on a simulated clock: the engine's own scheduler over an executor "
+                        "that computes nothing, each step priced by the plan (docs/plan.md); prints what vLLM's "
+                        "bench serve prints")
+    g.add_argument("--num-prompts", type=int, default=1000, metavar="N", help="--simulate: requests (default 1000)")
+    g.add_argument("--random-input-len", type=int, default=1024, metavar="N",
+                   help="--simulate: prompt tokens after the shared prefix (default 1024)")
+    g.add_argument("--random-output-len", type=int, default=128, metavar="N",
+                   help="--simulate: tokens each request makes (EOS ignored; default 128)")
+    g.add_argument("--random-prefix-len", type=int, default=0, metavar="N",
+                   help="--simulate: tokens of a prefix every prompt shares (default 0)")
+    g.add_argument("--request-rate", type=float, default=float("inf"), metavar="R",
+                   help="--simulate: requests per second, Poisson arrivals (default inf: all at once)")
+    g.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                   help="--simulate: requests in flight at most (default: no limit)")
     g.add_argument("--scheme", choices=SCHEMES, default="all_to_all",
                    help="--plan: how the stack hands a layer's data between cards: all_to_all (attention rows "
                         "gathered and scattered, MoE rows dispatched and combined: DP attention with DeepEP; default) "
@@ -61,6 +77,14 @@ APPLIES = {
     "--acceptance": (frozenset({PLAN}), ("needs --graph decode (a prefill verifies no drafts)",
                                          lambda a: a.graph == "decode")),
     "--explain": (frozenset({PLAN}), None),
+    "--simulate": (frozenset({PLAN}), ("needs --graph decode (a serving run decodes)", lambda a: a.graph == "decode")),
+    **{f: (frozenset({PLAN}), ("needs --simulate", lambda a: a.simulate))
+       for f in ("--num-prompts", "--random-input-len", "--random-output-len", "--random-prefix-len", "--request-rate",
+                 "--max-concurrency")},
+    # a run's step budget, cache and prefix cache; with --plan --simulate the simulated engine's
+    "--max-num-batched-tokens": (ALL, ("needs --simulate with --plan", lambda a: not a.plan or a.simulate)),
+    "--enable-prefix-caching": (ALL, ("needs --simulate with --plan", lambda a: not a.plan or a.simulate)),
+    "--no-enable-prefix-caching": (ALL, ("needs --simulate with --plan", lambda a: not a.plan or a.simulate)),
     "--device-profile": (GRAPH_OR_PLAN, ("needs --trace (or OTEL_EXPORTER_OTLP_ENDPOINT)",
                                          lambda a: a.plan or tracing_on(a))),
 }
@@ -104,6 +128,11 @@ GB = 1e9
 
 def plan_command(args, cfg, topo, say) -> int:
     say(f"dsv41 plan {args.graph}: config={cfg.name} tp={topo.tp} dp={topo.dp} ep={topo.ep} wiring={args.wiring}")
+    if args.simulate:
+        result = simulate_command(args, cfg, topo, say)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     report = plan_report(args, cfg, topo, say)
     if args.json:
         print(json.dumps({"graph": args.graph, "config": cfg.name,
@@ -160,6 +189,8 @@ def plan_report(args, cfg, topo, say) -> dict:
             say(line)
     say(f"  critical path (ms): {_parts(report['breakdown_us'])}")
     if args.explain:
+        for line in operator_lines(report["operators"], report["critical_path_us_by_kernel"]):
+            say(line)
         rows = sensitivity(planned)
         for line in explain_lines(rows, report["predicted_step_us"]):
             say(line)
@@ -169,3 +200,37 @@ def plan_report(args, cfg, topo, say) -> dict:
     if args.trace:
         say(f"  simulated timeline: {report['traces']['perfetto']}")
     return report
+
+
+def simulate_command(args, cfg, topo, say) -> dict:
+    """A bench-serve workload through the engine's scheduler on the simulated clock (``plan.simulate``)."""
+    from dsv41.cli.args import cache_tokens
+    from dsv41.plan.simulate import PlaceholderDrafter, PlanPricer, SimulatedEngine, Workload, report_lines, simulate
+    work = Workload(args.num_prompts, args.random_input_len, args.random_output_len, args.request_rate,
+                    args.max_concurrency, args.random_prefix_len, args.seed)
+    work.check()
+    drafts = args.draft_tokens if args.draft_tokens is not None else (
+        args.capacity.decode_rows_per_request - 1 if args.acceptance else 0)
+    budget = args.max_num_batched_tokens or args.capacity.prefill_max_tokens
+    context = args.context or min(cfg.max_position_embeddings,
+                                  args.random_prefix_len + args.random_input_len + args.random_output_len // 2)
+    price = PlanPricer(cfg, topo, args.device_profile, context, drafts, budget, args.capacity.max_batch_per_dp,
+                       args.dispatch, args.scheme)
+    engine = SimulatedEngine(cfg, args.capacity, price, topo.dp, cache_tokens=cache_tokens(args),
+                             prefix_caching=args.enable_prefix_caching, acceptance=args.acceptance, seed=args.seed)
+    t0 = time.perf_counter()
+    metrics, _ = simulate(engine, work, PlaceholderDrafter(drafts) if drafts else None, budget)
+    seconds = time.perf_counter() - t0
+    for line in report_lines(metrics):
+        say(line)
+    traces = None
+    if args.trace:      # files only when asked, as in every other mode
+        from dsv41.plan.simulate import record_simulated
+        resource = resource_attributes(cfg, topo, "simulated", args.device_profile)
+        traces = write_traces(args.trace, record_simulated(engine, price, resource), resource)
+        say(f"  simulated run: {traces['perfetto']}")
+    say(f"  {len(engine.steps)} steps simulated in {seconds:.1f} s ({len(price.anchors)} planned steps priced them; "
+        f"profile {args.device_profile}, {drafts} drafts at acceptance {args.acceptance:g})")
+    return {**metrics, "steps": len(engine.steps), "device_profile": args.device_profile, "drafts": drafts,
+            "acceptance": args.acceptance, "planned_steps": len(price.anchors), "simulated_in_s": seconds,
+            **({"traces": traces} if traces else {})}

@@ -21,8 +21,12 @@ def prompts_for(cfg, batch: int, length: int, seed: int) -> list[list[int]]:
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str]:
-    """--prompt values then --prompt-file lines (blank lines skipped); the file must be UTF-8 text."""
+    """--prompt values then --prompt-file lines (blank lines skipped); the file must be UTF-8 text. An
+    empty --prompt is refused: it would run as BOS alone, an answer to nothing the user wrote."""
     out = list(prompts or [])
+    for i, text in enumerate(out):
+        if not text:
+            raise PromptError(f"--prompt: prompt {i} is empty; give the text to continue")
     if prompt_file is None:
         return out
     try:

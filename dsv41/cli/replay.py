@@ -6,10 +6,9 @@ the backend gives now, pypto's for pypto-backed nodes). Exit status 1 when the n
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+from dsv41.cli.args import Parser
 from dsv41.cluster.state import CardState
 from dsv41.kernels import check
 from dsv41.kernels.kinds import KINDS
@@ -37,7 +36,7 @@ def replay(path: str, rerun: bool = False) -> tuple[dict, check.Verdict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv41.replay", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m dsv41.replay", description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--rerun", action="store_true", help="recompute the backend's value instead of the saved one")
     a = p.parse_args(argv)

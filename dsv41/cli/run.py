@@ -21,7 +21,7 @@ import torch
 from dsv41.checkpoint.errors import CheckpointError
 from dsv41.cli import args as rules
 from dsv41.cli import plan, sampling, speculative, trace
-from dsv41.cli.interrupt import exit_now
+from dsv41.cli.interrupt import raise_terminated, stopped
 from dsv41.cli.modes import max_context, topology
 from dsv41.cli.progress import Progress, tolerant_streams
 from dsv41.cli.prompts import prompts_for
@@ -59,6 +59,9 @@ def add_model_arguments(p) -> None:
     rules.add_reductions(p)
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="serve a checkpoint folder in the released layout (its config.json replaces --config)")
+    p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="with --checkpoint: skip hashing every tensor against the SHA-256 its index lists "
+                        "(a start-up read of the whole folder: 0.4-0.5 GB/s on a 2-core machine, docs/checkpoints.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor", choices=EXECUTORS, default=DEFAULT_EXECUTOR,
                    help="threads (default) was the fastest in most measured runs; on a quiet machine try sync "
@@ -99,8 +102,9 @@ def add_prefix_caching_argument(p, default: bool):
                         "(default: %s)" % ("on" if default else "off"))
 
 
-MODEL_FLAGS = ("--config", "--layers", "--experts", "--engram-rows", "--checkpoint", "--seed", "--executor", "--tp",
-               "--dp", "--ep", "--granularity", "--backend", "--wiring", "--address", "--connect-timeout", "--debug", "--help")
+MODEL_FLAGS = ("--config", "--layers", "--experts", "--engram-rows", "--checkpoint", "--no-verify-checksums", "--seed",
+               "--executor", "--tp", "--dp", "--ep", "--granularity", "--backend", "--wiring", "--address",
+               "--connect-timeout", "--debug", "--help")
 
 
 def build_parser() -> rules.Parser:
@@ -163,14 +167,6 @@ def _check_values(a) -> None:
         rules.check_environment()
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the run is so that it closes what it started, as Ctrl-C does."""
-
-
-def _terminate(signum, frame):
-    raise Terminated()
-
-
 def main(argv=None) -> int:
     tolerant_streams()
     parser = build_parser()
@@ -178,7 +174,7 @@ def main(argv=None) -> int:
         parser.error("stdout is closed; the run's answer has nowhere to go (redirect it, e.g. to a file)")
     args = parse_args(argv, parser)
     main_thread = threading.current_thread() is threading.main_thread()   # where signals are handled
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None
     try:
         return run(args)
     except ConnectError as e:
@@ -188,12 +184,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:
         if args.debug:
             raise
-        terminated = isinstance(e, Terminated)
-        print(f"{parser.prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
-        status = 143 if terminated else 130
-        if main_thread and argv is None:    # the process is the command's: leave now (below)
-            exit_now(status)
-        return status
+        return stopped(parser.prog, e, leave=main_thread and argv is None)    # the process is the command's
     except Exception as e:   # a failure past the checks: one line, the traceback only with --debug
         if args.debug:
             raise
@@ -209,11 +200,13 @@ def run(args) -> int:
     if args.checkpoint is not None:
         from dsv41.checkpoint.reader import open_checkpoint
         try:
-            ckpt = open_checkpoint(args.checkpoint)   # every header checked: nothing is served from a bad folder
+            # every header checked (and every tensor's digest): nothing is served from a bad folder
+            ckpt = open_checkpoint(args.checkpoint, args.verify_checksums)
         except CheckpointError as e:
             return _refuse(e, args)
         except OSError as e:      # a file of the folder that cannot be read (permissions)
             return _refuse(rules.unreadable(e), args)
+        rules.warn_unverified(PROG, args, ckpt)
         if args.speculative == "dspark":
             try:
                 ckpt.require_dspark()

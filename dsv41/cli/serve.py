@@ -28,6 +28,7 @@ from dsv41.cli import interrupt, run, speculative
 from dsv41.cli.modes import DIST, RUN, groups, topology
 from dsv41.cli.progress import Progress
 from dsv41.cluster.connect import ConnectError
+from dsv41.serving.structured import COMPILE_BUDGET_S
 
 PROG = "python -m dsv41.serve"
 DEFAULT_CONTEXT = 512
@@ -43,7 +44,8 @@ SERVE_APPLIES = {**{f: rules.APPLIES[f] for f in run.MODEL_FLAGS}, **speculative
                  **dict.fromkeys(("--host", "--port", "--max-batch", "--max-context", "--max-queue",
                                   "--max-body-bytes", "--served-model-name", "--read-timeout",
                                   "--shutdown-timeout", "--metrics-names", "--max-num-batched-tokens",
-                                  "--max-total-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching"),
+                                  "--max-total-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                                  "--require-cache-salt", "--grammar-compile-timeout"),
                                  (RUN, None)),
                  "--chat-format": (RUN, ("needs --checkpoint (chats need its tokenizer)", lambda a: a.checkpoint)),
                  "--dashboard": (DIST, None)}     # the server runs until stopped: no --hold
@@ -63,6 +65,13 @@ def build_parser() -> rules.Parser:
                         "model's limit)")
     run.add_budget_arguments(g)
     run.add_prefix_caching_argument(g, True)
+    g.add_argument("--require-cache-salt", action="store_true",
+                   help="refuse a request without vLLM's cache_salt (400): for a server several tenants share, "
+                        "each sending its own salt, so that no tenant's prompt shares cached spans with "
+                        "another's (whose cached_tokens would tell it what the other sent)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=COMPILE_BUDGET_S,
+                   help="seconds a structured output's new constraint may take to compile (in a process of its "
+                        "own, killed then: the request is a 400) (default: %(default)s)")
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot; one more is answered 429 (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -125,6 +134,11 @@ def _read_timeout(a, cfg):
         return f"must be in (0, 3600] seconds, got {a.read_timeout}"
 
 
+def _grammar_compile_timeout(a, cfg):
+    if not 0 < a.grammar_compile_timeout <= 3600:
+        return f"must be in (0, 3600] seconds, got {a.grammar_compile_timeout}"
+
+
 def _shutdown_timeout(a, cfg):
     if not 0 <= a.shutdown_timeout <= 3600:
         return f"must be in [0, 3600] seconds, got {a.shutdown_timeout}"
@@ -142,7 +156,8 @@ def _sizes(a, cfg):
 CHECKS = [(f, c) for f, c in rules.CHECKS if f in SERVE_APPLIES and f != "--dashboard"] + [
     ("--port", _port), ("--max-batch", _max_batch), ("--max-context", _max_context), ("--max-queue", _max_queue),
     ("--max-body-bytes", _max_body_bytes), ("--read-timeout", _read_timeout),
-    ("--shutdown-timeout", _shutdown_timeout)] + speculative.CHECKS + rules.LAST
+    ("--shutdown-timeout", _shutdown_timeout), ("--grammar-compile-timeout", _grammar_compile_timeout)
+] + speculative.CHECKS + rules.LAST
 
 
 def parse_args(argv=None, parser: rules.Parser | None = None):
@@ -185,7 +200,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 class Signals:
     """How the command meets SIGINT and SIGTERM, from its first line to its last. While it starts
-    (arguments, tokenizer, engine) a signal interrupts it (``KeyboardInterrupt``, run's
+    (arguments, tokenizer, engine) a signal interrupts it (``KeyboardInterrupt``, interrupt's
     ``Terminated`` for SIGTERM) and is remembered, so that whatever the interruption broke on its
     way out (an import cut in half fails later with another error) still ends in one line and the
     signal's status. Once the server is built, a signal only asks it to stop (``serving``: uvicorn's
@@ -203,7 +218,7 @@ class Signals:
 
     def _interrupt(self, signum, frame):
         self.received = self.received or signum
-        raise run.Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        raise interrupt.Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
     def serving(self, server) -> None:
         self._set(server.handle_exit)
@@ -277,9 +292,10 @@ def serve(args, signals: Signals) -> int:
     if args.checkpoint is not None:
         from dsv41.checkpoint.reader import open_checkpoint
         try:
-            ckpt = open_checkpoint(args.checkpoint)
+            ckpt = open_checkpoint(args.checkpoint, args.verify_checksums)
         except OSError as e:        # a file of the folder that cannot be read (permissions)
             raise CheckpointError(rules.unreadable(e)) from e
+        rules.warn_unverified(PROG, args, ckpt)
         if args.speculative == "dspark":
             ckpt.require_dspark()            # a CheckpointError: one line, exit 2
     cfg = rules.resolve_model(args, ckpt)
@@ -293,7 +309,8 @@ def serve(args, signals: Signals) -> int:
     name = args.served_model_name or (cfg.name if ckpt is None else os.path.basename(os.path.abspath(args.checkpoint)))
     # a prompt of any length up to the context is fed in chunks: max_model_len is what is enforced
     limits = Limits(max_context=args.max_context, max_prompt=args.max_context - 1,
-                    vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes)
+                    vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes,
+                    require_cache_salt=args.require_cache_salt)
     drafter = speculative.drafter(args, engine)
     cache = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(engine.blocks_in_use()[1]),
              "enable_prefix_caching": str(engine.prefix_caching)}
@@ -301,7 +318,7 @@ def serve(args, signals: Signals) -> int:
     batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, args.max_num_batched_tokens, drafter)
     batcher.start()
     try:
-        server = Server(batcher, args.codec, name, limits, metrics, args.read_timeout)
+        server = Server(batcher, args.codec, name, limits, metrics, args.read_timeout, args.grammar_compile_timeout)
         host, port = args.socket.getsockname()[:2]
         answers = "token ids only (no --checkpoint)" if args.codec is None else \
             f"text, chat format {args.codec.chat_format}"

@@ -3,17 +3,21 @@
 Random weights of a preset, reduced as a run reduces it (``--layers``, ``--experts``,
 ``--engram-rows``: ``ModelConfig.reduced``); ``dsv41.checkpoint.writer`` writes the folder and says
 what it holds. FLASH is written only reduced to what this disk holds. DIR must be new or an empty
-folder: the checkpoint is written beside it and renamed into place when complete.
+folder: the checkpoint is written beside it and renamed into place when complete; Ctrl-C or SIGTERM
+removes what was written and ends with one line and status 130 / 143.
 """
 from __future__ import annotations
 
 import math
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 from dsv41.checkpoint.writer import check_target, write_checkpoint
 from dsv41.cli.args import MAX_SEED, Parser, UsageError, add_reductions, resolve_model
+from dsv41.cli.interrupt import raise_terminated, stopped
 from dsv41.config import PRESETS
 from dsv41.plan.sizing import checkpoint_bytes
 
@@ -63,15 +67,22 @@ def main(argv=None) -> int:
     base = _existing_ancestor(a.path)
     if base != os.path.abspath(a.path) and not os.path.isdir(base):
         p.error(f"path: {base} is a file; expected a folder to write into")
+    main_thread = threading.current_thread() is threading.main_thread()   # where signals are handled
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None
     try:
         check_target(Path(a.path))      # before the sizing: a folder in the way is named first
         need, free = checkpoint_bytes(cfg), shutil.disk_usage(base).free
         if need > free:
             p.error(f"--config: {cfg.name} is {size(need)} of tensors and the disk has {size(free)} free; "
                     "reduce it with --layers, --experts or --engram-rows")
-        cfg = write_checkpoint(cfg, a.path, a.seed, int(a.shard_mb * 1e6))
+        cfg = write_checkpoint(cfg, a.path, a.seed, int(a.shard_mb * 1e6))   # removes its work when stopped
     except OSError as e:
         p.error(f"path: cannot write {e.filename or a.path}: {e.strerror}")
+    except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM (raise_terminated)
+        return stopped(PROG, e, leave=main_thread and argv is None)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(f"wrote {cfg.name} checkpoint (seed {a.seed}, engram_compressed_vocab_size "
           f"{cfg.engram_compressed_vocab_size}) to {a.path}")
     return 0

@@ -65,8 +65,11 @@ def replay(engine, groups: list[int]) -> tuple[int, int, int]:
     fresh = {g: RequestTable(engine.cfg, tables[g].max_batch, tables[g].max_context, tables[g].token_map,
                              tables[g].cache_tokens, tables[g].blocks.cache is not None, g, tables[g].capacity)
              for g in groups}
-    work = {g: [Part(rid, req.tokens[i:i + limit], start=i == 0) for rid, req in tables[g].requests.items()
-                for i in range(0, len(req.tokens), limit)] for g in groups}
+    # each request under its own chain start (its prompt length, its salt): the spans it registers
+    # again are the ones its first computation registered
+    work = {g: [Part(rid, req.tokens[i:i + limit], start=i == 0, prompt_len=req.prompt_len if i == 0 else None,
+                     cache_root=req.cache_root)
+                for rid, req in tables[g].requests.items() for i in range(0, len(req.tokens), limit)] for g in groups}
     tokens = steps = 0
     while any(work.values()):
         take = {g: pack(work[g], limit) for g in groups if work[g]}

@@ -263,3 +263,17 @@ class BlockManager:
         total = self.window_blocks + sum(self.compressed_blocks.values()) + self.state_blocks
         free = sum(self.free_blocks(k) for k in ["window", "state", *self.pools.compressed])
         return total - free, total
+
+
+def least_cache_tokens(cfg: ModelConfig, max_batch: int, context: int, step_rows: int | None = None) -> int:
+    """The fewest tokens a DP group's pools may be sized to hold (``BlockManager``'s cache_tokens) for
+    one request of ``context`` tokens to fit in them alone: with fewer, that request never fits, and
+    a server would fail it at its first step. Found by halving, on the pools' own arithmetic."""
+    low, high = 1, max_batch * context
+    while low < high:
+        mid = (low + high) // 2
+        if BlockManager(cfg, max_batch, context, mid, step_rows=step_rows).holds(context):
+            high = mid
+        else:
+            low = mid + 1
+    return low

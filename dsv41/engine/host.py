@@ -18,7 +18,7 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.capacity import Capacity
 from dsv41.engine.layout import Part, StepLayout
-from dsv41.engine.prefix_cache import Hit, span_hashes
+from dsv41.engine.prefix_cache import Hit, chain_start, span_hashes
 from dsv41.engine.requests import Planned, RequestTable, Started, StepInputs
 from dsv41.engine.routing import Router, Split
 from dsv41.engine.sequence import Sequence
@@ -123,14 +123,16 @@ class HostState:
         """Whether a DP group's free blocks hold these needs together."""
         return self.tables[group].blocks.fits(needs)
 
-    def cached_prefixes(self, tokens: list[int], min_feed: int = 1) -> list[Hit]:
-        """Per DP group, the longest prefix of tokens its prefix cache holds, leaving at least
-        min_feed tokens to feed (empty with prefix caching off). Each group caches what its own pools
-        hold; the tokens are hashed once for all of them."""
+    def cached_prefixes(self, tokens: list[int], prompt_len: int, min_feed: int = 1,
+                        salt_root: bytes = b"") -> list[Hit]:
+        """Per DP group, the longest prefix of tokens (a request's, whose prompt has prompt_len tokens,
+        under its cache salt's root) its prefix cache holds, leaving at least min_feed tokens to feed
+        (empty with prefix caching off). Each group caches what its own pools hold; the tokens are
+        hashed once for all of them."""
         caches = [t.blocks.cache for t in self.tables]
         if caches[0] is None:
             return [Hit() for _ in caches]
-        hashes = span_hashes(tokens, caches[0].span)
+        hashes = span_hashes(tokens, caches[0].span, chain_start(caches[0].cfg, prompt_len, salt_root))
         return [c.lookup(tokens, len(tokens) - min_feed, hashes) for c in caches]
 
     # ---- a step ----------------------------------------------------------------------------------

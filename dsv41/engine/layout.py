@@ -31,6 +31,11 @@ class Part:
     #                                             it shares those pages and feeds only its tokens after them
     group: int | None = None                    # the DP group a starting request goes to (the scheduler's
     #                                             cache-aware choice, ``Router.choose``); None: the least loaded
+    prompt_len: int | None = None               # a starting request's whole prompt (its later chunks included;
+    #                                             a recompute's rows past it are generated tokens); None: its
+    #                                             cached prefix and tokens are the whole prompt
+    cache_root: bytes = b""                     # a starting request's cache salt's root (``prefix_cache.root``):
+    #                                             it shares only spans hashed from it
 
 
 class StepLayout:

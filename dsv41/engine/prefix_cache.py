@@ -20,6 +20,14 @@ So the span is the least common multiple of the compressed pages' token spans, r
 back one window: 2 x block_size for V4.1 (32 tokens on TINY, 256 on FLASH). Nothing is recomputed
 or copied at a cut and nothing is written into a shared page.
 
+A row's bits also depend on its request's prompt length where that is shorter than the window: the
+attention lists min(prompt, window) window slots on a prompt's rows and the whole window after
+(``ops.metadata``), and rounds per 64-slot tile of that list. So the hash chain of a prompt shorter
+than the window starts from its length (``chain_start``): its spans (all past its prompt, since a span
+reaches back a window) are found only by a request with the same prompt length, its own recompute
+after preemption, and never by a longer prompt, whose one-step prefill lists the whole window on
+those rows. Prompts of a window or more share one chain.
+
 A cached *entry* is one span of a prefix, keyed by a chain hash of the tokens up to its end (as
 vLLM's block hashes): its compressed pages and the window pages a cut at its end reads. Blocks are
 reference counted by the requests holding them; a block nobody holds stays in its pool's LRU with
@@ -46,13 +54,31 @@ def span(cfg: ModelConfig) -> int:
 
 
 def chain(parent: bytes, tokens: list[int]) -> bytes:
-    """The hash of a span given the hash of the prefix before it."""
+    """The hash of a span given the hash of the prefix before it (the first span's parent: the root)."""
     return hashlib.blake2b(parent + array.array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-def span_hashes(tokens: list[int], size: int) -> list[bytes]:
-    """The chained hash of each whole span of ``size`` tokens (the same in every DP group's cache)."""
-    out, parent = [], b""
+def root(salt: str | None) -> bytes:
+    """The root of a cache salt: b"" unsalted, else a hash of vLLM's ``cache_salt`` (its own domain,
+    so no salt's root is a span's hash). Every span hash chains from it (``chain_start``), so prompts under
+    two salts never share a span, and under one salt share as unsalted ones do."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"dsv41-cache-salt").digest()
+
+
+def chain_start(cfg: ModelConfig, prompt_len: int, salt_root: bytes = b"") -> bytes:
+    """The parent of the first span of a request whose prompt has prompt_len tokens, under its salt's
+    root: the root itself for a prompt of a window or more, else chained with the prompt's length
+    (module docstring) as a two-token pseudo-span (-1, prompt_len), which no real span (whole spans of
+    token ids >= 0) can hash to."""
+    return salt_root if prompt_len >= cfg.sliding_window else chain(salt_root, [-1, prompt_len])
+
+
+def span_hashes(tokens: list[int], size: int, parent: bytes = b"") -> list[bytes]:
+    """The chained hash of each whole span of ``size`` tokens (the same in every DP group's cache),
+    from the chain's start ``parent``."""
+    out = []
     for i in range(len(tokens) // size):
         parent = chain(parent, tokens[i * size:(i + 1) * size])
         out.append(parent)
@@ -98,11 +124,12 @@ class PrefixCache:
         return out
 
     # ---- lookups -----------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], limit: int, hashes: list[bytes] | None = None) -> Hit:
+    def lookup(self, tokens: list[int], limit: int, hashes: list[bytes] | None = None, root: bytes = b"") -> Hit:
         """The longest cached prefix of tokens no longer than limit (a multiple of the span), and
-        the spans of tokens past it; hashes: the tokens' ``span_hashes``, when already computed."""
+        the spans of tokens past it; hashes: the tokens' ``span_hashes`` from ``root`` (the request's
+        ``chain_start``), when already computed."""
         hit = Hit()
-        for i, parent in enumerate(span_hashes(tokens, self.span) if hashes is None else hashes):
+        for i, parent in enumerate(span_hashes(tokens, self.span, root) if hashes is None else hashes):
             if not hit.ahead and (i + 1) * self.span <= limit and parent in self.entries:
                 hit.hashes.append(parent)
             else:
@@ -175,7 +202,8 @@ class PrefixCache:
         a span already cached (computed twice) keeps the first copy, seq's own stays its own."""
         while (len(seq.hashes) + 1) * self.span <= seq.kv_len:
             i = len(seq.hashes)
-            h = chain(seq.hashes[-1] if i else b"", seq.tokens[i * self.span:(i + 1) * self.span])
+            h = chain(seq.hashes[-1] if i else chain_start(self.cfg, seq.prompt_len, seq.cache_root),
+                      seq.tokens[i * self.span:(i + 1) * self.span])
             seq.hashes.append(h)
             if h in self.entries:
                 continue

@@ -34,6 +34,7 @@ class Request:
     feed: list[int] = field(default_factory=list)   # tokens still to feed before it decodes (prompt chunks)
     prefix: list[int] = field(default_factory=list)  # the cached prefix its first step reuses (prefix caching)
     cached: int = 0               # prompt tokens its first admission found cached (the answer's usage)
+    cache_root: bytes = b""       # its prefix-cache root: its cache salt's (prefix_cache.root), b"" unsalted
     saved: Sequence | None = None  # the sampling state it holds while preempted or fed in chunks
     cancelled: bool = False
     finished: bool = False

@@ -18,6 +18,7 @@ from dsv41.config import ModelConfig
 from dsv41.engine.blocks import BlockManager, Reservation
 from dsv41.capacity import Capacity, capacity_of
 from dsv41.engine.layout import Part, StepLayout
+from dsv41.engine.prefix_cache import chain_start
 from dsv41.engine.sequence import GREEDY, Sequence
 from dsv41.ops import metadata as md_ops
 from dsv41.ops.engram import default_token_map, hash_ids
@@ -122,6 +123,10 @@ class RequestTable:
             rid, toks, d = part.id, part.tokens, part.drafts
             if part.cached and (not part.start or self.blocks.cache is None):
                 raise ValueError("cached: only a request this step starts reuses a cached prefix (prefix caching on)")
+            if part.prompt_len is not None and (not part.start or not isinstance(part.prompt_len, int)
+                                                or part.prompt_len < 1):
+                raise ValueError(f"prompt_len: only a request this step starts gives one, an int >= 1, "
+                                 f"got {part.prompt_len!r}")
             if not toks:
                 raise ValueError("token_ids: every request in a step needs at least one token")
             bad = [t for t in list(toks) + d if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
@@ -169,10 +174,11 @@ class RequestTable:
                     continue
                 params, c = part.sampling or GREEDY, part.cached or []
                 seed = RequestGenerator(params.seed).seed if not params.greedy else 0
-                seq = Sequence(part.id, list(c), sampling=params, seed=seed, prompt_len=len(c) + len(part.tokens),
-                               group=self.group)
+                prompt = len(c) + len(part.tokens) if part.prompt_len is None else part.prompt_len
+                seq = Sequence(part.id, list(c), sampling=params, seed=seed, prompt_len=prompt, group=self.group,
+                               cache_root=part.cache_root)
                 if c:
-                    hit = self.blocks.cache.lookup(c, len(c))
+                    hit = self.blocks.cache.lookup(c, len(c), root=chain_start(self.cfg, prompt, part.cache_root))
                     if hit.length != len(c):
                         raise ValueError(f"cached: {len(c)} tokens asked, {hit.length} of them cached")
                     self.blocks.attach(seq, hit, res)
@@ -194,7 +200,8 @@ class RequestTable:
         kv = torch.tensor([s.kv_len for s in seqs], dtype=torch.int32)
         md = md_ops.lower(cfg, qsl, kv, self._window_table(seqs), self._compressed_tables(seqs),
                           {s: torch.tensor([[q.state_block] for q in seqs], dtype=torch.int32)
-                           for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2})
+                           for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2},
+                          torch.tensor([s.prompt_len for s in seqs], dtype=torch.int32))
         hashes = {layer: [] for layer in cfg.engram_layer_ids}
         keep = cfg.engram_max_ngram_size - 1       # the n-gram reaches this many tokens back
         for seq, f in zip(seqs, fed):

@@ -223,7 +223,8 @@ class Scheduler:
             if len(self.running) + len(placed) >= self.max_batch:
                 break
             feed = req.history[:-1] if req.made else req.prompt
-            hits = [None] * host.dp if self.context else host.cached_prefixes(feed, self.min_feed)
+            hits = [None] * host.dp if self.context else host.cached_prefixes(feed, len(req.prompt), self.min_feed,
+                                                                               req.cache_root)
             reach = [0 if h is None else self._reach(h, len(feed), computing[g]) for g, h in enumerate(hits)]
             best, least = host.place(reach, per_group)
             outcome = None
@@ -296,7 +297,8 @@ class Scheduler:
                 start = req in new and not self.context
                 parts.append(Part(req.id, tokens, drafts[i] if drafts else [], probs[i] if probs else None,
                                   self._params(req) if start else None, start,
-                                  req.prefix if start and req.prefix else None, placed[req.id] if start else None))
+                                  req.prefix if start and req.prefix else None, placed[req.id] if start else None,
+                                  len(req.prompt) if start else None, req.cache_root))
             out = self.engine.run(parts, "prefill")
         except Exception as e:
             for rid in drawn:

@@ -22,13 +22,14 @@ class Sequence:
     sampling: SamplingParams = GREEDY
     seed: int = 0                           # the request's generator: draw n is seeded by (seed, n)
     drawn: int = 0                          # draws made so far (temperature > 0 tokens draw once each)
-    prompt_len: int = 0                     # tokens of the first step (the rest were generated)
+    prompt_len: int = 0                     # tokens of its prompt (the rest were generated)
     matcher: object = None                  # its grammar's state (made from sampling.grammar)
     group: int = 0                          # the DP group whose table and caches hold it
     # started at a drawn context: no history to recompute from, nothing to cache (not host state a
     # prefill of the same history would differ in)
     from_context: bool = field(default=False, compare=False)
     hashes: list = field(default_factory=list, compare=False)  # chain hashes of its completed prefix-cache spans
+    cache_root: bytes = b""                 # their root: its cache salt's (prefix_cache.root), b"" unsalted
     drafted: tuple | None = field(default=None, compare=False)  # DSpark's block of its last step: (tokens, confidences, probs)
 
     def __post_init__(self):

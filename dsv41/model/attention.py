@@ -16,7 +16,6 @@ from dsv41.ops.attention import slot_list, sparse_attention_cached
 from dsv41.ops.compressor import compress_ratio1, compress_ratio2, index_key
 from dsv41.ops.indexer import (candidate_mask, index_query, index_scores, physical_rows,
                                score_chunks, topk_positions)
-from dsv41.ops.metadata import window_list_width
 from dsv41.ops.o_proj import o_proj_partial, reduce_partials
 from dsv41.ops.packed import matrix
 from dsv41.ops.projections import kv_proj, q_proj
@@ -156,7 +155,7 @@ class Attention:
         if self.spec.mode != SWA:
             compressed = caches.read(cache.compressed(self.spec.kv_source))
             picked = torch.stack([topk_rows.long(), torch.ones_like(topk_rows, dtype=torch.long)], -1)
-            rows, _ = slot_list(rows, rows[..., 0] >= 0, picked, topk_rows >= 0, window_list_width(md))
+            rows, _ = slot_list(rows, rows[..., 0] >= 0, picked, topk_rows >= 0, md.window_list_widths)
         # this card's heads when the weights are a TP shard
         return sparse_attention_cached(q, caches.read(self.window_cache), compressed, rows[..., 0], rows[..., 1] == 1,
                                        self.w("attn_sink"), self.cfg.head_dim ** -0.5)

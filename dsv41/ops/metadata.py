@@ -23,6 +23,7 @@ class ForwardMetadata:
     window_slots: torch.Tensor           # i64 [T]
     window_lens: torch.Tensor            # i32 [T]
     window_indices: torch.Tensor         # i32 [T, W]
+    window_list_widths: torch.Tensor     # i32 [T], window slots the attention lists before the compressed ones
     compressed_slots: dict               # source -> i64 [T]
     compressed_lens: dict                # source -> i32 [T], causal visible compressed rows
     compressed_rope_position_ids: dict   # source -> i32 [T], group start or -1
@@ -78,8 +79,9 @@ def _need_pages(table, first_row, end_row, active, block_size: int, field: str):
 
 
 def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_block_tables: dict,
-          state_block_tables: dict) -> ForwardMetadata:
-    """Lower packed requests to ForwardMetadata (see spec 01 §2)."""
+          state_block_tables: dict, prompt_lens) -> ForwardMetadata:
+    """Lower packed requests to ForwardMetadata (see spec 01 §2). prompt_lens: each request's whole
+    prompt (its record's, not this step's rows), which sizes its rows' attention slot lists."""
     qsl = _as_int(query_start_loc, "query_start_loc", 1)
     if qsl.numel() < 1 or int(qsl[0]) != 0:
         raise ValueError("query_start_loc: must start at 0 and have B+1 >= 1 entries")
@@ -93,6 +95,11 @@ def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_bloc
     if b and int(kv.min()) < 0:
         raise ValueError("kv_seq_lens: must be >= 0")
     new_kv = kv + lens
+    prompt = _as_int(prompt_lens, "prompt_lens", 1)
+    if prompt.shape != (b,):
+        raise ValueError(f"prompt_lens: must have shape [{b}], got {tuple(prompt.shape)}")
+    if b and int(prompt.min()) < 0:
+        raise ValueError("prompt_lens: must be >= 0")
     if b and int(new_kv.max()) > cfg.max_position_embeddings:
         raise ValueError(f"position_ids: positions must be < max_position_embeddings "
                          f"{cfg.max_position_embeddings}, got {int(new_kv.max()) - 1}")
@@ -163,19 +170,22 @@ def lower(cfg, query_start_loc, kv_seq_lens, window_block_table, compressed_bloc
         logit_row_indices=torch.where(lens > 0, qsl[1:] - 1, torch.full_like(lens, -1)).to(I32),
         token_to_req_indices=req.to(I32), position_ids=pos.to(I32), kv_seq_lens=kv.to(I32),
         window_slots=wslots.to(I64), window_lens=wlens.to(I32), window_indices=win_idx.to(I32),
+        window_list_widths=_window_list_widths(pos, prompt[req], w).to(I32),
         compressed_slots=per_source["slots"], compressed_lens=per_source["lens"],
         compressed_rope_position_ids=per_source["rope"],
         compressed_block_tables={s: ctabs[s].to(I32) for s in kv_sources}, state_block_tables=stabs,
     )
 
 
-def window_list_width(md: ForwardMetadata) -> torch.Tensor:
-    """Window slots the official attention lists per token (i64 [T]): min(prompt length, window)
-    for a request's first (prefill) chunk, the whole window for every later step."""
-    req = md.token_to_req_indices.long()
-    w = md.window_indices.shape[1]
-    fresh = md.kv_seq_lens.long()[req] == 0
-    return torch.where(fresh, md.query_lens.long()[req].clamp(max=w), torch.full_like(req, w))
+def _window_list_widths(pos: torch.Tensor, prompt: torch.Tensor, window: int) -> torch.Tensor:
+    """Window slots the official attention lists for a row at position pos of a request whose prompt
+    has ``prompt`` tokens: min(prompt, window) for a prompt row, the whole window for a generated one.
+
+    The one-step prefill lists min(prompt, window) slots on every row, decode the whole window. The
+    leaf tiles the list [window | compressed] 64 slots at a time and rounds per tile, so this width
+    is part of a row's bits: it comes from the whole prompt, never from the rows of the step (a
+    chunk, a recompute or the rows after a cached prefix list what the one-step prefill lists)."""
+    return torch.where(pos < prompt, prompt.clamp(max=window), torch.full_like(pos, window))
 
 
 def replay_rows(md: ForwardMetadata, window: int) -> tuple[ForwardMetadata, torch.Tensor]:
@@ -207,6 +217,7 @@ def replay_rows(md: ForwardMetadata, window: int) -> tuple[ForwardMetadata, torc
         logit_row_indices=torch.where(keep_n > 0, new_qsl[1:] - 1, torch.full_like(keep_n, -1)).to(I32),
         token_to_req_indices=req.to(I32), position_ids=pos.to(I32), kv_seq_lens=md.kv_seq_lens,
         window_slots=md.window_slots[rows], window_lens=new_len.to(I32), window_indices=win.to(I32),
+        window_list_widths=md.window_list_widths[rows],
         compressed_slots={s: torch.full_like(v[rows], -1) for s, v in md.compressed_slots.items()},
         compressed_lens=per_token(md.compressed_lens),
         compressed_rope_position_ids=per_token(md.compressed_rope_position_ids),

@@ -38,23 +38,29 @@ CALIBRATION = HERE / "calibration.json"
 # section 5.4.3); the same chance for the later drafts is an assumption
 ACCEPT = 0.85
 
-# term -> (feature of the planned step, unit of its constant, its floor, what the constant stands for).
-# A multiplicative term may shrink its feature (the first-principles fixed costs are assumptions a
-# stack can beat) down to a tenth of it; the per-layer overhead only adds.
+# term -> (feature of the planned step, unit of its constant, its floor, the physical cause it stands for).
+# Each term scales one named part of the first-principles step, so a fitted constant says which cost
+# the stack pays more (or less) of than modelled; there is no term that scales the whole step. A
+# multiplicative term may shrink its part (the first-principles fixed costs are assumptions a stack
+# can beat) down to a tenth of it; the per-step and per-layer terms only add.
 TERMS = {
-    "scale": ("step_us", "x", -0.9, "the whole first-principles step again, times the constant"),
     "body": ("body_us", "x", -0.9, "kernels off their modelled rate: the body (compute + memory) on the critical "
                                    "path, times the constant (1 / efficiency - 1)"),
-    "gaps": ("fixed_us", "x", -0.9, "the stack's gaps against the modelled ones: the launch, sync and host time on "
-                                    "the critical path, times the constant"),
+    "launch": ("launch_us", "x", -0.9, "launch gaps between kernels against the modelled gap: the launch time on the "
+                                       "critical path, times the constant"),
+    "sync": ("sync_us", "x", -0.9, "synchronisation against the modelled: the hand-offs' fixed costs and the token "
+                                   "sync on the critical path, times the constant"),
+    "host": ("steps", "us", 0.0, "host scheduling per step that the stack does not overlap with the device"),
     "layer": ("layers", "us", 0.0, "fixed overhead per layer per step (scheduling, launch gaps, syncs not modelled)"),
 }
 # the models compared by leaving one deployment out (docs/plan-validation.md); the committed
 # calibration's model is the one with the smallest held-out error among them
 MODELS = {
-    "none": (), "scale": ("scale",), "layer": ("layer",), "body": ("body",), "gaps": ("gaps",),
-    "body+layer": ("body", "layer"), "gaps+layer": ("gaps", "layer"), "body+gaps": ("body", "gaps"),
-    "body+gaps+layer": ("body", "gaps", "layer"),
+    "none": (), "body": ("body",), "launch": ("launch",), "sync": ("sync",), "host": ("host",), "layer": ("layer",),
+    "launch+sync": ("launch", "sync"), "body+host": ("body", "host"), "body+layer": ("body", "layer"),
+    "launch+host": ("launch", "host"), "sync+host": ("sync", "host"), "body+launch": ("body", "launch"),
+    "body+sync": ("body", "sync"), "launch+sync+host": ("launch", "sync", "host"),
+    "body+launch+sync": ("body", "launch", "sync"),
 }
 _ROW_KEYS = {"label": str, "deployment": str, "model": str, "card": str, "stack": str, "profile": str, "layout": str,
              "tp": int, "dp": int, "ep": int, "batch": int, "context": int, "measured_ms": (int, float),
@@ -172,14 +178,19 @@ def load_deployments(path: Path = DEPLOYMENTS) -> tuple[Deployment, ...]:
 
 def features(report: dict, layers: int) -> dict[str, float]:
     """The first-principles quantities of one planned step the terms scale (µs, or a count)."""
-    b = report["breakdown_us"]
-    return {"step_us": report["predicted_step_us"], "body_us": b["compute"] + b["memory"],
-            "fixed_us": b["launch"] + b["sync"] + b["host"], "layers": float(layers)}
+    return _parts(report["predicted_step_us"], report["breakdown_us"], layers)
+
+
+def _parts(step_us: float, b: dict, layers: int) -> dict[str, float]:
+    return {"step_us": step_us, "body_us": b["compute"] + b["memory"], "launch_us": b["launch"],
+            "sync_us": b["sync"], "fixed_us": b["launch"] + b["sync"] + b["host"], "layers": float(layers),
+            "steps": 1.0}
 
 
 def load_planned(path: Path = PLANNED) -> dict[str, dict[str, float]]:
     """Row label -> its planned step's features, as ``bench/plan_validation.py --features`` wrote them."""
-    return json.loads(Path(path).read_text())["rows"]
+    rows = json.loads(Path(path).read_text())["rows"]
+    return {k: {**_parts(r["step_us"], r["critical_path_us"], int(r["layers"])), **r} for k, r in rows.items()}
 
 
 @dataclass(frozen=True)

@@ -50,3 +50,16 @@ def calibration_lines(cal: dict, detail: bool = False) -> list[str]:
         for term, us in cal["fitted_us"].items():
             out.append(f"    fitted {term:<6} {us / 1e3:>8.2f} ms  {TERMS[term][3]}")
     return out
+
+
+def operator_lines(operators: dict[str, str], on_path_us: dict[str, float]) -> list[str]:
+    """Where each node kind's time comes from (``operators.coverage``), unmeasured kinds marked, with
+    the time each spends on the critical path."""
+    unmeasured = [k for k, v in operators.items() if v.startswith("unmeasured")]
+    out = [f"  operators: {len(operators) - len(unmeasured)} of {len(operators)} node kinds priced from measured "
+           f"entries; {len(unmeasured)} by the roofline fallback (UNMEASURED)"]
+    for kind, where in sorted(operators.items(), key=lambda kv: -on_path_us.get(kv[0], 0.0)):
+        mark = "UNMEASURED" if where.startswith("unmeasured") else "measured  "
+        out.append(f"    {mark} {kind:<22} {on_path_us.get(kind, 0.0) / 1e3:>8.3f} ms on the path  "
+                   f"{where.split(': ', 1)[1]}")
+    return out

@@ -90,6 +90,14 @@ def body_us(cost, dev, klass: str, load: float = 1.0) -> tuple[float, str]:
     return max(memory, compute) * 1e6, ("compute" if compute > memory else "memory")
 
 
+def node_body_us(kernel: str, cost, dev, load: float = 1.0) -> tuple[float, str]:
+    """A node's body from the profile's measured operator for its kind, else the roofline."""
+    op = dev.operators.get(kernel)
+    if op is None:
+        return body_us(cost, dev, KINDS[kernel].latency, load)
+    return op.us(cost.bytes_read + cost.bytes_written, sum(cost.flops.values()), sum(cost.decoded.values()), load)
+
+
 def peers(node, graph) -> list[int]:
     """Cards other than the node's own that send it an input."""
     cards = {graph.nodes[i].card for i in node.inputs if i in graph.nodes}
@@ -167,7 +175,7 @@ def node_parts(graph, costs, dev, imbalance: float = 1.0, scale: dict | None = N
             parts[key] = Parts(0.0, 0.0, 0.0, "memory")
             continue
         moe = kind.comm == "all_to_all"
-        body, bound = body_us(cost, dev, kind.latency, load if kind.routed else 1.0)
+        body, bound = node_body_us(node.kernel, cost, dev, load if kind.routed else 1.0)
         if reduce and node.kernel in _ALL_REDUCED:
             sync, wire = all_reduce_us(node, cost.output_bytes, peers(node, graph), dev, scale)
         elif reduce and moe:     # the experts' rows are already on the card

@@ -8,7 +8,10 @@ calibration file cannot silently produce a nonsense plan. ``sources`` (optional)
 operator's numbers come from; a constant the file sets without a source is cited as the file.
 ``weight_use_ns`` (optional, by checkpoint format fp8/fp4/bf16/f32) is for parts whose kernels
 decode weights on every use, and ``shared_cores`` (optional) for cards that share a host's cores,
-as this CPU's do.
+as this CPU's do. ``operators`` (optional) is the per-operator table (``dsv41.plan.operators``):
+node kind -> a list of measured points ``{calls, bytes, flops, values, us, shape, source}``; the fit
+between them is made on loading. ``profile_dict`` writes a profile back in this format (a file
+round-trips).
 """
 from __future__ import annotations
 
@@ -16,10 +19,14 @@ import json
 import tomllib
 from pathlib import Path
 
+from dataclasses import replace
+
+from dsv41.kernels.kinds import KINDS
+from dsv41.plan.operators import Point, fit_all
 from dsv41.plan.primitives import AlphaBeta, ByRanks
 from dsv41.plan.profiles import CONSTANTS, PROFILES, DeviceProfile, Link
 
-_US = (0.0, 1e5)
+_US = (0.0, 1e7)      # up to 10 s: a CPU step on a loaded 2-core machine takes seconds
 _SCALARS = {                       # field -> (low, high, integer)
     "hbm_bytes": (1e9, 1e13, False), "hbm_bytes_per_s": (1e10, 1e14, False), "cards_per_node": (1, 1024, True),
     "launch_us": (*_US, False), "host_launch_us": (*_US, False), "graph_launch_us": (*_US, False),
@@ -31,7 +38,10 @@ _CLASSES = ("matmul", "gather", "vector")
 _LINK_KEYS = ("bytes_per_s", "efficiency", "collective", "a2a")
 _FORMATS = ("fp8", "fp4", "bf16", "f32")
 _TOP = {"base", "name", "description", "sources", "flops_per_s", "efficiency", "intra", "inter", "weight_use_ns",
-        *_SCALARS, *_OPTIONAL}
+        "operators", *_SCALARS, *_OPTIONAL}
+_OPTIONAL_TABLES = ("weight_use_ns", "shared_cores")    # absent from a file: none
+_POINT = {"calls": (1e-3, 1e9), "bytes": (0.0, 1e15), "flops": (0.0, 1e18), "values": (0.0, 1e15),
+          "us": (0.0, 1e9)}
 
 
 class _Check:
@@ -129,7 +139,7 @@ def load_profile(path) -> DeviceProfile:
     rates = dict(base.flops_per_s) if base else {}
     if "flops_per_s" in raw:
         for k, v in chk.table("flops_per_s", raw["flops_per_s"], _RATES, required=base is None).items():
-            rates[k] = float(chk.number(f"flops_per_s.{k}", v, 1e11, 1e17))
+            rates[k] = float(chk.number(f"flops_per_s.{k}", v, 1e9, 1e17))
     eff = dict(base.efficiency) if base else {}
     if "efficiency" in raw:
         for k, v in chk.table("efficiency", raw["efficiency"], _CLASSES, required=base is None).items():
@@ -151,8 +161,64 @@ def load_profile(path) -> DeviceProfile:
     chk.table("sources", notes, (*CONSTANTS, "weight_use_ns", *_OPTIONAL), required=False)
     sources = dict(base.sources) if base else {}
     sources.update({k: notes.get(k, f"user profile file {path}") for k in given | ({"weight_use_ns", *_OPTIONAL} & set(raw))})
-    return DeviceProfile(name, raw.get("description", f"user profile from {path}"), float(values["hbm_bytes"]),
-                         float(values["hbm_bytes_per_s"]), rates, eff, links["intra"], links["inter"],
-                         int(values["cards_per_node"]), float(values["launch_us"]), float(values["host_launch_us"]),
-                         float(values["graph_launch_us"]), float(values["host_step_us"]),
-                         float(values["token_sync_us"]), sources, decode, int(values["shared_cores"]))
+    dev = DeviceProfile(name, raw.get("description", f"user profile from {path}"), float(values["hbm_bytes"]),
+                        float(values["hbm_bytes_per_s"]), rates, eff, links["intra"], links["inter"],
+                        int(values["cards_per_node"]), float(values["launch_us"]), float(values["host_launch_us"]),
+                        float(values["graph_launch_us"]), float(values["host_step_us"]),
+                        float(values["token_sync_us"]), sources, decode, int(values["shared_cores"]))
+    points = {k: op.points for k, op in base.operators.items()} if base else {}
+    points.update(_operators(chk, raw.get("operators", {})))
+    return replace(dev, operators=fit_all(points, dev))
+
+
+def _operators(chk: _Check, v) -> dict[str, tuple[Point, ...]]:
+    """Node kind -> its measured points, each field checked."""
+    if not isinstance(v, dict):
+        raise chk.fail("operators", "must be a table of node kind -> list of measured points", v)
+    out = {}
+    for kind, rows in v.items():
+        if kind not in KINDS:
+            raise chk.fail(f"operators.{kind}", f"unknown node kind; allowed {sorted(KINDS)}", kind)
+        if not isinstance(rows, list) or not rows:
+            raise chk.fail(f"operators.{kind}", "must be a non-empty list of {calls, bytes, flops, values, us, "
+                                                "shape, source}", rows)
+        pts = []
+        for i, row in enumerate(rows):
+            name = f"operators.{kind}[{i}]"
+            chk.table(name, row, (*_POINT, "shape", "source"))
+            nums = {f: float(chk.number(f"{name}.{f}", row[f], lo, hi)) for f, (lo, hi) in _POINT.items()}
+            for f in ("shape", "source"):
+                if not isinstance(row[f], str) or not row[f].strip():
+                    raise chk.fail(f"{name}.{f}", "must be a non-empty string", row[f])
+            if nums["us"] <= 0:
+                raise chk.fail(f"{name}.us", "must be a number in (0, 1e+09]", row["us"])
+            pts.append(Point(**nums, shape=row["shape"], source=row["source"]))
+        out[kind] = tuple(pts)
+    return out
+
+
+def profile_dict(dev: DeviceProfile, base: str | None = None) -> dict:
+    """The profile as a file's table (``load_profile`` reads it back to an equal profile): with
+    ``base``, the constants that differ from that built-in profile, else every one."""
+    ref = PROFILES[base] if base else None
+
+    def link(k: Link) -> dict:
+        return {"bytes_per_s": k.bytes_per_s, "efficiency": k.efficiency,
+                "collective": {"alpha_us": k.collective.alpha_us, "bytes_per_s": k.collective.bytes_per_s},
+                "a2a": [{"ranks": r, "alpha_us": ab.alpha_us, "bytes_per_s": ab.bytes_per_s} for r, ab in k.a2a.fits]}
+
+    full = {"hbm_bytes": dev.hbm_bytes, "hbm_bytes_per_s": dev.hbm_bytes_per_s, "flops_per_s": dict(dev.flops_per_s),
+            "efficiency": {k: list(v) for k, v in dev.efficiency.items()}, "intra": link(dev.intra),
+            "inter": link(dev.inter), "cards_per_node": dev.cards_per_node, "launch_us": dev.launch_us,
+            "host_launch_us": dev.host_launch_us, "graph_launch_us": dev.graph_launch_us,
+            "host_step_us": dev.host_step_us, "token_sync_us": dev.token_sync_us,
+            "weight_use_ns": dict(dev.weight_use_ns), "shared_cores": dev.shared_cores}
+    out = {**({"base": base} if base else {}), "name": dev.name, "description": dev.description}
+    for k, v in full.items():
+        if (getattr(ref, k) != getattr(dev, k)) if ref else (v or k not in _OPTIONAL_TABLES):
+            out[k] = v
+    out["sources"] = {k: dev.sources[k] for k in out if k in dev.sources}
+    own = {k: op for k, op in dev.operators.items() if ref is None or ref.operators.get(k) != op}
+    out["operators"] = {k: [{"calls": p.calls, "bytes": p.bytes, "flops": p.flops, "values": p.values, "us": p.us,
+                             "shape": p.shape, "source": p.source} for p in op.points] for k, op in own.items()}
+    return out

@@ -60,6 +60,9 @@ class DeviceProfile:
     # read the stored formats (every accelerator profile) has none; this CPU decodes each value to FP32 per use
     weight_use_ns: dict = field(default_factory=dict)
     shared_cores: int = 0      # the cards are threads or processes sharing this many host cores (0: own devices)
+    # node kind -> operators.Operator: measured latencies by shape and the fit between them; a kind
+    # without one is priced by the roofline above
+    operators: dict = field(default_factory=dict)
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -385,6 +388,50 @@ _EMR_NAMES = ("sapphirerapids", "emeraldrapids")
 PROFILES[CPU.name] = CPU
 PROFILES[CPU_AVX2.name] = CPU_AVX2
 PROFILES[CPU_EMR.name] = CPU_EMR
+
+
+# ---- 950PR operators measured in situ (pypto-lib #1054) --------------------------------------------
+_PYPTO_1054 = ("hw-native-sys/pypto-lib issue #1054 (cann-recipes-infer DeepSeek-V4-Flash on 8x Ascend 950PR, "
+               "section 5.1 'In-situ, from msprof at real shapes', rank 0, batch 8 at 8192 context, decode, the mean "
+               "over 3 captured steps): ")
+# QuantBatchMatmulV3, its dominant shape: activation [1, 4096] INT8/MXFP8, weight [1024, 4096] one byte a value,
+# scales [1024, 64, 2] bytes, output [1, 1024] BF16
+_QBMM_BYTES = 4096 + 1024 * 4096 + 1024 * 64 * 2 + 1024 * 2
+_QBMM_FLOPS = 2 * 4096 * 1024
+_QBMM = _PYPTO_1054 + "QuantBatchMatmulV3, 279 calls a step, 14.83 us a call, dominant input shape 1,4096;1024,4096;1024,64,2"
+_SWIGLU = _PYPTO_1054 + "SwigluGroupQuant, 86 calls a step (2 a layer), 19.21 us a call"
+_DISPATCH_1054 = (_PYPTO_1054 + "MoeDistributeDispatchV3, 43 calls a step (one a layer), 43.03 us a call at 1 token "
+                  "a rank, hidden 4096, top-6 (its bytes are under 0.1 us of the link): the dispatch/combine alpha at "
+                  "8 EP ranks. assumption: the combine's call costs what the dispatch's does (the combine's row of "
+                  "the same table was not in the excerpt read here)")
+# node kind -> quantised matmuls one node runs (the weights it multiplies, kernels/nodes/attention.py and moe.py),
+# and whether it runs the shared expert's SwiGLU between them
+_GEMMS_1054 = {"attn.q_proj": (2, False), "attn.kv_proj": (1, False), "attn.o_proj": (2, False),
+               "moe.shared": (2, True)}
+
+
+def _with_1054(dev: DeviceProfile) -> DeviceProfile:
+    """The 950PR profile with #1054's in-situ operator times: the quantised linears' and the shared
+    expert's operators (a measured matmul a call, the SwiGLU's fixed time once), and the dispatch's
+    call as the all-to-all's alpha at 8 ranks. Every other node kind stays on the roofline. The same
+    issue's full-network step times are held out: nothing here is fitted to them."""
+    from dsv41.plan.operators import Point, fit_all
+    points = {}
+    for kind, (gemms, swiglu) in _GEMMS_1054.items():
+        pts = [Point(1 / gemms, _QBMM_BYTES, _QBMM_FLOPS, 0.0, 14.83, "[1, 4096] x [1024, 4096] MXFP8", _QBMM)]
+        if swiglu:      # one SwiGLU a node besides its matmuls: measured alone, as its own point's share
+            pts = [Point(1 / (gemms + 1), _QBMM_BYTES, _QBMM_FLOPS, 0.0, 14.83 * gemms / (gemms + 1) + 19.21 / (gemms + 1),
+                         "[1, 4096] x [1024, 4096] MXFP8 matmuls and a SwiGLU", f"{_QBMM}; {_SWIGLU}")]
+        points[kind] = pts
+    a2a = ByRanks(tuple((r, AlphaBeta(43.03, ab.bytes_per_s) if r == 8 else ab) for r, ab in dev.intra.a2a.fits))
+    link = replace(dev.intra, a2a=a2a)
+    dev = replace(dev, intra=link, inter=link,
+                  sources={**dev.sources, "intra": f"{dev.sources['intra']}; dispatch/combine at 8 ranks: {_DISPATCH_1054}",
+                           "inter": f"{dev.sources['inter']} (with #1054's dispatch call)"})
+    return replace(dev, operators=fit_all(points, dev))
+
+
+PROFILES["a5-pr"] = _with_1054(PROFILES["a5-pr"])
 
 
 def _this_cpu() -> DeviceProfile:

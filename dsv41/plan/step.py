@@ -27,6 +27,7 @@ from dsv41.kernels.cost import nbytes
 from dsv41.kernels.kinds import KINDS
 from dsv41.ops import metadata as md_ops
 from dsv41.plan.latency import SCHEMES, StepLatency, step_latency
+from dsv41.plan.operators import coverage
 from dsv41.plan.primitives import moe_imbalance
 from dsv41.plan.roofline import node_us, profile, simulate
 from dsv41.plan.sizing import card_values, card_weights, node_cost, request_cache_bytes, weights_by_kind
@@ -62,7 +63,9 @@ def step_inputs(cfg, requests: int, rows: int, context: int, phase: str) -> Step
     states = {s: torch.arange(requests, dtype=torch.int32).reshape(requests, 1)
               for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2}
     qsl = torch.arange(requests + 1, dtype=torch.int32) * rows
-    md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states)
+    prompt = context if phase == "prefill" else kv        # a prefill's rows end its prompt; decode rows follow it
+    md = md_ops.lower(cfg, qsl, torch.full((requests,), kv, dtype=torch.int32), window, compressed, states,
+                      torch.full((requests,), prompt, dtype=torch.int32))
     t = requests * rows
     hashes = {layer: torch.zeros(t, cfg.engram_ids_per_token, dtype=torch.int64) for layer in cfg.engram_layer_ids}
     layout = StepLayout(list(range(requests)), [rows] * requests, [[] for _ in range(requests)], [None] * requests)
@@ -204,5 +207,6 @@ def run_plan(cfg, topo, requests: int, context: int, phase: str = "decode", wiri
         "roofline_step_us": max(end for _, end in roofline.values()),
         "floor_us": max(moved.values()) / dev.hbm_bytes_per_s * 1e6,
         "critical_path_us_by_kernel": dict(on_path.most_common()),
+        "operators": coverage((n.kernel for n in graph.nodes.values()), dev),
     }
     return report, PlannedStep(plan, costs, latency, live_at, dev, dispatch, imbalance, scheme)

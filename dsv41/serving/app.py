@@ -7,8 +7,10 @@ and only then queued for the engine loop (``batcher.Batcher``); its handler turn
 into the answer. A client that goes away mid-answer is cancelled: the loop frees its slot and
 blocks before its next step. Parsing, tokenizing and rendering a chat run on a small pool of worker
 threads, not on the event loop, so one large request does not stall the others (``/health``
-included); so do the answer's parsers (reasoning, tool calls) and a whole answer's body, on a pool
-of their own, so one long tool call does not either. Every answer that is not a success is
+included); a structured output's constraint compiles after those checks, on threads of its own
+(``structured.Compiler``), so a request without one never waits behind a compile. The answer's
+parsers (reasoning, tool calls) and a whole answer's body run on a pool of their own too, so one
+long tool call does not stall the others either. Every answer that is not a success is
 OpenAI's error object (unknown paths and methods too) and counted in the error metrics; a 500
 only for the server's own fault. ``/health`` is 503 until a one-token probe through the engine
 has passed, and while the engine's last step failed.
@@ -29,6 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from dsv41.engine import prefix_cache
 from dsv41.ops.sampling import SamplingParams
 from dsv41.ops.stopping import Stops
 from dsv41.serving import schema, structured, tokens
@@ -57,7 +60,7 @@ class Server:
     done)."""
 
     def __init__(self, batcher: Batcher, codec, model: str, limits: Limits, metrics: Metrics,
-                 read_timeout_s: float = 30.0):
+                 read_timeout_s: float = 30.0, compile_budget_s: float = structured.COMPILE_BUDGET_S):
         self.batcher, self.codec, self.model, self.limits, self.metrics = batcher, codec, model, limits, metrics
         self.read_timeout_s = read_timeout_s
         self.checks = ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="dsv41-check")
@@ -68,7 +71,7 @@ class Server:
         self.live: set[Job] = set()       # jobs whose handler still waits for their end
         self.stopping = False             # the server drains: new requests are refused (503)
         self.drain_over = asyncio.Event()  # the drain ran out: bodies still arriving are refused too
-        self.grammars = None if codec is None else structured.Compiler(codec, limits.vocab_size)
+        self.grammars = None if codec is None else structured.Compiler(codec, limits.vocab_size, compile_budget_s)
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -94,6 +97,8 @@ class Server:
             probe.cancel()
             self.checks.shutdown(wait=False, cancel_futures=True)
             self.answers.shutdown(wait=False, cancel_futures=True)
+            if self.grammars is not None:
+                self.grammars.close()
 
     async def probe(self):
         """One greedy token of a one-token prompt through the engine: until it passes, /health is
@@ -236,6 +241,8 @@ class Server:
         try:
             raw = await self._read(request)
             gen = await self._checked(raw, chat)
+            if gen.constraint is not None:
+                gen = await self._compiled(gen)
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
             jobs = self._submit(gen)
@@ -268,8 +275,9 @@ class Server:
         scheduler defers the later samples until the first's spans are cached); without, each has
         its own."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i, samples=gen.n)
-                for i, p in enumerate(gen.samples())]
+        cache_root = prefix_cache.root(gen.cache_salt)
+        jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i,
+                    cache_root=cache_root, samples=gen.n) for i, p in enumerate(gen.samples())]
         submitted = []
         try:
             for job in jobs:
@@ -309,7 +317,18 @@ class Server:
         """Parse, check and tokenize (on a worker thread)."""
         body = schema.parse_body(raw, self.limits)
         schema.check_model(body, self.model)
-        return schema.generation(body, chat, self.codec, self.limits, self.grammars)
+        return schema.generation(body, chat, self.codec, self.limits)
+
+    async def _compiled(self, gen: schema.Generation) -> schema.Generation:
+        """A checked request's constraint compiled on the compile threads (at once when cached), so a
+        request without one never waits behind a compile; 429 past their backlog."""
+        if self.grammars.cached(*gen.constraint[1:]):
+            return schema.constrained(gen, self.grammars)
+        try:
+            future = self.grammars.submit(schema.constrained, gen, self.grammars)
+        except structured.Busy as e:
+            raise QueueFull(str(e)) from None
+        return await asyncio.wrap_future(future)
 
     async def _read(self, request: Request) -> bytes:
         """The body within the read timeout (408 for a client that stalls or sends half), or until

@@ -27,7 +27,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "include_stop_str_in_output")
 # vLLM's own fields (its extra sampling, tokenizer and structured-output parameters)
 VLLM_FIELDS = ("skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "priority",
-               "response_format", "structured_outputs", *structured.GUIDED, "request_id", "bad_words",
+               "response_format", "structured_outputs", *structured.GUIDED, "cache_salt", "request_id", "bad_words",
                "allowed_token_ids", "add_special_tokens", "use_beam_search", "return_token_ids",
                "return_tokens_as_token_ids", "prompt_logprobs", "thinking_token_budget")
 _BOTH = ("model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", *SAMPLING_FIELDS,
@@ -81,6 +81,7 @@ class Limits:
     max_prompt: int
     vocab_size: int
     max_body_bytes: int
+    require_cache_salt: bool = False   # every request names its tenant's cache_salt (--require-cache-salt)
 
 
 @dataclass
@@ -97,6 +98,8 @@ class Generation:
     n: int = 1                     # samples, each its own request (sample i seeded seed + i, as vLLM)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None  # vLLM's: its prompt shares cached spans only with prompts of the same salt
+    constraint: tuple | None = None  # structured output: (field, kind, text) to compile (``constrained``)
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every streamed chunk carries the usage so far
     request_id: str | None = None  # vLLM's request_id: the answer's id after its prefix (None: a random one)
     echo: str = ""                 # chat echo: the last message's text the answer starts with
@@ -335,13 +338,14 @@ def chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool]:
 
 
 def _truncated(body: dict, prompt: list[int], limits: Limits) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the server takes, the
+    context less the row the answer's first token needs, as vLLM's max_model_len - 1)."""
     k = _int(body, "truncate_prompt_tokens", None, -1, limits.max_context)
     if k is None:
         return prompt
     if k == 0:
         raise bad(f"expected -1 or an integer in [1, {limits.max_context}], found 0", "truncate_prompt_tokens")
-    return prompt[-(limits.max_context if k == -1 else k):]
+    return prompt[-(limits.max_prompt if k == -1 else k):]
 
 
 def _echo(body: dict, generation_prompt: bool) -> str:
@@ -376,11 +380,11 @@ def _bad_words(body: dict, codec) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def _constraint(body: dict, chat: bool, codec, compiler, thinking: bool, vocab: int) -> Constraint | None:
-    """What the request asks of its rows' masks (``engine.grammar.Constraint``): its structured
-    output after the reasoning ends (thinking on), the reasoning budget, allowed_token_ids and
-    bad_words; None when it asks nothing."""
-    grammar = _grammar(body, chat, codec, compiler)
+def _rows(body: dict, codec, thinking: bool, spec, vocab: int) -> Constraint | None:
+    """What the request asks of its rows' masks besides its grammar (``engine.grammar.Constraint``,
+    the grammar compiled into it later by ``constrained``): with thinking on, the token after which
+    the structured output ``spec`` applies, the reasoning budget; allowed_token_ids and bad_words.
+    None when it asks nothing."""
     budget = _int(body, "thinking_token_budget", None, 0)
     if budget is not None and not thinking:
         raise bad("needs thinking mode (chat_template_kwargs.thinking true, with a generation prompt)",
@@ -388,20 +392,21 @@ def _constraint(body: dict, chat: bool, codec, compiler, thinking: bool, vocab: 
     allowed = body.get("allowed_token_ids")
     allowed = None if allowed is None else tuple(_token_ids(allowed, "allowed_token_ids", vocab))
     words = _bad_words(body, codec)
-    if grammar is None and budget is None and allowed is None and not words:
+    if spec is None and budget is None and allowed is None and not words:
         return None
     end = None
-    if thinking and (grammar is not None or budget is not None):
+    if thinking and (spec is not None or budget is not None):
         end = codec.tokenizer.token_to_id(END_THINK)
         if end is None:
             raise bad(f"this tokenizer has no {END_THINK} token to end the reasoning at",
-                      "thinking_token_budget" if grammar is None else grammar.name)
-    return Constraint(vocab, grammar, end, budget, allowed, words, None if codec is None else codec.eos_id)
+                      "thinking_token_budget" if spec is None else spec[0])
+    return Constraint(vocab, None, end, budget, allowed, words, None if codec is None else codec.eos_id)
 
 
-def _grammar(body: dict, chat: bool, codec, compiler):
-    """The request's structured output compiled (``serving.structured``), None without one. With
-    thinking on it constrains what follows the reasoning (``_constraint``)."""
+def _constraint(body: dict, chat: bool, codec) -> tuple[str, str, str] | None:
+    """The request's structured output, (field, kind, text) within the bounds a constraint is held to
+    (``serving.structured``), None without one; ``constrained`` compiles it. With thinking on it
+    constrains what follows the reasoning (``_rows``)."""
     try:
         spec = structured.requested(body)
         choice = body.get("tool_choice") if chat else None
@@ -415,17 +420,29 @@ def _grammar(body: dict, chat: bool, codec, compiler):
         if spec is None:
             return None
         field, kind, text = spec
-        if codec is None or compiler is None:
+        if codec is None:
             raise structured.Refused(field, "structured output needs the checkpoint's tokenizer (this server was "
                                             "started without --checkpoint)")
-        return compiler.grammar(kind, text, field)
+        return structured.bounded(field, kind, text)
     except structured.Refused as e:
         raise bad(e.message, e.field) from None
 
 
-def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> Generation:
-    """A request body checked against the served engine; raises ApiError naming the field.
-    compiler: structured outputs' grammars (``structured.Compiler``; None: none served)."""
+def constrained(gen: Generation, compiler) -> Generation:
+    """gen with its constraint compiled (``structured.Compiler``) into its sampling settings: the
+    costly part of a check, run after every other (the server runs it on the compile threads)."""
+    field, kind, text = gen.constraint
+    try:      # the rows' constraint (``_rows``: made whenever there is a structured output) takes the grammar
+        gen.params = replace(gen.params, grammar=replace(gen.params.grammar, grammar=compiler.grammar(kind, text,
+                                                                                                      field)))
+    except structured.Refused as e:
+        raise bad(e.message, e.field) from None
+    return gen
+
+
+def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
+    """A request body checked against the served engine; raises ApiError naming the field. A
+    structured output's constraint is checked and left to compile (``constrained``)."""
     check_fields(body, chat)
     thinking = tool_calls = False
     if chat:
@@ -433,7 +450,8 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
     else:
         prompt = completion_prompt(body, codec, limits)
     prompt = _truncated(body, prompt, limits)
-    constraint = _constraint(body, chat, codec, compiler, thinking, limits.vocab_size)
+    spec = _constraint(body, chat, codec)
+    rows = _rows(body, codec, thinking, spec, limits.vocab_size)
     where = "messages" if chat else "prompt"
     if len(prompt) > limits.max_prompt:
         raise bad(f"{len(prompt)} tokens is longer than the {limits.max_prompt} this server takes (max_model_len "
@@ -473,7 +491,7 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
         params = SamplingParams(**fields, stop=() if stop is None else stop, max_tokens=max_tokens,
                                 logprobs=top or 0, logprob=top is not None,
                                 logit_bias=_logit_bias(body, limits.vocab_size),
-                                eos_token_id=None if codec is None else codec.eos_id, grammar=constraint)
+                                eos_token_id=None if codec is None else codec.eos_id, grammar=rows)
     except ValueError as e:
         field, _, message = str(e).partition(": ")
         raise bad(message, field.split("[")[0]) from None
@@ -484,8 +502,23 @@ def generation(body: dict, chat: bool, codec, limits: Limits, compiler=None) -> 
         raise bad(f"expected a non-empty string, found {shown(request_id)}", "request_id")
     return Generation(prompt, params, stream, include_usage, chat, top, thinking, tool_calls, n,
                       _flag(body, "skip_special_tokens", True), _flag(body, "spaces_between_special_tokens", True),
-                      continuous, request_id, _echo(body, _flag(body, "add_generation_prompt", True)) if chat else "",
+                      _cache_salt(body, limits.require_cache_salt), spec, continuous, request_id,
+                      _echo(body, _flag(body, "add_generation_prompt", True)) if chat else "",
                       _flag(body, "return_token_ids"), _flag(body, "return_tokens_as_token_ids"))
+
+
+def _cache_salt(body: dict, required: bool) -> str | None:
+    """vLLM's cache_salt: a non-empty string (as vLLM checks it), mixed into the prompt's first span
+    hash (``prefix_cache.root``); a server that isolates tenants requires one."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        if required:
+            raise bad("required by this server (--require-cache-salt): send your tenant's own salt, so that "
+                      "no other tenant's prompt shares your cached prefix", "cache_salt")
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise bad(f"expected a non-empty string, found {shown(salt)}", "cache_salt")
+    return salt
 
 
 def _usage_options(body: dict, stream: bool) -> tuple[bool, bool]:

@@ -9,20 +9,40 @@ reads, each parameter's value constrained by its schema), vLLM's ``guided_json``
 most one constraint a request. JSON is written compact (no whitespace between tokens, as vLLM's
 ``disable_any_whitespace``): a model cannot pad an answer with blank lines until its token limit.
 
-Compiling runs where the request is checked (the server's check threads, off the event loop) and
-is cached per constraint (``Compiler``).
+A constraint is held to a size and a depth before anything compiles it (``constraint_bounds``),
+and compiled only after every cheaper check of its request has passed, on threads of its own (at
+most ``COMPILES`` at once, ``COMPILE_BACKLOG`` waiting; one more is a 429), never on the threads
+that check requests: a request without a constraint is not held behind one that compiles. Each new
+constraint is compiled first in a process of its own (``grammar_check``) within the compile budget,
+where a crash or a runaway costs that request alone, then in the server against the tokenizer, and
+cached (``Compiler``).
 """
 from __future__ import annotations
 
 import json
+import logging
+import queue
+import signal
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 from dsv41.checkpoint.chat import VARIANTS
 from dsv41.engine.grammar import Grammar, GrammarError, TokenTable
+from dsv41.serving import constraint_bounds, grammar_check
+from dsv41.serving.grammar_check import JSON_OPTIONS
 
-JSON_OPTIONS = {"whitespace_flexible": False}
 CACHED = 256                      # compiled constraints kept (least recently used dropped)
+COMPILES = 2                      # constraints compiled at once (each holds a core while it compiles)
+COMPILE_BACKLOG = 64              # constraints waiting for those; one more is refused (429)
+COMPILE_BUDGET_S = 10.0           # default of serve's --grammar-compile-timeout
+# a compile thread's stack: llguidance recurses on it, and the grammar it compiles has compiled in
+# grammar_check's process on a main thread's stack (8 MiB by default), so 8x that is margin
+COMPILE_STACK_BYTES = 64 << 20
+
+log = logging.getLogger(__name__)
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 OUTPUTS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json"}
 
@@ -35,14 +55,60 @@ class Refused(ValueError):
         self.field, self.message = field, message
 
 
-class Compiler:
-    """Grammars over one tokenizer at the model's vocabulary width, compiled once per constraint."""
+class Busy(Exception):
+    """COMPILE_BACKLOG constraints are waiting to be compiled already."""
 
-    def __init__(self, codec, vocab: int):
-        self.codec, self.vocab = codec, vocab
+
+class Compiler:
+    """Grammars over one tokenizer at the model's vocabulary width, compiled once per constraint, on
+    COMPILES threads of its own (``submit``); budget_s: how long one may take to compile."""
+
+    def __init__(self, codec, vocab: int, budget_s: float = COMPILE_BUDGET_S):
+        self.codec, self.vocab, self.budget_s = codec, vocab, budget_s
         self._table: TokenTable | None = None
         self.cache: OrderedDict[tuple, Grammar] = OrderedDict()
         self.lock = threading.Lock()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = 0                  # submitted and not yet done
+        before = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            self.threads = [threading.Thread(target=self._work, name=f"dsv41-compile-{i}", daemon=True)
+                            for i in range(COMPILES)]
+            for t in self.threads:
+                t.start()
+        finally:
+            threading.stack_size(before)
+
+    def submit(self, fn, *args) -> Future:
+        """fn(*args) on a compile thread; raises Busy when COMPILE_BACKLOG wait already."""
+        with self.lock:
+            if self.pending >= COMPILES + COMPILE_BACKLOG:
+                raise Busy(f"{self.pending} constraints are being compiled or waiting to be; retry later")
+            self.pending += 1
+        future: Future = Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def _work(self):
+        while (job := self.jobs.get()) is not None:
+            future, fn, args = job
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as e:      # pyo3's PanicException is a BaseException
+                        future.set_exception(e)
+            finally:
+                with self.lock:
+                    self.pending -= 1
+
+    def close(self):
+        for _ in self.threads:
+            self.jobs.put(None)
+
+    def cached(self, kind: str, text: str) -> bool:
+        with self.lock:
+            return (kind, text) in self.cache
 
     @property
     def table(self) -> TokenTable:
@@ -58,14 +124,9 @@ class Compiler:
             if key in self.cache:
                 self.cache.move_to_end(key)
                 return self.cache[key]
-        import llguidance
         try:
-            if kind == "json":
-                spec = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-            else:
-                spec = llguidance.grammar_from(kind, text)
-            compiled = Grammar(self.table, spec, field)
-        except (ValueError, GrammarError) as e:
+            compiled = Grammar(self.table, self._checked(kind, text, field), field)
+        except GrammarError as e:
             raise Refused(field, f"cannot be compiled: {str(e).strip()}") from None
         with self.lock:
             self.cache[key] = compiled
@@ -74,8 +135,41 @@ class Compiler:
         return compiled
 
 
+    def _checked(self, kind: str, text: str, field: str) -> str:
+        """llguidance's grammar of the constraint, compiled once in a process of its own within the
+        budget (``grammar_check``); refused when it does not compile there, in time or at all."""
+        try:
+            done = subprocess.run([sys.executable, "-I", grammar_check.__file__, kind], input=text, text=True,
+                                  capture_output=True, timeout=self.budget_s)
+        except subprocess.TimeoutExpired:
+            raise Refused(field, f"not compiled within the compile budget of {self.budget_s:g} s "
+                                 "(--grammar-compile-timeout); simplify it") from None
+        if done.returncode != 0:
+            how = signal.Signals(-done.returncode).name if done.returncode < 0 else f"status {done.returncode}"
+            log.warning("%s: the grammar compiler's process ended (%s) on a %d-byte %s constraint",
+                        field, how, len(text), kind)
+            raise Refused(field, f"cannot be compiled: the grammar compiler failed on it ({how}); simplify it")
+        out = json.loads(done.stdout)
+        if "error" in out:
+            raise Refused(field, f"cannot be compiled: {out['error'].strip()}")
+        return out["spec"]
+
+
+def bounded(field: str, kind: str, text: str) -> tuple[str, str, str]:
+    """The constraint (field, kind, text) within ``constraint_bounds``' size and depth."""
+    try:
+        constraint_bounds.check(kind, text)
+    except constraint_bounds.TooLarge as e:
+        raise Refused(field, str(e)) from None
+    return field, kind, text
+
+
 def _schema_text(value, field: str) -> str:
     if isinstance(value, str):
+        try:
+            constraint_bounds.within(constraint_bounds.text_depth(value))   # before json.loads, which recurses
+        except constraint_bounds.TooLarge as e:
+            raise Refused(field, str(e)) from None
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
@@ -173,11 +267,50 @@ def _parameter(variant, dsml: str, name: str, schema: dict) -> str:
         elif isinstance(schema.get("pattern"), str):    # matched whole: a subset of what the search allows
             value = "/" + schema["pattern"].replace("/", "\\/") + "/"
         else:
-            low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-            value = f"/[^<]{{{low},{'' if high is None else int(high)}}}/"   # "<" begins the closing tag
+            low, high = schema.get("minLength", 0), schema.get("maxLength")
+            value = f"/[^<]{{{low},{'' if high is None else high}}}/"   # "<" begins the closing tag
         return f"{tag('true')} {value} {close}"
     sub = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else {"x-guidance": JSON_OPTIONS}
     return f"{tag('false')} %json {json.dumps(sub)} {close}"
+
+
+def _parameters(params, where: str) -> dict:
+    """A function's parameters held to what the call's grammar reads of them, as a response_format
+    schema is held to its type (a 400 naming the field, never a failure of the server's own): an
+    object schema (or none), its properties schemas, its required a list of their names, a string
+    property's length bounds non-negative integers, its enum a list and its pattern a string (the
+    rest of each schema llguidance compiles, and refuses with its message)."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise Refused(where, f"expected a JSON schema (an object), found {_shown(params)}")
+    props = params.get("properties", {})
+    if not isinstance(props, dict):
+        raise Refused(f"{where}.properties", f"expected an object of property schemas, found {_shown(props)}")
+    required = params.get("required", [])
+    if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise Refused(f"{where}.required", f"expected a list of property names, found {_shown(required)}")
+    for name, schema in props.items():
+        at = f"{where}.properties.{name}"
+        if not isinstance(schema, (dict, bool)):
+            raise Refused(at, f"expected a JSON schema (an object), found {_shown(schema)}")
+        if not isinstance(schema, dict):
+            continue
+        for key in ("minLength", "maxLength"):
+            value = schema.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise Refused(f"{at}.{key}", f"expected a non-negative integer, found {_shown(value)}")
+        if "maxLength" in schema and schema["maxLength"] < schema.get("minLength", 0):
+            raise Refused(f"{at}.maxLength", f"{schema['maxLength']} is below minLength {schema['minLength']}")
+        for key, kind in (("enum", list), ("pattern", str)):
+            if key in schema and not isinstance(schema[key], kind):
+                raise Refused(f"{at}.{key}", f"expected a {kind.__name__}, found {_shown(schema[key])}")
+    return params
+
+
+def _shown(value) -> str:
+    """A refused value: a number, true/false/null as written, anything longer by its type alone."""
+    return json.dumps(value) if value is None or isinstance(value, (bool, int, float)) else type(value).__name__
 
 
 def tool_grammar(tools: list, choice, chat_format: str, dsml_id: int) -> tuple[str, str]:
@@ -190,10 +323,10 @@ def tool_grammar(tools: list, choice, chat_format: str, dsml_id: int) -> tuple[s
                                      "chat format has none")
     variant = VARIANTS[chat_format]
     functions = {}
-    for tool in tools or []:
+    for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            functions[fn["name"]] = fn.get("parameters") or {}
+            functions[fn["name"]] = _parameters(fn.get("parameters"), f"tools[{i}].function.parameters")
     if not functions:
         raise Refused("tool_choice", "forcing a call needs tools")
     if choice != "required":
