@@ -46,7 +46,7 @@ def test_logit_bias_keys_are_ascii_token_ids(codec, key):
 @pytest.mark.parametrize("fields", [{"stream_options": {"include_usage": True}},
                                     {"stream": False, "stream_options": {"include_usage": False}},
                                     {"stream": True, "stream_options": {"include_usage": True, "frobnicate": 1}},
-                                    {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+                                    {"stream": True, "stream_options": {"continuous_usage": True}},
                                     {"stream": True, "stream_options": ["include_usage"]}])
 def test_stream_options_only_with_stream_and_known_keys(codec, fields):
     _refused(codec, "stream_options", **fields)

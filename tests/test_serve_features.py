@@ -73,14 +73,15 @@ class ScriptedEngine(OneGroupEngine):
 class InProcess:
     """The app over an engine (a scripted one unless given), served by uvicorn on a thread of this process."""
 
-    def __init__(self, codec: TextCodec, engine=None):
-        """engine: the model (default: a ScriptedEngine)."""
+    def __init__(self, codec: TextCodec, engine=None, drafter=None, max_batch: int = 4):
+        """engine: the model (default: a ScriptedEngine); drafter: speculative steps (None: plain)."""
         from dsv41.serving.app import Server
         from dsv41.serving.batcher import Batcher
         from dsv41.serving.metrics import Metrics
         self.engine = engine or ScriptedEngine(codec)
         metrics = Metrics()
-        self.batcher = Batcher(self.engine, metrics, max_batch=4, max_queue=4, budget=None)
+        self.batcher = Batcher(self.engine, metrics, max_batch=max_batch, max_queue=max_batch, budget=None,
+                               drafter=drafter)
         self.batcher.start()
         limits = schema.Limits(max_context=4096, max_prompt=4000, vocab_size=TINY.vocab_size, max_body_bytes=1 << 20)
         sock = bound_socket()              # bound until uvicorn serves it: no other program can take the port
@@ -97,6 +98,12 @@ class InProcess:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.batcher.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +214,120 @@ def test_thinking_prompt_and_reasoning_effort_reach_the_encoder(scripted):
     assert r.status_code == 200 and r.json()["model"] == "scripted"
 
 
+@pytest.mark.timeout(120)
+def test_vllm_answer_fields(scripted):
+    """stop_reason, reasoning, request_id, return_token_ids, continuous_usage_stats, chat echo, add_special_tokens and the top-level enable_thinking, each as
+    vLLM answers them (its protocol's and serving code's rules), on a known answer."""
+    codec = scripted.engine.codec
+    scripted.engine.answer("ok</think>done here")
+    script = list(scripted.engine.script)                  # the answer's ids, EOS last
+    msgs = [{"role": "user", "content": "Hi"}]
+    think = {"chat_template_kwargs": {"thinking": True}}
+    with httpx.Client(base_url=scripted.url, timeout=60) as c:
+        def chat(**body):
+            r = c.post("/v1/chat/completions", json={"model": "scripted", "messages": msgs, "temperature": 0, **body})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def chunks(path="/v1/chat/completions", **body):
+            body = {"model": "scripted", "temperature": 0, "stream": True, **body}
+            if path.endswith("chat/completions"):
+                body.setdefault("messages", msgs)
+            text = c.post(path, json=body).text
+            return [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+
+        # stop_reason: the stop string or stop token id that ended it; null for EOS and the limit
+        reasons = [chat(**kw)["choices"][0] for kw in ({}, {"stop": ["here"]}, {"stop_token_ids": [script[2]]},
+                                                       {"max_tokens": 2})]
+        assert [(r["finish_reason"], r["stop_reason"]) for r in reasons] == \
+            [("stop", None), ("stop", "here"), ("stop", script[2]), ("length", None)]
+        streamed = chunks(stop=["here"])
+        assert streamed[-1]["choices"][0]["stop_reason"] == "here"
+        assert all(ch["choices"][0]["stop_reason"] is None for ch in streamed[:-1])
+        # reasoning beside reasoning_content (vLLM >= 0.11), whole and in deltas
+        msg = chat(**think)["choices"][0]["message"]
+        assert msg["reasoning"] == msg["reasoning_content"] == "ok" and msg["content"] == "done here"
+        deltas = [ch["choices"][0]["delta"] for ch in chunks(**think)]
+        assert "".join(d.get("reasoning", "") for d in deltas) == "ok"
+        assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+        # request_id: the answer's id after its prefix; vLLM's X-Request-Id header comes first
+        assert chat(request_id="abc")["id"] == "chatcmpl-abc"
+        r = c.post("/v1/completions", json={"model": "scripted", "prompt": "x", "request_id": "abc"},
+                   headers={"X-Request-Id": "hdr"})
+        assert r.json()["id"] == "cmpl-hdr"
+        # return_token_ids: the prompt's ids and every id made (EOS included, as completion_tokens counts)
+        whole = chat(return_token_ids=True)
+        prompt = codec.encode_chat(msgs)
+        assert whole["prompt_token_ids"] == prompt and whole["choices"][0]["token_ids"] == script
+        assert whole["usage"]["completion_tokens"] == len(script)
+        streamed = chunks(return_token_ids=True)
+        assert streamed[0]["prompt_token_ids"] == prompt
+        assert [t for ch in streamed for t in ch["choices"][0].get("token_ids", [])] == script
+        done = c.post("/v1/completions", json={"model": "scripted", "prompt": "x", "max_tokens": 3,
+                                               "return_token_ids": True}).json()["choices"][0]
+        assert done["prompt_token_ids"] == codec.encode("x") and done["token_ids"] == script[:3]
+        streamed = chunks("/v1/completions", prompt="x", max_tokens=3, return_token_ids=True)
+        assert streamed[0]["choices"][0]["prompt_token_ids"] == codec.encode("x")
+        assert [t for ch in streamed for t in ch["choices"][0]["token_ids"]] == script[:3]
+        # continuous_usage_stats: each chunk carries the usage so far
+        streamed = chunks(stream_options={"include_usage": True, "continuous_usage_stats": True})
+        counts = [ch["usage"]["completion_tokens"] for ch in streamed if ch["choices"]]
+        assert counts == sorted(counts) and counts[-1] == len(script) and counts[0] == 0
+        assert all(ch["usage"]["prompt_tokens"] == len(prompt) for ch in streamed)
+        assert "usage" not in chunks(stream_options={"include_usage": False, "continuous_usage_stats": True})[0]
+        # chat echo: an answer continuing the assistant's last message starts with its text
+        cont = msgs + [{"role": "assistant", "content": "Once"}]
+        echoed = chat(messages=cont, add_generation_prompt=False, echo=True)["choices"][0]["message"]["content"]
+        assert echoed == "Once" + chat(messages=cont, add_generation_prompt=False)["choices"][0]["message"]["content"]
+        assert "".join(ch["choices"][0]["delta"].get("content", "")
+                       for ch in chunks(messages=cont, add_generation_prompt=False, echo=True)) == echoed
+        assert chat(echo=True)["choices"][0]["message"] == chat()["choices"][0]["message"]    # a new turn: nothing
+        # add_special_tokens: chat adds BOS on top of the template's; completions' default BOS can be left out
+        assert chat(add_special_tokens=True, max_tokens=1)["usage"]["prompt_tokens"] == len(prompt) + 1
+        plain_prompt = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).json()["usage"]
+        bare = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "add_special_tokens": False}).json()
+        assert bare["usage"]["prompt_tokens"] == plain_prompt["prompt_tokens"] - 1 == len(codec.encode_text("x"))
+        # the top-level enable_thinking is chat_template_kwargs' (and may not contradict it)
+        assert chat(enable_thinking=True, max_tokens=1)["usage"]["prompt_tokens"] == \
+            len(codec.encode_chat(msgs, thinking=True))
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "enable_thinking": True,
+                                                 "chat_template_kwargs": {"thinking": False}})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "enable_thinking")
+
+
+@pytest.mark.timeout(120)
+def test_vllm_utility_endpoints(scripted):
+    """/tokenize, /detokenize, /version, /ping and /v1/models/{id} with vLLM's bodies."""
+    codec = scripted.engine.codec
+    msgs = [{"role": "user", "content": "Hi there"}]
+    with httpx.Client(base_url=scripted.url, timeout=60) as c:
+        t = c.post("/tokenize", json={"model": "scripted", "prompt": "Hello world"}).json()
+        assert t == {"count": len(codec.encode("Hello world")), "max_model_len": 4096,
+                     "tokens": codec.encode("Hello world"), "token_strs": None}
+        t = c.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False, "return_token_strs": True}).json()
+        assert t["tokens"] == codec.encode_text("Hello")
+        assert t["token_strs"] == [codec.tokenizer.id_to_token(i) for i in t["tokens"]]
+        # a chat: the ids the chat endpoint feeds (its usage counts them)
+        t = c.post("/tokenize", json={"messages": msgs, "chat_template_kwargs": {"thinking": True}}).json()
+        assert t["tokens"] == codec.encode_chat(msgs, thinking=True)
+        usage = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1,
+                                                     "chat_template_kwargs": {"thinking": True}}).json()["usage"]
+        assert usage["prompt_tokens"] == t["count"]
+        d = c.post("/detokenize", json={"model": "scripted", "tokens": codec.encode_text("Hello world")}).json()
+        assert d == {"prompt": "Hello world"}
+        for path, body, param in (("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+                                  ("/tokenize", {"prompt": 5}, "prompt"),
+                                  ("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
+                                  ("/detokenize", {"tokens": [1], "model": "other"}, "model")):
+            r = c.post(path, json=body)
+            assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, r.text)
+        assert c.get("/version").json()["version"]
+        assert c.get("/ping").status_code == 200 and c.post("/ping").status_code == 200
+        assert c.get("/v1/models/scripted").json() == c.get("/v1/models").json()["data"][0]
+        r = c.get("/v1/models/other")
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
+
+
 def _openai_fields(module) -> set[str]:
     return set(typing.get_type_hints(module.CompletionCreateParamsBase)) | {"stream"}
 
@@ -233,7 +354,7 @@ REFUSED_CHAT = {
     "response_format": {"type": "structural_tag"}, "modalities": ["text", "audio"], "store": True,
     "parallel_tool_calls": False, "tool_choice": {"type": "function", "function": {"name": "not_offered"}},
     "n": schema.MAX_N + 1, "continue_final_message": True,
-    "reasoning_effort": "medium", "frobnicate": 1,
+    "reasoning_effort": "medium", "frobnicate": 1, "use_beam_search": True, "prompt_logprobs": 0,
 }
 SERVED_COMPLETIONS = {"prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                       "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -262,6 +383,8 @@ def test_every_openai_field_is_served_or_refused():
 SAMPLING_TEST = "test_serve.py::test_vllm_sampling_fields_change_the_answer_as_vllm_documents"
 FIELDS_TEST = "test_structured.py::test_vllm_fields_change_the_answer_as_vllm_documents"
 GUIDED_TEST = "test_structured.py::test_guided_fields_constrain_the_answer"
+TOKEN_TEST = "test_structured.py::test_vllm_token_fields_change_the_answer"
+ANSWER_TEST = "test_serve_features.py::test_vllm_answer_fields"
 VLLM_SERVED = {
     "top_k": SAMPLING_TEST, "min_p": SAMPLING_TEST, "repetition_penalty": SAMPLING_TEST,
     "min_tokens": SAMPLING_TEST + " (stop ids), " + FIELDS_TEST + " (EOS)",
@@ -274,6 +397,12 @@ VLLM_SERVED = {
     "chat_template_kwargs": "test_serve_features.py::test_thinking_prompt_and_reasoning_effort_reach_the_encoder",
     "add_generation_prompt": "test_serve_features.py::test_thinking_prompt_and_reasoning_effort_reach_the_encoder",
     "continue_final_message": "false only",
+    "request_id": ANSWER_TEST, "return_token_ids": ANSWER_TEST, "add_special_tokens": ANSWER_TEST,
+    "enable_thinking": ANSWER_TEST, "bad_words": TOKEN_TEST, "allowed_token_ids": TOKEN_TEST,
+    "return_tokens_as_token_ids": TOKEN_TEST,
+    "use_beam_search": TOKEN_TEST + " (false only: beam search is not served)",
+    "prompt_logprobs": TOKEN_TEST + " (null only: the head computes no prompt rows' logits)",
+    "thinking_token_budget": "test_structured_thinking.py::test_masks_start_where_the_reasoning_ends_inside_a_verify_step",
     "cache_salt": "test_prefix_cache.py::test_tenants_with_their_own_cache_salt_never_share_a_cached_prefix",
 }
 

@@ -1,8 +1,8 @@
 """/metrics after requests, through a real ``python -m dsv41.serve`` (killed by its PID at the
 end): every series is consistent with what was served (counts, token sums, finish reasons, the
 start-up probe's one-token request included), under dsv41's names and, with ``--metrics-names
-vllm``, under vLLM's names, labels (``model_name``, ``engine``) and buckets, as a vLLM dashboard
-reads them; with ``--speculative ngram`` the speculative counters give the acceptance length, and
+both``, under vLLM's names, labels (``model_name``, ``engine``) and buckets too, as vLLM's example
+dashboard and dsv41's read them; with ``--speculative ngram`` the speculative counters give the acceptance length, and
 the start line names the drafter."""
 import json
 import threading
@@ -109,7 +109,10 @@ def test_dsv41_metrics_add_up_to_what_was_served():
         for name in ("e2e_request_latency", "time_to_first_token", "request_queue_time", "request_prefill_time",
                      "request_decode_time", "request_inference_time"):
             assert _value(m, f"dsv41_{name}_seconds_count", **on) == served, name
-        assert _value(m, "dsv41_time_per_output_token_seconds_count", **on) == 2 * sum(n > 1 for n in NEW)
+        # per output token: one sample per token after a request's first (vLLM's older name of the
+        # inter-token latency); the per-request mean has a histogram of its own
+        assert _value(m, "dsv41_time_per_output_token_seconds_count", **on) == made - served
+        assert _value(m, "dsv41_request_time_per_output_token_seconds_count", **on) == 2 * sum(n > 1 for n in NEW)
         assert _value(m, "dsv41_inter_token_latency_seconds_count", **on) == made - served
         assert _value(m, "dsv41_num_preemptions_total", **on) == 0
         assert _value(m, "dsv41_running_requests", **on) == 0 and _value(m, "dsv41_kv_cache_usage_perc", **on) == 0
@@ -123,11 +126,48 @@ def test_dsv41_metrics_add_up_to_what_was_served():
         server.stop()
 
 
+def _vllm_dashboard_reads_only_what_is_served(samples: dict):
+    """Every series vLLM's example Grafana dashboard queries (tests/data: its queries, its source
+    cited there) has a sample for the model the dashboard's variable picks."""
+    import re
+    from pathlib import Path
+    dashboard = json.loads((Path(__file__).parent / "data" / "vllm-grafana-dashboard-queries.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) == 27
+    read = {n for e in exprs for n in re.findall(r"vllm:\w+", e)}
+    have = {name for name, labels in samples if dict(labels).get("model_name") == "dsv"}
+    assert read and read <= have, read - have
+
+
+def test_vllm_names_alone_leave_dsv41_twins_out():
+    from dsv41.serving.metrics import Metrics
+    names = {f.name for f in text_string_to_metric_families(Metrics("vllm", "m").text().decode())}
+    assert "vllm:time_to_first_token_seconds" in names and "dsv41_time_to_first_token_seconds" not in names
+    assert "dsv41_requests" in names          # no vLLM twin: dsv41's name
+    names = {f.name for f in text_string_to_metric_families(Metrics("dsv41", "m").text().decode())}
+    assert not any(n.startswith("vllm:") for n in names)
+
+
+# vLLM's default series this server had no twin of (issue 59), with their Prometheus types
+NEW_VLLM = {"vllm:request_time_per_output_token_seconds": "histogram", "vllm:request_params_n": "histogram",
+            "vllm:request_params_max_tokens": "histogram", "vllm:request_max_num_generation_tokens": "histogram",
+            "vllm:request_prefill_kv_computed_tokens": "histogram", "vllm:prompt_tokens_recomputed": "counter",
+            "vllm:cache_config_info": "gauge", "vllm:engine_sleep_state": "gauge",
+            "vllm:external_prefix_cache_queries": "counter", "vllm:external_prefix_cache_hits": "counter",
+            "vllm:mm_cache_queries": "counter", "vllm:mm_cache_hits": "counter", "vllm:gpu_cache_usage_perc": "gauge"}
+
+
 @pytest.mark.timeout(600)
-def test_vllm_names_labels_and_buckets_with_speculative_counters():
-    server = Served("--max-context", "512", "--metrics-names", "vllm", "--served-model-name", "dsv",
+def test_both_names_labels_and_buckets_with_speculative_counters():
+    """--metrics-names both: vLLM's series with its names, labels and buckets and dsv41's, from one
+    server: each dashboard finds every series it reads."""
+    server = Served("--max-context", "512", "--metrics-names", "both", "--served-model-name", "dsv",
                     "--speculative", "ngram", "--draft-tokens", "3", "--ngram-min", "1")
     try:
+        on = dict(model_name="dsv", engine="0")
+        fresh = _scrape(server)      # every draft position exists at 0 before any draft is accepted
+        assert all(("vllm:spec_decode_num_accepted_tokens_per_pos_total", frozenset({**on, "position": str(j)}.items()))
+                   in fresh for j in range(3))
         _serve_all(server, streamed=True)
         served, made = len(PROMPTS) + PROBE, sum(NEW) + PROBE
         prompt = sum(map(len, PROMPTS)) + PROBE
@@ -146,7 +186,32 @@ def test_vllm_names_labels_and_buckets_with_speculative_counters():
         assert ("vllm:time_to_first_token_seconds_bucket", frozenset({**on, "le": "2560.0"}.items())) in m
         assert ("vllm:e2e_request_latency_seconds_bucket", frozenset({**on, "le": "7680.0"}.items())) in m
         assert ("vllm:request_prompt_tokens_bucket", frozenset({**on, "le": "500.0"}.items())) in m
-        assert not any(name.startswith("dsv41_time_to_first") for name, _ in m)
+        # dsv41's twins beside them, the same counts
+        assert _value(m, "dsv41_request_success_total", model_name="dsv", finished_reason="length") == served
+        assert _value(m, "dsv41_generation_tokens_total", model_name="dsv") == made
+        # the series vLLM's loggers add, with its types and buckets
+        types = {f.name: f.type for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+        assert {n: types.get(n) for n in NEW_VLLM} == NEW_VLLM
+        assert _value(m, "vllm:time_per_output_token_seconds_count", **on) == made - served    # per token
+        assert _value(m, "vllm:request_time_per_output_token_seconds_count", **on) == len(PROMPTS)
+        assert _value(m, "vllm:request_params_n_count", **on) == _value(m, "vllm:request_params_n_sum", **on) == served
+        assert ("vllm:request_params_n_bucket", frozenset({**on, "le": "20.0"}.items())) in m
+        assert _value(m, "vllm:request_params_max_tokens_sum", **on) == sum(NEW) + PROBE
+        assert ("vllm:request_params_max_tokens_bucket", frozenset({**on, "le": "500.0"}.items())) in m
+        assert _value(m, "vllm:request_max_num_generation_tokens_sum", **on) == made
+        assert _value(m, "vllm:request_prefill_kv_computed_tokens_sum", **on) == \
+            _value(m, "vllm:prompt_tokens_by_source_total", source="local_compute", **on) > 0
+        assert _value(m, "vllm:prompt_tokens_recomputed_total", **on) == 0
+        assert _value(m, "vllm:gpu_cache_usage_perc", **on) == _value(m, "vllm:kv_cache_usage_perc", **on) == 0
+        for name in ("external_prefix_cache_queries", "external_prefix_cache_hits", "mm_cache_queries",
+                     "mm_cache_hits"):
+            assert (f"vllm:{name}_total", frozenset(on.items())) in m and _value(m, f"vllm:{name}_total", **on) == 0
+        assert [_value(m, "vllm:engine_sleep_state", sleep_state=s, **on)
+                for s in ("awake", "weights_offloaded", "discard_all")] == [1, 0, 0]
+        info = [dict(labels) for name, labels in m if name == "vllm:cache_config_info"]
+        assert len(info) == 1 and info[0]["enable_prefix_caching"] == "True" and int(info[0]["num_gpu_blocks"]) > 0
+        _vllm_dashboard_reads_only_what_is_served(m)
+        _dashboard_reads_only_what_is_served(server)
         # the series vLLM has no twin of keep dsv41's names, with the model's name too
         assert all(dict(labels).get("model_name") == "dsv" for name, labels in m if not name.startswith("process_"))
         assert _value(m, "dsv41_requests_total", model_name="dsv", endpoint="/v1/completions", status="200") == \
@@ -223,5 +288,7 @@ def test_a_preemption_is_counted_once():
     m = _samples(metrics.text().decode())
     assert ends == ["length", "length"] and sum(job.preemptions for job in jobs) == 1
     assert _value(m, "dsv41_num_preemptions_total", model_name="m") == 1
+    # the preempted request's history computed again: its 2 prompt tokens and the 1 it had made
+    assert _value(m, "dsv41_prompt_tokens_recomputed_total", model_name="m") == 3
     assert _value(m, "dsv41_request_success_total", model_name="m", finished_reason="length") == 2
     assert _value(m, "dsv41_kv_cache_usage_perc", model_name="m") == 0.25

@@ -11,6 +11,7 @@ TP2, where the masks cross to the cards' processes) and speculative decoding giv
 answers.
 """
 import concurrent.futures
+import functools
 import json
 import pickle
 import re
@@ -239,18 +240,20 @@ def test_guided_fields_constrain_the_answer(server):
     assert re.fullmatch(r"[0-9]{3}", text(structured_outputs={"regex": "[0-9]{3}"}))
     assert text(structured_outputs={"choice": ["up", "down"]}) in ("up", "down")
     assert json.loads(text(guided_json={"type": "integer", "minimum": 5, "maximum": 6})) in (5, 6)
-    # one constraint a request; a grammar that does not compile; thinking mode
+    # one constraint a request; a grammar that does not compile (thinking mode is served:
+    # test_structured_thinking.py)
     for extra, param in (({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
                          ({"guided_regex": "[a-"}, "guided_regex"),
                          ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=extra)
         assert e.value.body["param"] == param
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
-                                       response_format={"type": "json_object"},
-                                       extra_body={"chat_template_kwargs": {"thinking": True}})
-    assert e.value.body["param"] == "response_format"
+
+
+def _complete(client, prompt: str, **extra):
+    """The first choice of a completion (12 greedy tokens unless asked otherwise), vLLM's fields in the body."""
+    kw = {"max_tokens": extra.pop("max_tokens", 12), "temperature": extra.pop("temperature", 0)}
+    return client.completions.create(model="tiny", prompt=prompt, **kw, extra_body=extra).choices[0]
 
 
 @pytest.mark.timeout(600)
@@ -258,9 +261,7 @@ def test_vllm_fields_change_the_answer_as_vllm_documents(server, codec):
     client = _client(server)
     prompt = "The story goes"
 
-    def complete(**extra):
-        kw = {"max_tokens": extra.pop("max_tokens", 12), "temperature": extra.pop("temperature", 0)}
-        return client.completions.create(model="tiny", prompt=prompt, **kw, extra_body=extra).choices[0]
+    complete = functools.partial(_complete, client, prompt)
 
     plain = complete()
     assert plain.finish_reason == "length" and len(plain.text) > 4
@@ -318,6 +319,50 @@ def test_vllm_fields_change_the_answer_as_vllm_documents(server, codec):
     assert e.value.body["param"] == "priority"
 
 
+@pytest.mark.timeout(900)
+def test_vllm_token_fields_change_the_answer(server, codec):
+    """top_k -1, allowed_token_ids, bad_words, return_tokens_as_token_ids as vLLM documents them;
+    use_beam_search, prompt_logprobs and completions' echo refused saying they are not served."""
+    client = _client(server)
+    prompt = "The story goes"
+
+    complete = functools.partial(_complete, client, prompt)
+
+    plain = complete()
+    # top_k -1: vLLM's "off", the same draws as leaving it out (and not those of a real top-k)
+    seeded = dict(temperature=1.0, seed=9, max_tokens=12)
+    assert complete(**seeded, top_k=-1).text == complete(**seeded).text != complete(**seeded, top_k=2).text
+    # allowed_token_ids: every token drawn is one of them
+    allowed = sorted(set(codec.encode_text("abcde ")))
+    drawn = complete(**seeded, allowed_token_ids=allowed, return_token_ids=True).model_dump()["token_ids"]
+    assert len(drawn) == 12 and set(drawn) <= set(allowed)
+    # bad_words: a one-token word of the greedy answer is never drawn; a two-token word's second
+    # token never follows its first (vLLM tokenizes each word as written and after a space)
+    made = complete(return_token_ids=True).model_dump()["token_ids"]
+    word = next(w for t in made if (w := codec.tokenizer.decode([t])).strip().isalnum())
+    banned = complete(bad_words=[word], return_token_ids=True).model_dump()["token_ids"]
+    variants = {tuple(codec.tokenizer.encode(w, add_special_tokens=False).ids)
+                for w in (word.lstrip(), " " + word.lstrip())}
+    assert banned != made and not any(len(v) == 1 and v[0] in banned for v in variants)
+    pair = codec.tokenizer.decode(made[2:4])
+    seq = codec.tokenizer.encode(pair.lstrip(), add_special_tokens=False).ids
+    out = complete(bad_words=[pair], return_token_ids=True, max_tokens=24).model_dump()["token_ids"]
+    assert not any(out[i:i + len(seq)] == seq for i in range(len(out)))
+    # return_tokens_as_token_ids: logprobs name tokens by id (completions and chat)
+    lp = complete(logprobs=1, return_tokens_as_token_ids=True, return_token_ids=True)
+    assert lp.logprobs.tokens == [f"token_id:{t}" for t in lp.model_dump()["token_ids"]]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+                                          extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    assert [e.token for e in chat.choices[0].logprobs.content] == \
+        [f"token_id:{t}" for t in chat.choices[0].model_dump()["token_ids"]]
+    # refused, saying so: beam search and the prompt's logprobs are not served
+    for field, value in (("use_beam_search", True), ("prompt_logprobs", 1), ("echo", True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={field: value})
+        assert e.value.body["param"] == field and "not served" in e.value.body["message"]
+    assert complete(use_beam_search=False).text == plain.text
+
+
 # ---- forced tool calls ------------------------------------------------------------------------------------
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -335,19 +380,18 @@ class RealInProcess(InProcess):
     """The app over the reference engine with TINY's weights and room for the tool prompt (~760
     tokens of TINY's tokenizer; the command line's TINY prefills 512 rows a step)."""
 
-    def __init__(self, codec):
+    def __init__(self, codec, drafter=None, max_batch: int = 4):
+        """drafter(engine): the speculative drafter over the engine (None: plain decode steps)."""
         from dsv41.engine.reference import ReferenceEngine
         capacity = replace(CAPACITIES["tiny"], prefill_max_tokens=2048)
-        super().__init__(codec, ReferenceEngine(TINY, seed=0, max_batch=4, max_context=1536, capacity=capacity))
+        engine = ReferenceEngine(TINY, seed=0, max_batch=max_batch, max_context=1536, capacity=capacity)
+        super().__init__(codec, engine, None if drafter is None else drafter(engine), max_batch)
 
 
 @pytest.fixture(scope="module")
 def tool_server(codec):
-    s = RealInProcess(codec)
-    try:
+    with RealInProcess(codec) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.mark.timeout(900)

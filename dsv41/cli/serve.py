@@ -87,10 +87,10 @@ def build_parser() -> rules.Parser:
                    help="seconds a stopping server (SIGTERM, SIGINT) lets the requests in flight run; then "
                         "each still running ends with finish_reason \"abort\" and a stream with its final "
                         "event and [DONE]; a second signal ends the wait at once (default: %(default)s)")
-    g.add_argument("--metrics-names", default="dsv41", choices=("dsv41", "vllm"),
-                   help="/metrics series names: dsv41's, or vLLM's (vllm:..., with its model_name and engine "
-                        "labels and its buckets) so that a dashboard made for vLLM works unchanged "
-                        "(default: %(default)s)")
+    g.add_argument("--metrics-names", default="dsv41", choices=("dsv41", "vllm", "both"),
+                   help="/metrics series names: dsv41's, vLLM's (vllm:..., with its model_name and engine "
+                        "labels and its buckets) so that a dashboard made for vLLM works unchanged, or both "
+                        "at once (one server feeding both dashboards) (default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name requests must name (default: the config's name, or the checkpoint "
                         "folder's)")
@@ -311,9 +311,11 @@ def serve(args, signals: Signals) -> int:
     limits = Limits(max_context=args.max_context, max_prompt=args.max_context - 1,
                     vocab_size=cfg.vocab_size, max_body_bytes=args.max_body_bytes,
                     require_cache_salt=args.require_cache_salt)
-    metrics = Metrics(args.metrics_names, name, args.max_context)
-    batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, args.max_num_batched_tokens,
-                      speculative.drafter(args, engine))
+    drafter = speculative.drafter(args, engine)
+    cache = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(engine.blocks_in_use()[1]),
+             "enable_prefix_caching": str(engine.prefix_caching)}
+    metrics = Metrics(args.metrics_names, name, args.max_context, cache, 0 if drafter is None else drafter.k)
+    batcher = Batcher(engine, metrics, args.max_batch, args.max_queue, args.max_num_batched_tokens, drafter)
     batcher.start()
     try:
         server = Server(batcher, args.codec, name, limits, metrics, args.read_timeout, args.grammar_compile_timeout)

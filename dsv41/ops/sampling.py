@@ -66,7 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False           # EOS neither ends the request nor is kept from being drawn
     include_stop_str_in_output: bool = False   # a stop string ends the text after itself, not before
     eos_token_id: int | None = None    # the tokenizer's EOS: a stop id unless ignore_eos
-    grammar: object = None             # structured output (``engine.grammar.Grammar``): the host's, see __getstate__
+    grammar: object = None             # the rows' masks (``engine.grammar.Constraint``): the host's, see __getstate__
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)

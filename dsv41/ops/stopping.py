@@ -50,6 +50,9 @@ class Stops:
         self.tail = ""                   # the text of tokens[read:]
         self.shown = 0                   # characters of text handed out by push
         self.finish: str | None = None   # STOP or LENGTH once ended
+        self.eos = eos if not params.ignore_eos else None
+        # vLLM's stop_reason: the stop token id or stop string that ended it (None: EOS, the limit)
+        self.reason: int | str | None = None
 
     def push(self, token: int) -> str:
         """Take the next generated token; returns the text it lets through (all of the rest once
@@ -58,6 +61,7 @@ class Stops:
             raise ValueError("token: the request has already ended")
         if token in self.stop_ids and len(self.tokens) >= self.params.min_tokens:
             self.finish = STOP
+            self.reason = None if token == self.eos and token not in self.params.stop_token_ids else token
         else:
             self.tokens.append(token)
             if self.decode_text is not None:
@@ -122,10 +126,10 @@ class Stops:
         starts = [max(0, settled - len(s) + 1) for s in self.params.stop]
         base = min(starts)
         recent = self._span(base, self.settled_chars + len(self.tail))
-        found = [(i, len(s)) for s, start in zip(self.params.stop, starts)
+        found = [(i, len(s), s) for s, start in zip(self.params.stop, starts)
                  if (i := recent.find(s, start - base)) >= 0]
         if found:
-            at, length = min(found)
+            at, length, self.reason = min(found)
             text = self.text[:base + at + length * self.params.include_stop_str_in_output]
             self.settled, self.settled_chars, self.settled_kept, self.tail = [text], len(text), len(text), ""
             self.finish = STOP

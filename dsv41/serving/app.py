@@ -1,5 +1,6 @@
 """The HTTP endpoints (Starlette): ``/v1/completions`` and ``/v1/chat/completions`` (server-sent
-events with ``"stream": true``), ``/v1/models``, ``/health`` and ``/metrics``.
+events with ``"stream": true``), ``/v1/models`` (and one model's card), ``/health`` and ``/metrics``,
+and vLLM's ``/tokenize``, ``/detokenize``, ``/version`` and ``/ping``.
 
 A request is read (up to the body limit, within the read timeout), checked (``schema.generation``)
 and only then queued for the engine loop (``batcher.Batcher``); its handler turns the loop's events
@@ -17,6 +18,7 @@ has passed, and while the engine's last step failed.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import uuid
@@ -32,7 +34,7 @@ from starlette.routing import Route
 from dsv41.engine import prefix_cache
 from dsv41.ops.sampling import SamplingParams
 from dsv41.ops.stopping import Stops
-from dsv41.serving import schema, structured
+from dsv41.serving import schema, structured, tokens
 from dsv41.serving.batcher import Batcher, Job, QueueFull
 from dsv41.serving.chat_answer import ChatAnswer
 from dsv41.serving.metrics import Metrics
@@ -43,6 +45,10 @@ CHECK_WORKERS = 2  # threads that parse and tokenize request bodies (the GIL is 
 CHECK_BACKLOG = 64  # bodies waiting for those threads; one more is answered 429 (each may hold a MiB)
 ANSWER_WORKERS = 2  # threads that parse answers (reasoning, tool calls) and build whole answers' bodies
 PROBE_TOKEN = 0    # the start-up probe's one-token prompt (every vocabulary has id 0)
+try:
+    VERSION = importlib.metadata.version("dsv41")
+except importlib.metadata.PackageNotFoundError:    # run from a checkout that was never installed
+    VERSION = "0+unknown"
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,11 @@ class Server:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/ping", self.ping, methods=["GET", "POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
         ], exception_handlers={HTTPException: self.http_error, Exception: self.server_error},
@@ -158,11 +169,65 @@ class Server:
     async def metrics_text(self, request: Request):
         return Response(self.metrics.text(), media_type=self.metrics.content_type)
 
+    def _card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "dsv41",
+                "max_model_len": self.limits.max_context}
+
     async def models(self, request: Request):
         self.metrics.requests.labels("/v1/models", "200").inc()
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 0, "owned_by": "dsv41",
-             "max_model_len": self.limits.max_context}]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request):
+        """OpenAI's model retrieval: the served model's card, 404 for any other name."""
+        name = request.path_params["model"]
+        if name != self.model:
+            return self._refusal("/v1/models/{model}", ApiError(
+                404, f"model: {schema.shown(name)} is not served here; the model is {self.model!r}", "model",
+                code="model_not_found"))
+        self.metrics.requests.labels("/v1/models/{model}", "200").inc()
+        return JSONResponse(self._card())
+
+    async def version(self, request: Request):
+        self.metrics.requests.labels("/version", "200").inc()
+        return JSONResponse({"version": VERSION})
+
+    async def ping(self, request: Request):
+        """vLLM's (SageMaker's) liveness probe: /health's status, no body."""
+        ok = self.fault is None and self.probed
+        self.metrics.requests.labels("/ping", "200" if ok else "503").inc()
+        return Response(status_code=200 if ok else 503)
+
+    async def tokenize(self, request: Request):
+        return await self._utility(request, "/tokenize", tokens.tokenize)
+
+    async def detokenize(self, request: Request):
+        return await self._utility(request, "/detokenize", tokens.detokenize)
+
+    async def _utility(self, request: Request, endpoint: str, answer):
+        """A body read and checked as the generation endpoints' are, answered by ``answer(body,
+        codec, limits)`` on the check threads (a large chat tokenizes there, off the event loop)."""
+        def work(raw: bytes) -> dict:
+            body = schema.parse_body(raw, self.limits)
+            schema.check_model(body, self.model)
+            return answer(body, self.codec, self.limits)
+        try:
+            out = await self._on_check_threads(work, await self._read(request))
+        except (ApiError, QueueFull) as e:
+            return self._refusal(endpoint, e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return JSONResponse(out)
+
+    def _refusal(self, endpoint: str, e: ApiError | QueueFull) -> JSONResponse:
+        """A request refused (its error counted): a 4xx naming the field, 429 for a full queue, 503."""
+        if isinstance(e, QueueFull):
+            self.metrics.errors.labels("queue_full").inc()
+            e = ApiError(429, str(e), kind="rate_limit_error", code="queue_full")
+        else:
+            self.metrics.errors.labels("bad_request" if e.status < 429 else "server").inc()
+        self.metrics.requests.labels(endpoint, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
 
     # ---- generation ------------------------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -181,15 +246,8 @@ class Server:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
             jobs = self._submit(gen)
-        except ApiError as e:
-            self.metrics.errors.labels("bad_request" if e.status < 429 else "server").inc()
-            self.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status)
-        except QueueFull as e:
-            self.metrics.errors.labels("queue_full").inc()
-            self.metrics.requests.labels(endpoint, "429").inc()
-            return JSONResponse(ApiError(429, str(e), kind="rate_limit_error", code="queue_full").body(),
-                                status_code=429)
+        except (ApiError, QueueFull) as e:
+            return self._refusal(endpoint, e)
         except ClientDisconnect:
             return Response(status_code=499)
         except Exception:                 # the server's own fault; a client's body never lands here
@@ -198,7 +256,8 @@ class Server:
             self.metrics.requests.labels(endpoint, "500").inc()
             return JSONResponse(ApiError(500, "internal error while checking the request", kind="server_error").body(),
                                 status_code=500)
-        answer = Answer(self, jobs, gen, chat)
+        # vLLM's order: the X-Request-Id header, the body's request_id, else a random id
+        answer = Answer(self, jobs, gen, chat, request.headers.get("x-request-id") or gen.request_id)
         self.live.update(jobs)
         if gen.stream:
             self.metrics.requests.labels(endpoint, "200").inc()
@@ -218,7 +277,7 @@ class Server:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         cache_root = prefix_cache.root(gen.cache_salt)
         jobs = [Job(gen.prompt, p, Stops(p, decode_text=self._decoder(gen)), loop, events, choice=i,
-                    cache_root=cache_root) for i, p in enumerate(gen.samples())]
+                    cache_root=cache_root, samples=gen.n) for i, p in enumerate(gen.samples())]
         submitted = []
         try:
             for job in jobs:
@@ -241,12 +300,16 @@ class Server:
         return self.codec.decode_answer if gen.thinking or gen.tool_calls else self.codec.decode
 
     async def _checked(self, raw: bytes, chat: bool) -> schema.Generation:
-        """The body parsed, checked and tokenized on the check threads, at most CHECK_BACKLOG at once."""
+        """The body parsed, checked and tokenized on the check threads."""
+        return await self._on_check_threads(self._check, raw, chat)
+
+    async def _on_check_threads(self, fn, *args):
+        """fn(*args) on the check threads, at most CHECK_BACKLOG waiting at once."""
         if self.checking >= CHECK_BACKLOG:
             raise QueueFull(f"{self.checking} request bodies are waiting to be checked; retry later")
         self.checking += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.checks, self._check, raw, chat)
+            return await asyncio.get_running_loop().run_in_executor(self.checks, fn, *args)
         finally:
             self.checking -= 1
 
@@ -306,10 +369,13 @@ class Answer:
     """One request's answer built from the engine loop's events: whole, or as server-sent events;
     with n > 1 one choice per sample (``Event.choice``), streamed as their tokens come."""
 
-    def __init__(self, server: Server, jobs: list[Job], gen: schema.Generation, chat: bool):
+    def __init__(self, server: Server, jobs: list[Job], gen: schema.Generation, chat: bool,
+                 request_id: str | None = None):
         self.server, self.jobs, self.gen, self.chat = server, jobs, gen, chat
         self.events_in = jobs[0].events               # every sample's events
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex[:24])
+        self.counted = [0] * len(jobs)                # per choice, tokens its events brought so far
+        self.counted_out = [False] * len(jobs)        # per choice, whether a chunk of it went out
         self.logprobs: list[list] = [[] for _ in jobs]   # per choice, (token, (logprob, top)) per token
         self.parsed = [ChatAnswer(gen.thinking, gen.tool_calls) if chat else None for _ in jobs]
         self.finish: dict[int, str] = {}              # choice -> its finish reason, once done
@@ -320,14 +386,16 @@ class Answer:
         return await asyncio.get_running_loop().run_in_executor(self.server.answers, fn, *args)
 
     def _take(self, event):
+        self.counted[event.choice] += 1
         if self.gen.top_logprobs is not None and event.logprob is not None:
             self.logprobs[event.choice].append((event.token, event.logprob))
 
     def _logprobs(self, entries):
         if self.gen.top_logprobs is None:
             return None
-        codec = self.server.codec
-        return schema.chat_logprobs(entries, codec) if self.chat else schema.completion_logprobs(entries, codec)
+        codec, as_ids = self.server.codec, self.gen.tokens_as_ids
+        return schema.chat_logprobs(entries, codec, as_ids) if self.chat else \
+            schema.completion_logprobs(entries, codec, as_ids)
 
     def _usage(self) -> dict:
         # the choices share the prompt: its cached part is the first choice's (the others' may differ
@@ -335,15 +403,27 @@ class Answer:
         cached = self.jobs[0].cached if self.server.batcher.prefix_caching else None
         return schema.usage(len(self.gen.prompt), sum(j.generated for j in self.jobs), cached)
 
+    def _stop_reason(self, i: int, finish: str):
+        """vLLM's stop_reason: the stop token id or stop string that ended choice i (None: EOS,
+        the token limit, an abort)."""
+        return self.jobs[i].stops.reason if finish != "abort" else None
+
     def _choice(self, i: int) -> dict:
         job = self.jobs[i]
-        c = {"index": i, "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
+        c = {"index": i, "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i],
+             "stop_reason": self._stop_reason(i, self.finish[i])}
         if self.chat:
             c["message"] = self.parsed[i].message(job.stops.text)
+            if self.gen.echo:
+                c["message"]["content"] = self.gen.echo + (c["message"]["content"] or "")
             c["finish_reason"] = self.parsed[i].finish_reason(self.finish[i])
         else:
             c["text"] = job.stops.text
-        if self.server.codec is None:
+        if self.gen.token_ids:
+            c["token_ids"] = list(job.made)            # vLLM's: every token made, a stop token included
+            if not self.chat:
+                c["prompt_token_ids"] = self.gen.prompt
+        elif self.server.codec is None:
             c["token_ids"] = job.stops.tokens          # no tokenizer: the answer is token ids
         return c
 
@@ -375,6 +455,8 @@ class Answer:
                                        self.server.model)
                 body["choices"] = [await self._off_loop(self._choice, i) for i in range(len(self.jobs))]
                 body["usage"] = self._usage()
+                if self.gen.token_ids and self.chat:
+                    body["prompt_token_ids"] = self.gen.prompt
                 return 200, body
 
     async def events(self):
@@ -382,8 +464,9 @@ class Answer:
         try:
             if self.chat:
                 for i in range(len(self.jobs)):
-                    yield self._sse(kind, {"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None})
+                    first = {"prompt_token_ids": self.gen.prompt} if self.gen.token_ids else {}
+                    yield self._sse(kind, {"index": i, "delta": {"role": "assistant", "content": self.gen.echo},
+                                           "logprobs": None, "finish_reason": None, "stop_reason": None}, **first)
             while True:
                 event = await self.events_in.get()
                 self.server.outcome(event)
@@ -393,10 +476,10 @@ class Answer:
                     break
                 if event.kind == "token":
                     self._take(event)
-                    tokens = [event.token] if event.kept else []
+                    tokens = [event.token] if event.kept or self.gen.token_ids else []
                     entries = self.logprobs[i][-1:] if event.logprob is not None else []
                     fields = await self._fields(i, event.text)
-                    if not fields and self.server.codec is not None and not entries:
+                    if not fields and self.server.codec is not None and not entries and not self.gen.token_ids:
                         continue
                     yield self._sse(kind, self._delta(i, fields, tokens, entries, None))
                     continue
@@ -404,7 +487,7 @@ class Answer:
                 if rest:
                     yield self._sse(kind, self._delta(i, rest, [], [], None))
                 finish = self.parsed[i].finish_reason(event.finish) if self.chat else event.finish
-                yield self._sse(kind, self._delta(i, {}, [], [], finish))
+                yield self._sse(kind, self._delta(i, {}, [], [], finish, self._stop_reason(i, event.finish)))
                 self.finish[i] = finish
                 if len(self.finish) < len(self.jobs):
                     continue
@@ -428,17 +511,24 @@ class Answer:
         parsed = self.parsed[i]
         return await self._off_loop(parsed.feed, text) if parsed.parsing else parsed.feed(text)
 
-    def _delta(self, i: int, fields: dict, tokens: list[int], entries, finish) -> dict:
-        c = {"index": i, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish}
+    def _delta(self, i: int, fields: dict, tokens: list[int], entries, finish, stop_reason=None) -> dict:
+        c = {"index": i, "logprobs": self._logprobs(entries) if entries else None, "finish_reason": finish,
+             "stop_reason": stop_reason}
         if self.chat:
             c["delta"] = fields
         else:
             c["text"] = fields.get("text", "")
-        if self.server.codec is None:
+            if self.gen.token_ids and not self.counted_out[i]:     # vLLM: the prompt's ids in a choice's first chunk
+                c["prompt_token_ids"] = self.gen.prompt
+        if self.server.codec is None or self.gen.token_ids:
             c["token_ids"] = tokens
+        self.counted_out[i] = True
         return c
 
-    def _sse(self, kind: str, choice: dict) -> str:
+    def _sse(self, kind: str, choice: dict, **extra) -> str:
         body = schema.envelope(kind, self.id, self.server.model)
         body["choices"] = [choice]
+        body.update(extra)
+        if self.gen.continuous_usage:    # vLLM's continuous_usage_stats: this choice's tokens so far
+            body["usage"] = schema.usage(len(self.gen.prompt), self.counted[choice["index"]])
         return f"data: {json.dumps(body)}\n\n"

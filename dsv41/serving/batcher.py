@@ -60,6 +60,7 @@ class Job(Request):
     ended: bool = False           # its end (done or error) was sent: nothing follows it
     _emitting: threading.Lock = field(default_factory=threading.Lock, repr=False)
     choice: int = 0               # its index among the request's samples (n > 1 share one events queue)
+    samples: int = 1              # the request's n
 
     @property
     def generated(self) -> int:
@@ -191,6 +192,7 @@ class Batcher:
         if turn.out is None:
             return
         fresh = [j for j in turn.started if not j.preemptions]     # a recompute was admitted before
+        m.recomputed.inc(sum(len(j.prompt) + len(j.made) for j in turn.started if j.preemptions))
         prompt = sum(len(j.prompt) for j in fresh)
         if fresh:
             started = time.monotonic() - turn.ms / 1e3

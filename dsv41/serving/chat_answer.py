@@ -46,8 +46,8 @@ class ChatAnswer:
             content, calls = self.tools.feed(content)
         self.called = self.called or bool(calls)
         out = {}
-        if reasoning:
-            out["reasoning_content"] = reasoning
+        if reasoning:     # vLLM >= 0.11 names it reasoning and keeps the older reasoning_content
+            out["reasoning"] = out["reasoning_content"] = reasoning
         if content:
             out["content"] = content
         if calls:
@@ -65,7 +65,7 @@ class ChatAnswer:
         calls = [c for f in fields for c in f.get("tool_calls", [])]
         msg = {"role": "assistant", "content": joined["content"] or (None if calls else "")}
         if self.reasoning is not None:
-            msg["reasoning_content"] = joined["reasoning_content"] or None
+            msg["reasoning"] = msg["reasoning_content"] = joined["reasoning_content"] or None
         if calls:
             msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         return msg

@@ -18,10 +18,12 @@ made for vLLM reads them unchanged; the series vLLM has no twin of keep their ds
 """
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-NAMES = ("dsv41", "vllm")
+NAMES = ("dsv41", "vllm", "both")
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # request latencies: from milliseconds (a device) to the minutes a CPU queue can reach
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -34,7 +36,9 @@ VLLM_TPOT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
              80.0)
 VLLM_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
+VLLM_N = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")
+SLEEP_STATES = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}    # vLLM's states, and the one here
 PROMPT_SOURCES = ("local_compute", "local_cache_hit")    # vLLM's, less the KV transfer dsv41 has not
 
 
@@ -53,29 +57,60 @@ class _Bound:
         return self.metric.labels(*self.values, *values)
 
 
+class _Fan:
+    """One quantity under each name set asked for: what is counted, set or observed reaches each."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def labels(self, *values) -> "_Fan":
+        return _Fan([p.labels(*values) for p in self.parts])
+
+    def inc(self, amount: float = 1):
+        for p in self.parts:
+            p.inc(amount)
+
+    def set(self, value: float):
+        for p in self.parts:
+            p.set(value)
+
+    def observe(self, value: float):
+        for p in self.parts:
+            p.observe(value)
+
+
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, names: str = "dsv41", model: str = "", max_context: int = 5_000_000):
-        """names: "dsv41" or "vllm" (the series vLLM exports, under its names and labels); model:
-        the served model's name (every series' model_name label); max_context: where vLLM's token-count
-        buckets end."""
+    def __init__(self, names: str = "dsv41", model: str = "", max_context: int = 5_000_000,
+                 cache: dict | None = None, draft_positions: int = 0):
+        """names: "dsv41", "vllm" (the series vLLM exports, under its names and labels) or "both"
+        (every series under dsv41's name, and each that has a vLLM twin under vLLM's too: one
+        server feeds both dashboards); model: the served model's name (every series' model_name
+        label); max_context: where vLLM's token-count buckets end; cache: vLLM's cache_config_info
+        labels (block size, block count, prefix caching; None: no such series); draft_positions:
+        the drafts a verify step may hold (the per-position counters exist at 0 from the start)."""
         if names not in NAMES:
             raise ValueError(f"names: expected one of {', '.join(NAMES)}, found {names!r}")
         r = self.registry = CollectorRegistry()
-        vllm = names == "vllm"
+        ours_too, theirs_too = names != "vllm", names != "dsv41"
 
-        def make(kind, ours: str, theirs: str | None, doc: str, labels=(), **kw):
-            if vllm and theirs is not None:
-                name, leading, values = theirs, ["model_name", "engine"], (model, "0")
-            else:
-                name, leading, values = ours, ["model_name"], (model,)
-            bound = _Bound(kind(name, doc, [*leading, *labels], registry=r, **kw), values)
-            return bound if labels else bound.labels()
+        def make(kind, ours: str | None, theirs, doc: str, labels=(), buckets=None, their_buckets=None):
+            """ours: dsv41's name (None: vLLM's only, exported with vLLM's names); theirs: vLLM's
+            name or names (None: dsv41's only, exported under any name set)."""
+            parts = []
+            if ours is not None and (ours_too or theirs is None):
+                kw = {} if buckets is None else {"buckets": buckets}
+                parts.append(_Bound(kind(ours, doc, ["model_name", *labels], registry=r, **kw), (model,)))
+            for name in ((theirs,) if isinstance(theirs, str) else theirs or ()) if theirs_too else ():
+                kw = {} if buckets is None else {"buckets": their_buckets or buckets}
+                parts.append(_Bound(kind(name, doc, ["model_name", "engine", *labels], registry=r, **kw),
+                                    (model, "0")))
+            fan = _Fan(parts)
+            return fan if labels else fan.labels()
 
         def hist(ours, theirs, doc, buckets, their_buckets=None, labels=()):
-            return make(Histogram, ours, theirs, doc, labels,
-                        buckets=their_buckets if vllm and theirs and their_buckets else buckets)
+            return make(Histogram, ours, theirs, doc, labels, buckets, their_buckets)
 
         self.requests = make(Counter, "dsv41_requests", None, "HTTP requests answered, by endpoint and status",
                              ["endpoint", "status"])
@@ -98,7 +133,9 @@ class Metrics:
                             "Requests holding a batch slot")
         self.blocks_in_use = make(Gauge, "dsv41_cache_blocks_in_use", None, "Paged-cache blocks held by requests")
         self.blocks_total = make(Gauge, "dsv41_cache_blocks_total", None, "Paged-cache blocks in all pools")
-        self.cache_usage = make(Gauge, "dsv41_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
+        # vLLM's gpu_cache_usage_perc is deprecated, but its example dashboard's Cache Utilization reads it
+        self.cache_usage = make(Gauge, "dsv41_kv_cache_usage_perc", ("vllm:kv_cache_usage_perc",
+                                                                     "vllm:gpu_cache_usage_perc"),
                                 "Paged-cache blocks in use over all blocks (1 is full)")
         self.preemptions = make(Counter, "dsv41_num_preemptions", "vllm:num_preemptions",
                                 "Preemptions: a running request's blocks freed, to be recomputed when it fits again")
@@ -128,7 +165,11 @@ class Metrics:
         self.itl = hist("dsv41_inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
                         "Between two tokens of one request", LATENCY_BUCKETS, VLLM_TPOT)
         self.tpot = hist("dsv41_time_per_output_token_seconds", "vllm:time_per_output_token_seconds",
-                         "A request's decode time over its tokens after the first", LATENCY_BUCKETS, VLLM_TPOT)
+                         "Between two tokens of one request, one sample per token after the first (as vLLM, "
+                         "where it is inter_token_latency's older name)", LATENCY_BUCKETS, VLLM_TPOT)
+        self.request_tpot = hist("dsv41_request_time_per_output_token_seconds",
+                                 "vllm:request_time_per_output_token_seconds",
+                                 "A request's decode time over its tokens after the first", LATENCY_BUCKETS, VLLM_TPOT)
         self.e2e = hist("dsv41_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
                         "From acceptance to the end of a request", LATENCY_BUCKETS, VLLM_REQUEST)
         self.queue_time = hist("dsv41_request_queue_time_seconds", "vllm:request_queue_time_seconds",
@@ -146,11 +187,39 @@ class Metrics:
                                    "Prompt tokens per request", TOKEN_BUCKETS, lengths)
         self.generation_lengths = hist("dsv41_request_generation_tokens", "vllm:request_generation_tokens",
                                        "Generated tokens per request", TOKEN_BUCKETS, lengths)
+        self.params_n = hist("dsv41_request_params_n", "vllm:request_params_n", "The n of each request",
+                             TOKEN_BUCKETS, VLLM_N)
+        self.params_max_tokens = hist("dsv41_request_params_max_tokens", "vllm:request_params_max_tokens",
+                                      "The max_tokens of each request (per sample)", TOKEN_BUCKETS, lengths)
+        self.max_generation = hist("dsv41_request_max_num_generation_tokens", "vllm:request_max_num_generation_tokens",
+                                   "The most tokens a sample of a request generated", TOKEN_BUCKETS, lengths)
+        self.kv_computed = hist("dsv41_request_prefill_kv_computed_tokens", "vllm:request_prefill_kv_computed_tokens",
+                                "Prompt tokens a request computed (those not found in the prefix cache)",
+                                TOKEN_BUCKETS, lengths)
+        self.recomputed = make(Counter, "dsv41_prompt_tokens_recomputed", "vllm:prompt_tokens_recomputed",
+                               "Tokens computed again: a preempted request's history when it is admitted again")
+        sleep = make(Gauge, "dsv41_engine_sleep_state", "vllm:engine_sleep_state",
+                     "The engine's sleep state (1: the state it is in); dsv41's engine is always awake",
+                     ["sleep_state"])
+        for state, value in SLEEP_STATES.items():
+            sleep.labels(state).set(value)
+        for name in ("vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits", "vllm:mm_cache_queries",
+                     "vllm:mm_cache_hits"):    # vLLM's KV-connector and multimodal caches: none here, so 0
+            make(Counter, None, name, "Tokens looked up / found in a cache dsv41 has not (always 0)")
+        if cache is not None:
+            info = make(Gauge, "dsv41_cache_config_info", "vllm:cache_config_info",
+                        "The paged cache's configuration (labels; the value is 1)", tuple(cache))
+            info.labels(*cache.values()).set(1)
+        self._samples: dict[int, list] = {}     # a request's jobs (by their shared events queue), until all end
+        self._lock = threading.Lock()
         self._looked = self._found = 0         # the hit rate's prompt tokens so far
         for reason in FINISH_REASONS:
             self.success.labels(reason)           # every series exists (at 0) before the first request ends
         for source in PROMPT_SOURCES:
             self.prompt_by_source.labels(source)
+        for j in range(draft_positions):       # every position a dashboard plots exists before it accepts
+            self.draft_by_position.labels(str(j))
+            self.accepted_by_position.labels(str(j))
 
     # ---- a request's life, as the engine loop sees it ----------------------------------------------------
     def on_admit(self, job, started: float):
@@ -178,6 +247,7 @@ class Metrics:
             self.ttft.observe(now - job.accepted)
         else:
             self.itl.observe(now - job.last_token_at)
+            self.tpot.observe(now - job.last_token_at)
         job.last_token_at = now
 
     def on_finish(self, job, reason: str, now: float):
@@ -185,8 +255,23 @@ class Metrics:
         self.e2e.observe(now - job.accepted)
         self.success.labels(reason).inc()
         self.generation_lengths.observe(job.generated)
+        self.params_max_tokens.observe(job.params.max_tokens)
+        self.kv_computed.observe(len(job.prompt) - job.cached)
+        self._sample_ended(job)
         if job.admitted_at is not None:
             self._ran(job)
+
+    def _sample_ended(self, job):
+        """A request's n and the most tokens one of its samples generated, once all have ended (its
+        samples share one events queue)."""
+        with self._lock:
+            group = self._samples.setdefault(id(job.events), [])
+            group.append(job.generated)
+            if len(group) < job.samples:
+                return
+            del self._samples[id(job.events)]
+        self.params_n.observe(job.samples)
+        self.max_generation.observe(max(group))
 
     def _ran(self, job):
         """The times of a request that held a slot and ended: inference, decode, per output token."""
@@ -194,7 +279,7 @@ class Metrics:
         if job.first_token_at is not None:
             self.decode_time.observe(job.ended_at - job.first_token_at)
             if job.generated > 1:
-                self.tpot.observe((job.ended_at - job.first_token_at) / (job.generated - 1))
+                self.request_tpot.observe((job.ended_at - job.first_token_at) / (job.generated - 1))
 
     def on_step(self, prompt_tokens: int, cached: int, generated: int, proposed: list[int] | None,
                 accepted: list[int] | None):

@@ -17,7 +17,8 @@ import json
 import time
 from dataclasses import dataclass, replace
 
-from dsv41.checkpoint.chat import DEFAULT_EFFORT, DSML, VARIANTS, stated_effort
+from dsv41.checkpoint.chat import DEFAULT_EFFORT, DSML, END_THINK, VARIANTS, stated_effort
+from dsv41.engine.grammar import Constraint
 from dsv41.ops.sampling import SamplingParams
 from dsv41.serving import structured
 
@@ -26,14 +27,17 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "include_stop_str_in_output")
 # vLLM's own fields (its extra sampling, tokenizer and structured-output parameters)
 VLLM_FIELDS = ("skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "priority",
-               "response_format", "structured_outputs", *structured.GUIDED, "cache_salt")
+               "response_format", "structured_outputs", *structured.GUIDED, "cache_salt", "request_id", "bad_words",
+               "allowed_token_ids", "add_special_tokens", "use_beam_search", "return_token_ids",
+               "return_tokens_as_token_ids", "prompt_logprobs", "thinking_token_budget")
 _BOTH = ("model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", *SAMPLING_FIELDS,
          *VLLM_FIELDS)
 SERVED = {
     False: frozenset(_BOTH + ("prompt", "logprobs", "echo", "best_of", "suffix")),
     True: frozenset(_BOTH + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                              "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs",
-                             "add_generation_prompt", "continue_final_message", "modalities", "store")),
+                             "add_generation_prompt", "continue_final_message", "modalities", "store",
+                             "echo", "enable_thinking")),
 }
 IDENTIFIERS = ("user", "safety_identifier", "prompt_cache_key")
 REFUSED = {      # OpenAI chat fields whose every value asks for what this server does not do
@@ -45,7 +49,7 @@ REFUSED = {      # OpenAI chat fields whose every value asks for what this serve
     "web_search_options": "web search is not served",
 }
 CHAT_KWARGS = ("thinking", "enable_thinking", "reasoning_effort")   # what the DeepSeek encoding takes
-STREAM_OPTIONS = ("include_usage",)
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 DEFAULT_TEMPERATURE = 1.0          # OpenAI's default; send 0 for greedy
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
 MAX_DEPTH = 32                     # nesting of a body's arrays and objects (the deepest OpenAI field is ~6)
@@ -96,6 +100,11 @@ class Generation:
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None  # vLLM's: its prompt shares cached spans only with prompts of the same salt
     constraint: tuple | None = None  # structured output: (field, kind, text) to compile (``constrained``)
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every streamed chunk carries the usage so far
+    request_id: str | None = None  # vLLM's request_id: the answer's id after its prefix (None: a random one)
+    echo: str = ""                 # chat echo: the last message's text the answer starts with
+    token_ids: bool = False        # vLLM's return_token_ids: the prompt's and each choice's ids too
+    tokens_as_ids: bool = False    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
     def samples(self) -> list[SamplingParams]:
         """The settings of each of the n samples."""
@@ -209,7 +218,8 @@ def completion_prompt(body: dict, codec, limits: Limits) -> list[int]:
                       "\"prompt\": [ints]", "prompt")
         if not prompt:
             raise bad("expected a non-empty string", "prompt")
-        return codec.encode(prompt)
+        # vLLM's add_special_tokens (default true here): the tokenizer's BOS before the text
+        return codec.encode(prompt) if _flag(body, "add_special_tokens", True) else codec.encode_text(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise bad(f"one prompt per request, found {len(prompt)}", "prompt")
     if not isinstance(prompt, list):
@@ -229,11 +239,18 @@ def check_fields(body: dict, chat: bool):
         elif name not in SERVED[chat]:
             where = "/v1/chat/completions" if chat else "/v1/completions"
             raise bad(f"not a field {where} takes", name)
+    if _flag(body, "use_beam_search"):
+        raise bad("beam search is not served (greedy and sampled decoding are); send false or leave it out",
+                  "use_beam_search")
+    if body.get("prompt_logprobs") is not None:
+        raise bad("not served: the head computes logits only at the rows that draw a token, never at a "
+                  "prompt's earlier rows", "prompt_logprobs")
     if chat:
         _check_chat_only(body)
     else:
         if _flag(body, "echo"):
-            raise bad("echo is not served", "echo")
+            raise bad("not served: echoing the prompt on /v1/completions comes with its logprobs (vLLM's "
+                      "prompt_logprobs), which are not served", "echo")
         if _int(body, "best_of", 1, 1) != 1:
             raise bad("only best_of = 1 is served", "best_of")
         if body.get("suffix") not in (None, ""):
@@ -260,17 +277,21 @@ def _chat_options(body: dict, codec) -> tuple[bool, int | None]:
     for key in kwargs:
         if key not in CHAT_KWARGS:
             raise bad(f"expected only {', '.join(CHAT_KWARGS)}, found {key!r}", "chat_template_kwargs")
-    given = [k for k in ("thinking", "enable_thinking") if kwargs.get(k) is not None]
-    thinking = _flag(kwargs, given[0]) if given else None
-    if len(given) == 2 and _flag(kwargs, given[1]) != thinking:
-        raise bad("thinking and enable_thinking disagree", "chat_template_kwargs")
+    # the top-level enable_thinking (as SGLang and DeepSeek-style clients send it) means the same
+    flags = {f"chat_template_kwargs.{k}": _flag(kwargs, k) for k in ("thinking", "enable_thinking")
+             if kwargs.get(k) is not None}
+    if body.get("enable_thinking") is not None:
+        flags["enable_thinking"] = _flag(body, "enable_thinking")
+    thinking = next(iter(flags.values())) if flags else None
+    if len(set(flags.values())) > 1:
+        raise bad(f"{' and '.join(flags)} disagree", next(reversed(flags)).split(".")[0])
     given = {n: v for n, v in (("reasoning_effort", body.get("reasoning_effort")),
                                ("chat_template_kwargs.reasoning_effort", kwargs.get("reasoning_effort")))
              if v is not None}
     if not given:
         return bool(thinking), None
     if thinking is False:
-        raise bad("needs thinking mode, and chat_template_kwargs.thinking is false", next(iter(given)))
+        raise bad(f"needs thinking mode, and {next(iter(flags))} is false", next(iter(given)))
     efforts = {name: _effort(value, name, codec) for name, value in given.items()}
     if len({DEFAULT_EFFORT if e is None else e for e in efforts.values()}) > 1:
         raise bad(f"{shown(given['reasoning_effort'])} disagrees with chat_template_kwargs.reasoning_effort "
@@ -304,6 +325,9 @@ def chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool]:
     try:
         ids = codec.encode_chat(body["messages"], thinking=thinking, tools=tools, effort=effort,
                                 add_generation_prompt=generation_prompt)
+        # vLLM's add_special_tokens (default false for chat): the tokenizer's BOS on top of the template's
+        if _flag(body, "add_special_tokens") and codec.add_bos:
+            ids = [codec.bos_id] + ids
         return ids, thinking and generation_prompt, bool(tools)
     except ValueError as e:               # the encoder's messages start with the field
         param = str(e).split(": ", 1)[0]
@@ -324,9 +348,65 @@ def _truncated(body: dict, prompt: list[int], limits: Limits) -> list[int]:
     return prompt[-(limits.max_prompt if k == -1 else k):]
 
 
-def _constraint(body: dict, chat: bool, codec, thinking: bool) -> tuple[str, str, str] | None:
+def _echo(body: dict, generation_prompt: bool) -> str:
+    """vLLM's chat echo: the answer starts with the last message's text when the answer continues
+    that message's role (the assistant's, without a generation prompt opening a new turn)."""
+    if not _flag(body, "echo") or generation_prompt:
+        return ""
+    last = body["messages"][-1] if body["messages"] else {}
+    content = last.get("content") if isinstance(last, dict) else None
+    if isinstance(content, list):        # text parts (the encoder has checked them)
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) and last.get("role") == "assistant" else ""
+
+
+def _bad_words(body: dict, codec) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as written (leading spaces dropped) and, when
+    it tokenizes to as many tokens with a different first one, after a space too."""
+    words = body.get("bad_words")
+    if words is None or words == []:
+        return ()
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise bad(f"expected a list of non-empty strings, found {shown(words)}", "bad_words")
+    if codec is None:
+        raise bad("words are text, and this server has no tokenizer (no --checkpoint)", "bad_words")
+    out = []
+    for word in words:
+        plain = tuple(codec.tokenizer.encode(word.lstrip(), add_special_tokens=False).ids)
+        spaced = tuple(codec.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids)
+        out.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+def _rows(body: dict, codec, thinking: bool, spec, vocab: int) -> Constraint | None:
+    """What the request asks of its rows' masks besides its grammar (``engine.grammar.Constraint``,
+    the grammar compiled into it later by ``constrained``): with thinking on, the token after which
+    the structured output ``spec`` applies, the reasoning budget; allowed_token_ids and bad_words.
+    None when it asks nothing."""
+    budget = _int(body, "thinking_token_budget", None, 0)
+    if budget is not None and not thinking:
+        raise bad("needs thinking mode (chat_template_kwargs.thinking true, with a generation prompt)",
+                  "thinking_token_budget")
+    allowed = body.get("allowed_token_ids")
+    allowed = None if allowed is None else tuple(_token_ids(allowed, "allowed_token_ids", vocab))
+    words = _bad_words(body, codec)
+    if spec is None and budget is None and allowed is None and not words:
+        return None
+    end = None
+    if thinking and (spec is not None or budget is not None):
+        end = codec.tokenizer.token_to_id(END_THINK)
+        if end is None:
+            raise bad(f"this tokenizer has no {END_THINK} token to end the reasoning at",
+                      "thinking_token_budget" if spec is None else spec[0])
+    return Constraint(vocab, None, end, budget, allowed, words, None if codec is None else codec.eos_id)
+
+
+def _constraint(body: dict, chat: bool, codec) -> tuple[str, str, str] | None:
     """The request's structured output, (field, kind, text) within the bounds a constraint is held to
-    (``serving.structured``), None without one; ``constrained`` compiles it."""
+    (``serving.structured``), None without one; ``constrained`` compiles it. With thinking on it
+    constrains what follows the reasoning (``_rows``)."""
     try:
         spec = structured.requested(body)
         choice = body.get("tool_choice") if chat else None
@@ -343,9 +423,6 @@ def _constraint(body: dict, chat: bool, codec, thinking: bool) -> tuple[str, str
         if codec is None:
             raise structured.Refused(field, "structured output needs the checkpoint's tokenizer (this server was "
                                             "started without --checkpoint)")
-        if thinking:
-            raise structured.Refused(field, "structured output in thinking mode is not served (the grammar would "
-                                            "constrain the reasoning too); set chat_template_kwargs.thinking false")
         return structured.bounded(field, kind, text)
     except structured.Refused as e:
         raise bad(e.message, e.field) from None
@@ -355,8 +432,9 @@ def constrained(gen: Generation, compiler) -> Generation:
     """gen with its constraint compiled (``structured.Compiler``) into its sampling settings: the
     costly part of a check, run after every other (the server runs it on the compile threads)."""
     field, kind, text = gen.constraint
-    try:
-        gen.params = replace(gen.params, grammar=compiler.grammar(kind, text, field))
+    try:      # the rows' constraint (``_rows``: made whenever there is a structured output) takes the grammar
+        gen.params = replace(gen.params, grammar=replace(gen.params.grammar, grammar=compiler.grammar(kind, text,
+                                                                                                      field)))
     except structured.Refused as e:
         raise bad(e.message, e.field) from None
     return gen
@@ -372,6 +450,8 @@ def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
     else:
         prompt = completion_prompt(body, codec, limits)
     prompt = _truncated(body, prompt, limits)
+    spec = _constraint(body, chat, codec)
+    rows = _rows(body, codec, thinking, spec, limits.vocab_size)
     where = "messages" if chat else "prompt"
     if len(prompt) > limits.max_prompt:
         raise bad(f"{len(prompt)} tokens is longer than the {limits.max_prompt} this server takes (max_model_len "
@@ -403,20 +483,28 @@ def generation(body: dict, chat: bool, codec, limits: Limits) -> Generation:
                   "use stop_token_ids", "stop")
     fields = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     fields.setdefault("temperature", DEFAULT_TEMPERATURE)
+    if fields.get("top_k") == -1:      # vLLM's long-standing spelling of "off" (0 here)
+        fields["top_k"] = 0
     if "stop_token_ids" in fields:
         fields["stop_token_ids"] = tuple(_token_ids(fields["stop_token_ids"], "stop_token_ids", limits.vocab_size))
     try:
         params = SamplingParams(**fields, stop=() if stop is None else stop, max_tokens=max_tokens,
                                 logprobs=top or 0, logprob=top is not None,
                                 logit_bias=_logit_bias(body, limits.vocab_size),
-                                eos_token_id=None if codec is None else codec.eos_id)
+                                eos_token_id=None if codec is None else codec.eos_id, grammar=rows)
     except ValueError as e:
         field, _, message = str(e).partition(": ")
         raise bad(message, field.split("[")[0]) from None
     stream = _flag(body, "stream")
-    return Generation(prompt, params, stream, _include_usage(body, stream), chat, top, thinking, tool_calls, n,
+    include_usage, continuous = _usage_options(body, stream)
+    request_id = body.get("request_id")
+    if request_id is not None and not (isinstance(request_id, str) and request_id):
+        raise bad(f"expected a non-empty string, found {shown(request_id)}", "request_id")
+    return Generation(prompt, params, stream, include_usage, chat, top, thinking, tool_calls, n,
                       _flag(body, "skip_special_tokens", True), _flag(body, "spaces_between_special_tokens", True),
-                      _cache_salt(body, limits.require_cache_salt), _constraint(body, chat, codec, thinking))
+                      _cache_salt(body, limits.require_cache_salt), spec, continuous, request_id,
+                      _echo(body, _flag(body, "add_generation_prompt", True)) if chat else "",
+                      _flag(body, "return_token_ids"), _flag(body, "return_tokens_as_token_ids"))
 
 
 def _cache_salt(body: dict, required: bool) -> str | None:
@@ -433,11 +521,12 @@ def _cache_salt(body: dict, required: bool) -> str | None:
     return salt
 
 
-def _include_usage(body: dict, stream: bool) -> bool:
-    """stream_options (as OpenAI: only with "stream": true) asks for a last chunk with the usage."""
+def _usage_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """stream_options (as OpenAI: only with "stream": true): (a last chunk with the usage, vLLM's
+    continuous_usage_stats: every chunk with the usage so far, which needs include_usage)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise bad(f"expected an object, found {shown(options)}", "stream_options")
     if not stream:
@@ -445,7 +534,8 @@ def _include_usage(body: dict, stream: bool) -> bool:
     for key in options:
         if key not in STREAM_OPTIONS:
             raise bad(f"expected only {', '.join(STREAM_OPTIONS)}, found {shown(key)}", "stream_options")
-    return _flag(options, "include_usage")
+    include = _flag(options, "include_usage", True)     # vLLM's default once stream_options is sent
+    return include, include and _flag(options, "continuous_usage_stats")
 
 
 def _logit_bias(body: dict, vocab: int) -> tuple:
@@ -482,28 +572,33 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict:
     return out
 
 
-def token_text(codec, token: int) -> str:
+def token_text(codec, token: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or (vLLM's return_tokens_as_token_ids, or no
+    tokenizer) its id."""
+    if as_id:
+        return f"token_id:{token}"
     return str(token) if codec is None else codec.tokenizer.decode([token], skip_special_tokens=False)
 
 
-def completion_logprobs(entries: list, codec) -> dict:
+def completion_logprobs(entries: list, codec, as_ids: bool = False) -> dict:
     """OpenAI's completions logprobs: per token its text, logprob and top alternatives."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     for token, (lp, top) in entries:
-        text = token_text(codec, token)
+        text = token_text(codec, token, as_ids)
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({token_text(codec, i): v for i, v in top})
+        out["top_logprobs"].append({token_text(codec, i, as_ids): v for i, v in top})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
 
 
-def chat_logprobs(entries: list, codec) -> dict:
+def chat_logprobs(entries: list, codec, as_ids: bool = False) -> dict:
     def one(token, lp):
-        text = token_text(codec, token)
-        raw = text.encode() if codec is None else codec.token_bytes(token)   # the token's own bytes, not U+FFFD's
+        text = token_text(codec, token, as_ids)
+        # the token's own bytes, not U+FFFD's (vLLM: a token named by its id has that name's bytes)
+        raw = text.encode() if codec is None or as_ids else codec.token_bytes(token)
         return {"token": text, "logprob": lp, "bytes": list(raw)}
     return {"content": [{**one(token, lp), "top_logprobs": [one(i, v) for i, v in top]}
                         for token, (lp, top) in entries]}
