@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv41.checkpoint.text import TextCodec
 from dsv41.checkpoint.writer import write_checkpoint
 from dsv41.config import TINY
 
@@ -34,6 +35,12 @@ def tiny_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_checkpoint")
     write_checkpoint(TINY, path, seed=0, shard_bytes=2_000_000)
     return path
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_checkpoint):
+    """The TINY checkpoint's text codec (its trained tokenizer and chat format)."""
+    return TextCodec.load(tiny_checkpoint)
 
 
 # files of a minute or more of the default run (tests/test_speculative.py ~300 s on the 2-core CI

@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from dsv41.checkpoint.text import TextCodec
 from dsv41.ops.sampling import SamplingParams
 from dsv41.ops.stopping import Stops
 
@@ -40,11 +39,6 @@ class Reference:
                                    if text.endswith(s[:k])), default=0)
         delta, self.shown = self.text[self.shown:max(end, self.shown)], max(end, self.shown)
         return delta
-
-
-@pytest.fixture(scope="module")
-def codec(tiny_checkpoint):
-    return TextCodec.load(tiny_checkpoint)
 
 
 def test_incremental_text_is_the_text_decoded_whole(codec):

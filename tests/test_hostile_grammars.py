@@ -31,11 +31,6 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def codec(tiny_checkpoint):
-    return TextCodec.load(tiny_checkpoint)
-
-
-@pytest.fixture(scope="module")
 def compiler(codec):
     return structured.Compiler(codec, codec.size)
 

@@ -20,7 +20,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsv41.checkpoint.text import TextCodec
 from dsv41.config import TINY
 from dsv41.capacity import CAPACITIES
 from dsv41.engine.grammar import TokenTable
@@ -81,11 +80,6 @@ def _client(server):
 
 
 # ---- the mask ------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def codec(tiny_checkpoint):
-    return TextCodec.load(tiny_checkpoint)
-
 
 @pytest.fixture(scope="module")
 def compiler(codec):

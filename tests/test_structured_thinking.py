@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from dsv41.checkpoint.chat import END_THINK
-from dsv41.checkpoint.text import TextCodec
 from dsv41.config import TINY
 from dsv41.engine.drafters import NgramDrafter
 from dsv41.engine.dspark import dspark_drafter
@@ -42,11 +41,6 @@ ADD = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}}}]
 BUDGET = 5               # reasoning tokens before </think> is the only token allowed
 MAX_TOKENS = 120
-
-
-@pytest.fixture(scope="module")
-def codec(tiny_checkpoint):
-    return TextCodec.load(tiny_checkpoint)
 
 
 def _allowed(mask) -> set[int] | None:
