@@ -71,7 +71,7 @@ def test_answer_without_calls_keeps_its_content(variant):
     text = _answer(variant, "think", "The answer is 4.\n\nDone.")
     a = ChatAnswer(thinking=True, tools=True)
     assert a.message(text) == {"role": "assistant", "content": "The answer is 4.\n\nDone.",
-                               "reasoning_content": "think"}
+                               "reasoning_content": "think", "reasoning": "think"}
     assert a.finish_reason("stop") == "stop"
     assert _streamed(ChatAnswer(True, True), text, 1)["content"] == "The answer is 4.\n\nDone."
 

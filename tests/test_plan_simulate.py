@@ -12,7 +12,8 @@ from dsv41.config import TINY
 from dsv41.engine.reference import ReferenceEngine
 from dsv41.engine.request import requests_for
 from dsv41.engine.scheduler import Scheduler
-from dsv41.plan.simulate import (PlaceholderDrafter, SimulatedEngine, Workload, record_simulated, report_lines,
+from dsv41.telemetry.simulated import record_simulated
+from dsv41.plan.simulate import (PlaceholderDrafter, SimulatedEngine, Workload, report_lines,
                                    simulate)
 from dsv41.telemetry.export import write_perfetto
 

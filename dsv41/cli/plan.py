@@ -225,7 +225,7 @@ def simulate_command(args, cfg, topo, say) -> dict:
         say(line)
     traces = None
     if args.trace:      # files only when asked, as in every other mode
-        from dsv41.plan.simulate import record_simulated
+        from dsv41.telemetry.simulated import record_simulated
         resource = resource_attributes(cfg, topo, "simulated", args.device_profile)
         traces = write_traces(args.trace, record_simulated(engine, price, resource), resource)
         say(f"  simulated run: {traces['perfetto']}")

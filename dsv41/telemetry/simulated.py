@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from dsv41.plan.simulate import PlanPricer, SimulatedEngine
 from dsv41.telemetry.session import resource_attributes
 from dsv41.telemetry.spans import SpanRecorder
 from dsv41.telemetry.buffer import node_attributes
@@ -40,3 +41,34 @@ def record_planned(planned, cfg, topo) -> tuple[list[dict], dict]:
         recorder.end(span, end_ns=ns(end))
     recorder.end(step, end_ns=ns(lat.step_us))
     return recorder.drain(), recorder.resource
+
+
+def record_simulated(engine: SimulatedEngine, price: PlanPricer, resource: dict) -> list[dict]:
+    """The simulated run as the spans a traced run writes: one step span per step at its simulated
+    time (phase, requests, rows) and under it one span per node kind, each as long as its share of the
+    step on the critical path of the planned step nearest in rows (``PlanPricer``), with that plan's
+    HBM of card 0 (``dsv41.hbm.live_bytes``: weights and caches, ``peak_bytes``: with its transient
+    peak). Times start at the recording's wall clock."""
+    recorder = SpanRecorder(resource)
+    base = time.time_ns()
+    for n, st in enumerate(engine.steps, 1):
+        kind = "decode" if st.phase == "decode" else "prefill"
+        report = price.nearest(kind, sum(st.rows))
+        start = base + int(st.start_us * 1e3)
+        span = recorder.start(f"{st.phase} step (simulated)", start_ns=start, attrs={
+            "dsv41.span": "step", "dsv41.phase": st.phase, "dsv41.step": n, "dsv41.simulated": True,
+            "dsv41.requests": len(st.ids), "dsv41.rows": sum(st.rows)})
+        path = report["critical_path_us_by_kernel"]
+        total, t = sum(path.values()) or 1.0, start
+        card = report["cards"][0]
+        for kernel, us in path.items():
+            dur = int(us / total * st.us * 1e3)
+            recorder.end(recorder.start(kernel, span, t, {
+                "dsv41.span": "node", "dsv41.kernel": kernel, "dsv41.card": card["card"], "dsv41.phase": st.phase,
+                "dsv41.step": n, "dsv41.simulated": True, "dsv41.device.sim_us": us / total * st.us,
+                "dsv41.device.source": "simulated", "dsv41.device.profile": price.device,
+                "dsv41.hbm.live_bytes": card["weights_bytes"] + card["cache_bytes"],
+                "dsv41.hbm.peak_bytes": card["total_bytes"]}), end_ns=t + dur)
+            t += dur
+        recorder.end(span, end_ns=start + int(st.us * 1e3))
+    return recorder.drain()
